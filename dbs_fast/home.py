@@ -1,0 +1,18 @@
+"""Where exported models live: $DBS_FAST_HOME, else the user's cache dir."""
+import os
+from pathlib import Path
+
+from platformdirs import user_cache_dir
+
+DEFAULT_MODEL = "default"
+MANIFEST = "dbs_fast_model.json"
+EXPORT_FORMAT_VERSION = 1
+
+
+def home() -> Path:
+    root = os.environ.get("DBS_FAST_HOME") or user_cache_dir("dbs-fast")
+    return Path(root).expanduser()
+
+
+def default_model_dir() -> Path:
+    return home() / "models" / "smollm2-135m-instruct"

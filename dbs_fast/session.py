@@ -1,0 +1,163 @@
+"""An exported model directory opened as an ONNX Runtime session with a KV cache.
+
+`OnnxModel.forward` runs prefill (T > 1) and decode (T = 1) steps alike; `KVCache.select`
+is the one cache operation the scheduler needs: repeat (one beam -> s candidates) and gather
+(keep the selected candidates) are both a row gather, done as one copy per tensor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DBSError
+from .home import EXPORT_FORMAT_VERSION, MANIFEST
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+@dataclass
+class KVCache:
+    """Past keys/values of every layer, (B, kv_heads, T, head_dim) each, plus the mask (B, T)."""
+
+    tensors: list[np.ndarray]   # [k0, v0, k1, v1, ...]
+    mask: np.ndarray            # (B, T) int64, 0 for left padding
+
+    @property
+    def batch(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    def select(self, rows: np.ndarray) -> "KVCache":
+        """Rows `rows` of the cache (repeat and gather in one copy per tensor)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return KVCache([np.take(t, rows, axis=0) for t in self.tensors], self.mask[rows])
+
+    def repeat(self, n: int) -> "KVCache":
+        return self.select(np.repeat(np.arange(self.batch), n))
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def read_manifest(model_dir: Path) -> dict:
+    path = Path(model_dir) / MANIFEST
+    if not Path(model_dir).is_dir():
+        raise DBSError(f"model directory not found: {model_dir}")
+    if not path.is_file():
+        raise DBSError(f"{model_dir} is not a dbs-fast export (no {MANIFEST}); run `dbs-fast export` first")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DBSError(f"{path} is not valid JSON: {e}") from None
+    version = manifest.get("format_version")
+    if version != EXPORT_FORMAT_VERSION:
+        raise DBSError(f"{model_dir} was written by export format version {version!r}; this dbs-fast reads "
+                       f"version {EXPORT_FORMAT_VERSION}: re-export it with `dbs-fast export --force`")
+    for rel, size in manifest.get("files", {}).items():
+        f = Path(model_dir) / rel
+        if not f.is_file():
+            raise DBSError(f"{model_dir}: file {rel} listed in the manifest is missing")
+        if f.stat().st_size != size:
+            raise DBSError(f"{model_dir}: {rel} is {f.stat().st_size} bytes, the manifest says {size} "
+                           f"(truncated or replaced); re-export the model")
+    return manifest
+
+
+def session_options(threads: int | None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    # Numba runs between ORT calls on the same cores: spinning ORT workers would steal them.
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return so
+
+
+def make_session(path: Path, provider: str = "cpu", threads: int | None = None):
+    import onnxruntime as ort
+
+    if provider not in PROVIDERS:
+        raise DBSError(f"`provider` must be one of {sorted(PROVIDERS)}, got {provider!r}")
+    wanted = PROVIDERS[provider]
+    providers = ["CPUExecutionProvider"]
+    if wanted != "CPUExecutionProvider":
+        if wanted in ort.get_available_providers():
+            providers = [wanted, "CPUExecutionProvider"]
+        else:
+            warnings.warn(f"{wanted} is not available in this onnxruntime build; falling back to CPU "
+                          f"(install dbs-fast[gpu] for CUDA)", RuntimeWarning, stacklevel=2)
+    try:
+        return ort.InferenceSession(str(path), sess_options=session_options(threads), providers=providers)
+    except Exception as e:  # ORT raises its own Fail/InvalidGraph types
+        raise DBSError(f"cannot load {path}: {str(e).splitlines()[0][:300]}") from None
+
+
+class OnnxModel:
+    """A causal LM with KV cache: tokenizer + ORT session + the manifest that describes them."""
+
+    def __init__(self, model_dir: str | os.PathLike, provider: str = "cpu", threads: int | None = None):
+        from tokenizers import Tokenizer
+
+        self.dir = Path(model_dir)
+        self.manifest = m = read_manifest(self.dir)
+        self.session = make_session(self.dir / m["onnx"], provider, threads)
+        self.provider = self.session.get_providers()[0]
+        names = [i.name for i in self.session.get_inputs()]
+        self.past_names = [n for n in names if n.startswith("past_key_values.")]
+        self.present_names = [o.name for o in self.session.get_outputs() if o.name.startswith("present.")]
+        self.has_position_ids = "position_ids" in names
+        self._outputs = ["logits"] + self.present_names
+        self.num_layers = m["num_layers"]
+        self.kv_heads = m["num_kv_heads"]
+        self.head_dim = m["head_dim"]
+        self.vocab_size = m["vocab_size"]
+        self.eos_ids = tuple(m.get("eos_token_ids", []))
+        self.max_positions = m.get("max_positions")
+        self._check_against_manifest()
+        self.tokenizer = Tokenizer.from_file(str(self.dir / "tokenizer.json"))
+
+    def _check_against_manifest(self):
+        if len(self.past_names) != 2 * self.num_layers:
+            raise DBSError(f"{self.dir}: the manifest says {self.num_layers} layers but model.onnx has "
+                           f"{len(self.past_names) // 2}: manifest and model do not match")
+        shape = self.session.get_inputs()[[i.name for i in self.session.get_inputs()].index(self.past_names[0])].shape
+        if isinstance(shape[1], int) and (shape[1] != self.kv_heads or shape[3] != self.head_dim):
+            raise DBSError(f"{self.dir}: the manifest says {self.kv_heads} kv heads x {self.head_dim} but "
+                           f"model.onnx has {shape[1]} x {shape[3]}: manifest and model do not match")
+        vocab = self.session.get_outputs()[0].shape[-1]
+        if isinstance(vocab, int) and vocab != self.vocab_size:
+            raise DBSError(f"{self.dir}: the manifest says vocab {self.vocab_size}, model.onnx has {vocab}")
+
+    def empty_cache(self, batch: int) -> KVCache:
+        z = np.zeros((batch, self.kv_heads, 0, self.head_dim), np.float32)  # (B, kvh, 0, hd)
+        return KVCache([z] * (2 * self.num_layers), np.zeros((batch, 0), np.int64))
+
+    def forward(self, input_ids: np.ndarray, cache: KVCache, mask: np.ndarray | None = None):
+        """Run T new tokens per row; returns logits (B, T, V) float32 and the grown cache."""
+        B, T = input_ids.shape
+        new_mask = np.ones((B, T), np.int64) if mask is None else mask.astype(np.int64)
+        full = np.concatenate([cache.mask, new_mask], axis=1)          # (B, past + T)
+        feed = {"input_ids": input_ids.astype(np.int64), "attention_mask": full}
+        if self.has_position_ids:
+            pos = np.cumsum(full, axis=1)[:, -T:] - 1                  # left padding aware
+            feed["position_ids"] = np.maximum(pos, 0)
+        feed.update(zip(self.past_names, cache.tensors))
+        out = self.session.run(self._outputs, feed)
+        return out[0], KVCache(out[1:], full)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)

