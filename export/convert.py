@@ -178,6 +178,7 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
     src = resolve(model)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    work.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary directory
     try:
         manifest = _build(src, work, optimize, quantize, quiet)
         if out.exists():  # --force: swap, then drop the old one

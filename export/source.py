@@ -85,7 +85,7 @@ def load_torch_model(src: Source, config=None):
 
     kw = {"gguf_file": src.gguf_file} if src.is_gguf else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(src.path, torch_dtype=torch.float32, **kw)
+        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, **kw)
         tok = AutoTokenizer.from_pretrained(src.path, **kw)
     except (OSError, ValueError) as e:
         raise DBSError(f"cannot load {src.name!r} as a causal LM: {str(e).splitlines()[0][:200]}") from None

@@ -1,0 +1,1 @@
+"""Speed and quality runs (JSON + Markdown + plots)."""

@@ -1,0 +1,170 @@
+"""The Python API: `DirectedBeamSearch(model, embeddings, config).generate(context, keywords)`."""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import kernels, occurrence
+from .beam import BeamSearch, Request
+from .config import DBSConfig
+from .embeddings import Embeddings, SimilarityTable
+from .errors import DBSError
+from .home import MANIFEST, default_model_dir
+
+_KEYWORD = re.compile(r"^[^\W_]+$")
+_EMB_CACHE: dict[str, Embeddings] = {}
+
+
+@dataclass
+class GenerationResult:
+    text: str                     # context + generated text of the best beam
+    context: str
+    generated: str
+    keywords: list[str]
+    found: dict                   # keyword -> {"char": offset in generated, "token": index} or None
+    success_rate: float
+    success_length: int           # generated tokens until every keyword occurred (all if never)
+    perplexity: float             # exp(-mean scorer log-prob) of the generated tokens
+    new_tokens: int
+    beams: list[dict]             # every final beam: text, score
+    seconds: float
+    tokens_per_second: float      # generated tokens of the result / seconds
+    candidate_tokens_per_second: float  # all sampled candidate tokens / seconds (batch-wide)
+    timings: dict = field(default_factory=dict)  # seconds by stage (batch-wide)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_model_dir(model: str | Path, quiet: bool = True) -> Path:
+    if str(model) == "default":
+        d = default_model_dir()
+        if (d / MANIFEST).is_file():
+            return d
+        try:
+            from .export.convert import ensure_default
+        except ImportError as e:
+            raise DBSError("the embedded default model is exported on first use, which needs the export "
+                           f"extra: pip install 'dbs-fast[export]' (missing: {e.name})") from None
+        return ensure_default(quiet=quiet)
+    p = Path(model).expanduser()
+    if not p.is_dir():
+        raise DBSError(f"model directory not found: {model} (export one with `dbs-fast export`)")
+    return p
+
+
+def validate_keywords(keywords) -> list[str]:
+    if isinstance(keywords, str):
+        keywords = keywords.split(",")
+    kws = [k.strip() for k in keywords]
+    if not kws or all(not k for k in kws):
+        raise DBSError("no keywords given: pass at least one, e.g. --keywords \"enemy,speed\"")
+    for k in kws:
+        if not k:
+            raise DBSError(f"empty keyword in {keywords!r}")
+        if not _KEYWORD.match(k):
+            raise DBSError(f"keyword {k!r} must be a single word of letters/digits (multi-word keywords and "
+                           f"punctuation are not supported: give each word as its own keyword)")
+    return kws
+
+
+class DirectedBeamSearch:
+    """Built once per (model, embeddings, scorer); `generate` / `generate_batch` many times."""
+
+    def __init__(self, model: str | Path = "default", embeddings: str = "default",
+                 config: DBSConfig | None = None, scorer: str = "self", backend: str = "onnx",
+                 provider: str = "cpu", threads: int | None = None, subword_fallback: bool = False,
+                 quiet: bool = True):
+        self.config = config or DBSConfig()
+        self.model_dir = resolve_model_dir(model, quiet)
+        kernels.set_threads(threads)
+        if backend == "onnx":
+            from .backend import OnnxBackend
+            from .session import OnnxModel
+
+            self.backend = OnnxBackend(OnnxModel(self.model_dir, provider, threads))
+        elif backend == "torch":
+            from .torch_backend import TorchBackend
+
+            self.backend = TorchBackend(self.model_dir, threads)
+        else:
+            raise DBSError(f"`backend` must be onnx or torch, got {backend!r}")
+        if embeddings not in _EMB_CACHE:
+            _EMB_CACHE[embeddings] = Embeddings.load(embeddings)
+        self.table = SimilarityTable.for_tokenizer(self.backend.decode_one, self.backend.vocab_size,
+                                                   _EMB_CACHE[embeddings])
+        self.subword_fallback = self._subwords if subword_fallback else None
+        self.scorer_name = scorer
+        self.scorer = self._make_scorer(scorer, provider, threads)
+
+    def _subwords(self, word: str) -> list[int]:
+        return self.backend.encode(" " + word)
+
+    def _make_scorer(self, scorer: str, provider, threads):
+        from .scorer import OnnxScorer, SelfScorer
+
+        if scorer == "self":
+            return SelfScorer()
+        from .session import OnnxModel
+
+        return OnnxScorer(OnnxModel(resolve_model_dir(scorer), provider, threads), self.backend.tokenizer)
+
+    def generate(self, context: str, keywords, seed: int = 0, config: DBSConfig | None = None,
+                 progress=None) -> GenerationResult:
+        return self.generate_batch([(context, keywords)], seeds=[seed], config=config, progress=progress)[0]
+
+    def generate_batch(self, requests, seeds=None, config: DBSConfig | None = None,
+                       progress=None) -> list[GenerationResult]:
+        """Many (context, keywords) requests decoded as one batch of rows."""
+        cfg = config or self.config
+        seeds = list(seeds) if seeds is not None else list(range(len(requests)))
+        reqs, boosts = [], []
+        for (context, keywords), seed in zip(requests, seeds):
+            kws = validate_keywords(keywords)
+            ids = self.backend.encode(context)
+            if not ids:
+                raise DBSError("the context encodes to no tokens: give some text, e.g. --context \"It is\"")
+            limit = self.backend.max_positions
+            if limit and len(ids) + cfg.max_new_tokens > limit:
+                raise DBSError(f"context ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds "
+                               f"the model's context window of {limit} tokens")
+            reqs.append(Request(ids, kws, len(boosts), int(seed)))
+            boosts += [self.table.sparse(k, cfg.lam, cfg.boost_cutoff, self.subword_fallback) for k in kws]
+        csr = kernels.csr_boosts(boosts)
+        t0 = time.perf_counter()
+        search = BeamSearch(self.backend, self.scorer, cfg, csr, reqs, progress)
+        rows = search.run()
+        seconds = time.perf_counter() - t0
+        timings = dict(search.t.seconds)
+        cand_tps = search.candidate_tokens / seconds
+        return [self._result(q, ctx, r.keywords, cfg, rows, seconds, timings, cand_tps)
+                for q, ((ctx, _), r) in enumerate(zip(requests, reqs))]
+
+    def _result(self, q, context, kws, cfg, rows, seconds, timings, cand_tps) -> GenerationResult:
+        req_rows = np.flatnonzero(rows.req == q)
+        order = req_rows[np.argsort(-rows.cum[req_rows], kind="stable")]
+        best = order[0]
+        toks = rows.tokens[best, : rows.n_tok[best]]
+        texts = self.backend.decode_batch([toks[:n] for n in range(1, len(toks) + 1)]) or [""]
+        generated = texts[-1]
+        found = {}
+        for kw in kws:
+            span = occurrence.first_match(generated, kw)
+            tok = next((n + 1 for n, t in enumerate(texts) if occurrence.count(t, kw) > 0), None)
+            found[kw] = None if span is None else {"char": span[0], "token": tok}
+        hits = [f["token"] for f in found.values() if f is not None]
+        n_gen = int(rows.n_tok[best])
+        success_length = max(hits) if len(hits) == len(kws) else cfg.max_new_tokens
+        lp = rows.logp[best, :n_gen]
+        beams = [{"text": t, "score": float(rows.cum[i])} for i, t in
+                 zip(order, self.backend.decode_batch([rows.tokens[i, : rows.n_tok[i]] for i in order]))]
+        return GenerationResult(
+            text=context + generated, context=context, generated=generated, keywords=kws, found=found,
+            success_rate=len(hits) / len(kws), success_length=int(success_length),
+            perplexity=float(np.exp(-lp.mean())) if n_gen else float("nan"), new_tokens=n_gen,
+            beams=beams, seconds=seconds, tokens_per_second=n_gen / seconds,
+            candidate_tokens_per_second=cand_tps, timings=timings)

@@ -1,0 +1,72 @@
+"""Backends: a model with a KV cache plus a sampler. ONNX (default) and the PyTorch baseline.
+
+Both offer the same four steps to the scheduler: `prefill` (left-padded contexts -> logits of
+the last position + cache), `step` (one token per row), `select` (row gather of the cache:
+repeat and keep in one copy) and `sample` (boosts + nucleus + draw, from given uniforms).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import kernels
+from .session import KVCache, OnnxModel
+
+
+def left_pad(seqs: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
+    T = max(len(s) for s in seqs)
+    ids = np.full((len(seqs), T), pad, np.int64)                          # (B, T)
+    mask = np.zeros((len(seqs), T), np.int64)
+    for i, s in enumerate(seqs):
+        ids[i, T - len(s):] = s
+        mask[i, T - len(s):] = 1
+    return ids, mask
+
+
+class OnnxBackend:
+    name = "onnx"
+
+    def __init__(self, model: OnnxModel):
+        self.model = model
+        self.vocab_size = model.vocab_size
+        self.eos_ids = model.eos_ids
+        self.pad_id = model.eos_ids[0] if model.eos_ids else 0
+
+    def prefill(self, contexts: list[list[int]]) -> tuple[np.ndarray, KVCache]:
+        ids, mask = left_pad(contexts, self.pad_id)
+        logits, cache = self.model.forward(ids, self.model.empty_cache(len(contexts)), mask)
+        return logits[:, -1], cache                                       # (B, V)
+
+    def step(self, tokens: np.ndarray, cache: KVCache) -> tuple[np.ndarray, KVCache]:
+        logits, cache = self.model.forward(tokens[:, None], cache)
+        return logits[:, -1], cache
+
+    def step_many(self, tokens: np.ndarray, cache: KVCache) -> tuple[np.ndarray, KVCache]:
+        return self.model.forward(tokens, cache)                          # (R, T, V)
+
+    @staticmethod
+    def select(cache: KVCache, rows: np.ndarray) -> KVCache:
+        return cache.select(rows)
+
+    @staticmethod
+    def take(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return np.take(x, rows, axis=0)
+
+    @staticmethod
+    def sample(logits, uniforms, row_word, csr, cfg):
+        ptr, ids, vals = csr
+        return kernels.sample(logits, uniforms, temperature=cfg.temperature, top_p=cfg.top_p,
+                              row_word=row_word, boost_ptr=ptr, boost_ids=ids, boost_vals=vals,
+                              boost_first=cfg.boost_order == "boost_then_filter")
+
+    def encode(self, text: str) -> list[int]:
+        return self.model.encode(text)
+
+    def decode_batch(self, seqs) -> list[str]:
+        return self.model.tokenizer.decode_batch([list(map(int, s)) for s in seqs], skip_special_tokens=True)
+
+    def decode_one(self, i: int) -> str:
+        return self.model.tokenizer.decode([i], skip_special_tokens=False)
+
+    @property
+    def max_positions(self):
+        return self.model.max_positions

@@ -1,0 +1,162 @@
+"""The logits kernel: temperature -> (sparse boosts) -> nucleus -> (sparse boosts) -> one draw per row.
+
+One Numba function, parallel over rows, no full sort of the vocabulary: the nucleus cut is
+found from a histogram of log-probabilities (BUCKETS_PER_NAT buckets per nat below the row's
+maximum), and only the bucket that straddles top_p is sorted. Randomness comes in as one
+uniform per row, drawn by the caller from a seeded generator, so a fixed stream gives a fixed
+result, and the NumPy reference (`tests/naive.py`) must pick the same token.
+
+Kept set: every token whose (temperature-scaled, for boost_first also boosted) logit is >= the
+logit of the token at which the cumulative mass, in descending order, first reaches top_p.
+Tokens tied with that one are all kept (transformers' TopPLogitsWarper keeps them in sort
+order); otherwise it is the same set.
+
+The draw is an inverse CDF over kept tokens in id order. The returned log-probability is the
+unguided, untruncated log softmax(logits / T) of the drawn token: the `self` scorer uses it.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from numba import njit, prange
+
+BUCKETS_PER_NAT = 16
+SPAN_NATS = 64          # tokens further below the max than this share the last bucket
+N_BUCKETS = BUCKETS_PER_NAT * SPAN_NATS
+
+
+@njit(cache=True, nogil=True)
+def _bucket(top, v):
+    b = int((top - v) * BUCKETS_PER_NAT)
+    return b if b < N_BUCKETS else N_BUCKETS - 1
+
+
+@njit(cache=True, nogil=True)
+def _nucleus_cut(s, e, top, total, top_p):
+    """Smallest logit kept by top-p over values s (exp'd in e, summing to total)."""
+    V = s.shape[0]
+    hist = np.zeros(N_BUCKETS, np.float64)
+    for i in range(V):
+        hist[_bucket(top, s[i])] += e[i]
+    target = top_p * total
+    cum = 0.0
+    bb = 0
+    while bb < N_BUCKETS - 1 and cum + hist[bb] < target:
+        cum += hist[bb]
+        bb += 1
+    n = 0
+    idx = np.empty(V, np.int32)
+    for i in range(V):
+        if _bucket(top, s[i]) == bb:
+            idx[n] = i
+            n += 1
+    vals = np.empty(n, np.float32)
+    for j in range(n):
+        vals[j] = s[idx[j]]
+    order = np.argsort(-vals)
+    cut = vals[order[n - 1]] if n > 0 else top
+    for j in range(n):
+        cum += e[idx[order[j]]]
+        if cum >= target:
+            cut = vals[order[j]]
+            break
+    return cut
+
+
+@njit(parallel=True, cache=True)
+def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_vals, boost_first,
+                 uniforms, out_ids, out_logp):
+    R, V = logits.shape
+    for r in prange(R):
+        x = logits[r]
+        s = np.empty(V, np.float32)          # scaled (and, boost_first, boosted) logits
+        e = np.empty(V, np.float32)          # exp(s - m): unnormalised weights
+        m = np.float32(-np.inf)
+        for i in range(V):
+            s[i] = x[i] * inv_temp
+            if s[i] > m:
+                m = s[i]
+        z = 0.0
+        for i in range(V):
+            e[i] = np.exp(s[i] - m)
+            z += e[i]
+        logz = m + np.log(z)
+        w = row_word[r]
+        lo = boost_ptr[w] if w >= 0 else 0
+        hi = boost_ptr[w + 1] if w >= 0 else 0
+        top = m
+        total = z
+        if boost_first:
+            for j in range(lo, hi):
+                t = boost_ids[j]
+                s[t] += boost_vals[j]
+                new = np.exp(s[t] - m)
+                total += new - e[t]
+                e[t] = new
+                if s[t] > top:
+                    top = s[t]
+        cut = _nucleus_cut(s, e, top, total, top_p) if top_p < 1.0 else np.float32(-np.inf)
+        if not boost_first:
+            for j in range(lo, hi):
+                t = boost_ids[j]
+                if s[t] >= cut:
+                    e[t] = np.exp(s[t] + boost_vals[j] - m)
+        mass = 0.0
+        for i in range(V):
+            if s[i] >= cut:
+                mass += e[i]
+        u = uniforms[r] * mass
+        cum = 0.0
+        chosen = -1
+        for i in range(V):
+            if s[i] >= cut:
+                cum += e[i]
+                chosen = i
+                if cum > u:
+                    break
+        out_ids[r] = chosen
+        out_logp[r] = x[chosen] * inv_temp - logz
+
+
+def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0, top_p: float = 0.9,
+           row_word: np.ndarray | None = None, boost_ptr: np.ndarray | None = None,
+           boost_ids: np.ndarray | None = None, boost_vals: np.ndarray | None = None,
+           boost_first: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Draw one token per row of `logits` (R, V) float32; returns (ids (R,) int64, logp (R,) float32).
+
+    `row_word[r]` indexes the CSR boost table (`boost_ptr`, `boost_ids` ascending per word,
+    `boost_vals`) or is -1 for an unguided row.
+    """
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    R = logits.shape[0]
+    if row_word is None:
+        row_word = np.full(R, -1, np.int32)
+        boost_ptr = np.zeros(1, np.int64)
+        boost_ids = np.zeros(0, np.int32)
+        boost_vals = np.zeros(0, np.float32)
+    assert uniforms.shape == (R,) and row_word.shape == (R,)
+    out_ids = np.empty(R, np.int64)
+    out_logp = np.empty(R, np.float32)
+    _sample_rows(logits, np.float32(1.0 / temperature), float(top_p), row_word.astype(np.int32),
+                 boost_ptr.astype(np.int64), boost_ids.astype(np.int32), boost_vals.astype(np.float32),
+                 bool(boost_first), uniforms.astype(np.float64), out_ids, out_logp)
+    return out_ids, out_logp
+
+
+def csr_boosts(boosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pack a list of SparseBoost into the kernel's CSR arrays (ptr, ids, vals)."""
+    ptr = np.zeros(len(boosts) + 1, np.int64)
+    for i, b in enumerate(boosts):
+        ptr[i + 1] = ptr[i] + len(b.ids)
+    ids = np.concatenate([b.ids for b in boosts]).astype(np.int32) if boosts else np.zeros(0, np.int32)
+    vals = np.concatenate([b.values for b in boosts]).astype(np.float32) if boosts else np.zeros(0, np.float32)
+    return ptr, ids, vals
+
+
+def set_threads(n: int | None) -> None:
+    """Numba's thread count (the kernel runs between ORT calls, on the same cores)."""
+    import numba
+
+    n = n or int(os.environ.get("DBS_FAST_THREADS", 0)) or numba.config.NUMBA_NUM_THREADS
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))

@@ -1,0 +1,67 @@
+"""Perplexity scorers: `self` (the generator's own unguided log-probs, free) or a separate ONNX LM.
+
+The ONNX scorer keeps its own KV cache per row, is gathered with the generator's rows, and
+runs only the k new tokens of every chunk (one multi-token forward per chunk).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import DBSError
+from .session import OnnxModel
+
+
+class SelfScorer:
+    name = "self"
+
+    def prefill(self, contexts):
+        pass
+
+    def select(self, rows):
+        pass
+
+    def score(self, chunk, gen_logp, last):
+        return gen_logp
+
+
+def token_logprobs(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """log softmax(logits)[ids] over the last axis; logits (..., V), ids (...)."""
+    m = logits.max(-1, keepdims=True)
+    lse = np.log(np.exp(logits - m).sum(-1, dtype=np.float64)) + m[..., 0]
+    return (np.take_along_axis(logits, ids[..., None], -1)[..., 0] - lse).astype(np.float32)
+
+
+class OnnxScorer:
+    """A second causal LM (e.g. Distil-GPT-2 for GPT-2 large) that shares the tokenizer."""
+
+    name = "onnx"
+
+    def __init__(self, model: OnnxModel, generator_tokenizer):
+        if model.tokenizer.get_vocab() != generator_tokenizer.get_vocab():
+            raise DBSError(f"scorer {model.dir} has a different vocabulary from the generator's: the "
+                           f"scorer must share the generator's tokenizer (re-tokenising is not supported)")
+        self.model = model
+        self.pad = model.eos_ids[0] if model.eos_ids else 0
+        self.cache = None
+        self.pending = None           # (R, V) logits predicting each row's next token
+
+    def prefill(self, contexts):
+        from .backend import left_pad
+
+        ids, mask = left_pad(contexts, self.pad)
+        logits, self.cache = self.model.forward(ids, self.model.empty_cache(len(contexts)), mask)
+        self.pending = logits[:, -1]
+
+    def select(self, rows):
+        self.cache = self.cache.select(rows)
+        self.pending = np.take(self.pending, rows, axis=0)
+
+    def score(self, chunk, gen_logp, last):
+        R, k = chunk.shape
+        lp = np.empty((R, k), np.float32)
+        lp[:, 0] = token_logprobs(self.pending, chunk[:, 0])
+        logits, self.cache = self.model.forward(chunk, self.cache)           # (R, k, V)
+        if k > 1:
+            lp[:, 1:] = token_logprobs(logits[:, :-1], chunk[:, 1:])
+        self.pending = logits[:, -1]
+        return lp
