@@ -27,6 +27,7 @@ class OnnxBackend:
 
     def __init__(self, model: OnnxModel):
         self.model = model
+        self.tokenizer = model.tokenizer
         self.vocab_size = model.vocab_size
         self.eos_ids = model.eos_ids
         self.pad_id = model.eos_ids[0] if model.eos_ids else 0

@@ -29,15 +29,88 @@ def _run_export(a) -> int:
     return 0
 
 
+def _add_generate(sub):
+    from .config import DBSConfig
+
+    d = DBSConfig()
+    p = sub.add_parser("generate", help="Directed Beam Search: text that contains the keywords, in order")
+    p.add_argument("--keywords", required=True, help='comma-separated guide words, e.g. "enemy,speed,meet"')
+    p.add_argument("--context", default="It is")
+    p.add_argument("--model", default="default", help="exported model dir, or `default` (embedded SmolLM2)")
+    p.add_argument("--scorer", default="self", help="`self` or an exported model dir sharing the tokenizer")
+    p.add_argument("--embeddings", default="default", help="`default` (GloVe 6B 50-d), GloVe .txt, word2vec .txt/.bin")
+    p.add_argument("--beams", type=int, default=d.beams)
+    p.add_argument("--candidates", type=int, default=d.candidates)
+    p.add_argument("--chunk", type=int, default=d.chunk)
+    p.add_argument("--lambda", dest="lam", type=float, default=d.lam)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--boost-order", default=d.boost_order, choices=["filter_then_boost", "boost_then_filter"])
+    p.add_argument("--unguided", action="store_true", help="baseline: no boosts (use with --beams 1 --candidates 1)")
+    p.add_argument("--subword-fallback", action="store_true",
+                   help="a keyword missing from the embeddings uses the mean of its sub-word vectors")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="onnx", choices=["onnx", "torch"])
+    p.add_argument("--provider", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run_generate)
+
+
+def highlight(text: str, keywords, tty: bool) -> str:
+    import re
+
+    from .occurrence import stem
+
+    targets = {stem(k) for k in keywords}
+    on, off = ("\033[1;32m", "\033[0m") if tty else ("**", "**")
+    return re.sub(r"[^\W_]+", lambda m: f"{on}{m.group(0)}{off}" if stem(m.group(0)) in targets else m.group(0), text)
+
+
+def _run_generate(a) -> int:
+    from .config import DBSConfig
+
+    cfg = DBSConfig(lam=a.lam, beams=a.beams, candidates=a.candidates, chunk=a.chunk, top_p=a.top_p,
+                    temperature=a.temperature, max_new_tokens=a.max_new_tokens, boost_order=a.boost_order,
+                    guided=not a.unguided)
+    from .api import DirectedBeamSearch, validate_keywords
+
+    validate_keywords(a.keywords)
+    if a.threads is not None and a.threads < 1:
+        raise DBSError(f"`--threads` must be >= 1, got {a.threads}")
+    dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, backend=a.backend,
+                             provider=a.provider, threads=a.threads, subword_fallback=a.subword_fallback,
+                             quiet=a.json)
+    bar = None
+    if not a.json:
+        from tqdm import tqdm
+
+        bar = tqdm(total=1, unit="chunk", desc="generating", leave=False, file=sys.stderr)
+
+        def progress(done, total):
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+    r = dbs.generate(a.context, a.keywords, seed=a.seed, progress=None if a.json else progress)
+    if bar is not None:
+        bar.close()
+    if a.json:
+        print(json.dumps(r.to_dict()))
+        return 0
+    print(highlight(r.text, r.keywords, sys.stdout.isatty()))
+    print(f"\nfound {sum(v is not None for v in r.found.values())}/{len(r.keywords)} "
+          f"(success rate {r.success_rate:.2f}, success length {r.success_length}), perplexity {r.perplexity:.2f} "
+          f"[{dbs.scorer_name} scorer], {r.seconds:.1f} s, {r.tokens_per_second:.1f} tokens/s "
+          f"({r.candidate_tokens_per_second:.0f} candidate tokens/s, backend {a.backend})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dbs-fast", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     _add_export(sub)
-    try:
-        from . import cli_generate
-        cli_generate.add_commands(sub)
-    except ImportError:
-        pass
+    _add_generate(sub)
     return ap
 
 

@@ -1,0 +1,118 @@
+"""The PyTorch baseline: the same scheduler over a transformers model with its KV cache and a
+torch sampler (sort-based top-p), so speed is compared on identical work. Needs the export extra.
+
+With the same uniforms it draws the same tokens as the Numba kernel (same kept set, same
+inverse CDF in id order), up to float noise in the logits of the two runtimes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import DBSError
+from .session import read_manifest
+
+
+def torch_sample(logits, uniforms, row_word, dense_boosts, temperature, top_p, boost_first):
+    """logits (R, V) torch float32; dense_boosts (W, V) torch or None. Returns ids, unguided logp."""
+    import torch
+
+    s = logits.float() / temperature
+    logp = torch.log_softmax(s, dim=-1)
+    guided = torch.as_tensor(row_word >= 0)
+    boost = torch.zeros_like(s)
+    if dense_boosts is not None and bool(guided.any()):
+        boost[guided] = dense_boosts[torch.as_tensor(row_word[row_word >= 0], dtype=torch.long)]
+    key = s + boost if boost_first else s
+    if top_p < 1.0:
+        sorted_key, order = torch.sort(key, dim=-1, descending=True)
+        probs = torch.softmax(sorted_key.double(), dim=-1)
+        cum = probs.cumsum(-1)
+        k = torch.searchsorted(cum, torch.full((s.shape[0], 1), top_p, dtype=cum.dtype)).clamp(max=s.shape[1] - 1)
+        cut = sorted_key.gather(1, k)
+        kept = key >= cut
+    else:
+        kept = torch.ones_like(s, dtype=torch.bool)
+    final = key if boost_first else s + torch.where(kept, boost, torch.zeros_like(boost))
+    w = torch.where(kept, torch.exp((final - s.max(-1, keepdim=True).values).double()), torch.zeros_like(final, dtype=torch.float64))
+    c = w.cumsum(-1)
+    u = torch.as_tensor(uniforms, dtype=torch.float64)[:, None] * c[:, -1:]
+    ids = torch.searchsorted(c, u, right=True).clamp(max=s.shape[1] - 1)
+    return ids[:, 0], logp.gather(1, ids)[:, 0]
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, model_dir, threads: int | None = None):
+        try:
+            import torch
+
+            from .export.source import load_torch_model, resolve
+        except ImportError as e:
+            raise DBSError(f"--backend torch needs the export extra: pip install 'dbs-fast[export]' ({e})") from None
+        from tokenizers import Tokenizer
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.torch = torch
+        m = read_manifest(model_dir)
+        self.model, _ = load_torch_model(resolve(m["source"]))
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.vocab_size = m["vocab_size"]
+        self.eos_ids = tuple(m.get("eos_token_ids", []))
+        self.pad_id = self.eos_ids[0] if self.eos_ids else 0
+        self.max_positions = m.get("max_positions")
+        self._dense = None
+        self._dense_key = None
+        self._mask = None
+
+    def prefill(self, contexts):
+        from .backend import left_pad
+
+        ids, mask = left_pad(contexts, self.pad_id)
+        t = self.torch
+        self._mask = t.from_numpy(mask)
+        with t.inference_mode():
+            pos = (self._mask.cumsum(1) - 1).clamp(min=0)
+            out = self.model(input_ids=t.from_numpy(ids), attention_mask=self._mask, position_ids=pos, use_cache=True)
+        return out.logits[:, -1].float(), out.past_key_values
+
+    def step(self, tokens, cache):
+        t = self.torch
+        self._mask = t.cat([self._mask, t.ones((self._mask.shape[0], 1), dtype=self._mask.dtype)], 1)
+        with t.inference_mode():
+            pos = self._mask.sum(1, keepdim=True) - 1
+            out = self.model(input_ids=t.as_tensor(tokens, dtype=t.long)[:, None], attention_mask=self._mask,
+                             position_ids=pos, past_key_values=cache, use_cache=True)
+        return out.logits[:, -1].float(), out.past_key_values
+
+    def select(self, cache, rows):
+        idx = self.torch.as_tensor(rows, dtype=self.torch.long)
+        cache.reorder_cache(idx)
+        self._mask = self._mask[idx]
+        return cache
+
+    def take(self, x, rows):
+        return x[self.torch.as_tensor(rows, dtype=self.torch.long)]
+
+    def sample(self, logits, uniforms, row_word, csr, cfg):
+        ptr, ids, vals = csr
+        if self._dense_key is not csr:  # dense (W, V) boost table for torch indexing
+            t = self.torch
+            dense = t.zeros((len(ptr) - 1, self.vocab_size))
+            for w in range(len(ptr) - 1):
+                dense[w, t.as_tensor(ids[ptr[w]:ptr[w + 1]], dtype=t.long)] = t.as_tensor(vals[ptr[w]:ptr[w + 1]])
+            self._dense, self._dense_key = dense, csr
+        with self.torch.inference_mode():
+            tok, lp = torch_sample(logits, uniforms, row_word, self._dense, cfg.temperature, cfg.top_p,
+                                   cfg.boost_order == "boost_then_filter")
+        return tok.numpy().astype(np.int64), lp.float().numpy()
+
+    def encode(self, text):
+        return self.tokenizer.encode(text).ids
+
+    def decode_batch(self, seqs):
+        return self.tokenizer.decode_batch([list(map(int, s)) for s in seqs], skip_special_tokens=True)
+
+    def decode_one(self, i):
+        return self.tokenizer.decode([i], skip_special_tokens=False)
