@@ -1,0 +1,148 @@
+"""The DBS scheduler, API and CLI on tiny random models (real GPT-2 tokenizer when ../shared is there)."""
+import json
+
+import numpy as np
+import pytest
+
+from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence
+from dbs_fast.beam import BeamSearch, Rows
+from dbs_fast.cli import main as cli
+from dbs_fast.scorer import token_logprobs
+
+SMALL = DBSConfig(beams=3, candidates=4, chunk=3, max_new_tokens=12)
+KW = ["colony", "enemy", "speed"]
+
+
+@pytest.fixture(scope="module")
+def dbs(exported):
+    return DirectedBeamSearch(exported["gpt2"], config=SMALL)
+
+
+def test_fixed_seed_reproduces_and_results_are_consistent(dbs):
+    a = dbs.generate("It is", KW, seed=3)
+    b = dbs.generate("It is", KW, seed=3)
+    assert a.text == b.text and a.beams == b.beams
+    assert a.text == "It is" + a.generated and len(a.beams) == SMALL.beams
+    assert [x["score"] for x in a.beams] == sorted((x["score"] for x in a.beams), reverse=True)
+    assert a.success_rate == sum(v is not None for v in a.found.values()) / 3
+    for kw, where in a.found.items():
+        assert (where is not None) == (occurrence.count(a.generated, kw) > 0)
+    assert 1 <= a.new_tokens <= 12 and a.perplexity > 1 and a.seconds > 0
+
+
+def test_guidance_places_keywords_far_more_than_unguided(dbs):
+    guided = [dbs.generate("It is", KW, seed=s).success_rate for s in range(3)]
+    plain = [dbs.generate("It is", KW, seed=s, config=DBSConfig(beams=1, candidates=1, chunk=3, max_new_tokens=12,
+                                                                guided=False)).success_rate for s in range(3)]
+    assert np.mean(guided) >= 0.6 and np.mean(guided) > np.mean(plain) + 0.4
+
+
+def test_kv_reuse_gives_the_logprobs_of_a_full_recompute(dbs):
+    """The self-scorer log-probs of the kept beam (KV caches gathered/repeated every chunk)
+    equal a from-scratch forward over context + generated tokens."""
+    from dbs_fast.kernels import csr_boosts
+
+    be = dbs.backend
+    ctx = be.encode("It is")
+    boosts = [dbs.table.sparse(k, SMALL.lam, SMALL.boost_cutoff) for k in KW]
+    from dbs_fast.beam import Request
+
+    search = BeamSearch(be, dbs.scorer, SMALL, csr_boosts(boosts), [Request(ctx, KW, 0, 5)])
+    rows = search.run()
+    for i in range(len(rows.req)):
+        toks = rows.tokens[i, : rows.n_tok[i]]
+        full = np.array([ctx + list(toks)])
+        logits, _ = be.model.forward(full, be.model.empty_cache(1))
+        want = token_logprobs(logits[0, len(ctx) - 1:-1], toks)
+        np.testing.assert_allclose(rows.logp[i, : rows.n_tok[i]], want, atol=2e-4)
+        # the guide pointer advanced once per chunk that contained the current word, in order
+        text = be.decode_batch([toks])[0]
+        pos = [occurrence.first_match(text, k) for k in KW[: rows.ptr[i]]]
+        assert all(p is not None for p in pos)
+
+
+def test_select_best_keeps_top_cumulative_scores_per_request():
+    search = BeamSearch.__new__(BeamSearch)
+    search.cfg = DBSConfig(beams=2)
+    cum = np.array([0.1, 0.9, 0.5, 0.7, 0.3, 0.2, 0.8])
+    req = np.array([0, 0, 0, 0, 1, 1, 1])
+    rows = Rows(req, np.zeros(7, int), cum, np.zeros(7, bool), np.zeros((7, 0), int), np.zeros((7, 0)), np.zeros(7, int))
+    assert list(search._select_best(rows)) == [1, 3, 4, 6]
+
+
+def test_onnx_scorer_equals_self_scorer_on_the_same_model(exported, dbs):
+    other = DirectedBeamSearch(exported["gpt2"], config=SMALL, scorer=str(exported["gpt2"]))
+    a, b = dbs.generate("It is", KW, seed=2), other.generate("It is", KW, seed=2)
+    assert a.text == b.text and a.perplexity == pytest.approx(b.perplexity, rel=1e-3)
+
+
+def test_batch_equals_single_requests(dbs):
+    single = [dbs.generate(c, k, seed=s) for c, k, s in [("It is", KW, 0), ("The city", ["meet", "mouth"], 1)]]
+    batch = dbs.generate_batch([("It is", KW), ("The city", ["meet", "mouth"])], seeds=[0, 1])
+    assert [r.text for r in batch] == [r.text for r in single]
+
+
+def test_torch_backend_matches_onnx_for_the_same_seed(exported, dbs):
+    pytest.importorskip("torch")
+    tb = DirectedBeamSearch(exported["gpt2"], config=SMALL, backend="torch")
+    for seed in (0, 1):
+        assert tb.generate("It is", KW, seed=seed).text == dbs.generate("It is", KW, seed=seed).text
+
+
+def test_boost_then_filter_order_runs(dbs):
+    r = dbs.generate("It is", KW, seed=0, config=DBSConfig(beams=2, candidates=2, chunk=3, max_new_tokens=6,
+                                                           boost_order="boost_then_filter"))
+    assert r.new_tokens >= 1
+
+
+def test_cli_json_contract(exported, capsys):
+    assert cli(["generate", "--model", str(exported["llama"]), "--keywords", "colony,enemy", "--beams", "2",
+                "--candidates", "2", "--chunk", "2", "--max-new-tokens", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("text", "keywords", "found", "success_rate", "success_length", "perplexity", "seconds",
+                "tokens_per_second"):
+        assert key in out
+    assert out["keywords"] == ["colony", "enemy"]
+
+
+def test_cli_text_output_highlights(exported, capsys):
+    assert cli(["generate", "--model", str(exported["gpt2"]), "--keywords", "colony", "--beams", "2",
+                "--candidates", "2", "--chunk", "2", "--max-new-tokens", "6"]) == 0
+    assert "success rate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--keywords", ""], "no keywords"),
+    (["--keywords", " , "], "no keywords"),
+    (["--keywords", "colony,,enemy"], "empty keyword"),
+    (["--keywords", "ice cream"], "single word"),
+    (["--keywords", "don't"], "single word"),
+    (["--keywords", "qwzxvbnmkj"], "not in the embeddings"),
+    (["--keywords", "colony", "--max-new-tokens", "400"], "context window"),
+    (["--keywords", "colony", "--beams", "0"], "`beams` must be"),
+    (["--keywords", "colony", "--candidates", "0"], "`candidates` must be"),
+    (["--keywords", "colony", "--chunk", "0"], "`chunk` must be"),
+    (["--keywords", "colony", "--top-p", "1.5"], "`top_p` must be a float in (0, 1]"),
+    (["--keywords", "colony", "--top-p", "0"], "`top_p`"),
+    (["--keywords", "colony", "--lambda", "-1"], "`lambda`"),
+    (["--keywords", "colony", "--model", "/nonexistent"], "not found"),
+])
+def test_cli_errors_exit_2(exported, capsys, args, message):
+    argv = ["generate", "--model", str(exported["gpt2"]), "--max-new-tokens", "4"] + args
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_scorer_with_other_vocabulary_is_rejected(exported, tmp_path, capsys):
+    from conftest import _trained_bpe
+    from dbs_fast.export.convert import export_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = _trained_bpe(tmp_path)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "c")
+    tok.save_pretrained(tmp_path / "c")
+    export_model(str(tmp_path / "c"), tmp_path / "o", quiet=True)
+    assert cli(["generate", "--model", str(exported["gpt2"]), "--keywords", "colony", "--scorer",
+                str(tmp_path / "o"), "--max-new-tokens", "4"]) == 2
+    assert "different vocabulary" in capsys.readouterr().err

@@ -1,0 +1,75 @@
+"""Embeddings, the token -> word map, the similarity table, and occurrence detection."""
+import struct
+
+import numpy as np
+import pytest
+
+from dbs_fast import occurrence
+from dbs_fast.embeddings import Embeddings, SimilarityTable, sparse_error, token_word
+from dbs_fast.errors import DBSError
+
+
+def test_occurrence_tricky_text():
+    assert occurrence.count("Colonies.", "colony") == 1
+    assert occurrence.count("The COLONY grew; colonies spread.", "colony") == 2
+    assert occurrence.count("re-enemy", "enemy") == 1                 # split on punctuation
+    assert occurrence.count("enemies!", "Enemy") == 1
+    assert occurrence.count("mouth.", "mouth") == 1
+    # Porter reduces "mouthful" to "mouth": by the stem rule of SPEC it counts
+    assert occurrence.stem("mouthful") == "mouth" and occurrence.count("a mouthful", "mouth") == 1
+    assert occurrence.count("meetings meet", "meet") == 2
+    assert occurrence.count("enemyship speedy", "enemy") == 0
+    assert occurrence.first_match("It is a colony.", "colonies") == (8, 14)
+
+
+def test_count_new_handles_words_split_across_chunks():
+    assert occurrence.count_new("the colon", "ies spread", "colony") == 1
+    assert occurrence.count_new("a colony ", "and more", "colony") == 0
+    assert occurrence.count_new("a colony", ".", "colony") == 0
+
+
+def test_token_word():
+    assert token_word("ĠColonies") == "colonies"
+    assert token_word(" enemy's") == "enemy"
+    assert token_word(" they're") == "they"
+    assert token_word('"mouth,') == "mouth"
+    assert token_word("▁speed") == "speed"
+
+
+def test_similarity_table_against_hand_cosine():
+    words = ["king", "queen", "apple", "zero"]
+    vecs = np.array([[1, 0, 0], [0.8, 0.6, 0], [-1, 0.1, 0], [0, 0, 0]], np.float32)
+    emb = Embeddings(words, vecs, "tiny")
+    table = SimilarityTable(["king", "queen", "apple", "##", "zero", "unknown"], emb)
+    d = table.dense("king", lam=20.0)
+    assert d == pytest.approx([20.0, 20 * 0.8**2, 0.0, 0.0, 0.0, 0.0], abs=1e-5)  # apple clipped, zeros stay 0
+    s = table.sparse("king", 20.0, cutoff=0.01)
+    assert list(s.ids) == [0, 1]
+    assert sparse_error(table, "king", 20.0, 13.0)["max_error"] == pytest.approx(12.8, abs=1e-4)
+    with pytest.raises(DBSError, match="'banana' is not in the embeddings"):
+        table.dense("banana", 20.0)
+    fallback = table.guide_vector("banana", subword_fallback=lambda w: [0, 1])
+    assert np.linalg.norm(fallback) == pytest.approx(1.0)
+
+
+def test_glove_and_word2vec_loaders(tmp_path):
+    vec = {"colony": [0.1, 0.2, 0.3], "enemy": [0.3, -0.1, 0.5]}
+    (tmp_path / "g.txt").write_text("".join(f"{w} {' '.join(map(str, v))}\n" for w, v in vec.items()))
+    (tmp_path / "w.txt").write_text("2 3\n" + "".join(f"{w} {' '.join(map(str, v))}\n" for w, v in vec.items()))
+    with open(tmp_path / "w.bin", "wb") as f:
+        f.write(b"2 3\n")
+        for w, v in vec.items():
+            f.write(w.encode() + b" " + struct.pack("<3f", *v) + b"\n")
+    for name in ("g.txt", "w.txt", "w.bin"):
+        e = Embeddings.load(str(tmp_path / name))
+        assert e.dim == 3 and "colony" in e
+        np.testing.assert_allclose(e.vector("enemy"), np.array(vec["enemy"]) / np.linalg.norm(vec["enemy"]), rtol=1e-6)
+    with pytest.raises(DBSError, match="not found"):
+        Embeddings.load(str(tmp_path / "nope.txt"))
+
+
+def test_default_glove_loads():
+    e = Embeddings.load("default")
+    assert e.dim == 50 and "colony" in e and len(e.index) == 400000
+    sim = float(e.vector("colony") @ e.vector("colonies"))
+    assert sim > 0.6
