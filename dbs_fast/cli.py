@@ -106,11 +106,50 @@ def _run_generate(a) -> int:
     return 0
 
 
+def _add_eval(sub):
+    p = sub.add_parser("eval", help="keyword-to-phrase evaluation: DBS vs the unguided baseline")
+    p.add_argument("--sets", type=int, default=20, help="keyword sets to sample (ranks 501-1000, no stop words)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keywords-file", help="one comma-separated keyword set per line (instead of sampling)")
+    p.add_argument("--out", default="eval_out", help="results.jsonl (resumable), summary.json, summary.md")
+    p.add_argument("--model", default="default")
+    p.add_argument("--scorer", default="self")
+    p.add_argument("--embeddings", default="default")
+    p.add_argument("--beams", type=int, default=7)
+    p.add_argument("--candidates", type=int, default=10)
+    p.add_argument("--chunk", type=int, default=5)
+    p.add_argument("--lambda", dest="lam", type=float, default=20.0)
+    p.add_argument("--max-new-tokens", type=int, default=90)
+    p.add_argument("--batch", type=int, default=4, help="keyword sets decoded together in one batch")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=_run_eval)
+
+
+def _run_eval(a) -> int:
+    from pathlib import Path
+
+    from .api import DirectedBeamSearch
+    from .benchmarks.eval import read_sets, run_eval, sample_sets
+    from .config import DBSConfig
+
+    if a.sets < 1 or a.batch < 1:
+        raise DBSError(f"`--sets` and `--batch` must be >= 1, got {a.sets}, {a.batch}")
+    cfg = DBSConfig(lam=a.lam, beams=a.beams, candidates=a.candidates, chunk=a.chunk, max_new_tokens=a.max_new_tokens)
+    base = DBSConfig(beams=1, candidates=1, chunk=a.chunk, max_new_tokens=a.max_new_tokens, guided=False)
+    sets = read_sets(a.keywords_file) if a.keywords_file else sample_sets(a.sets, a.seed)
+    dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads)
+    s = run_eval(dbs, sets, Path(a.out), batch=a.batch, seed=a.seed, unguided_cfg=base)
+    print((Path(a.out) / "summary.md").read_text())
+    print(f"scorer: {s['scorer']}; model: {s['model']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dbs-fast", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     _add_export(sub)
     _add_generate(sub)
+    _add_eval(sub)
     return ap
 
 

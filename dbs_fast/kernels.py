@@ -19,7 +19,13 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from numba import njit, prange
+
+from .home import home
+
+# cache=True needs a writable place; a read-only install falls back to the dbs-fast home.
+os.environ.setdefault("NUMBA_CACHE_DIR", str(home() / "numba-cache"))
+
+from numba import njit, prange  # noqa: E402
 
 BUCKETS_PER_NAT = 16
 SPAN_NATS = 64          # tokens further below the max than this share the last bucket
