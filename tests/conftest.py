@@ -23,15 +23,15 @@ def _gpt2_tokenizer(tmp: Path):
     return _trained_bpe(tmp)
 
 
-def _trained_bpe(tmp: Path):
+def _trained_bpe(tmp: Path, vocab_size: int = 400):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import GPT2TokenizerFast
 
     text = ("It is a colony of enemies that meet at speed near the mouth of the river. " * 20
             + "The quick brown fox jumps over the lazy dog. Colonies, mouths, meetings. " * 20)
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator([text], vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
-    d = tmp / "bpe"
+    bpe.train_from_iterator([text], vocab_size=vocab_size, min_frequency=1, special_tokens=["<|endoftext|>"])
+    d = tmp / f"bpe{vocab_size}"
     d.mkdir(exist_ok=True)
     bpe.save_model(str(d))
     return GPT2TokenizerFast(vocab_file=str(d / "vocab.json"), merges_file=str(d / "merges.txt"))

@@ -139,7 +139,7 @@ def test_scorer_with_other_vocabulary_is_rejected(exported, tmp_path, capsys):
     from dbs_fast.export.convert import export_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    tok = _trained_bpe(tmp_path)
+    tok = _trained_bpe(tmp_path, vocab_size=300)  # differs from the fixtures (GPT-2 or a 400-token BPE)
     GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "c")
     tok.save_pretrained(tmp_path / "c")
     export_model(str(tmp_path / "c"), tmp_path / "o", quiet=True)
