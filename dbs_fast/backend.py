@@ -41,9 +41,6 @@ class OnnxBackend:
         logits, cache = self.model.forward(tokens[:, None], cache)
         return logits[:, -1], cache
 
-    def step_many(self, tokens: np.ndarray, cache: KVCache) -> tuple[np.ndarray, KVCache]:
-        return self.model.forward(tokens, cache)                          # (R, T, V)
-
     @staticmethod
     def select(cache: KVCache, rows: np.ndarray) -> KVCache:
         return cache.select(rows)

@@ -43,9 +43,6 @@ class KVCache:
     def repeat(self, n: int) -> "KVCache":
         return self.select(np.repeat(np.arange(self.batch), n))
 
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
 
 def read_manifest(model_dir: Path) -> dict:
     path = Path(model_dir) / MANIFEST

@@ -91,7 +91,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     check_supported(config)
     t0 = time.perf_counter()
     _log(f"loading {src.name} with transformers", quiet)
-    model, tok = load_torch_model(src, config)
+    model, tok = load_torch_model(src)
     large = _param_bytes(model) >= TWO_GB - 64 * 1024**2
     checkpoint = src.path
     if src.is_gguf:  # optimum reads safetensors checkpoints: dequantised GGUF -> fp32 checkpoint

@@ -78,7 +78,7 @@ def check_supported(config) -> None:
                        f"exports as text-generation-with-past")
 
 
-def load_torch_model(src: Source, config=None):
+def load_torch_model(src: Source):
     """The PyTorch model (fp32, eval) and its tokenizer: for parity, the baseline, GGUF conversion."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
