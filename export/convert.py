@@ -102,6 +102,12 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     _log(f"exporting to ONNX ({TASK}{', external data' if large else ''})", quiet)
     _onnx_export(checkpoint, raw, large)
     onnx_path, steps = raw / "model.onnx", ["export"]
+    from .fuse import fuse_attention
+
+    report_fuse = fuse_attention(onnx_path, config)
+    _log(f"attention fusion: {report_fuse['reason']}", quiet)
+    if report_fuse["applied"]:
+        steps.append("fuse_attention")
     report_opt = None
     if optimize:
         from .optimize import optimize as run_optimize
@@ -147,6 +153,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
         "onnx": "model.onnx",
         "external_data": large,
         "steps": steps,
+        "attention_fusion": report_fuse,
         "optimize": report_opt,
         "quantize": report_q,
         "files": _files(work),

@@ -20,7 +20,9 @@ pytest.importorskip("optimum.exporters.onnx")
 def test_manifest_contents(exported):
     for kind, d in exported.items():
         m = json.loads((d / MANIFEST).read_text())
-        assert m["format_version"] == 1 and m["dtype"] == "float32" and m["steps"] == ["export"]
+        fused = ["fuse_attention"] if kind == "gpt2" else []
+        assert m["format_version"] == 1 and m["dtype"] == "float32" and m["steps"] == ["export"] + fused
+        assert m["attention_fusion"]["applied"] == (kind == "gpt2") and m["attention_fusion"]["reason"]
         assert m["architecture"] == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[kind]
         assert m["num_layers"] == 2 and m["num_heads"] == 4 and m["vocab_size"] > 256
         assert m["num_kv_heads"] == (4 if kind == "gpt2" else 2) and m["head_dim"] == 8
@@ -34,9 +36,11 @@ def test_quantized_and_optimized_export(checkpoints, tmp_path):
     q = export_model(str(checkpoints["llama"]), tmp_path / "q", quantize="int8", quiet=True)
     assert q["dtype"] == "int8-dynamic" and q["steps"] == ["export", "quantize"]
     assert q["parity"]["passed"] and q["parity"]["mode"] == "int8"
+    gq = export_model(str(checkpoints["gpt2"]), tmp_path / "gq", quantize="int8", quiet=True)
+    assert gq["steps"] == ["export", "fuse_attention", "quantize"] and gq["parity"]["passed"]
     o = export_model(str(checkpoints["gpt2"]), tmp_path / "o", optimize=True, quiet=True)
     assert o["optimize"]["applied"] and o["optimize"]["fusions"]       # gpt2 has ORT fusions
-    assert o["steps"] == ["export", "optimize"] and o["parity"]["passed"]
+    assert o["steps"] == ["export", "fuse_attention", "optimize"] and o["parity"]["passed"]
     lo = export_model(str(checkpoints["llama"]), tmp_path / "lo", optimize=True, quiet=True)
     assert lo["optimize"]["applied"] is False and "reason" in lo["optimize"]  # fallback reported
 
@@ -61,6 +65,45 @@ def test_cached_decode_equals_full_recompute(exported, kind):
     ref, _ = m.forward(np.concatenate([ids[rows], nxt], 1), m.empty_cache(3))
     np.testing.assert_allclose(out[:, 0], ref[:, -1], atol=1e-4)
     assert cache.repeat(2).batch == 4 and np.array_equal(cache.repeat(2).tensors[0][1], cache.tensors[0][0])
+
+
+def test_fused_attention_equals_exported_graph(checkpoints, exported, tmp_path):
+    """The MultiHeadAttention graph gives the unfused graph's logits, with left padding, and
+    across cached steps; the subgraphs it replaced are gone."""
+    import onnx
+    import onnxruntime as ort
+
+    from dbs_fast.export.convert import _onnx_export
+
+    _onnx_export(str(checkpoints["gpt2"]), tmp_path / "raw", large=False)
+    raw = ort.InferenceSession(str(tmp_path / "raw" / "model.onnx"))
+    fused_path = exported["gpt2"] / "model.onnx"
+    ops = [n.op_type for n in onnx.load(str(fused_path)).graph.node]
+    assert ops.count("MultiHeadAttention") == 2 and "Softmax" not in ops and "IsNaN" not in ops
+    fused = ort.InferenceSession(str(fused_path))
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 256, (3, 5))
+    mask = np.ones((3, 5), np.int64)
+    mask[0, :3] = 0                                    # left padding, two rows' worth
+    mask[1, :1] = 0
+    past = {f"past_key_values.{i}.{t}": np.zeros((3, 4, 0, 8), np.float32) for i in range(2) for t in ("key", "value")}
+    outs = {}
+    for name, sess in (("raw", raw), ("fused", fused)):
+        feed = dict(past, input_ids=ids, attention_mask=mask, position_ids=np.maximum(np.cumsum(mask, 1) - 1, 0))
+        names = [o.name for o in sess.get_outputs()]
+        got = dict(zip(names, sess.run(None, feed)))
+        logits = [got["logits"][mask.astype(bool)]]
+        for step in range(2):                          # two cached decode steps on top
+            feed = {k.replace("present", "past_key_values"): v for k, v in got.items() if k.startswith("present")}
+            full = np.concatenate([mask, np.ones((3, step + 1), np.int64)], 1)
+            feed.update(input_ids=ids[:, step:step + 1], attention_mask=full,
+                        position_ids=(np.cumsum(full, 1) - 1)[:, -1:])
+            got = dict(zip(names, sess.run(None, feed)))
+            logits.append(got["logits"][:, 0])
+        outs[name] = logits
+    for a, b in zip(outs["raw"], outs["fused"]):
+        assert np.isfinite(b).all()
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_left_padding_matches_unpadded(exported):
