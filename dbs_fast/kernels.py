@@ -32,20 +32,20 @@ SPAN_NATS = 64          # tokens further below the max than this share the last 
 N_BUCKETS = BUCKETS_PER_NAT * SPAN_NATS
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _bucket(top, v):
     b = int((top - v) * BUCKETS_PER_NAT)
     return b if b < N_BUCKETS else N_BUCKETS - 1
 
 
 @njit(cache=True, nogil=True)
-def _nucleus_cut(s, e, top, total, top_p):
-    """Smallest logit kept by top-p over values s (exp'd in e, summing to total)."""
+def _nucleus_cut(s, e, top, hist, target):
+    """(smallest kept value, kept mass) for top-p over values s, weights e, and their histogram.
+
+    Buckets above the boundary bucket are wholly kept; only the boundary bucket's members
+    are collected (one compare pass) and sorted.
+    """
     V = s.shape[0]
-    hist = np.zeros(N_BUCKETS, np.float64)
-    for i in range(V):
-        hist[_bucket(top, s[i])] += e[i]
-    target = top_p * total
     cum = 0.0
     bb = 0
     while bb < N_BUCKETS - 1 and cum + hist[bb] < target:
@@ -62,12 +62,17 @@ def _nucleus_cut(s, e, top, total, top_p):
         vals[j] = s[idx[j]]
     order = np.argsort(-vals)
     cut = vals[order[n - 1]] if n > 0 else top
+    walk = cum
     for j in range(n):
-        cum += e[idx[order[j]]]
-        if cum >= target:
+        walk += e[idx[order[j]]]
+        if walk >= target:
             cut = vals[order[j]]
             break
-    return cut
+    mass = cum
+    for j in range(n):                  # ties with the cut are kept too
+        if vals[j] >= cut:
+            mass += e[idx[j]]
+    return cut, mass
 
 
 @njit(parallel=True, cache=True)
@@ -77,45 +82,49 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
     for r in prange(R):
         x = logits[r]
         s = np.empty(V, np.float32)          # scaled (and, boost_first, boosted) logits
-        e = np.empty(V, np.float32)          # exp(s - m): unnormalised weights
+        e = np.empty(V, np.float32)          # exp(s - top): unnormalised weights
         m = np.float32(-np.inf)
-        for i in range(V):
+        for i in range(V):                   # pass 1: scale, max
             s[i] = x[i] * inv_temp
-            if s[i] > m:
-                m = s[i]
-        z = 0.0
-        for i in range(V):
-            e[i] = np.exp(s[i] - m)
-            z += e[i]
-        logz = m + np.log(z)
+            m = max(m, s[i])
         w = row_word[r]
         lo = boost_ptr[w] if w >= 0 else 0
         hi = boost_ptr[w + 1] if w >= 0 else 0
         top = m
-        total = z
         if boost_first:
             for j in range(lo, hi):
                 t = boost_ids[j]
                 s[t] += boost_vals[j]
-                new = np.exp(s[t] - m)
-                total += new - e[t]
-                e[t] = new
-                if s[t] > top:
-                    top = s[t]
-        cut = _nucleus_cut(s, e, top, total, top_p) if top_p < 1.0 else np.float32(-np.inf)
+                top = max(top, s[t])
+        hist = np.zeros(N_BUCKETS, np.float64)
+        total = 0.0
+        for i in range(V):                   # pass 2: weights, their sum and histogram in one go
+            ei = np.exp(s[i] - top)
+            e[i] = ei
+            total += ei
+            hist[_bucket(top, s[i])] += ei
+        unguided = total
+        if boost_first:                      # the log-prob returned is the unguided one
+            for j in range(lo, hi):
+                t = boost_ids[j]
+                unguided -= np.float64(e[t])     # in float64: e[t] dwarfs the unguided mass
+                unguided += np.float64(np.exp(x[t] * inv_temp - top))
+        logz = top + np.log(unguided)
+        if top_p < 1.0:                      # pass 3 (boundary bucket only) + a sort of it
+            cut, mass = _nucleus_cut(s, e, top, hist, top_p * total)
+        else:
+            cut, mass = np.float32(-np.inf), total
         if not boost_first:
             for j in range(lo, hi):
                 t = boost_ids[j]
                 if s[t] >= cut:
-                    e[t] = np.exp(s[t] + boost_vals[j] - m)
-        mass = 0.0
-        for i in range(V):
-            if s[i] >= cut:
-                mass += e[i]
+                    new = np.exp(s[t] + boost_vals[j] - top)
+                    mass += new - e[t]
+                    e[t] = new
         u = uniforms[r] * mass
         cum = 0.0
         chosen = -1
-        for i in range(V):
+        for i in range(V):                   # pass 4: inverse CDF, stops at the draw
             if s[i] >= cut:
                 cum += e[i]
                 chosen = i

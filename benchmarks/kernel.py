@@ -1,0 +1,106 @@
+"""The logits kernel on the paper's batch (b*s = 70 rows x GPT-2's 50257 tokens), against the
+plain NumPy reference (`tests/naive.py` when present, else an equivalent inline sort-based
+top-p) and a torch sort-based top-p (the PyTorch baseline's sampler).
+
+    python -m dbs_fast.benchmarks.kernel --rows 70 --vocab 50257 --repeats 20
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+
+def _workload(rows: int, vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    # LM-like logits: a heavy tail (Gumbel) so the nucleus holds tens to thousands of tokens
+    logits = (rng.gumbel(size=(rows, vocab)) * 2.5).astype(np.float32)
+    n_boost = max(1, vocab // 100)
+    ids = np.sort(rng.choice(vocab, n_boost, replace=False)).astype(np.int32)
+    vals = (rng.random(n_boost) * 20).astype(np.float32)
+    csr = (np.array([0, n_boost], np.int64), ids, vals)
+    row_word = np.where(np.arange(rows) % 2 == 0, 0, -1).astype(np.int32)   # half the rows guided
+    return logits, rng.random(rows), row_word, csr
+
+
+def numpy_sample(logits, uniforms, row_word, csr, top_p=0.9):
+    """Sort-based top-p in plain NumPy, filter then boost (the reference the tests use)."""
+    ptr, bids, bvals = csr
+    R, V = logits.shape
+    out = np.empty(R, np.int64)
+    for r in range(R):
+        s = logits[r].astype(np.float64)
+        order = np.argsort(-s, kind="stable")
+        w = np.exp(s - s.max())
+        cum = np.cumsum(w[order])
+        cut = s[order[min(int(np.searchsorted(cum, top_p * cum[-1])), V - 1)]]
+        kept = s >= cut
+        if row_word[r] >= 0:
+            b = np.zeros(V)
+            b[bids[ptr[row_word[r]]:ptr[row_word[r] + 1]]] = bvals[ptr[row_word[r]]:ptr[row_word[r] + 1]]
+            w = w * np.exp(np.where(kept, b, 0.0))
+        c = np.cumsum(np.where(kept, w, 0.0))
+        out[r] = min(int(np.searchsorted(c, uniforms[r] * c[-1], side="right")), V - 1)
+    return out
+
+
+def _time(fn, repeats: int) -> dict:
+    fn()                                       # warm-up (compilation, caches)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return {"ms_median": 1e3 * statistics.median(ts), "ms_min": 1e3 * min(ts), "ms_max": 1e3 * max(ts)}
+
+
+def run(rows: int = 70, vocab: int = 50257, repeats: int = 20, threads: int | None = None,
+        torch_too: bool = True) -> dict:
+    from dbs_fast import kernels
+
+    kernels.set_threads(threads)
+    logits, u, row_word, csr = _workload(rows, vocab)
+    ptr, bids, bvals = csr
+    res = {"rows": rows, "vocab": vocab, "threads": threads}
+    res["numba"] = _time(lambda: kernels.sample(logits, u, top_p=0.9, row_word=row_word, boost_ptr=ptr,
+                                                boost_ids=bids, boost_vals=bvals), repeats)
+    res["numpy"] = _time(lambda: numpy_sample(logits, u, row_word, csr), max(1, repeats // 5))
+    same = np.array_equal(numpy_sample(logits, u, row_word, csr),
+                          kernels.sample(logits, u, top_p=0.9, row_word=row_word, boost_ptr=ptr,
+                                         boost_ids=bids, boost_vals=bvals)[0])
+    res["numba_equals_numpy"] = bool(same)
+    if torch_too:
+        try:
+            import torch
+
+            from dbs_fast.torch_backend import torch_sample
+        except ImportError:
+            torch = None
+        if torch is not None:
+            if threads:
+                torch.set_num_threads(threads)
+            tl = torch.from_numpy(logits)
+            dense = torch.zeros((1, vocab))
+            dense[0, torch.from_numpy(bids.astype(np.int64))] = torch.from_numpy(bvals)
+            res["torch"] = _time(lambda: torch_sample(tl, u, row_word, dense, 1.0, 0.9, False), repeats)
+    for other in ("numpy", "torch"):
+        if other in res:
+            res[f"speedup_vs_{other}"] = res[other]["ms_median"] / res["numba"]["ms_median"]
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=70)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args(argv)
+    print(json.dumps(run(a.rows, a.vocab, a.repeats, a.threads), indent=2))
+
+
+if __name__ == "__main__":
+    main()
