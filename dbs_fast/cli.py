@@ -144,12 +144,54 @@ def _run_eval(a) -> int:
     return 0
 
 
+def _add_bench(sub):
+    p = sub.add_parser("bench", help="speed: ONNX fp32/int8 vs PyTorch vs a reference-style loop, roofline")
+    p.add_argument("--out", default="bench_out", help="bench.json, bench.md, stages.png, sweep.png")
+    p.add_argument("--workdir", default="bench_work", help="checkpoints and exports, reused across runs")
+    p.add_argument("--quick", action="store_true", help="10 new tokens, 1 repeat: a few minutes")
+    p.add_argument("--repeats", type=int, default=None, help="timed generations per contender (after a cold one)")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--contenders", default=",".join(("onnx-fp32", "onnx-int8", "torch-fp32", "reference")))
+    p.add_argument("--tokenizer", default=None, help="GPT-2 tokenizer dir (default ../shared/data/gpt2-tokenizer)")
+    p.add_argument("--checkpoint", default=None, help="a transformers checkpoint instead of random GPT-2 large")
+    p.add_argument("--shape", default="gpt2-large", choices=["gpt2-large", "gpt2", "distilgpt2"])
+    p.add_argument("--no-default", action="store_true", help="skip the embedded default model's point")
+    p.add_argument("--sweep", default=None, help='b x s points for the plot, e.g. "1x5,3x5,5x10"')
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(a) -> int:
+    from pathlib import Path
+
+    try:
+        from .benchmarks.bench import run_bench
+    except ImportError as e:
+        raise DBSError(f"bench needs the export and dev extras: pip install 'dbs-fast[export,dev]' ({e})") from None
+    sweep = None
+    if a.sweep is not None:
+        try:
+            sweep = [tuple(int(v) for v in x.split("x")) for x in a.sweep.split(",") if x]
+            assert all(len(t) == 2 and min(t) >= 1 for t in sweep)
+        except (ValueError, AssertionError):
+            raise DBSError(f"--sweep must look like 1x5,3x5 (beams x candidates), got {a.sweep!r}") from None
+    if (a.repeats is not None and a.repeats < 1) or (a.max_new_tokens is not None and a.max_new_tokens < 1):
+        raise DBSError("--repeats and --max-new-tokens must be >= 1")
+    run_bench(Path(a.out), Path(a.workdir), quick=a.quick, repeats=a.repeats, max_new_tokens=a.max_new_tokens,
+              contenders=[c.strip() for c in a.contenders.split(",") if c.strip()],
+              tokenizer=Path(a.tokenizer) if a.tokenizer else None,
+              checkpoint=Path(a.checkpoint) if a.checkpoint else None, shape=a.shape,
+              with_default=not a.no_default, threads=a.threads, sweep=sweep)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dbs-fast", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     _add_export(sub)
     _add_generate(sub)
     _add_eval(sub)
+    _add_bench(sub)
     return ap
 
 

@@ -1,0 +1,506 @@
+"""`dbs-fast bench`: the engine against the PyTorch baseline and a reference-style loop.
+
+Workload (same seeds and keyword sets for every contender): GPT-2 large shapes (random
+weights, the real GPT-2 tokenizer) and the embedded default model, at the paper's setting
+b=7, s=10, k=5, lambda=20, context "It is", 90 new tokens (`--quick`: 10 tokens, same shapes).
+
+Contenders, each in its own process (peak memory and cold start are its own):
+  onnx-fp32   the engine on the fp32 export
+  onnx-int8   the engine on the `--quantize int8` export
+  torch-fp32  the same scheduler over transformers with its KV cache and a torch sampler
+  reference   the authors' way as the paper describes it: one candidate at a time, batch 1,
+              the whole sequence re-run for every token, no KV cache (PyTorch). Measured on
+              one chunk of one beam at the middle of a generation, extrapolated (see JSON).
+Also: the kernel on 70 x vocab rows (`benchmarks/kernel.py`) and this machine's roofline for
+the model (ONNX Runtime matmul throughput at the batch's shapes, fp32 and int8, plus the KV
+cache read at the measured memory bandwidth).
+
+    dbs-fast bench --out bench_out            # full (~40 min on 2 cores)
+    dbs-fast bench --quick --out bench_quick  # a few minutes
+
+Writes bench.json, bench.md, stages.png, sweep.png in --out.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from dbs_fast.config import DBSConfig
+from dbs_fast.errors import DBSError
+
+CONTEXT = "It is"
+KEYWORD_SETS = [["enemy", "speed", "meet", "colony", "mouth"],
+                ["garden", "winter", "doctor", "song", "river"],
+                ["market", "storm", "letter", "horse", "silver"]]
+CONTENDERS = ("onnx-fp32", "onnx-int8", "torch-fp32", "reference")
+STAGES = ("model", "kernel", "kv_gather", "scorer", "text", "python")
+SHARED_TOKENIZER = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gpt2-tokenizer"
+
+
+# -- workload preparation --------------------------------------------------------------------
+def _export(src: str, out: Path, quantize: str | None) -> Path:
+    from dbs_fast.home import MANIFEST
+
+    if not (out / MANIFEST).is_file():
+        from dbs_fast.export.convert import export_model
+
+        print(f"[bench] exporting {src} -> {out}{' (int8)' if quantize else ''}", flush=True)
+        export_model(src, out, quantize=quantize, force=out.exists(), quiet=True)
+    return out
+
+
+def prepare_points(workdir: Path, tokenizer: Path | None, checkpoint: Path | None, shape: str,
+                   with_default: bool) -> dict:
+    """{point: {"checkpoint", "onnx-fp32", "onnx-int8"}}; builds and exports what is missing."""
+    points = {}
+    if checkpoint is None:
+        from .checkpoints import make_random_gpt2
+
+        tok = tokenizer or SHARED_TOKENIZER
+        if not (Path(tok) / "vocab.json").is_file():
+            raise DBSError(f"the GPT-2-shaped workload needs the GPT-2 tokenizer: none at {tok}; pass "
+                           f"--tokenizer DIR (vocab.json + merges.txt) or --checkpoint DIR")
+        checkpoint = workdir / "ckpt" / f"{shape}-random"
+        if not (checkpoint / "config.json").is_file():
+            print(f"[bench] building a random {shape} checkpoint in {checkpoint}", flush=True)
+            make_random_gpt2(checkpoint, Path(tok), shape)
+        name = shape
+    else:
+        checkpoint = Path(checkpoint)
+        if not (checkpoint / "config.json").is_file():
+            raise DBSError(f"--checkpoint {checkpoint} is not a transformers checkpoint (no config.json)")
+        name = checkpoint.name
+    points[name] = {"checkpoint": str(checkpoint),
+                    "onnx-fp32": str(_export(str(checkpoint), workdir / "onnx" / f"{name}-fp32", None)),
+                    "onnx-int8": str(_export(str(checkpoint), workdir / "onnx" / f"{name}-int8", "int8"))}
+    if with_default:
+        from dbs_fast.api import resolve_model_dir
+
+        fp32 = resolve_model_dir("default", quiet=False)
+        points["default"] = {"checkpoint": None, "onnx-fp32": str(fp32),
+                             "onnx-int8": str(_export("default", workdir / "onnx" / "default-int8", "int8"))}
+    return points
+
+
+# -- one contender, in its own process ---------------------------------------------------------
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024       # Linux: KiB
+
+
+def _stage_ms(r, steps: int) -> dict:
+    t = dict(r.timings)
+    per = {s: 1e3 * t.get(s, 0.0) / steps for s in STAGES if s != "python"}
+    per["python"] = 1e3 * (r.seconds - sum(t.values())) / steps              # scheduling glue
+    per["prefill_total"] = 1e3 * t.get("prefill", 0.0)
+    return per
+
+
+def worker_engine(spec: dict) -> dict:
+    from dbs_fast import DirectedBeamSearch
+
+    cfg = DBSConfig(**spec["config"])
+    backend = "torch" if spec["contender"].startswith("torch") else "onnx"
+    t0 = time.perf_counter()
+    dbs = DirectedBeamSearch(spec["model_dir"], config=cfg, backend=backend, threads=spec.get("threads"))
+    init = time.perf_counter() - t0
+    sets = spec["keyword_sets"]
+    first = dbs.generate(CONTEXT, sets[0], seed=0)
+    runs = [dbs.generate(CONTEXT, sets[i % len(sets)], seed=i) for i in range(spec["repeats"])]
+    secs = [r.seconds for r in runs]
+    steps = cfg.max_new_tokens
+    stages = {s: statistics.median(_stage_ms(r, steps)[s] for r in runs) for s in (*STAGES, "prefill_total")}
+    out = {
+        "contender": spec["contender"], "model_dir": spec["model_dir"],
+        "seconds_median": statistics.median(secs), "seconds_min": min(secs), "seconds_max": max(secs),
+        "seconds_all": secs, "repeats": len(runs),
+        "candidate_tokens_per_second": statistics.median(r.candidate_tokens_per_second for r in runs),
+        "step_ms": 1e3 * statistics.median((r.seconds - r.timings.get("prefill", 0.0)) / steps for r in runs),
+        "stage_ms_per_step": stages,
+        "cold_start_seconds": init + first.seconds, "session_seconds": init,
+        "first_generation_seconds": first.seconds,
+        "success_rate": statistics.mean(r.success_rate for r in runs),
+        "perplexity": statistics.median(r.perplexity for r in runs),
+        "texts": [r.generated for r in runs],
+    }
+    sweep = []
+    for b, s in spec.get("sweep", []):
+        r = dbs.generate(CONTEXT, sets[0], seed=0, config=replace(cfg, beams=b, candidates=s))
+        sweep.append({"beams": b, "candidates": s, "rows": b * s, "seconds": r.seconds})
+    out["sweep"] = sweep
+    out["peak_rss_bytes"] = _peak_rss()
+    return out
+
+
+def reference_loop(spec: dict) -> dict:
+    """One beam's s candidates of one chunk, the authors' way: batch 1, no KV cache, the whole
+    sequence re-run for every token, then one more full pass per candidate for its perplexity."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from dbs_fast.embeddings import Embeddings, SimilarityTable
+    from dbs_fast.torch_backend import torch_sample
+
+    cfg = DBSConfig(**spec["config"])
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"]).eval()
+    tok = Tokenizer.from_file(str(Path(spec["model_dir"]) / "tokenizer.json"))
+    V = model.get_output_embeddings().weight.shape[0]
+    table = SimilarityTable.for_tokenizer(lambda i: tok.decode([i], skip_special_tokens=False), V,
+                                          Embeddings.load("default"))
+    boost = torch.from_numpy(table.dense(spec["keyword_sets"][0][0], cfg.lam).astype(np.float32))[None]
+    init = time.perf_counter() - t0
+    # the prefix at the middle of a generation: context + half of max_new_tokens
+    filler = tok.encode(" and the people of the town went out to see what had happened to them" * 8).ids
+    prefix = tok.encode(CONTEXT).ids + filler[: cfg.max_new_tokens // 2]
+    rng = np.random.default_rng(0)
+    n_cand = spec["reference_candidates"]
+    per_token = []
+    t_all = time.perf_counter()
+    with torch.inference_mode():
+        for _ in range(n_cand):
+            seq = list(prefix)
+            for _ in range(cfg.chunk):
+                t1 = time.perf_counter()
+                logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits[:, -1].float()
+                ids, _ = torch_sample(logits, rng.random(1), np.zeros(1, np.int32), boost, cfg.temperature,
+                                      cfg.top_p, False)
+                seq.append(int(ids[0]))
+                per_token.append(time.perf_counter() - t1)
+            model(input_ids=torch.tensor([seq]), use_cache=False)       # its perplexity: one more pass
+    total = time.perf_counter() - t_all
+    tokens = n_cand * cfg.chunk
+    sec_tok = total / tokens
+    rows = cfg.beams * cfg.candidates
+    return {
+        "contender": "reference", "checkpoint": spec["checkpoint"], "prefix_tokens": len(prefix),
+        "measured_candidates": n_cand, "measured_tokens": tokens, "measured_seconds": total,
+        "seconds_per_candidate_token": sec_tok,
+        "seconds_per_token_forward_median": statistics.median(per_token),
+        "extrapolated_seconds_per_generation": sec_tok * rows * cfg.max_new_tokens,
+        "extrapolation": (f"{tokens} candidate tokens measured at a {len(prefix)}-token prefix (the middle of a "
+                          f"{cfg.max_new_tokens}-token generation), each one full forward plus one scoring pass "
+                          f"per candidate; x {rows} candidates x {cfg.max_new_tokens} tokens"),
+        "cold_start_seconds": init, "peak_rss_bytes": _peak_rss(),
+    }
+
+
+# -- roofline ----------------------------------------------------------------------------------
+def linear_shapes(model_dir: Path) -> list[tuple[int, int, int]]:
+    """(in, out, count) of every weight matmul of one step (all layers + LM head)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    m = json.loads((Path(model_dir) / "dbs_fast_model.json").read_text())
+    h, L, V = m["hidden_size"], m["num_layers"], m["vocab_size"]
+    if c.get("model_type") == "gpt2":
+        inner = c.get("n_inner") or 4 * h
+        layer = [(h, 3 * h), (h, h), (h, inner), (inner, h)]
+    else:                                           # Llama-style: q, k, v, o, gate, up, down
+        kv = m["num_kv_heads"] * m["head_dim"]
+        inner = c["intermediate_size"]
+        layer = [(h, h), (h, kv), (h, kv), (h, h), (h, inner), (h, inner), (inner, h)]
+    shapes: dict[tuple[int, int], int] = {}
+    for s in layer:
+        shapes[s] = shapes.get(s, 0) + L
+    shapes[(h, V)] = shapes.get((h, V), 0) + 1
+    return [(k, n, cnt) for (k, n), cnt in shapes.items()]
+
+
+def _matmul_seconds(rows: int, k: int, n: int, int8: bool, threads: int | None, repeats: int = 7) -> float:
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dbs_fast.session import session_options
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array((rng.standard_normal((k, n)) * 0.02).astype(np.float32), "W")
+    g = helper.make_graph([helper.make_node("MatMul", ["X", "W"], ["Y"])], "mm",
+                          [helper.make_tensor_value_info("X", TensorProto.FLOAT, [rows, k])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [rows, n])], [w])
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "mm.onnx"
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+        if int8:
+            from onnxruntime.quantization import QuantType, quantize_dynamic
+
+            quantize_dynamic(str(path), str(Path(d) / "q.onnx"), weight_type=QuantType.QInt8)
+            path = Path(d) / "q.onnx"
+        sess = ort.InferenceSession(str(path), sess_options=session_options(threads),
+                                    providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    sess.run(None, {"X": x})
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sess.run(None, {"X": x})
+        ts.append(time.perf_counter() - t0)
+    return min(ts)                                   # the machine's best: a roofline is a bound
+
+
+def memory_bandwidth(nbytes: int = 512 * 2**20) -> float:
+    """Bytes per second of a large copy (read + write counted)."""
+    a = np.ones(nbytes // 4, np.float32)
+    b = np.empty_like(a)
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        ts.append(time.perf_counter() - t0)
+    return 2 * nbytes / min(ts)
+
+
+def roofline(model_dir: Path, cfg: DBSConfig, context_tokens: int, threads: int | None) -> dict:
+    """Minimum step time of this model at b*s rows on this machine."""
+    m = json.loads((Path(model_dir) / "dbs_fast_model.json").read_text())
+    rows = cfg.beams * cfg.candidates
+    shapes = linear_shapes(model_dir)
+    flops = sum(2 * rows * k * n * c for k, n, c in shapes)
+    out = {"rows": rows, "matmul_gflop_per_step": flops / 1e9}
+    for kind, int8 in (("fp32", False), ("int8", True)):
+        sec = sum(c * _matmul_seconds(rows, k, n, int8, threads) for k, n, c in shapes)
+        out[f"{kind}_matmul_seconds_per_step"] = sec
+        out[f"{kind}_gflops"] = flops / sec / 1e9
+    bw = memory_bandwidth()
+    avg_len = context_tokens + cfg.max_new_tokens / 2
+    kv_bytes = 2 * m["num_layers"] * rows * m["num_kv_heads"] * avg_len * m["head_dim"] * 4
+    out.update(memory_bandwidth_gbs=bw / 1e9, kv_read_bytes_per_step=kv_bytes, kv_read_seconds=kv_bytes / bw)
+    for kind in ("fp32", "int8"):
+        out[f"{kind}_step_seconds"] = out[f"{kind}_matmul_seconds_per_step"] + kv_bytes / bw
+    out["definition"] = ("min step = sum over the step's weight matmuls of ORT's best time for that "
+                         "(rows x in x out) MatMul alone + reading the KV cache once at the average length "
+                         "(context + max_new_tokens/2) at the measured copy bandwidth")
+    return out
+
+
+# -- driver ------------------------------------------------------------------------------------
+def _spawn(spec: dict, workdir: Path) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", dir=workdir, delete=False) as f:
+        json.dump(spec, f)
+    out = Path(f.name).with_suffix(".out.json")
+    cmd = [sys.executable, "-m", "dbs_fast.benchmarks.bench", "--worker", f.name, str(out)]
+    print(f"[bench] {spec['point']}: {spec['contender']} ...", flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    Path(f.name).unlink(missing_ok=True)
+    if proc.returncode != 0 or not out.is_file():
+        tail = "\n".join(proc.stdout.splitlines()[-15:])
+        return {"contender": spec["contender"], "error": f"worker exited {proc.returncode}: {tail}"}
+    res = json.loads(out.read_text())
+    out.unlink()
+    return res
+
+
+def _budget(model_dir: str, cfg: DBSConfig, context_tokens: int) -> int:
+    m = json.loads((Path(model_dir) / "dbs_fast_model.json").read_text())
+    weights = sum(v for k, v in m["files"].items() if k.startswith("model.onnx"))
+    L = cfg.max_new_tokens + context_tokens
+    kv = 2 * m["num_layers"] * cfg.beams * cfg.candidates * m["num_kv_heads"] * L * m["head_dim"] * 4
+    return int(weights + kv + 1.5e9)
+
+
+def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None = None,
+              max_new_tokens: int | None = None, contenders=CONTENDERS, tokenizer: Path | None = None,
+              checkpoint: Path | None = None, shape: str = "gpt2-large", with_default: bool = True,
+              threads: int | None = None, sweep=None, reference_candidates: int | None = None,
+              kernel_repeats: int = 20) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    bad = [c for c in contenders if c not in CONTENDERS]
+    if bad:
+        raise DBSError(f"unknown contender(s) {bad}; choose from {list(CONTENDERS)}")
+    cfg = DBSConfig(max_new_tokens=max_new_tokens or (10 if quick else 90))
+    repeats = repeats or (1 if quick else 2)
+    sweep = [tuple(x) for x in (sweep if sweep is not None else ([(1, 5), (3, 5)] if quick else
+                                                                [(1, 5), (3, 5), (5, 5), (5, 10)]))]
+    ref_cands = reference_candidates or (1 if quick else 2)
+    points = prepare_points(workdir, tokenizer, checkpoint, shape, with_default)
+    report = {"machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "quick": quick,
+              "config": cfg.to_dict(), "context": CONTEXT, "keyword_sets": KEYWORD_SETS, "points": {}}
+    from dbs_fast import kernels
+
+    from .kernel import run as kernel_run
+
+    first_fp32 = Path(next(iter(points.values()))["onnx-fp32"])
+    vocab = json.loads((first_fp32 / "dbs_fast_model.json").read_text())["vocab_size"]
+    report["kernel"] = kernel_run(cfg.beams * cfg.candidates, vocab, kernel_repeats, threads)
+    print(f"[bench] kernel {report['kernel']['numba']['ms_median']:.1f} ms on "
+          f"{cfg.beams * cfg.candidates}x{vocab}", flush=True)
+    del kernels
+    for name, p in points.items():
+        ctx_tokens = len(_encode(p["onnx-fp32"], CONTEXT))
+        res = {"models": p, "roofline": roofline(Path(p["onnx-fp32"]), cfg, ctx_tokens, threads),
+               "memory_budget_bytes": {}, "contenders": {}}
+        for c in contenders:
+            if c == "reference" and p["checkpoint"] is None:
+                continue                              # the default is a GGUF: reference on the GPT-2 point
+            spec = {"point": name, "contender": c, "config": cfg.to_dict(), "keyword_sets": KEYWORD_SETS,
+                    "repeats": repeats, "threads": threads,
+                    "model_dir": p["onnx-int8" if c == "onnx-int8" else "onnx-fp32"],
+                    "checkpoint": p["checkpoint"], "reference_candidates": ref_cands,
+                    "sweep": sweep if c != "reference" and name == next(iter(points)) else []}
+            res["contenders"][c] = r = _spawn(spec, workdir)
+            if "error" in r:
+                print(f"[bench]   failed: {r['error']}", flush=True)
+            elif c != "reference":
+                res["memory_budget_bytes"][c] = _budget(spec["model_dir"], cfg, ctx_tokens)
+                print(f"[bench]   {r['seconds_median']:.2f} s/generation, step {r['step_ms']:.0f} ms, "
+                      f"peak {r['peak_rss_bytes'] / 1e9:.2f} GB", flush=True)
+            else:
+                print(f"[bench]   {r['seconds_per_candidate_token'] * 1e3:.0f} ms/candidate token", flush=True)
+        _ratios(res, cfg)
+        report["points"][name] = res
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    (out / "bench.md").write_text(markdown(report))
+    plots(report, out)
+    print(markdown(report))
+    return report
+
+
+def _encode(model_dir: str, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).encode(text).ids
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cpus, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
+
+
+def _ratios(res: dict, cfg: DBSConfig) -> None:
+    c = {k: v for k, v in res["contenders"].items() if "error" not in v}
+    r = {}
+    if "torch-fp32" in c:
+        for k in ("onnx-fp32", "onnx-int8"):
+            if k in c:
+                r[f"{k}_vs_torch"] = c["torch-fp32"]["seconds_median"] / c[k]["seconds_median"]
+    if "reference" in c:
+        ref = c["reference"]["seconds_per_candidate_token"]
+        for k in ("onnx-fp32", "onnx-int8", "torch-fp32"):
+            if k in c:
+                r[f"{k}_vs_reference_per_candidate_token"] = ref * c[k]["candidate_tokens_per_second"]
+    roof = res["roofline"]
+    for k in ("onnx-fp32", "onnx-int8", "torch-fp32"):
+        if k in c:
+            base = roof["int8_step_seconds" if k == "onnx-int8" else "fp32_step_seconds"]
+            r[f"{k}_step_vs_roofline"] = c[k]["step_ms"] / 1e3 / base
+            st = c[k]["stage_ms_per_step"]
+            r[f"{k}_scheduling_share"] = (st["kv_gather"] + st["python"] + st["text"]) / c[k]["step_ms"]
+            r[f"{k}_peak_vs_budget"] = c[k]["peak_rss_bytes"] / res["memory_budget_bytes"][k]
+    res["ratios"] = r
+
+
+def markdown(report: dict) -> str:
+    cfg = report["config"]
+    lines = [f"Benchmark: {report['machine']}, {report['date']}; b={cfg['beams']}, s={cfg['candidates']}, "
+             f"k={cfg['chunk']}, lambda={cfg['lam']}, {cfg['max_new_tokens']} new tokens, context "
+             f"\"{report['context']}\"{' (quick)' if report['quick'] else ''}.", ""]
+    k = report["kernel"]
+    lines += [f"Logits kernel, {k['rows']} x {k['vocab']}: Numba {k['numba']['ms_median']:.1f} ms (median), NumPy "
+              f"reference {k['numpy']['ms_median']:.0f} ms ({k['speedup_vs_numpy']:.0f}x)"
+              + (f", torch sort-based top-p {k['torch']['ms_median']:.0f} ms ({k['speedup_vs_torch']:.0f}x)"
+                 if "torch" in k else "") + ".", ""]
+    for name, res in report["points"].items():
+        roof = res["roofline"]
+        lines += [f"### {name}", "",
+                  f"Roofline at {roof['rows']} rows: {roof['matmul_gflop_per_step']:.1f} GFLOP/step; ORT matmul "
+                  f"{roof['fp32_gflops']:.0f} GFLOP/s fp32, {roof['int8_gflops']:.0f} GFLOP/s int8; copy bandwidth "
+                  f"{roof['memory_bandwidth_gbs']:.1f} GB/s; min step {roof['fp32_step_seconds'] * 1e3:.0f} ms fp32, "
+                  f"{roof['int8_step_seconds'] * 1e3:.0f} ms int8.", "",
+                  "| contender | s/generation (median, min-max) | candidate tok/s | step ms | x roofline | "
+                  "model | kernel | kv gather | scorer | text | python | peak RSS GB (budget) | cold start s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        ratios = res.get("ratios", {})
+        for c, r in res["contenders"].items():
+            if "error" in r:
+                lines.append(f"| {c} | failed: {r['error'].splitlines()[0][:80]} |" + " |" * 11)
+            elif c == "reference":
+                lines.append(f"| reference (batch 1, no cache) | {r['extrapolated_seconds_per_generation']:.0f} "
+                             f"(extrapolated) | {1 / r['seconds_per_candidate_token']:.2f} | "
+                             f"{r['seconds_per_candidate_token'] * 1e3:.0f} per token | | | | | | | | "
+                             f"{r['peak_rss_bytes'] / 1e9:.2f} | {r['cold_start_seconds']:.1f} |")
+            else:
+                st = r["stage_ms_per_step"]
+                lines.append(
+                    f"| {c} | {r['seconds_median']:.1f} ({r['seconds_min']:.1f}-{r['seconds_max']:.1f}) | "
+                    f"{r['candidate_tokens_per_second']:.0f} | {r['step_ms']:.0f} | "
+                    f"{ratios.get(c + '_step_vs_roofline', float('nan')):.2f} | "
+                    + " | ".join(f"{st[s]:.0f}" for s in STAGES)
+                    + f" | {r['peak_rss_bytes'] / 1e9:.2f} ({res['memory_budget_bytes'][c] / 1e9:.2f}) | "
+                      f"{r['cold_start_seconds']:.1f} |")
+        lines += ["", "Ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()), ""]
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = list(report["points"].items())
+    fig, axes = plt.subplots(1, len(pts), figsize=(6 * len(pts), 4.5), squeeze=False)
+    for ax, (name, res) in zip(axes[0], pts):
+        cs = [(c, r) for c, r in res["contenders"].items() if "error" not in r and c != "reference"]
+        bottom = np.zeros(len(cs))
+        for s in STAGES:
+            v = np.array([r["stage_ms_per_step"][s] for _, r in cs])
+            ax.bar([c for c, _ in cs], v, bottom=bottom, label=s)
+            bottom += v
+        for kind, key in (("fp32", "fp32_step_seconds"), ("int8", "int8_step_seconds")):
+            ax.axhline(res["roofline"][key] * 1e3, ls="--", lw=1, color="k" if kind == "fp32" else "grey")
+            ax.text(len(cs) - 0.5, res["roofline"][key] * 1e3, f" roofline {kind}", va="bottom", ha="right",
+                    fontsize=8)
+        ax.set_title(f"{name}: one decode step by stage")
+        ax.set_ylabel("ms per step")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "stages.png", dpi=120)
+    plt.close(fig)
+    name, res = pts[0]
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for c, r in res["contenders"].items():
+        if "error" in r or not r.get("sweep"):
+            continue
+        xs = [p["rows"] for p in r["sweep"]] + [report["config"]["beams"] * report["config"]["candidates"]]
+        ys = [p["seconds"] for p in r["sweep"]] + [r["seconds_median"]]
+        order = np.argsort(xs)
+        ax.plot(np.array(xs)[order], np.array(ys)[order], "o-", label=c)
+    ax.set_xlabel("b x s (rows decoded together)")
+    ax.set_ylabel("seconds per generation")
+    ax.set_title(f"{name}, {report['config']['max_new_tokens']} new tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "sweep.png", dpi=120)
+    plt.close(fig)
+
+
+def worker_main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    res = reference_loop(spec) if spec["contender"] == "reference" else worker_engine(spec)
+    Path(out_path).write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[2], sys.argv[3])
+    else:
+        from dbs_fast.cli import main
+
+        sys.exit(main(["bench", *sys.argv[1:]]))

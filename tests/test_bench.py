@@ -1,0 +1,55 @@
+"""The benchmark's code paths at toy size: every contender runs, the report has every field.
+No timing assertions: the benchmark reports speed, the tests check behaviour."""
+import json
+
+import pytest
+
+from dbs_fast.cli import main as cli
+
+pytest.importorskip("optimum.exporters.onnx")
+pytest.importorskip("matplotlib")
+
+
+def test_bench_on_a_tiny_model(checkpoints, tmp_path):
+    from dbs_fast.benchmarks.bench import CONTENDERS, STAGES, run_bench
+
+    out = tmp_path / "out"
+    rep = run_bench(out, tmp_path / "work", max_new_tokens=5, repeats=1, checkpoint=checkpoints["gpt2"],
+                    with_default=False, sweep=[(1, 2)], reference_candidates=1, kernel_repeats=1)
+    on_disk = json.loads((out / "bench.json").read_text())
+    assert on_disk["points"].keys() == rep["points"].keys() == {"gpt2"}
+    for f in ("bench.md", "stages.png", "sweep.png"):
+        assert (out / f).stat().st_size > 0
+    k = on_disk["kernel"]
+    assert k["numba_equals_numpy"] and k["numba"]["ms_median"] > 0 and "speedup_vs_torch" in k
+    point = on_disk["points"]["gpt2"]
+    roof = point["roofline"]
+    for key in ("fp32_step_seconds", "int8_step_seconds", "fp32_gflops", "int8_gflops", "memory_bandwidth_gbs"):
+        assert roof[key] > 0
+    assert set(point["contenders"]) == set(CONTENDERS)
+    for c, r in point["contenders"].items():
+        assert "error" not in r, r
+        assert r["peak_rss_bytes"] > 0 and r["cold_start_seconds"] > 0
+        if c == "reference":
+            assert r["measured_tokens"] == 5 and r["seconds_per_candidate_token"] > 0
+            assert r["extrapolated_seconds_per_generation"] > r["measured_seconds"]
+            continue
+        assert r["seconds_min"] <= r["seconds_median"] <= r["seconds_max"] and r["repeats"] == 1
+        assert set(STAGES) <= set(r["stage_ms_per_step"]) and r["candidate_tokens_per_second"] > 0
+        assert 0.0 <= r["success_rate"] <= 1.0 and all(isinstance(t, str) and t for t in r["texts"])
+        assert [p["rows"] for p in r["sweep"]] == [2]
+    # same seeds and keywords: the fp32 engine and the PyTorch baseline write the same text
+    assert point["contenders"]["onnx-fp32"]["texts"] == point["contenders"]["torch-fp32"]["texts"]
+    ratios = point["ratios"]
+    for key in ("onnx-fp32_vs_torch", "onnx-int8_vs_torch", "onnx-fp32_vs_reference_per_candidate_token",
+                "onnx-fp32_step_vs_roofline", "onnx-fp32_scheduling_share", "onnx-fp32_peak_vs_budget"):
+        assert ratios[key] > 0
+    assert "| onnx-int8 |" in (out / "bench.md").read_text()
+
+
+@pytest.mark.parametrize("args,msg", [(["--sweep", "7by10"], "--sweep"), (["--contenders", "tensorflow"], "unknown"),
+                                      (["--repeats", "0"], ">= 1")])
+def test_bench_bad_input_exits_2(args, msg, tmp_path, capsys):
+    code = cli(["bench", "--no-default", "--tokenizer", str(tmp_path / "none"), "--workdir", str(tmp_path),
+                "--out", str(tmp_path / "o"), *args])
+    assert code == 2 and msg in capsys.readouterr().err
