@@ -120,12 +120,22 @@ def _add_eval(sub):
     p.add_argument("--chunk", type=int, default=5)
     p.add_argument("--lambda", dest="lam", type=float, default=20.0)
     p.add_argument("--max-new-tokens", type=int, default=90)
+    p.add_argument("--boost-order", default="filter_then_boost", choices=["filter_then_boost", "boost_then_filter"])
     p.add_argument("--batch", type=int, default=4, help="keyword sets decoded together in one batch")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--grid", choices=["lambda", "bsk", "all"],
+                   help="hyper-parameter sweep instead: lambda in --grid-lambdas at b=s=k=5, and/or "
+                        "b, s in --grid-bs x k in --grid-k at lambda 20 (grid.jsonl resumable, grid.md, PNGs)")
+    p.add_argument("--grid-lambdas", default="5,10,15,20,25")
+    p.add_argument("--grid-bs", default="3,5,7,10", help="values for both b and s")
+    p.add_argument("--grid-k", default="2,5,10")
+    p.add_argument("--stories", action="store_true",
+                   help="the paper's four ROC story contexts and keywords, printed with keywords highlighted")
     p.set_defaults(func=_run_eval)
 
 
 def _run_eval(a) -> int:
+    from dataclasses import replace
     from pathlib import Path
 
     from .api import DirectedBeamSearch
@@ -136,8 +146,32 @@ def _run_eval(a) -> int:
         raise DBSError(f"`--sets` and `--batch` must be >= 1, got {a.sets}, {a.batch}")
     cfg = DBSConfig(lam=a.lam, beams=a.beams, candidates=a.candidates, chunk=a.chunk, max_new_tokens=a.max_new_tokens)
     base = DBSConfig(beams=1, candidates=1, chunk=a.chunk, max_new_tokens=a.max_new_tokens, guided=False)
+    cfg = replace(cfg, boost_order=a.boost_order)
+    if a.stories:
+        from .benchmarks.eval import run_stories
+
+        dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads)
+        tty = sys.stdout.isatty()
+        for r in run_stories(dbs, Path(a.out), seed=a.seed):
+            print(f"{r['context']}  [{', '.join(r['keywords'])}]\n  -> {highlight(r['text'], r['keywords'], tty)}"
+                  f"\n     success {r['success_rate']:.2f}, perplexity {r['perplexity']:.1f}\n")
+        return 0
     sets = read_sets(a.keywords_file) if a.keywords_file else sample_sets(a.sets, a.seed)
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads)
+    if a.grid:
+        from .benchmarks.eval import grid_configs, run_grid
+
+        try:
+            lams = [float(x) for x in a.grid_lambdas.split(",")]
+            bs = [int(x) for x in a.grid_bs.split(",")]
+            ks = [int(x) for x in a.grid_k.split(",")]
+        except ValueError:
+            raise DBSError("--grid-lambdas, --grid-bs and --grid-k are comma-separated numbers") from None
+        configs = grid_configs(cfg, a.grid, lams, bs, ks)
+        run_grid(dbs, sets, Path(a.out), configs, batch=a.batch, seed=a.seed)
+        print((Path(a.out) / "grid.md").read_text())
+        print(f"scorer: {dbs.scorer_name}; model: {dbs.model_dir}; plots in {a.out}")
+        return 0
     s = run_eval(dbs, sets, Path(a.out), batch=a.batch, seed=a.seed, unguided_cfg=base)
     print((Path(a.out) / "summary.md").read_text())
     print(f"scorer: {s['scorer']}; model: {s['model']}")

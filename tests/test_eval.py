@@ -34,3 +34,43 @@ def test_eval_end_to_end_and_resumes(exported, tmp_path, capsys):
     assert cli(argv) == 0                                                     # resumed: nothing re-run
     assert len((tmp_path / "o" / "results.jsonl").read_text().splitlines()) == 4
     assert "| dbs |" in capsys.readouterr().out
+
+
+def test_keyword_misses_by_position():
+    from dbs_fast.benchmarks.eval import keyword_misses
+
+    rows = [{"keywords": ["a", "b"], "found": {"a": {"char": 0}, "b": None}},
+            {"keywords": ["c", "b"], "found": {"c": None, "b": None}}]
+    m = keyword_misses(rows)
+    assert m["miss_rate_by_position"] == {1: 0.5, 2: 1.0} and m["missed_words"] == {"b": 2, "c": 1}
+
+
+def test_grid_configs_follow_the_paper():
+    from dbs_fast.benchmarks.eval import grid_configs
+    from dbs_fast.config import DBSConfig
+
+    lam = grid_configs(DBSConfig(), "lambda")
+    assert [c.lam for c in lam.values()] == [5, 10, 15, 20, 25]
+    assert all(c.beams == c.candidates == c.chunk == 5 for c in lam.values())
+    bsk = grid_configs(DBSConfig(), "bsk", bs_values=(3, 5), k_values=(2, 5))
+    assert len(bsk) == 8 and {(c.beams, c.candidates, c.chunk) for c in bsk.values()} >= {(3, 5, 2), (5, 3, 5)}
+
+
+def test_grid_and_stories_end_to_end(exported, tmp_path, capsys):
+    base = ["eval", "--model", str(exported["gpt2"]), "--out", str(tmp_path / "g"), "--max-new-tokens", "4",
+            "--batch", "2"]
+    sets = tmp_path / "sets.txt"
+    sets.write_text("colony,enemy\nspeed,mouth\n")
+    argv = base + ["--keywords-file", str(sets), "--grid", "all", "--grid-lambdas", "5,20", "--grid-bs", "1,2",
+                   "--grid-k", "2"]
+    assert cli(argv) == 0
+    grid = json.loads((tmp_path / "g" / "grid.json").read_text())
+    assert len(grid["points"]) == 2 + 4 and all(p["sets"] == 2 for p in grid["points"])
+    assert (tmp_path / "g" / "lambda.png").stat().st_size > 0 and (tmp_path / "g" / "bsk.png").stat().st_size > 0
+    n = len((tmp_path / "g" / "grid.jsonl").read_text().splitlines())
+    assert n == 12 and cli(argv) == 0 and len((tmp_path / "g" / "grid.jsonl").read_text().splitlines()) == n
+    assert cli(base + ["--stories"]) == 0
+    out = capsys.readouterr().out
+    assert "He and his friends are bored on a weekend day." in out and "[go, decide]" in out
+    assert len(json.loads((tmp_path / "g" / "stories.json").read_text())) == 4
+    assert cli(base + ["--grid", "lambda", "--grid-bs", "x"]) == 2
