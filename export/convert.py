@@ -120,11 +120,11 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
             onnx_path, steps = work / "_opt" / "model.onnx", steps + ["optimize"]
     report_q = None
     if quantize:
-        from .quantize import quantize_int8
+        from .quantize import quantize as run_quantize
 
-        _log("quantising weights to int8 (dynamic)", quiet)
+        _log(f"quantising weights ({quantize})", quiet)
         (work / "_q").mkdir()
-        report_q = quantize_int8(onnx_path, work / "_q" / "model.onnx")
+        report_q = run_quantize(onnx_path, work / "_q" / "model.onnx", quantize)
         onnx_path, steps = work / "_q" / "model.onnx", steps + ["quantize"]
     _move_onnx(onnx_path.parent, onnx_path.name, work)
     tok.save_pretrained(str(work))
@@ -148,7 +148,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
         "hidden_size": int(config.hidden_size),
         "max_positions": int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0)),
         "eos_token_ids": _eos_ids(model, tok),
-        "dtype": "int8-dynamic" if quantize else "float32",
+        "dtype": {None: "float32", "int8": "int8-dynamic", "int8-block": "int8-block"}[quantize],
         "opset": _opset(work / "model.onnx"),
         "onnx": "model.onnx",
         "external_data": large,
@@ -164,7 +164,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     from dbs_fast.session import OnnxModel
 
     result = parity_mod.run_parity(model, OnnxModel(work))
-    mode = "int8" if quantize else ("optimize" if "optimize" in steps else "fp32")
+    mode = "int8" if quantize in ("int8", "int8-block") else ("optimize" if "optimize" in steps else "fp32")
     ok, why = parity_mod.judge(result, mode)
     manifest["parity"] = dict(result, mode=mode, passed=ok, criterion=why)
     manifest["export_seconds"] = round(time.perf_counter() - t0, 1)
@@ -178,8 +178,8 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
 def export_model(model: str, out: str | os.PathLike, optimize: bool = False, quantize: str | None = None,
                  force: bool = False, quiet: bool = False) -> dict:
     out = Path(out).expanduser()
-    if quantize not in (None, "int8"):
-        raise DBSError(f"`--quantize` must be int8, got {quantize!r}")
+    if quantize not in (None, "int8", "int8-block"):
+        raise DBSError(f"`--quantize` must be int8 or int8-block, got {quantize!r}")
     if out.exists() and not force:
         raise DBSError(f"output directory {out} exists; pass --force to replace it")
     src = resolve(model)

@@ -36,6 +36,8 @@ def test_quantized_and_optimized_export(checkpoints, tmp_path):
     q = export_model(str(checkpoints["llama"]), tmp_path / "q", quantize="int8", quiet=True)
     assert q["dtype"] == "int8-dynamic" and q["steps"] == ["export", "quantize"]
     assert q["parity"]["passed"] and q["parity"]["mode"] == "int8"
+    qb = export_model(str(checkpoints["llama"]), tmp_path / "qb", quantize="int8-block", quiet=True)
+    assert qb["dtype"] == "int8-block" and qb["quantize"]["quantized_nodes"] > 0 and qb["parity"]["passed"]
     gq = export_model(str(checkpoints["gpt2"]), tmp_path / "gq", quantize="int8", quiet=True)
     assert gq["steps"] == ["export", "fuse_attention", "quantize"] and gq["parity"]["passed"]
     o = export_model(str(checkpoints["gpt2"]), tmp_path / "o", optimize=True, quiet=True)
