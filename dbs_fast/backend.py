@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels
-from .session import KVCache, OnnxModel
+from .session import GatherPool, KVCache, OnnxModel
 
 
 def left_pad(seqs: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
@@ -31,6 +31,7 @@ class OnnxBackend:
         self.vocab_size = model.vocab_size
         self.eos_ids = model.eos_ids
         self.pad_id = model.eos_ids[0] if model.eos_ids else 0
+        self.pool = GatherPool()
 
     def prefill(self, contexts: list[list[int]]) -> tuple[np.ndarray, KVCache]:
         ids, mask = left_pad(contexts, self.pad_id)
@@ -41,9 +42,8 @@ class OnnxBackend:
         logits, cache = self.model.forward(tokens[:, None], cache)
         return logits[:, -1], cache
 
-    @staticmethod
-    def select(cache: KVCache, rows: np.ndarray) -> KVCache:
-        return cache.select(rows)
+    def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
+        return cache.select(rows, self.pool)
 
     @staticmethod
     def take(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
