@@ -198,21 +198,25 @@ def test_corrupt_truncated_and_mismatched_models(exported, tmp_path):
         OnnxModel(tmp_path)
 
 
-def test_gather_pool_reuses_buffers_and_never_aliases(exported):
+def test_gather_pool_in_place_and_buffers(exported):
     from dbs_fast.session import GatherPool, OnnxModel
 
     m = OnnxModel(exported["gpt2"])
     rng = np.random.default_rng(2)
     _, cache = m.forward(rng.integers(0, m.vocab_size, (3, 4)), m.empty_cache(3))
     pool = GatherPool()
-    rows = np.array([2, 0, 0, 1])
+    rows = np.array([2, 0, 0, 1])                                   # 3 -> 4 rows: a pool buffer
+    want = [t[rows].copy() for t in cache.tensors]
     a = cache.select(rows, pool)
-    for x, y in zip(a.tensors, cache.select(rows).tensors):
+    for x, y in zip(a.tensors, want):
         np.testing.assert_array_equal(x, y)
     _, grown = m.forward(rng.integers(0, m.vocab_size, (4, 1)), a)
-    b = grown.select(np.array([3, 1]), pool)                      # same buffers, reused
-    assert np.shares_memory(b.tensors[0], a.tensors[0])
-    np.testing.assert_array_equal(b.tensors[0], grown.tensors[0][[3, 1]])
-    c = b.select(np.array([1, 0]), pool)                          # source is the buffer: a fresh copy
+    keep = np.array([3, 3, 1, 1])                                   # keep 2, repeat 2: in place
+    want = [t[keep].copy() for t in grown.tensors]
+    b = grown.select(keep, pool)
+    assert b.tensors[0] is grown.tensors[0]
+    for x, y in zip(b.tensors, want):
+        np.testing.assert_array_equal(x, y)
+    c = b.select(np.array([1, 0, 2]), pool)                         # 4 -> 3 rows from the pool buffer
+    np.testing.assert_array_equal(c.tensors[0], want[0][[1, 0, 2]])
     assert not np.shares_memory(c.tensors[0], b.tensors[0])
-    np.testing.assert_array_equal(c.tensors[0], grown.tensors[0][[1, 3]])
