@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels
-from .session import GatherPool, KVCache, OnnxModel
+from .session import KVCache, OnnxModel
 
 
 def left_pad(seqs: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
@@ -31,7 +31,6 @@ class OnnxBackend:
         self.vocab_size = model.vocab_size
         self.eos_ids = model.eos_ids
         self.pad_id = model.eos_ids[0] if model.eos_ids else 0
-        self.pool = GatherPool()
 
     def prefill(self, contexts: list[list[int]]) -> tuple[np.ndarray, KVCache]:
         ids, mask = left_pad(contexts, self.pad_id)
@@ -43,7 +42,7 @@ class OnnxBackend:
         return logits[:, -1], cache
 
     def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
-        return cache.select(rows, self.pool)
+        return cache.select(rows, in_place=True)
 
     @staticmethod
     def take(x: np.ndarray, rows: np.ndarray) -> np.ndarray:

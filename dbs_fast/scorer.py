@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import DBSError
-from .session import GatherPool, OnnxModel
+from .session import OnnxModel
 
 
 class SelfScorer:
@@ -44,7 +44,6 @@ class OnnxScorer:
         self.pad = model.eos_ids[0] if model.eos_ids else 0
         self.cache = None
         self.pending = None           # (R, V) logits predicting each row's next token
-        self.pool = GatherPool()
 
     def prefill(self, contexts):
         from .backend import left_pad
@@ -54,7 +53,7 @@ class OnnxScorer:
         self.pending = logits[:, -1]
 
     def select(self, rows):
-        self.cache = self.cache.select(rows, self.pool)
+        self.cache = self.cache.select(rows, in_place=True)
         self.pending = np.take(self.pending, rows, axis=0)
 
     def score(self, chunk, gen_logp, last):

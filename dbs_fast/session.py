@@ -35,53 +35,33 @@ class KVCache:
     def length(self) -> int:
         return self.mask.shape[1]
 
-    def select(self, rows: np.ndarray, pool: "GatherPool | None" = None) -> "KVCache":
-        """Rows `rows` of the cache (repeat and gather in one copy per tensor); with a pool the
-        copies land in its reused buffers instead of fresh allocations."""
+    def select(self, rows: np.ndarray, in_place: bool = False) -> "KVCache":
+        """Rows `rows` of the cache (repeat and gather in one copy per tensor). `in_place` lets it
+        overwrite this cache's arrays (see `take_rows_in_place`): do not use this cache after."""
         rows = np.asarray(rows, dtype=np.int64)
-        if pool is None:
+        if not in_place:
             return KVCache([np.take(t, rows, axis=0) for t in self.tensors], self.mask[rows])
-        return KVCache([pool.take(i, t, rows) for i, t in enumerate(self.tensors)], self.mask[rows])
+        return KVCache([take_rows_in_place(t, rows) for t in self.tensors], self.mask[rows])
 
     def repeat(self, n: int) -> "KVCache":
         return self.select(np.repeat(np.arange(self.batch), n))
 
 
-class GatherPool:
-    """Where `KVCache.select` puts its rows when the scheduler owns the cache.
+def take_rows_in_place(src: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """`src[rows]` written into `src` itself when the row count is unchanged, else a plain gather.
 
     Every chunk after the first keeps b rows and repeats each s times, so the new cache has as
-    many rows as the old one: it is written in place into the arrays ONNX Runtime just returned,
-    through a copy of only the distinct source rows (b of b*s). No multi-GB allocation per
-    chunk (whose page faults cost more than the copy), and the peak holds one cache plus a
-    tenth, not two. Other row counts (the first repeat) go to a buffer that is reused and grows
-    GROW positions at a time. Callers must not use the source cache after a pooled select.
+    many rows as the old one: it is written into the arrays ONNX Runtime just returned, through
+    a copy of only the distinct source rows (b of b*s). No multi-GB allocation per chunk (whose
+    page faults cost more than the copy), and the peak holds one cache plus a tenth, not two.
     """
-
-    GROW = 32
-
-    def __init__(self):
-        self.bufs: dict[int, np.ndarray] = {}
-
-    def take(self, i: int, src: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        if len(rows) == src.shape[0] and src.flags.writeable and src.flags.c_contiguous:
-            uniq, inv = np.unique(rows, return_inverse=True)
-            tmp = src[uniq]                                             # the distinct rows only
-            for j in range(len(rows)):
-                src[j] = tmp[inv[j]]
-            return src
-        shape = (len(rows),) + src.shape[1:]                          # (R, kvh, T, hd)
-        n = int(np.prod(shape))
-        buf = self.bufs.get(i)
-        if buf is None or buf.size < n:
-            cap = len(rows) * src.shape[1] * (src.shape[2] + self.GROW) * src.shape[3]
-            buf = self.bufs[i] = np.empty(cap, src.dtype)
-        if np.may_share_memory(buf, src):
-            return np.take(src, rows, axis=0)
-        dst = buf[:n].reshape(shape)
-        for j, r in enumerate(rows):                                    # one memcpy per row
-            dst[j] = src[r]
-        return dst
+    if len(rows) == src.shape[0] and src.flags.writeable and src.flags.c_contiguous:
+        uniq, inv = np.unique(rows, return_inverse=True)
+        tmp = src[uniq]                                                 # the distinct rows only
+        for j in range(len(rows)):
+            src[j] = tmp[inv[j]]
+        return src
+    return np.take(src, rows, axis=0)
 
 
 def read_manifest(model_dir: Path) -> dict:

@@ -198,25 +198,24 @@ def test_corrupt_truncated_and_mismatched_models(exported, tmp_path):
         OnnxModel(tmp_path)
 
 
-def test_gather_pool_in_place_and_buffers(exported):
-    from dbs_fast.session import GatherPool, OnnxModel
+def test_select_in_place(exported):
+    from dbs_fast.session import OnnxModel
 
     m = OnnxModel(exported["gpt2"])
     rng = np.random.default_rng(2)
     _, cache = m.forward(rng.integers(0, m.vocab_size, (3, 4)), m.empty_cache(3))
-    pool = GatherPool()
-    rows = np.array([2, 0, 0, 1])                                   # 3 -> 4 rows: a pool buffer
+    rows = np.array([2, 0, 0, 1])                                   # 3 -> 4 rows: a fresh gather
     want = [t[rows].copy() for t in cache.tensors]
-    a = cache.select(rows, pool)
+    a = cache.select(rows, in_place=True)
     for x, y in zip(a.tensors, want):
         np.testing.assert_array_equal(x, y)
     _, grown = m.forward(rng.integers(0, m.vocab_size, (4, 1)), a)
     keep = np.array([3, 3, 1, 1])                                   # keep 2, repeat 2: in place
     want = [t[keep].copy() for t in grown.tensors]
-    b = grown.select(keep, pool)
+    b = grown.select(keep, in_place=True)
     assert b.tensors[0] is grown.tensors[0]
     for x, y in zip(b.tensors, want):
         np.testing.assert_array_equal(x, y)
-    c = b.select(np.array([1, 0, 2]), pool)                         # 4 -> 3 rows from the pool buffer
+    c = b.select(np.array([1, 0, 2]), in_place=True)               # 4 -> 3 rows: a fresh gather
     np.testing.assert_array_equal(c.tensors[0], want[0][[1, 0, 2]])
     assert not np.shares_memory(c.tensors[0], b.tensors[0])
