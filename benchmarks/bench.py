@@ -347,8 +347,6 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
     points = prepare_points(workdir, tokenizer, checkpoint, shape, with_default)
     report = {"machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "quick": quick,
               "config": cfg.to_dict(), "context": CONTEXT, "keyword_sets": KEYWORD_SETS, "points": {}}
-    from dbs_fast import kernels
-
     from .kernel import run as kernel_run
 
     first_fp32 = Path(next(iter(points.values()))["onnx-fp32"])
@@ -356,7 +354,6 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
     report["kernel"] = kernel_run(cfg.beams * cfg.candidates, vocab, kernel_repeats, threads)
     print(f"[bench] kernel {report['kernel']['numba']['ms_median']:.1f} ms on "
           f"{cfg.beams * cfg.candidates}x{vocab}", flush=True)
-    del kernels
     for name, p in points.items():
         ctx_tokens = len(_encode(p["onnx-fp32"], CONTEXT))
         res = {"models": p, "roofline": roofline(Path(p["onnx-fp32"]), cfg, ctx_tokens, threads),

@@ -1,6 +1,6 @@
 """The logits kernel on the paper's batch (b*s = 70 rows x GPT-2's 50257 tokens), against the
-plain NumPy reference (`tests/naive.py` when present, else an equivalent inline sort-based
-top-p) and a torch sort-based top-p (the PyTorch baseline's sampler).
+plain NumPy sort-based top-p (`numpy_sample`, the same algorithm as `tests/naive.py`, which
+an installed package cannot import) and a torch sort-based top-p (the PyTorch baseline's sampler).
 
     python -m dbs_fast.benchmarks.kernel --rows 70 --vocab 50257 --repeats 20
 """

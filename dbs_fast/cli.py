@@ -137,7 +137,6 @@ def _add_eval(sub):
 
 
 def _run_eval(a) -> int:
-    from dataclasses import replace
     from pathlib import Path
 
     from .api import DirectedBeamSearch
@@ -146,20 +145,19 @@ def _run_eval(a) -> int:
 
     if a.sets < 1 or a.batch < 1:
         raise DBSError(f"`--sets` and `--batch` must be >= 1, got {a.sets}, {a.batch}")
-    cfg = DBSConfig(lam=a.lam, beams=a.beams, candidates=a.candidates, chunk=a.chunk, max_new_tokens=a.max_new_tokens)
+    cfg = DBSConfig(lam=a.lam, beams=a.beams, candidates=a.candidates, chunk=a.chunk, max_new_tokens=a.max_new_tokens,
+                    boost_order=a.boost_order)
     base = DBSConfig(beams=1, candidates=1, chunk=a.chunk, max_new_tokens=a.max_new_tokens, guided=False)
-    cfg = replace(cfg, boost_order=a.boost_order)
+    dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads)
     if a.stories:
         from .benchmarks.eval import run_stories
 
-        dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads)
         tty = sys.stdout.isatty()
         for r in run_stories(dbs, Path(a.out), seed=a.seed):
             print(f"{r['context']}  [{', '.join(r['keywords'])}]\n  -> {highlight(r['text'], r['keywords'], tty)}"
                   f"\n     success {r['success_rate']:.2f}, perplexity {r['perplexity']:.1f}\n")
         return 0
     sets = read_sets(a.keywords_file) if a.keywords_file else sample_sets(a.sets, a.seed)
-    dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads)
     if a.grid:
         from .benchmarks.eval import grid_configs, run_grid
 

@@ -164,7 +164,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     from dbs_fast.session import OnnxModel
 
     result = parity_mod.run_parity(model, OnnxModel(work))
-    mode = "int8" if quantize in ("int8", "int8-block") else ("optimize" if "optimize" in steps else "fp32")
+    mode = "int8" if quantize else ("optimize" if "optimize" in steps else "fp32")
     ok, why = parity_mod.judge(result, mode)
     manifest["parity"] = dict(result, mode=mode, passed=ok, criterion=why)
     manifest["export_seconds"] = round(time.perf_counter() - t0, 1)
@@ -178,8 +178,10 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
 def export_model(model: str, out: str | os.PathLike, optimize: bool = False, quantize: str | None = None,
                  force: bool = False, quiet: bool = False) -> dict:
     out = Path(out).expanduser()
-    if quantize not in (None, "int8", "int8-block"):
-        raise DBSError(f"`--quantize` must be int8 or int8-block, got {quantize!r}")
+    from .quantize import METHODS
+
+    if quantize is not None and quantize not in METHODS:
+        raise DBSError(f"`--quantize` must be one of {METHODS}, got {quantize!r}")
     if out.exists() and not force:
         raise DBSError(f"output directory {out} exists; pass --force to replace it")
     src = resolve(model)
