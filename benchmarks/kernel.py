@@ -3,6 +3,9 @@ plain NumPy sort-based top-p (`numpy_sample`, the same algorithm as `tests/naive
 an installed package cannot import) and a torch sort-based top-p (the PyTorch baseline's sampler).
 
     python -m dbs_fast.benchmarks.kernel --rows 70 --vocab 50257 --repeats 20
+
+The same run also times the kernel with the anti-repetition options on (repetition_penalty
+1.2, no_repeat_ngram_size 3, a 100-token history per row), so the two times are comparable.
 """
 from __future__ import annotations
 
@@ -72,6 +75,12 @@ def run(rows: int = 70, vocab: int = 50257, repeats: int = 20, threads: int | No
                           kernels.sample(logits, u, top_p=0.9, row_word=row_word, boost_ptr=ptr,
                                          boost_ids=bids, boost_vals=bvals)[0])
     res["numba_equals_numpy"] = bool(same)
+    hist = np.random.default_rng(1).integers(0, vocab, (rows, 100)).astype(np.int32)
+    hist[:, 50:] = hist[:, :50]                                  # repeats, so n-grams get banned
+    res["numba_anti_repetition"] = _time(lambda: kernels.sample(
+        logits, u, top_p=0.9, row_word=row_word, boost_ptr=ptr, boost_ids=bids, boost_vals=bvals, history=hist,
+        repetition_penalty=1.2, no_repeat_ngram_size=3), repeats)
+    res["anti_repetition_ratio"] = res["numba_anti_repetition"]["ms_median"] / res["numba"]["ms_median"]
     if torch_too:
         try:
             import torch

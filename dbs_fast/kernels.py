@@ -13,6 +13,13 @@ order); otherwise it is the same set.
 
 The draw is an inverse CDF over kept tokens in id order. The returned log-probability is the
 unguided, untruncated log softmax(logits / T) of the drawn token: the `self` scorer uses it.
+
+Anti-repetition (transformers semantics, applied to the raw logits before temperature, as its
+logits processors run before its warpers): `rep_penalty` divides the positive logits of tokens
+already in the row's history (context + generated) and multiplies the negative ones;
+`no_repeat_ngram` bans every token that would complete an n-gram already in the history. The
+history is `hseq[r, hstart[r]:hend]`. Neither changes the returned log-probability
+(the model's own, so the scorer still measures the model's fluency).
 """
 from __future__ import annotations
 
@@ -34,8 +41,53 @@ N_BUCKETS = BUCKETS_PER_NAT * SPAN_NATS
 
 @njit(cache=True, nogil=True, inline="always")
 def _bucket(top, v):
-    b = int((top - v) * BUCKETS_PER_NAT)
-    return b if b < N_BUCKETS else N_BUCKETS - 1
+    d = (top - v) * BUCKETS_PER_NAT             # compared before the int cast: -inf (banned) is safe
+    return int(d) if d < N_BUCKETS else N_BUCKETS - 1
+
+
+@njit(cache=True, nogil=True)
+def _penalise(x, s, inv_temp, h, start, end, penalty, ngram):
+    """Repetition penalty and n-gram bans of one row into `s` (scaled logits); returns the max
+    penalised value (penalty < 1 can raise a logit above the row's max)."""
+    top = np.float32(-np.inf)
+    if penalty != 1.0:
+        for i in range(start, end):
+            t = h[i]
+            v = x[t] / penalty if x[t] > 0 else x[t] * penalty
+            s[t] = v * inv_temp
+            top = max(top, s[t])
+    if ngram > 0 and end - start + 1 >= ngram:
+        for i in range(start, end - ngram + 1):        # window h[i : i+n-1] then h[i+n-1]
+            same = True
+            for q in range(ngram - 1):
+                if h[i + q] != h[end - ngram + 1 + q]:
+                    same = False
+                    break
+            if same:
+                s[h[i + ngram - 1]] = -np.inf
+    return top
+
+
+@njit(cache=True, nogil=True)
+def _unguided_mass_delta(x, e, inv_temp, top, hs, boost_ids, lo, hi):
+    """sum over the distinct modified tokens (sorted history `hs` and boost ids lo:hi, both
+    ascending) of exp(raw scaled logit - top) - e[t]: the unguided mass they lost or gained."""
+    i = 0
+    j = lo
+    prev = -1
+    delta = 0.0
+    while i < hs.shape[0] or j < hi:
+        if j >= hi or (i < hs.shape[0] and hs[i] <= boost_ids[j]):
+            t = hs[i]
+            i += 1
+        else:
+            t = boost_ids[j]
+            j += 1
+        if t == prev:
+            continue
+        prev = t
+        delta += np.exp(np.float64(x[t] * inv_temp) - top) - np.float64(e[t])
+    return delta
 
 
 @njit(cache=True, nogil=True)
@@ -77,7 +129,7 @@ def _nucleus_cut(s, e, top, hist, target):
 
 @njit(parallel=True, cache=True)
 def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_vals, boost_first,
-                 uniforms, out_ids, out_logp):
+                 hseq, hstart, hend, penalty, ngram, uniforms, out_ids, out_logp):
     R, V = logits.shape
     for r in prange(R):
         x = logits[r]
@@ -91,6 +143,9 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
         lo = boost_ptr[w] if w >= 0 else 0
         hi = boost_ptr[w + 1] if w >= 0 else 0
         top = m
+        shaped = penalty != 1.0 or ngram > 0
+        if shaped:
+            top = max(top, _penalise(x, s, inv_temp, hseq[r], hstart[r], hend, penalty, ngram))
         if boost_first:
             for j in range(lo, hi):
                 t = boost_ids[j]
@@ -103,8 +158,11 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
             e[i] = ei
             total += ei
             hist[_bucket(top, s[i])] += ei
-        unguided = total
-        if boost_first:                      # the log-prob returned is the unguided one
+        unguided = total                     # the log-prob returned is the unguided one:
+        if shaped:                           # undo the penalties and (boost_first) boosts
+            hs = np.sort(hseq[r, hstart[r]:hend])
+            unguided += _unguided_mass_delta(x, e, inv_temp, top, hs, boost_ids, lo if boost_first else hi, hi)
+        elif boost_first:
             for j in range(lo, hi):
                 t = boost_ids[j]
                 unguided -= np.float64(e[t])     # in float64: e[t] dwarfs the unguided mass
@@ -125,7 +183,7 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
         cum = 0.0
         chosen = -1
         for i in range(V):                   # pass 4: inverse CDF, stops at the draw
-            if s[i] >= cut:
+            if s[i] >= cut and e[i] > 0.0:   # (a banned token has weight 0: never drawn)
                 cum += e[i]
                 chosen = i
                 if cum > u:
@@ -137,11 +195,15 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
 def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0, top_p: float = 0.9,
            row_word: np.ndarray | None = None, boost_ptr: np.ndarray | None = None,
            boost_ids: np.ndarray | None = None, boost_vals: np.ndarray | None = None,
-           boost_first: bool = False) -> tuple[np.ndarray, np.ndarray]:
+           boost_first: bool = False, history: np.ndarray | None = None,
+           history_start: np.ndarray | None = None, repetition_penalty: float = 1.0,
+           no_repeat_ngram_size: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Draw one token per row of `logits` (R, V) float32; returns (ids (R,) int64, logp (R,) float32).
 
     `row_word[r]` indexes the CSR boost table (`boost_ptr`, `boost_ids` ascending per word,
-    `boost_vals`) or is -1 for an unguided row.
+    `boost_vals`) or is -1 for an unguided row. `history` (R, H) holds each row's tokens so far
+    (context + generated), the row's own starting at `history_start[r]` (left padding before);
+    it is needed only for `repetition_penalty` != 1 or `no_repeat_ngram_size` > 0.
     """
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     R = logits.shape[0]
@@ -151,11 +213,21 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
         boost_ids = np.zeros(0, np.int32)
         boost_vals = np.zeros(0, np.float32)
     assert uniforms.shape == (R,) and row_word.shape == (R,)
+    shaped = repetition_penalty != 1.0 or no_repeat_ngram_size > 0
+    if shaped and history is None:
+        raise ValueError("repetition_penalty / no_repeat_ngram_size need the rows' token history")
+    if not shaped or history is None:
+        history, history_start = np.zeros((R, 0), np.int32), np.zeros(R, np.int32)
+    elif history_start is None:
+        history_start = np.zeros(R, np.int32)
     out_ids = np.empty(R, np.int64)
     out_logp = np.empty(R, np.float32)
     _sample_rows(logits, np.float32(1.0 / temperature), float(top_p), row_word.astype(np.int32),
                  boost_ptr.astype(np.int64), boost_ids.astype(np.int32), boost_vals.astype(np.float32),
-                 bool(boost_first), uniforms.astype(np.float64), out_ids, out_logp)
+                 bool(boost_first), np.ascontiguousarray(history, dtype=np.int32),
+                 np.asarray(history_start, dtype=np.int32), int(history.shape[1]),
+                 np.float32(repetition_penalty), int(no_repeat_ngram_size),
+                 uniforms.astype(np.float64), out_ids, out_logp)
     return out_ids, out_logp
 
 

@@ -2,16 +2,44 @@
 import numpy as np
 
 
-def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, boost_first=False):
-    """dense_boosts: list per row of a (V,) boost vector or None."""
+def banned_ngram_tokens(history, n):
+    """transformers' no_repeat_ngram rule, spelled out: tokens completing an n-gram already seen."""
+    h = list(history)
+    if n <= 0 or len(h) + 1 < n:
+        return set()
+    grams = {}
+    for i in range(len(h) - n + 1):
+        grams.setdefault(tuple(h[i:i + n - 1]), set()).add(h[i + n - 1])
+    return grams.get(tuple(h[len(h) - n + 1:]) if n > 1 else (), set())
+
+
+def shape_logits(x, history, penalty=1.0, ngram=0):
+    """Repetition penalty (CTRL / transformers) and n-gram bans on raw logits (float32)."""
+    x = x.astype(np.float32).copy()
+    if history is None:
+        return x
+    seen = np.unique(np.asarray(history, np.int64))
+    if penalty != 1.0 and len(seen):
+        v = x[seen]
+        x[seen] = np.where(v > 0, v / np.float32(penalty), v * np.float32(penalty))
+    for t in banned_ngram_tokens(history, ngram):
+        x[t] = -np.inf
+    return x
+
+
+def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, boost_first=False,
+               histories=None, penalty=1.0, ngram=0):
+    """dense_boosts: list per row of a (V,) boost vector or None; histories: list per row of token ids."""
     R, V = logits.shape
     ids = np.empty(R, np.int64)
     logp = np.empty(R, np.float64)
     inv_t = np.float32(1.0 / temperature)
     for r in range(R):
-        s = (logits[r].astype(np.float32) * inv_t)
+        raw = (logits[r].astype(np.float32) * inv_t)
+        logz = float(raw.max()) + np.log(np.exp((raw - raw.max()).astype(np.float64)).sum())
+        h = None if histories is None else histories[r]
+        s = shape_logits(logits[r], h, penalty, ngram) * inv_t
         m = s.max()
-        logz = float(m) + np.log(np.exp((s - m).astype(np.float64)).sum())
         b = None if dense_boosts is None else dense_boosts[r]
         key = s.astype(np.float64) + (b if (b is not None and boost_first) else 0.0)
         key = key.astype(np.float32) if (b is not None and boost_first) else s
@@ -30,5 +58,5 @@ def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, 
         w = np.where(kept, np.exp(final - float(m)), 0.0)
         c = np.cumsum(w)
         ids[r] = min(int(np.searchsorted(c, uniforms[r] * c[-1], side="right")), V - 1)
-        logp[r] = float(s[ids[r]]) - logz
+        logp[r] = float(raw[ids[r]]) - logz
     return ids, logp
