@@ -14,5 +14,12 @@ def home() -> Path:
     return Path(root).expanduser()
 
 
+EMBEDDED_DIRS = {"default": "smollm2-135m-instruct", "gemma3-270m": "gemma3-270m"}
+
+
+def embedded_model_dir(name: str) -> Path:
+    return home() / "models" / EMBEDDED_DIRS[name]
+
+
 def default_model_dir() -> Path:
-    return home() / "models" / "smollm2-135m-instruct"
+    return embedded_model_dir("default")

@@ -85,6 +85,22 @@ def _versions() -> dict:
     return out
 
 
+def _fix_gguf_tokenizer(src: Source, work: Path, quiet: bool) -> str:
+    """SentencePiece GGUF vocabularies (Gemma): transformers' conversion is wrong, rebuild it."""
+    if not src.is_gguf:
+        return "transformers"
+    from .gguf_tokenizer import read_vocab, write_tokenizer
+
+    gguf = Path(src.path) / src.gguf_file
+    try:
+        read_vocab(gguf)
+    except ValueError:
+        return "transformers (GGUF)"           # BPE vocabularies (SmolLM2) convert correctly
+    _log("rebuilding the SentencePiece BPE tokenizer from the GGUF vocabulary", quiet)
+    write_tokenizer(gguf, work)
+    return "rebuilt from GGUF vocabulary (export/gguf_tokenizer.py)"
+
+
 def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet: bool) -> dict:
     """Write the whole export into `work`; returns the manifest."""
     config = load_config(src)
@@ -128,6 +144,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
         onnx_path, steps = work / "_q" / "model.onnx", steps + ["quantize"]
     _move_onnx(onnx_path.parent, onnx_path.name, work)
     tok.save_pretrained(str(work))
+    tokenizer_note = _fix_gguf_tokenizer(src, work, quiet)
     model.config.save_pretrained(str(work))
     for junk in ("_checkpoint", "_onnx", "_opt", "_q"):
         shutil.rmtree(work / junk, ignore_errors=True)
@@ -156,6 +173,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
         "attention_fusion": report_fuse,
         "optimize": report_opt,
         "quantize": report_q,
+        "tokenizer": tokenizer_note,
         "files": _files(work),
         "versions": _versions(),
     }
@@ -207,12 +225,12 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
     return manifest
 
 
-def ensure_default(quiet: bool = False) -> Path:
-    """The embedded default exported once under DBS_FAST_HOME and reused after."""
-    from dbs_fast.home import default_model_dir
+def ensure_embedded(name: str = "default", quiet: bool = False) -> Path:
+    """An embedded model (`default`, `gemma3-270m`) exported once under DBS_FAST_HOME and reused after."""
+    from dbs_fast.home import embedded_model_dir
 
-    d = default_model_dir()
+    d = embedded_model_dir(name)
     if not (d / MANIFEST).is_file():
-        _log(f"first use: exporting the embedded default model to {d} (once)", quiet)
-        export_model("default", d, force=d.exists(), quiet=quiet)
+        _log(f"first use: exporting the embedded model {name!r} to {d} (once)", quiet)
+        export_model(name, d, force=d.exists(), quiet=quiet)
     return d

