@@ -28,14 +28,14 @@ def main(argv=None):
     a = ap.parse_args(argv)
     from dbs_fast import DBSConfig, DirectedBeamSearch
 
-    cfg = DBSConfig(max_new_tokens=a.max_new_tokens)
+    cfg = DBSConfig.paper(max_new_tokens=a.max_new_tokens)
     report = {"machine": f"{platform.machine()} {platform.processor()} cpus={__import__('os').cpu_count()}",
               "date": time.strftime("%Y-%m-%d %H:%M"), "config": cfg.to_dict(), "keywords": KEYWORDS}
     texts = {}
     for backend in ("onnx", "torch"):
         t0 = time.perf_counter()
         dbs = DirectedBeamSearch(a.model, config=cfg, backend=backend, threads=a.threads)
-        dbs.generate("It is", KEYWORDS, seed=0, config=DBSConfig(max_new_tokens=cfg.chunk))  # warm-up
+        dbs.generate("It is", KEYWORDS, seed=0, config=DBSConfig.paper(max_new_tokens=cfg.chunk))  # warm-up
         load = time.perf_counter() - t0
         runs = [dbs.generate("It is", KEYWORDS, seed=s) for s in range(a.repeats)]
         secs = [r.seconds for r in runs]

@@ -339,7 +339,7 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
     bad = [c for c in contenders if c not in CONTENDERS]
     if bad:
         raise DBSError(f"unknown contender(s) {bad}; choose from {list(CONTENDERS)}")
-    cfg = DBSConfig(max_new_tokens=max_new_tokens or (10 if quick else 90))
+    cfg = DBSConfig.paper(max_new_tokens=max_new_tokens or (10 if quick else 90))  # fixed length: same work
     repeats = repeats or (1 if quick else 2)
     sweep = [tuple(x) for x in (sweep if sweep is not None else ([(1, 5), (3, 5)] if quick else
                                                                 [(1, 5), (3, 5), (5, 5), (5, 10)]))]

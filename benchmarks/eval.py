@@ -48,12 +48,27 @@ def read_sets(path: str) -> list[list[str]]:
     return [[w.strip() for w in line.split(",")] for line in p.read_text().splitlines() if line.strip()]
 
 
-def _row(i, kws, mode, r, n_batch) -> dict:
+# Built-in keyword sets, copied into the package (dbs_fast/data/README.md gives their sources).
+BUILTIN_SETS = {"paper": "paper_50_keyword_sets.txt", "roc": "roc_20_storylines.txt"}
+
+
+def builtin_sets(name: str) -> list[list[str]]:
+    from importlib.resources import files
+
+    if name not in BUILTIN_SETS:
+        raise DBSError(f"--sets must be one of {sorted(BUILTIN_SETS)} or a number of sets to sample, got {name!r}")
+    return read_sets(str(files("dbs_fast") / "data" / BUILTIN_SETS[name]))
+
+
+def _row(i, kws, mode, r, n_batch, context) -> dict:
+    from dbs_fast.metrics import rep_n
+
     # r.seconds is the wall time of the whole batch; a set's share is that over the batch size
     return {"set": i, "mode": mode, "keywords": kws, "success_rate": r.success_rate,
             "perplexity": r.perplexity, "success_length": r.success_length, "seconds": r.seconds / n_batch,
-            "batch_seconds": r.seconds, "batch_sets": n_batch,
-            "text": r.text, "found": r.found}
+            "batch_seconds": r.seconds, "batch_sets": n_batch, "new_tokens": r.new_tokens, "stopped": r.stopped,
+            "rep_2": rep_n(r.generated, 2), "rep_4": rep_n(r.generated, 4),
+            "context": context, "generated": r.generated, "text": r.text, "found": r.found}
 
 
 def run_modes(dbs, sets, configs: dict, path: Path, context="It is", batch=4, seed=0, quiet=False,
@@ -75,18 +90,41 @@ def run_modes(dbs, sets, configs: dict, path: Path, context="It is", batch=4, se
                 res = dbs.generate_batch([(context, sets[i]) for i in part], seeds=[seed + i for i in part],
                                          config=cfg)
                 for i, r in zip(part, res):
-                    f.write(json.dumps(_row(i, sets[i], mode, r, len(part))) + "\n")
+                    f.write(json.dumps(_row(i, sets[i], mode, r, len(part), context)) + "\n")
                 f.flush()
                 bar.update(len(part))
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 METRICS = ("success_rate", "perplexity", "success_length", "seconds")
+QUALITY = ("success_rate", "judge_ppl", "perplexity", "rep_2", "rep_4", "success_length", "new_tokens", "seconds")
 
 
-def _aggregate(rows) -> dict:
-    return {m: {"mean": float(np.mean([r[m] for r in rows])), "std": float(np.std([r[m] for r in rows]))}
-            for m in METRICS}
+def _aggregate(rows, metrics=METRICS) -> dict:
+    out = {}
+    for m in metrics:
+        v = np.array([r[m] for r in rows if r.get(m) is not None], float)
+        v = v[np.isfinite(v)]
+        out[m] = {"mean": float(v.mean()) if len(v) else float("nan"), "std": float(v.std()) if len(v) else float("nan"),
+                  "median": float(np.median(v)) if len(v) else float("nan")}
+    return out
+
+
+def judge_rows(path: Path, judge, quiet=False) -> list[dict]:
+    """Judge perplexity for every row of `path` that has none from this judge; rewritten atomically."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    todo = [r for r in rows if r.get("judge") != judge.name and "generated" in r]
+    if todo:
+        from tqdm import tqdm
+
+        for start in tqdm(range(0, len(todo), 16), desc=f"judge ({judge.name})", unit="16 texts", disable=quiet):
+            part = todo[start:start + 16]
+            for r, ppl in zip(part, judge.perplexity([(r["context"], r["generated"]) for r in part])):
+                r["judge"], r["judge_ppl"] = judge.name, ppl
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(path)
+    return rows
 
 
 def keyword_misses(rows) -> dict:
@@ -103,28 +141,76 @@ def keyword_misses(rows) -> dict:
             "missed_words": dict(sorted(missed.items(), key=lambda kv: (-kv[1], kv[0])))}
 
 
-def run_eval(dbs, sets, out: Path, context="It is", batch=4, seed=0, unguided_cfg=None, quiet=False) -> dict:
-    cfgs = {"dbs": dbs.config, "unguided": unguided_cfg}
-    rows = run_modes(dbs, sets, cfgs, out / "results.jsonl", context, batch, seed, quiet)
-    summary = {"scorer": dbs.scorer_name, "model": str(dbs.model_dir), "sets": len(sets),
-               "config": dbs.config.to_dict(), "date": time.strftime("%Y-%m-%d")}
-    for mode in cfgs:
-        summary[mode] = _aggregate([r for r in rows if r["mode"] == mode and r["set"] < len(sets)])
-    summary["dbs_misses"] = keyword_misses([r for r in rows if r["mode"] == "dbs" and r["set"] < len(sets)])
+def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed=0, judge=None, quiet=False) -> dict:
+    """Every run of `configs` ({name: DBSConfig}) on every set; judged, with degeneration metrics."""
+    from dbs_fast.metrics import distinct_n
+
+    path = out / "results.jsonl"
+    rows = run_modes(dbs, sets, configs, path, context, batch, seed, quiet)
+    if judge is not None:
+        rows = judge_rows(path, judge, quiet)
+    summary = {"scorer": dbs.scorer_name, "judge": judge.name if judge else None, "model": str(dbs.model_dir),
+               "sets": len(sets), "context": context, "date": time.strftime("%Y-%m-%d"),
+               "configs": {m: c.to_dict() for m, c in configs.items()}}
+    for mode in configs:
+        rs = [r for r in rows if r["mode"] == mode and r["set"] < len(sets)]
+        agg = _aggregate(rs, QUALITY)
+        gen = [r["generated"] for r in rs]
+        agg["distinct_2"], agg["distinct_4"] = distinct_n(gen, 2), distinct_n(gen, 4)
+        agg["natural_stop"] = float(np.mean([r.get("stopped") in ("sentence", "eos") for r in rs]))
+        agg["ends_at_sentence"] = float(np.mean([r.get("stopped") in ("sentence", "eos", "trimmed") for r in rs]))
+        agg["misses"] = keyword_misses(rs)
+        summary[mode] = agg
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    lines = ["| run | success rate | perplexity | success length | seconds/set (amortised over a batch) |",
-             "|---|---|---|---|---|"]
-    for mode in cfgs:
-        s = summary[mode]
-        lines.append(f"| {mode} | {s['success_rate']['mean']:.2f} ± {s['success_rate']['std']:.2f} | "
-                     f"{s['perplexity']['mean']:.1f} ± {s['perplexity']['std']:.1f} | "
-                     f"{s['success_length']['mean']:.1f} | {s['seconds']['mean']:.1f} |")
-    miss = summary["dbs_misses"]
-    lines += ["", "DBS miss rate by keyword position: " + ", ".join(
-        f"{p}: {v:.2f}" for p, v in miss["miss_rate_by_position"].items()),
-        "Missed keywords (times): " + (", ".join(f"{w} ({n})" for w, n in miss["missed_words"].items()) or "none")]
+    lines = [f"{len(sets)} keyword sets, context {context!r}; judge: {summary['judge']} (perplexity of the "
+             f"generated text given the context, judge's own tokenizer); self ppl: the generator grading itself.", "",
+             "| run | success rate | judge ppl (mean / median) | self ppl | rep-2 | rep-4 | distinct-2 | distinct-4 | "
+             "success length | new tokens | ends at sentence/EOS | seconds/set |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode in configs:
+        a = summary[mode]
+        lines.append(f"| {mode} | {a['success_rate']['mean']:.2f} ± {a['success_rate']['std']:.2f} | "
+                     f"{a['judge_ppl']['mean']:.1f} / {a['judge_ppl']['median']:.1f} | {a['perplexity']['mean']:.1f} | "
+                     f"{a['rep_2']['mean']:.3f} | {a['rep_4']['mean']:.3f} | {a['distinct_2']:.3f} | "
+                     f"{a['distinct_4']:.3f} | {a['success_length']['mean']:.1f} | {a['new_tokens']['mean']:.1f} | "
+                     f"{a['ends_at_sentence']:.2f} | {a['seconds']['mean']:.1f} |")
+    for mode in configs:
+        miss = summary[mode]["misses"]
+        lines += ["", f"{mode}: miss rate by keyword position: " + ", ".join(
+            f"{p}: {v:.2f}" for p, v in miss["miss_rate_by_position"].items()) + "; missed (times): "
+            + (", ".join(f"{w} ({n})" for w, n in list(miss["missed_words"].items())[:12]) or "none")]
+    lines += ["", "Examples (sets picked by numpy default_rng(seed), unedited):", ""]
+    rng = np.random.default_rng(seed)
+    for i in sorted(rng.choice(len(sets), size=min(3, len(sets)), replace=False).tolist()):
+        lines.append(f"- set {i}: {', '.join(sets[i])}")
+        for mode in configs:
+            r = next((r for r in rows if r["mode"] == mode and r["set"] == i), None)
+            if r is not None:
+                lines.append(f"  - {mode}: {json.dumps(r['text'])}")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
+    quality_plot(summary, list(configs), out / "quality.png")
     return summary
+
+
+def quality_plot(summary, modes, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("success_rate", "success rate"), ("judge_ppl", "judge perplexity (median)"), ("rep_4", "rep-4"),
+              ("distinct_4", "distinct-4")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
+    for ax, (m, label) in zip(axes, panels):
+        v = [summary[x][m] if isinstance(summary[x][m], float) else
+             summary[x][m]["median" if m == "judge_ppl" else "mean"] for x in modes]
+        ax.bar(modes, v, color=["tab:blue", "tab:orange", "tab:gray", "tab:green"][:len(modes)])
+        ax.set_title(label)
+        ax.tick_params(axis="x", rotation=20)
+    fig.suptitle(f"{summary['sets']} keyword sets; judge: {summary['judge']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # -- hyper-parameter grids (the paper's Figure 1 and Figures 2-3) -------------------------------

@@ -13,7 +13,7 @@ from .beam import BeamSearch, Request
 from .config import DBSConfig
 from .embeddings import Embeddings, SimilarityTable
 from .errors import DBSError
-from .home import MANIFEST, default_model_dir
+from .home import EMBEDDED_DIRS, MANIFEST, embedded_model_dir
 
 _KEYWORD = re.compile(r"^[^\W_]+$")
 _EMB_CACHE: dict[str, Embeddings] = {}
@@ -28,6 +28,8 @@ class GenerationResult:
     found: dict                   # keyword -> {"char": offset in generated, "token": index} or None
     success_rate: float
     success_length: int           # generated tokens until every keyword occurred (all if never)
+    stopped: str                  # "sentence" / "eos": ended naturally; "trimmed": cut back to the last
+    #                               sentence end after the keywords at max_new_tokens; "max": budget
     perplexity: float             # exp(-mean scorer log-prob) of the generated tokens
     new_tokens: int
     beams: list[dict]             # every final beam: text, score
@@ -41,16 +43,16 @@ class GenerationResult:
 
 
 def resolve_model_dir(model: str | Path, quiet: bool = True) -> Path:
-    if str(model) == "default":
-        d = default_model_dir()
+    if str(model) in EMBEDDED_DIRS:
+        d = embedded_model_dir(str(model))
         if (d / MANIFEST).is_file():
             return d
         try:
-            from .export.convert import ensure_default
+            from .export.convert import ensure_embedded
         except ImportError as e:
-            raise DBSError("the embedded default model is exported on first use, which needs the export "
+            raise DBSError(f"the embedded model {model!r} is exported on first use, which needs the export "
                            f"extra: pip install 'dbs-fast[export]' (missing: {e.name})") from None
-        return ensure_default(quiet=quiet)
+        return ensure_embedded(str(model), quiet=quiet)
     p = Path(model).expanduser()
     if not p.is_dir():
         raise DBSError(f"model directory not found: {model} (export one with `dbs-fast export`)")
@@ -98,8 +100,16 @@ class DirectedBeamSearch:
         self.table = SimilarityTable.for_tokenizer(self.backend.decode_one, self.backend.vocab_size,
                                                    _EMB_CACHE[embeddings])
         self.subword_fallback = self._subwords if subword_fallback else None
+        self._sentence_end = None
         self.scorer_name = scorer
         self.scorer = self._make_scorer(scorer, provider, threads)
+
+    @property
+    def sentence_end(self) -> np.ndarray:
+        """(V,) bool: tokens that end a sentence (built on first use of stop="sentence")."""
+        if self._sentence_end is None:
+            self._sentence_end = occurrence.sentence_end_tokens(self.backend.decode_one, self.backend.vocab_size)
+        return self._sentence_end
 
     def _subwords(self, word: str) -> list[int]:
         return self.backend.encode(" " + word)
@@ -136,7 +146,8 @@ class DirectedBeamSearch:
             boosts += [self.table.sparse(k, cfg.lam, cfg.boost_cutoff, self.subword_fallback) for k in kws]
         csr = kernels.csr_boosts(boosts)
         t0 = time.perf_counter()
-        search = BeamSearch(self.backend, self.scorer, cfg, csr, reqs, progress)
+        search = BeamSearch(self.backend, self.scorer, cfg, csr, reqs, progress,
+                            self.sentence_end if cfg.stop == "sentence" else None)
         rows = search.run()
         seconds = time.perf_counter() - t0
         timings = dict(search.t.seconds)
@@ -144,27 +155,43 @@ class DirectedBeamSearch:
         return [self._result(q, ctx, r.keywords, cfg, rows, seconds, timings, cand_tps)
                 for q, ((ctx, _), r) in enumerate(zip(requests, reqs))]
 
-    def _result(self, q, context, kws, cfg, rows, seconds, timings, cand_tps) -> GenerationResult:
-        req_rows = np.flatnonzero(rows.req == q)
-        order = req_rows[np.argsort(-rows.cum[req_rows], kind="stable")]
-        best = order[0]
-        toks = rows.tokens[best, : rows.n_tok[best]]
-        texts = self.backend.decode_batch([toks[:n] for n in range(1, len(toks) + 1)]) or [""]
-        generated = texts[-1]
+    @staticmethod
+    def _found(texts: list[str], kws) -> dict:
+        """keyword -> first occurrence {"char", "token"} in the final text (texts: every token prefix)."""
+        generated = texts[-1] if texts else ""
         found = {}
         for kw in kws:
             span = occurrence.first_match(generated, kw)
             tok = next((n + 1 for n, t in enumerate(texts) if occurrence.count(t, kw) > 0), None)
             found[kw] = None if span is None else {"char": span[0], "token": tok}
-        hits = [f["token"] for f in found.values() if f is not None]
+        return found
+
+    def _result(self, q, context, kws, cfg, rows, seconds, timings, cand_tps) -> GenerationResult:
+        req_rows = np.flatnonzero(rows.req == q)
+        order = req_rows[np.argsort(-rows.cum[req_rows], kind="stable")]
+        best = order[0]
         n_gen = int(rows.n_tok[best])
+        toks = rows.tokens[best, :n_gen]
+        texts = self.backend.decode_batch([toks[:n] for n in range(1, len(toks) + 1)]) or [""]
+        found = self._found(texts, kws)
+        stopped = "max"
+        if rows.ended[best]:
+            stopped = "eos" if n_gen and toks[-1] in self.backend.eos_ids else "sentence"
+        elif cfg.stop == "sentence":   # budget ran out: cut back to the last sentence end after the keywords
+            need = max([f["token"] for f in found.values() if f is not None], default=0)
+            ends = [n for n in range(max(need, 1), n_gen + 1) if self.sentence_end[toks[n - 1]]]
+            if ends:
+                n_gen, stopped = ends[-1], ("trimmed" if ends[-1] < n_gen else "sentence")
+                toks, texts = toks[:n_gen], texts[:n_gen]
+        generated = texts[-1] if texts else ""
+        hits = [f["token"] for f in found.values() if f is not None]
         success_length = max(hits) if len(hits) == len(kws) else cfg.max_new_tokens
         lp = rows.logp[best, :n_gen]
         beams = [{"text": t, "score": float(rows.cum[i])} for i, t in
                  zip(order, self.backend.decode_batch([rows.tokens[i, : rows.n_tok[i]] for i in order]))]
         return GenerationResult(
             text=context + generated, context=context, generated=generated, keywords=kws, found=found,
-            success_rate=len(hits) / len(kws), success_length=int(success_length),
+            success_rate=len(hits) / len(kws), success_length=int(success_length), stopped=stopped,
             perplexity=float(np.exp(-lp.mean())) if n_gen else float("nan"), new_tokens=n_gen,
             beams=beams, seconds=seconds, tokens_per_second=n_gen / seconds,
             candidate_tokens_per_second=cand_tps, timings=timings)

@@ -54,9 +54,18 @@ class Timings:
 class BeamSearch:
     """One run of DBS over a batch of requests with a backend (model + sampler) and a scorer."""
 
-    def __init__(self, backend, scorer, cfg: DBSConfig, csr, requests: list[Request], progress=None):
+    def __init__(self, backend, scorer, cfg: DBSConfig, csr, requests: list[Request], progress=None,
+                 sentence_end: np.ndarray | None = None):
         self.be, self.scorer, self.cfg, self.csr = backend, scorer, cfg, csr
         self.requests = requests
+        if cfg.stop == "sentence" and sentence_end is None:   # (V,) bool; the API passes a cached one
+            sentence_end = occurrence.sentence_end_tokens(backend.decode_one, backend.vocab_size)
+        self.sentence_end = sentence_end
+        ctx_len = np.array([len(r.context_ids) for r in requests])
+        self.ctx = np.zeros((len(requests), ctx_len.max()), np.int64)      # left-padded contexts
+        for q, r in enumerate(requests):
+            self.ctx[q, self.ctx.shape[1] - len(r.context_ids):] = r.context_ids
+        self.ctx_start = (self.ctx.shape[1] - ctx_len).astype(np.int32)
         self.rngs = [np.random.default_rng(r.seed) for r in requests]
         self.n_kw = np.array([len(r.keywords) for r in requests])
         self.word_base = np.array([r.word_base for r in requests])
@@ -87,6 +96,8 @@ class BeamSearch:
             prefix = self._texts(rows)
             rows, chunk, pending, cache = self._decode_chunk(rows, prefix, k, pending, cache, last)
             rows = self._score(rows, prefix, chunk, last)
+            if cfg.stop == "sentence":
+                rows = self._finish_requests(rows)
             keep = self._select_best(rows)
             if last:
                 rows = rows.take(keep)
@@ -123,24 +134,38 @@ class BeamSearch:
         counts = np.bincount(rows.req, minlength=len(self.rngs))
         return np.concatenate([g.random(n) for g, n in zip(self.rngs, counts)])
 
+    def _history(self, rows: Rows, n_gen: int):
+        """Each row's tokens so far (context + generated) for the kernel's repetition rules."""
+        if not self.cfg.shapes_logits:
+            return None, None
+        return np.concatenate([self.ctx[rows.req], rows.tokens[:, :n_gen]], axis=1), self.ctx_start[rows.req]
+
     def _decode_chunk(self, rows: Rows, prefix: list[str], k: int, pending, cache, last: bool):
         R = len(rows.req)
         word = self._guide_words(rows)
         active = word >= 0
+        guided_at_start = active.copy()
+        last_word = rows.ptr == self.n_kw[rows.req] - 1
         base = rows.tokens.shape[1]
         rows.tokens = np.concatenate([rows.tokens, np.full((R, k), self.pad, np.int64)], axis=1)  # (R, L+k)
         rows.logp = np.concatenate([rows.logp, np.zeros((R, k), np.float32)], axis=1)
         for j in range(k):
             t0 = time.perf_counter()
-            ids, lp = self.be.sample(pending, self._uniforms(rows), np.where(active, word, -1), self.csr, self.cfg)
+            hist, hstart = self._history(rows, base + j)
+            ids, lp = self.be.sample(pending, self._uniforms(rows), np.where(active, word, -1), self.csr, self.cfg,
+                                     hist, hstart)
             t0 = self.t.add("kernel", t0)
             ids = np.where(rows.ended, self.pad, ids)
             rows.tokens[:, base + j], rows.logp[:, base + j] = ids, lp
             self.candidate_tokens += int((~rows.ended).sum())
             rows.n_tok += ~rows.ended
+            was_ended = rows.ended.copy()
             rows.ended |= np.isin(ids, self.eos)
             if active.any():
                 active &= ~self._word_seen(rows, prefix, word, active)
+            if self.cfg.stop == "sentence":   # all keywords in (before or in this chunk) + sentence end
+                all_in = (rows.ptr >= self.n_kw[rows.req]) | (last_word & guided_at_start & ~active)
+                rows.ended |= ~was_ended & all_in & self.sentence_end[ids]
             t0 = time.perf_counter()
             if not (last and j == k - 1):
                 pending, cache = self.be.step(ids, cache)
@@ -184,6 +209,17 @@ class BeamSearch:
                 rows.ptr[i] += 1
             rows.cum[i] += q
         self.t.add("text", t0)
+        return rows
+
+    def _finish_requests(self, rows: Rows) -> Rows:
+        """stop="sentence": a request with a finished beam (every keyword, then a sentence end or
+        EOS) is done; its unfinished beams are dropped, so only finished ones can be chosen."""
+        finished = rows.ended & (rows.ptr >= self.n_kw[rows.req])
+        done = np.zeros(len(self.requests), bool)
+        done[rows.req[finished]] = True
+        drop = done[rows.req] & ~finished
+        rows.cum[drop] = -np.inf
+        rows.ended |= done[rows.req]
         return rows
 
     def _select_best(self, rows: Rows) -> np.ndarray:

@@ -31,24 +31,54 @@ def _run_export(a) -> int:
     return 0
 
 
-def _add_generate(sub):
+# Every DBSConfig field a user can set, declared once: (field, flag, type, help). `generate` and
+# `eval` both take them, with the defaults of the config they start from.
+CONFIG_FLAGS = (
+    ("beams", "--beams", int, "b: beams kept after every chunk"),
+    ("candidates", "--candidates", int, "s: candidates per beam"),
+    ("chunk", "--chunk", int, "k: tokens per chunk"),
+    ("lam", "--lambda", float, "guidance strength"),
+    ("top_p", "--top-p", float, "nucleus sampling mass"),
+    ("temperature", "--temperature", float, "sampling temperature"),
+    ("max_new_tokens", "--max-new-tokens", int, "token budget"),
+    ("boost_order", "--boost-order", str, "filter_then_boost (the authors' code) or boost_then_filter"),
+    ("repetition_penalty", "--repetition-penalty", float, "> 1 discourages tokens already used (1 = off)"),
+    ("no_repeat_ngram_size", "--no-repeat-ngram-size", int, "ban repeating any n-gram of this size (0 = off)"),
+    ("stop", "--stop", str, "sentence: end at the first sentence end after the last keyword; max: always "
+                            "max-new-tokens (the paper)"),
+)
+
+
+def _add_config_flags(p, title: str) -> None:
     from .config import DBSConfig
 
     d = DBSConfig()
+    g = p.add_argument_group(title)
+    for name, flag, typ, text in CONFIG_FLAGS:
+        g.add_argument(flag, dest=name, type=typ, default=None, help=f"{text} (default {getattr(d, name)!r})")
+    g.add_argument("--paper", action="store_true",
+                   help="the paper's protocol: no repetition control, fixed max-new-tokens (flags above override)")
+
+
+def config_from_args(a, **extra):
+    """DBSConfig from the parsed flags: the default (or --paper) preset, then what was given."""
+    from dataclasses import replace
+
+    from .config import DBSConfig
+
+    base = DBSConfig.paper() if a.paper else DBSConfig()
+    given = {name: getattr(a, name) for name, *_ in CONFIG_FLAGS if getattr(a, name) is not None}
+    return replace(base, **given, **extra)
+
+
+def _add_generate(sub):
     p = sub.add_parser("generate", help="Directed Beam Search: text that contains the keywords, in order")
     p.add_argument("--keywords", required=True, help='comma-separated guide words, e.g. "enemy,speed,meet"')
     p.add_argument("--context", default="It is")
     p.add_argument("--model", default="default", help="exported model dir, or `default` (embedded SmolLM2)")
     p.add_argument("--scorer", default="self", help="`self` or an exported model dir sharing the tokenizer")
     p.add_argument("--embeddings", default="default", help="`default` (GloVe 6B 50-d), GloVe .txt, word2vec .txt/.bin")
-    p.add_argument("--beams", type=int, default=d.beams)
-    p.add_argument("--candidates", type=int, default=d.candidates)
-    p.add_argument("--chunk", type=int, default=d.chunk)
-    p.add_argument("--lambda", dest="lam", type=float, default=d.lam)
-    p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--temperature", type=float, default=d.temperature)
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--boost-order", default=d.boost_order, choices=["filter_then_boost", "boost_then_filter"])
+    _add_config_flags(p, "search settings")
     p.add_argument("--unguided", action="store_true", help="baseline: no boosts (use with --beams 1 --candidates 1)")
     p.add_argument("--subword-fallback", action="store_true",
                    help="a keyword missing from the embeddings uses the mean of its sub-word vectors")
@@ -71,11 +101,7 @@ def highlight(text: str, keywords, tty: bool) -> str:
 
 
 def _run_generate(a) -> int:
-    from .config import DBSConfig
-
-    cfg = DBSConfig(lam=a.lam, beams=a.beams, candidates=a.candidates, chunk=a.chunk, top_p=a.top_p,
-                    temperature=a.temperature, max_new_tokens=a.max_new_tokens, boost_order=a.boost_order,
-                    guided=not a.unguided)
+    cfg = config_from_args(a, guided=not a.unguided)
     from .api import DirectedBeamSearch, validate_keywords
 
     validate_keywords(a.keywords)
@@ -102,27 +128,32 @@ def _run_generate(a) -> int:
         return 0
     print(highlight(r.text, r.keywords, sys.stdout.isatty()))
     print(f"\nfound {sum(v is not None for v in r.found.values())}/{len(r.keywords)} "
-          f"(success rate {r.success_rate:.2f}, success length {r.success_length}), perplexity {r.perplexity:.2f} "
-          f"[{dbs.scorer_name} scorer], {r.seconds:.1f} s, {r.tokens_per_second:.1f} tokens/s "
+          f"(success rate {r.success_rate:.2f}, success length {r.success_length}), stopped: {r.stopped}, "
+          f"perplexity {r.perplexity:.2f} [{dbs.scorer_name} scorer, the generator grading itself], {r.seconds:.1f} s, {r.tokens_per_second:.1f} tokens/s "
           f"({r.candidate_tokens_per_second:.0f} candidate tokens/s, backend {a.backend})")
     return 0
 
 
 def _add_eval(sub):
-    p = sub.add_parser("eval", help="keyword-to-phrase evaluation: DBS vs the unguided baseline")
-    p.add_argument("--sets", type=int, default=20, help="keyword sets to sample (ranks 501-1000, no stop words)")
+    p = sub.add_parser("eval", help="keyword-to-phrase evaluation: DBS (default and paper settings) vs unguided, "
+                                    "judged by an independent LM")
+    p.add_argument("--sets", default="paper",
+                   help="paper: the paper's 50 keyword sets (default); roc: 20 ROC storylines; a number N: N sets "
+                        "sampled from wordfreq ranks 501-1000 without stop words (with --seed)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--keywords-file", help="one comma-separated keyword set per line (instead of sampling)")
-    p.add_argument("--out", default="eval_out", help="results.jsonl (resumable), summary.json, summary.md")
-    p.add_argument("--model", default="default")
+    p.add_argument("--keywords-file", help="one comma-separated keyword set per line (instead of --sets)")
+    p.add_argument("--context", default="It is")
+    p.add_argument("--runs", default="dbs,paper,unguided",
+                   help="comma-separated: dbs (the settings below), paper (the same with the paper's protocol: "
+                        "no repetition control, fixed length), unguided (b = s = 1, no boosts, paper protocol)")
+    p.add_argument("--judge", default="auto",
+                   help="model that scores the texts: auto (the other embedded model: gemma3-270m for the "
+                        "default, default for gemma3-270m), an exported dir, or none")
+    p.add_argument("--out", default="eval_out", help="results.jsonl (resumable), summary.json, summary.md, quality.png")
+    p.add_argument("--model", default="default", help="exported model dir, `default` or `gemma3-270m`")
     p.add_argument("--scorer", default="self")
     p.add_argument("--embeddings", default="default")
-    p.add_argument("--beams", type=int, default=7)
-    p.add_argument("--candidates", type=int, default=10)
-    p.add_argument("--chunk", type=int, default=5)
-    p.add_argument("--lambda", dest="lam", type=float, default=20.0)
-    p.add_argument("--max-new-tokens", type=int, default=90)
-    p.add_argument("--boost-order", default="filter_then_boost", choices=["filter_then_boost", "boost_then_filter"])
+    _add_config_flags(p, "search settings of the `dbs` run")
     p.add_argument("--batch", type=int, default=4, help="keyword sets decoded together in one batch")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--grid", choices=["lambda", "bsk", "all"],
@@ -136,18 +167,47 @@ def _add_eval(sub):
     p.set_defaults(func=_run_eval)
 
 
+EVAL_RUNS = ("dbs", "paper", "unguided")
+
+
+def eval_configs(cfg, runs: str) -> dict:
+    """{run name: DBSConfig} for `eval`: the given settings, the paper protocol, the unguided baseline."""
+    from dataclasses import replace
+
+    from .config import PAPER
+
+    names = [r.strip() for r in runs.split(",") if r.strip()]
+    bad = [r for r in names if r not in EVAL_RUNS]
+    if not names or bad:
+        raise DBSError(f"--runs takes a comma-separated subset of {EVAL_RUNS}, got {runs!r}")
+    paper = replace(cfg, **PAPER)
+    every = {"dbs": cfg, "paper": paper, "unguided": replace(paper, beams=1, candidates=1, guided=False)}
+    return {n: every[n] for n in names}
+
+
+def _eval_sets(a):
+    from .benchmarks.eval import builtin_sets, read_sets, sample_sets
+
+    if a.keywords_file:
+        return read_sets(a.keywords_file)
+    if str(a.sets).isdigit():
+        if int(a.sets) < 1:
+            raise DBSError(f"`--sets` must be >= 1, got {a.sets}")
+        return sample_sets(int(a.sets), a.seed)
+    return builtin_sets(a.sets)
+
+
 def _run_eval(a) -> int:
     from pathlib import Path
 
     from .api import DirectedBeamSearch
-    from .benchmarks.eval import read_sets, run_eval, sample_sets
-    from .config import DBSConfig
+    from .benchmarks.eval import run_eval
 
-    if a.sets < 1 or a.batch < 1:
-        raise DBSError(f"`--sets` and `--batch` must be >= 1, got {a.sets}, {a.batch}")
-    cfg = DBSConfig(lam=a.lam, beams=a.beams, candidates=a.candidates, chunk=a.chunk, max_new_tokens=a.max_new_tokens,
-                    boost_order=a.boost_order)
-    base = DBSConfig(beams=1, candidates=1, chunk=a.chunk, max_new_tokens=a.max_new_tokens, guided=False)
+    if a.batch < 1:
+        raise DBSError(f"`--batch` must be >= 1, got {a.batch}")
+    cfg = config_from_args(a)
+    configs = eval_configs(cfg, a.runs)
+    sets = _eval_sets(a)
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads)
     if a.stories:
         from .benchmarks.eval import run_stories
@@ -157,7 +217,6 @@ def _run_eval(a) -> int:
             print(f"{r['context']}  [{', '.join(r['keywords'])}]\n  -> {highlight(r['text'], r['keywords'], tty)}"
                   f"\n     success {r['success_rate']:.2f}, perplexity {r['perplexity']:.1f}\n")
         return 0
-    sets = read_sets(a.keywords_file) if a.keywords_file else sample_sets(a.sets, a.seed)
     if a.grid:
         from .benchmarks.eval import grid_configs, run_grid
 
@@ -167,14 +226,20 @@ def _run_eval(a) -> int:
             ks = [int(x) for x in a.grid_k.split(",")]
         except ValueError:
             raise DBSError("--grid-lambdas, --grid-bs and --grid-k are comma-separated numbers") from None
-        configs = grid_configs(cfg, a.grid, lams, bs, ks)
-        run_grid(dbs, sets, Path(a.out), configs, batch=a.batch, seed=a.seed)
+        grid = grid_configs(cfg, a.grid, lams, bs, ks)
+        run_grid(dbs, sets, Path(a.out), grid, batch=a.batch, seed=a.seed)
         print((Path(a.out) / "grid.md").read_text())
         print(f"scorer: {dbs.scorer_name}; model: {dbs.model_dir}; plots in {a.out}")
         return 0
-    s = run_eval(dbs, sets, Path(a.out), batch=a.batch, seed=a.seed, unguided_cfg=base)
+    judge = None
+    if a.judge != "none":
+        from .judge import Judge, judge_for
+
+        judge = Judge(judge_for(a.model) if a.judge == "auto" else a.judge, generator_dir=dbs.model_dir,
+                      threads=a.threads)
+    s = run_eval(dbs, sets, Path(a.out), configs, context=a.context, batch=a.batch, seed=a.seed, judge=judge)
     print((Path(a.out) / "summary.md").read_text())
-    print(f"scorer: {s['scorer']}; model: {s['model']}")
+    print(f"judge: {s['judge']}; model: {s['model']}; plot: {Path(a.out) / 'quality.png'}")
     return 0
 
 

@@ -44,3 +44,18 @@ def first_match(text: str, keyword: str) -> tuple[int, int] | None:
         if stem(m.group(0)) == target:
             return m.span()
     return None
+
+
+_SENTENCE_END = re.compile(r"[.!?][\"')\]”’]*\s*$")
+
+
+def ends_sentence(text: str) -> bool:
+    """Text whose last non-space characters close a sentence (. ! ? maybe then quotes/brackets)."""
+    return bool(text.strip()) and _SENTENCE_END.search(text) is not None
+
+
+def sentence_end_tokens(decode_one, vocab_size: int):
+    """Boolean (V,) array: tokens that, decoded alone, end a sentence ("." "!" '."' " end." ...)."""
+    import numpy as np
+
+    return np.array([ends_sentence(decode_one(i)) for i in range(vocab_size)], bool)

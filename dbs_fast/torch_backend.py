@@ -95,8 +95,28 @@ class TorchBackend:
     def take(self, x, rows):
         return x[self.torch.as_tensor(rows, dtype=self.torch.long)]
 
-    def sample(self, logits, uniforms, row_word, csr, cfg):
+    def shape(self, logits, cfg, history, history_start):
+        """Repetition penalty and n-gram bans with transformers' own logits processors, per row
+        (rows have different left padding)."""
+        from transformers import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+        t = self.torch
+        procs = ([RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty)] if cfg.repetition_penalty != 1.0 else []) \
+            + ([NoRepeatNGramLogitsProcessor(cfg.no_repeat_ngram_size)] if cfg.no_repeat_ngram_size > 0 else [])
+        out = logits.clone()
+        for r in range(out.shape[0]):
+            ids = t.as_tensor(history[r, history_start[r]:], dtype=t.long)[None]
+            row = out[r:r + 1]
+            for p in procs:
+                row = p(ids, row)
+            out[r] = row[0]
+        return out
+
+    def sample(self, logits, uniforms, row_word, csr, cfg, history=None, history_start=None):
         ptr, ids, vals = csr
+        raw = logits
+        if cfg.shapes_logits:
+            logits = self.shape(logits, cfg, history, history_start)
         if self._dense_key is not csr:  # dense (W, V) boost table for torch indexing
             t = self.torch
             dense = t.zeros((len(ptr) - 1, self.vocab_size))
@@ -106,6 +126,8 @@ class TorchBackend:
         with self.torch.inference_mode():
             tok, lp = torch_sample(logits, uniforms, row_word, self._dense, cfg.temperature, cfg.top_p,
                                    cfg.boost_order == "boost_then_filter")
+            if cfg.shapes_logits:      # the model's own log-prob, as the kernel returns
+                lp = self.torch.log_softmax(raw.float() / cfg.temperature, -1).gather(1, tok[:, None])[:, 0]
         return tok.numpy().astype(np.int64), lp.float().numpy()
 
     def encode(self, text):

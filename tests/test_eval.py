@@ -26,14 +26,39 @@ def test_eval_end_to_end_and_resumes(exported, tmp_path, capsys):
     sets.write_text("colony,enemy\nspeed,mouth\n")
     argv = ["eval", "--model", str(exported["gpt2"]), "--keywords-file", str(sets), "--out", str(tmp_path / "o"),
             "--beams", "2", "--candidates", "2", "--chunk", "3", "--max-new-tokens", "6", "--batch", "2"]
+    assert cli(argv + ["--judge", str(exported["gpt2"])]) == 2               # the generator cannot judge itself
+    assert "is the generator itself" in capsys.readouterr().err
+    argv += ["--judge", str(exported["llama"])]                               # another model (same tokenizer here)
     assert cli(argv) == 0
-    rows = (tmp_path / "o" / "results.jsonl").read_text().splitlines()
-    assert len(rows) == 4 and {json.loads(r)["mode"] for r in rows} == {"dbs", "unguided"}
+    rows = [json.loads(r) for r in (tmp_path / "o" / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and {r["mode"] for r in rows} == {"dbs", "paper", "unguided"}
+    assert all(r["judge_ppl"] > 1 and 0 <= r["rep_4"] <= 1 for r in rows)
+    assert all(r["stopped"] == "max" for r in rows if r["mode"] != "dbs")
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert 0 <= summary["dbs"]["success_rate"]["mean"] <= 1 and summary["scorer"] == "self"
+    assert summary["judge"] == str(exported["llama"]) and 0 < summary["paper"]["distinct_4"] <= 1
+    assert summary["configs"]["paper"]["repetition_penalty"] == 1.0 and summary["configs"]["dbs"]["stop"] == "sentence"
+    assert (tmp_path / "o" / "quality.png").stat().st_size > 0
     assert cli(argv) == 0                                                     # resumed: nothing re-run
-    assert len((tmp_path / "o" / "results.jsonl").read_text().splitlines()) == 4
-    assert "| dbs |" in capsys.readouterr().out
+    assert len((tmp_path / "o" / "results.jsonl").read_text().splitlines()) == 6
+    out = capsys.readouterr().out
+    assert "| dbs |" in out and "| unguided |" in out and "Examples" in out
+
+
+def test_builtin_sets_are_the_papers():
+    from dbs_fast.benchmarks.eval import builtin_sets
+
+    paper = builtin_sets("paper")
+    assert len(paper) == 50 and all(len(s) == 5 for s in paper)
+    assert paper[0] == ["enemy", "speed", "meet", "colony", "mouth"]
+    assert len(builtin_sets("roc")) == 20
+
+
+def test_eval_bad_runs_and_sets(exported, tmp_path, capsys):
+    base = ["eval", "--model", str(exported["gpt2"]), "--out", str(tmp_path / "x"), "--judge", "none"]
+    assert cli(base + ["--runs", "dbs,foo"]) == 2
+    assert cli(base + ["--sets", "nosuch"]) == 2
+    assert "--runs" in capsys.readouterr().err
 
 
 def test_keyword_misses_by_position():
@@ -49,7 +74,7 @@ def test_grid_configs_follow_the_paper():
     from dbs_fast.benchmarks.eval import grid_configs
     from dbs_fast.config import DBSConfig
 
-    lam = grid_configs(DBSConfig(), "lambda")
+    lam = grid_configs(DBSConfig.paper(), "lambda")
     assert [c.lam for c in lam.values()] == [5, 10, 15, 20, 25]
     assert all(c.beams == c.candidates == c.chunk == 5 for c in lam.values())
     bsk = grid_configs(DBSConfig(), "bsk", bs_values=(3, 5), k_values=(2, 5))

@@ -1,0 +1,33 @@
+"""Degeneration metrics on generated text (word level), as in Welleck et al. 2019.
+
+- rep-n of one text: 1 - unique n-grams / n-grams (0 = no n-gram repeats; "a b a b" has
+  rep-2 = 1 - 2/3);
+- distinct-n of a set of texts: unique n-grams / n-grams, pooled over the set (1 = no n-gram
+  is ever reused, across texts too).
+Words are lower-cased runs of letters/digits; punctuation is not a word.
+"""
+from __future__ import annotations
+
+import re
+
+_WORD = re.compile(r"[^\W_]+")
+
+
+def words(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+def ngrams(ws: list[str], n: int) -> list[tuple[str, ...]]:
+    return [tuple(ws[i:i + n]) for i in range(len(ws) - n + 1)]
+
+
+def rep_n(text: str, n: int) -> float:
+    """1 - unique/total n-grams of one text; 0.0 for a text with no n-gram."""
+    g = ngrams(words(text), n)
+    return 1.0 - len(set(g)) / len(g) if g else 0.0
+
+
+def distinct_n(texts, n: int) -> float:
+    """unique/total n-grams pooled over `texts`; 0.0 when there is none."""
+    g = [x for t in texts for x in ngrams(words(t), n)]
+    return len(set(g)) / len(g) if g else 0.0
