@@ -79,8 +79,8 @@ def run_modes(dbs, sets, configs: dict, path: Path, context="It is", batch=4, se
 
     path.parent.mkdir(parents=True, exist_ok=True)
     done = set()
-    if path.is_file():
-        done = {(d["set"], d["mode"]) for d in map(json.loads, path.read_text().splitlines())}
+    if path.is_file():   # a row counts as done only under the same settings (a changed default re-runs)
+        done = {(d["set"], d["mode"]) for d in current_rows(map(json.loads, path.read_text().splitlines()), configs)}
     todo = [(i, m) for m in configs for i in range(len(sets)) if (i, m) not in done]
     with open(path, "a") as f, tqdm(total=len(todo), desc=desc, unit="set", disable=quiet) as bar:
         for mode, cfg in configs.items():
@@ -90,10 +90,21 @@ def run_modes(dbs, sets, configs: dict, path: Path, context="It is", batch=4, se
                 res = dbs.generate_batch([(context, sets[i]) for i in part], seeds=[seed + i for i in part],
                                          config=cfg)
                 for i, r in zip(part, res):
-                    f.write(json.dumps(_row(i, sets[i], mode, r, len(part), context)) + "\n")
+                    f.write(json.dumps({**_row(i, sets[i], mode, r, len(part), context), "config": cfg.to_dict()})
+                            + "\n")
                 f.flush()
                 bar.update(len(part))
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return current_rows((json.loads(line) for line in path.read_text().splitlines()), configs)
+
+
+def current_rows(rows, configs: dict) -> list[dict]:
+    """The rows of `configs`' modes made under those very settings (rows of older versions carry no
+    config and are taken as they are); the last one per (set, mode) wins."""
+    keep = {}
+    for d in rows:
+        if d["mode"] in configs and d.get("config") in (None, configs[d["mode"]].to_dict()):
+            keep[(d["set"], d["mode"])] = d
+    return list(keep.values())
 
 
 METRICS = ("success_rate", "perplexity", "success_length", "seconds")
@@ -148,7 +159,7 @@ def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed
     path = out / "results.jsonl"
     rows = run_modes(dbs, sets, configs, path, context, batch, seed, quiet)
     if judge is not None:
-        rows = judge_rows(path, judge, quiet)
+        rows = current_rows(judge_rows(path, judge, quiet), configs)
     summary = {"scorer": dbs.scorer_name, "judge": judge.name if judge else None, "model": str(dbs.model_dir),
                "sets": len(sets), "context": context, "date": time.strftime("%Y-%m-%d"),
                "configs": {m: c.to_dict() for m, c in configs.items()}}

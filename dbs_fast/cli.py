@@ -42,6 +42,8 @@ CONFIG_FLAGS = (
     ("temperature", "--temperature", float, "sampling temperature"),
     ("max_new_tokens", "--max-new-tokens", int, "token budget"),
     ("boost_order", "--boost-order", str, "filter_then_boost (the authors' code) or boost_then_filter"),
+    ("alpha", "--alpha", float, "weight of perplexity in the quality score Q"),
+    ("c_star", "--c-star", float, "Q's penalty for a chunk without the guide word"),
     ("repetition_penalty", "--repetition-penalty", float, "> 1 discourages tokens already used (1 = off)"),
     ("no_repeat_ngram_size", "--no-repeat-ngram-size", int, "ban repeating any n-gram of this size (0 = off)"),
     ("stop", "--stop", str, "sentence: end at the first sentence end after the last keyword; max: always "

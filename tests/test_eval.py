@@ -99,3 +99,16 @@ def test_grid_and_stories_end_to_end(exported, tmp_path, capsys):
     assert "He and his friends are bored on a weekend day." in out and "[go, decide]" in out
     assert len(json.loads((tmp_path / "g" / "stories.json").read_text())) == 4
     assert cli(base + ["--grid", "lambda", "--grid-bs", "x"]) == 2
+
+
+def test_rows_of_changed_settings_are_not_reused():
+    from dbs_fast.benchmarks.eval import current_rows
+    from dbs_fast.config import DBSConfig
+
+    old, new = DBSConfig(alpha=0.001), DBSConfig(alpha=0.02)
+    rows = [{"set": 0, "mode": "dbs", "config": old.to_dict(), "v": 1},
+            {"set": 1, "mode": "dbs", "config": new.to_dict(), "v": 2},
+            {"set": 1, "mode": "dbs", "config": new.to_dict(), "v": 3},
+            {"set": 0, "mode": "other", "config": old.to_dict(), "v": 4}]
+    got = current_rows(rows, {"dbs": new})
+    assert [r["v"] for r in got] == [3]
