@@ -200,16 +200,27 @@ class BeamSearch:
         idx = np.flatnonzero(n_new > 0)
         texts = self._chunk_texts(rows, prefix, idx)
         cfg = self.cfg
+        alpha = self._alphas(rows)
         for i, text in zip(idx, texts):
             pp = math.exp(-float(lp[i, : n_new[i]].mean()))
             kws = self.requests[rows.req[i]].keywords
             c = occurrence.count_new(prefix[i], text, kws[rows.ptr[i]]) if rows.ptr[i] < len(kws) else 0
-            q = math.exp(-((c if c > 0 else cfg.c_star) + cfg.alpha * pp))
+            q = math.exp(-((c if c > 0 else cfg.c_star) + alpha[i] * pp))
             if c > 0:
                 rows.ptr[i] += 1
             rows.cum[i] += q
         self.t.add("text", t0)
         return rows
+
+    def _alphas(self, rows: Rows) -> np.ndarray:
+        """Weight of perplexity in each row's Q: `alpha_fluent` while the row is ahead of its deadline
+        (tokens left after this chunk >= reserve x keywords still to place), else the paper's alpha."""
+        cfg = self.cfg
+        if cfg.alpha_fluent is None:
+            return np.full(len(rows.req), cfg.alpha)
+        left = cfg.max_new_tokens - rows.tokens.shape[1]
+        on_time = left >= (self.n_kw[rows.req] - rows.ptr) * cfg.reserve_per_keyword
+        return np.where(on_time, cfg.alpha_fluent, cfg.alpha)
 
     def _finish_requests(self, rows: Rows) -> Rows:
         """stop="sentence": a request with a finished beam (every keyword, then a sentence end or

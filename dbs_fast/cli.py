@@ -43,6 +43,8 @@ CONFIG_FLAGS = (
     ("max_new_tokens", "--max-new-tokens", int, "token budget"),
     ("boost_order", "--boost-order", str, "filter_then_boost (the authors' code) or boost_then_filter"),
     ("alpha", "--alpha", float, "weight of perplexity in the quality score Q"),
+    ("alpha_fluent", "--alpha-fluent", float, "weight of perplexity in Q while the beam is ahead of its deadline"),
+    ("reserve_per_keyword", "--reserve-per-keyword", int, "tokens kept per keyword still to place (the deadline)"),
     ("c_star", "--c-star", float, "Q's penalty for a chunk without the guide word"),
     ("repetition_penalty", "--repetition-penalty", float, "> 1 discourages tokens already used (1 = off)"),
     ("no_repeat_ngram_size", "--no-repeat-ngram-size", int, "ban repeating any n-gram of this size (0 = off)"),

@@ -12,8 +12,8 @@ from .errors import DBSError
 BOOST_ORDERS = ("filter_then_boost", "boost_then_filter")
 STOPS = ("max", "sentence")
 # The settings where the default differs from the paper (chosen by measurement, README "Quality").
-IMPROVED = {"alpha": 0.02, "repetition_penalty": 1.0, "no_repeat_ngram_size": 3, "stop": "sentence"}
-PAPER = {"alpha": 0.001, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "stop": "max"}
+IMPROVED = {"alpha_fluent": 0.02, "repetition_penalty": 1.0, "no_repeat_ngram_size": 3, "stop": "sentence"}
+PAPER = {"alpha_fluent": None, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "stop": "max"}
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,12 @@ class DBSConfig:
     chunk: int = 5               # k: tokens per chunk; sets keyword density (paper: 5)
     top_p: float = 0.9           # nucleus sampling, as in the paper
     temperature: float = 1.0
-    alpha: float = IMPROVED["alpha"]  # weight of perplexity in Q (paper: 0.001; 0.02 measured best here)
+    alpha: float = 0.001         # weight of perplexity in the quality score Q
+    alpha_fluent: float | None = IMPROVED["alpha_fluent"]  # ... while the beam has time to spare: after the
+    #                              chunk, at least `reserve_per_keyword` tokens are left per keyword still to place.
+    #                              Fluent chunks win then; when time is short Q is the paper's again, so the words
+    #                              still get placed (a deadline, as in K2T). None = always alpha (the paper)
+    reserve_per_keyword: int = 10  # tokens kept per remaining keyword before the deadline rule switches back
     c_star: float = 2.0          # penalty when the guide word is absent (favours c = 1 over 0)
     max_new_tokens: int = 90     # paper: termination after 90 tokens
     boost_order: str = "filter_then_boost"  # the authors' code: top-p first, then boosts
@@ -53,8 +58,11 @@ class DBSConfig:
             raise DBSError(f"`lambda` must be in [0, 80] (exp(lambda) must fit float32), got {self.lam!r}")
         if not self.temperature > 0.0:
             raise DBSError(f"`temperature` must be > 0, got {self.temperature!r}")
-        if self.alpha < 0 or self.c_star < 0:
-            raise DBSError(f"`alpha` and `c_star` must be >= 0, got {self.alpha!r}, {self.c_star!r}")
+        if self.alpha < 0 or self.c_star < 0 or (self.alpha_fluent is not None and self.alpha_fluent < 0):
+            raise DBSError(f"`alpha`, `alpha_fluent` and `c_star` must be >= 0, got {self.alpha!r}, "
+                           f"{self.alpha_fluent!r}, {self.c_star!r}")
+        if not isinstance(self.reserve_per_keyword, int) or self.reserve_per_keyword < 0:
+            raise DBSError(f"`reserve_per_keyword` must be an integer >= 0, got {self.reserve_per_keyword!r}")
         if self.boost_order not in BOOST_ORDERS:
             raise DBSError(f"`boost_order` must be one of {BOOST_ORDERS}, got {self.boost_order!r}")
         if self.boost_cutoff < 0:

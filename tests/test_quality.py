@@ -109,6 +109,7 @@ def test_paper_preset_is_the_papers_protocol():
     p = DBSConfig.paper()
     assert (p.lam, p.beams, p.candidates, p.chunk, p.top_p, p.max_new_tokens) == (20.0, 7, 10, 5, 0.9, 90)
     assert p.repetition_penalty == 1.0 and p.no_repeat_ngram_size == 0 and p.stop == "max"
+    assert p.alpha == 0.001 and p.alpha_fluent is None and p.c_star == 2.0
     assert DBSConfig().stop == "sentence" and DBSConfig.paper(beams=3).beams == 3
 
 
@@ -117,6 +118,8 @@ def test_paper_preset_is_the_papers_protocol():
     ({"repetition_penalty": -1.0}, "`repetition_penalty`"),
     ({"no_repeat_ngram_size": -1}, "`no_repeat_ngram_size` must be an integer >= 0"),
     ({"stop": "never"}, "'never'"),
+    ({"alpha_fluent": -0.1}, "`alpha_fluent`"),
+    ({"reserve_per_keyword": -1}, "`reserve_per_keyword`"),
 ])
 def test_config_rejects_bad_values(kw, message):
     with pytest.raises(DBSError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -198,3 +201,18 @@ def test_gemma_tokenizer_rebuild_gives_the_known_encodings():
     assert tok.encode(" the", add_special_tokens=False).tokens == ["▁the"]
     text = "It is a fine day.\n\nHello  world, naïve café"
     assert tok.decode(tok.encode(text).ids, skip_special_tokens=True) == text
+
+
+def test_fluency_weight_switches_back_to_the_papers_at_the_deadline():
+    from dbs_fast.beam import Rows
+
+    search = BeamSearch.__new__(BeamSearch)
+    search.cfg = DBSConfig(max_new_tokens=90, alpha=0.001, alpha_fluent=0.02, reserve_per_keyword=10)
+    search.n_kw = np.array([5])
+    ptr = np.array([0, 3, 5, 4])                     # keywords placed so far, 5 in the set
+    rows = Rows(np.zeros(4, int), ptr, np.zeros(4), np.zeros(4, bool), np.zeros((4, 60), int),
+                np.zeros((4, 60)), np.zeros(4, int))  # 60 tokens after this chunk: 30 left
+    # 30 left: 5 words need 50 (late), 2 need 20 (on time), 0 need 0, 1 needs 10
+    assert list(search._alphas(rows)) == [0.001, 0.02, 0.02, 0.02]
+    search.cfg = DBSConfig.paper()
+    assert list(search._alphas(rows)) == [0.001] * 4
