@@ -29,7 +29,7 @@ class DBSConfig:
     #                              chunk, at least `reserve_per_keyword` tokens are left per keyword still to place.
     #                              Fluent chunks win then; when time is short Q is the paper's again, so the words
     #                              still get placed (a deadline, as in K2T). None = always alpha (the paper)
-    reserve_per_keyword: int = 10  # tokens kept per remaining keyword before the deadline rule switches back
+    reserve_per_keyword: int = 15  # tokens kept per keyword still to place (10 cost success: README "Quality")
     c_star: float = 2.0          # penalty when the guide word is absent (favours c = 1 over 0)
     max_new_tokens: int = 90     # paper: termination after 90 tokens
     boost_order: str = "filter_then_boost"  # the authors' code: top-p first, then boosts
