@@ -49,11 +49,13 @@ class OnnxBackend:
         return np.take(x, rows, axis=0)
 
     @staticmethod
-    def sample(logits, uniforms, row_word, csr, cfg, history=None, history_start=None):
+    def sample(logits, uniforms, row_word, csr, cfg, history=None, history_start=None, boost_first=None):
         ptr, ids, vals = csr
+        if boost_first is None:
+            boost_first = cfg.boost_order == "boost_then_filter"
         return kernels.sample(logits, uniforms, temperature=cfg.temperature, top_p=cfg.top_p,
                               row_word=row_word, boost_ptr=ptr, boost_ids=ids, boost_vals=vals,
-                              boost_first=cfg.boost_order == "boost_then_filter", history=history,
+                              boost_first=boost_first, history=history,
                               history_start=history_start, repetition_penalty=cfg.repetition_penalty,
                               no_repeat_ngram_size=cfg.no_repeat_ngram_size)
 

@@ -147,13 +147,14 @@ class BeamSearch:
         guided_at_start = active.copy()
         last_word = rows.ptr == self.n_kw[rows.req] - 1
         base = rows.tokens.shape[1]
+        boost_first = self._boost_first(rows, base + k)
         rows.tokens = np.concatenate([rows.tokens, np.full((R, k), self.pad, np.int64)], axis=1)  # (R, L+k)
         rows.logp = np.concatenate([rows.logp, np.zeros((R, k), np.float32)], axis=1)
         for j in range(k):
             t0 = time.perf_counter()
             hist, hstart = self._history(rows, base + j)
             ids, lp = self.be.sample(pending, self._uniforms(rows), np.where(active, word, -1), self.csr, self.cfg,
-                                     hist, hstart)
+                                     hist, hstart, boost_first)
             t0 = self.t.add("kernel", t0)
             ids = np.where(rows.ended, self.pad, ids)
             rows.tokens[:, base + j], rows.logp[:, base + j] = ids, lp
@@ -212,15 +213,27 @@ class BeamSearch:
         self.t.add("text", t0)
         return rows
 
+    def _on_time(self, rows: Rows, tokens_after: int) -> np.ndarray:
+        """Rows ahead of their deadline: after `tokens_after` generated tokens, at least
+        `reserve_per_keyword` tokens are left per keyword still to place."""
+        left = self.cfg.max_new_tokens - tokens_after
+        return left >= (self.n_kw[rows.req] - rows.ptr) * self.cfg.reserve_per_keyword
+
     def _alphas(self, rows: Rows) -> np.ndarray:
-        """Weight of perplexity in each row's Q: `alpha_fluent` while the row is ahead of its deadline
-        (tokens left after this chunk >= reserve x keywords still to place), else the paper's alpha."""
+        """Weight of perplexity in each row's Q: `alpha_fluent` while the row is ahead of its
+        deadline (this chunk included), else the paper's alpha."""
         cfg = self.cfg
         if cfg.alpha_fluent is None:
             return np.full(len(rows.req), cfg.alpha)
-        left = cfg.max_new_tokens - rows.tokens.shape[1]
-        on_time = left >= (self.n_kw[rows.req] - rows.ptr) * cfg.reserve_per_keyword
-        return np.where(on_time, cfg.alpha_fluent, cfg.alpha)
+        return np.where(self._on_time(rows, rows.tokens.shape[1]), cfg.alpha_fluent, cfg.alpha)
+
+    def _boost_first(self, rows: Rows, tokens_after: int):
+        """Per-row boost order: the configured one, and boost-then-filter for rows behind their
+        deadline when `late_boost_first` (their word may lie outside the nucleus)."""
+        first = self.cfg.boost_order == "boost_then_filter"
+        if not self.cfg.late_boost_first or first:
+            return first
+        return ~self._on_time(rows, tokens_after)
 
     def _finish_requests(self, rows: Rows) -> Rows:
         """stop="sentence": a request with a finished beam (every keyword, then a sentence end or

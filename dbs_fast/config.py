@@ -12,8 +12,10 @@ from .errors import DBSError
 BOOST_ORDERS = ("filter_then_boost", "boost_then_filter")
 STOPS = ("max", "sentence")
 # The settings where the default differs from the paper (chosen by measurement, README "Quality").
-IMPROVED = {"alpha_fluent": 0.02, "repetition_penalty": 1.0, "no_repeat_ngram_size": 3, "stop": "sentence"}
-PAPER = {"alpha_fluent": None, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "stop": "max"}
+IMPROVED = {"alpha_fluent": 0.02, "late_boost_first": True, "repetition_penalty": 1.0, "no_repeat_ngram_size": 3,
+            "stop": "sentence"}
+PAPER = {"alpha_fluent": None, "late_boost_first": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+         "stop": "max"}
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class DBSConfig:
     #                              chunk, at least `reserve_per_keyword` tokens are left per keyword still to place.
     #                              Fluent chunks win then; when time is short Q is the paper's again, so the words
     #                              still get placed (a deadline, as in K2T). None = always alpha (the paper)
+    late_boost_first: bool = IMPROVED["late_boost_first"]  # behind the deadline, boost before the top-p cut
+    #                              (a word outside the nucleus can then still be placed)
     reserve_per_keyword: int = 15  # tokens kept per keyword still to place (10 cost success: README "Quality")
     c_star: float = 2.0          # penalty when the guide word is absent (favours c = 1 over 0)
     max_new_tokens: int = 90     # paper: termination after 90 tokens

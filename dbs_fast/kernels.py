@@ -146,7 +146,8 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
         shaped = penalty != 1.0 or ngram > 0
         if shaped:
             top = max(top, _penalise(x, s, inv_temp, hseq[r], hstart[r], hend, penalty, ngram))
-        if boost_first:
+        bf = boost_first[r]
+        if bf:
             for j in range(lo, hi):
                 t = boost_ids[j]
                 s[t] += boost_vals[j]
@@ -161,8 +162,8 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
         unguided = total                     # the log-prob returned is the unguided one:
         if shaped:                           # undo the penalties and (boost_first) boosts
             hs = np.sort(hseq[r, hstart[r]:hend])
-            unguided += _unguided_mass_delta(x, e, inv_temp, top, hs, boost_ids, lo if boost_first else hi, hi)
-        elif boost_first:
+            unguided += _unguided_mass_delta(x, e, inv_temp, top, hs, boost_ids, lo if bf else hi, hi)
+        elif bf:
             for j in range(lo, hi):
                 t = boost_ids[j]
                 unguided -= np.float64(e[t])     # in float64: e[t] dwarfs the unguided mass
@@ -172,7 +173,7 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
             cut, mass = _nucleus_cut(s, e, top, hist, top_p * total)
         else:
             cut, mass = np.float32(-np.inf), total
-        if not boost_first:
+        if not bf:
             for j in range(lo, hi):
                 t = boost_ids[j]
                 if s[t] >= cut:
@@ -195,13 +196,14 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
 def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0, top_p: float = 0.9,
            row_word: np.ndarray | None = None, boost_ptr: np.ndarray | None = None,
            boost_ids: np.ndarray | None = None, boost_vals: np.ndarray | None = None,
-           boost_first: bool = False, history: np.ndarray | None = None,
+           boost_first=False, history: np.ndarray | None = None,
            history_start: np.ndarray | None = None, repetition_penalty: float = 1.0,
            no_repeat_ngram_size: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Draw one token per row of `logits` (R, V) float32; returns (ids (R,) int64, logp (R,) float32).
 
     `row_word[r]` indexes the CSR boost table (`boost_ptr`, `boost_ids` ascending per word,
-    `boost_vals`) or is -1 for an unguided row. `history` (R, H) holds each row's tokens so far
+    `boost_vals`) or is -1 for an unguided row. `boost_first`: one bool for all rows or one per
+    row (boost then filter where true, filter then boost elsewhere). `history` (R, H) holds each row's tokens so far
     (context + generated), the row's own starting at `history_start[r]` (left padding before);
     it is needed only for `repetition_penalty` != 1 or `no_repeat_ngram_size` > 0.
     """
@@ -224,7 +226,7 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
     out_logp = np.empty(R, np.float32)
     _sample_rows(logits, np.float32(1.0 / temperature), float(top_p), row_word.astype(np.int32),
                  boost_ptr.astype(np.int64), boost_ids.astype(np.int32), boost_vals.astype(np.float32),
-                 bool(boost_first), np.ascontiguousarray(history, dtype=np.int32),
+                 np.broadcast_to(np.asarray(boost_first, bool), (R,)).copy(), np.ascontiguousarray(history, dtype=np.int32),
                  np.asarray(history_start, dtype=np.int32), int(history.shape[1]),
                  np.float32(repetition_penalty), int(no_repeat_ngram_size),
                  uniforms.astype(np.float64), out_ids, out_logp)

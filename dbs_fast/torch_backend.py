@@ -22,7 +22,8 @@ def torch_sample(logits, uniforms, row_word, dense_boosts, temperature, top_p, b
     boost = torch.zeros_like(s)
     if dense_boosts is not None and bool(guided.any()):
         boost[guided] = dense_boosts[torch.as_tensor(row_word[row_word >= 0], dtype=torch.long)]
-    key = s + boost if boost_first else s
+    bf = torch.as_tensor(np.asarray(boost_first, bool)).reshape(-1, 1)    # one flag, or one per row
+    key = torch.where(bf, s + boost, s)
     if top_p < 1.0:
         sorted_key, order = torch.sort(key, dim=-1, descending=True)
         probs = torch.softmax(sorted_key.double(), dim=-1)
@@ -32,7 +33,7 @@ def torch_sample(logits, uniforms, row_word, dense_boosts, temperature, top_p, b
         kept = key >= cut
     else:
         kept = torch.ones_like(s, dtype=torch.bool)
-    final = key if boost_first else s + torch.where(kept, boost, torch.zeros_like(boost))
+    final = torch.where(bf, key, s + torch.where(kept, boost, torch.zeros_like(boost)))
     w = torch.where(kept, torch.exp((final - s.max(-1, keepdim=True).values).double()), torch.zeros_like(final, dtype=torch.float64))
     c = w.cumsum(-1)
     u = torch.as_tensor(uniforms, dtype=torch.float64)[:, None] * c[:, -1:]
@@ -112,7 +113,7 @@ class TorchBackend:
             out[r] = row[0]
         return out
 
-    def sample(self, logits, uniforms, row_word, csr, cfg, history=None, history_start=None):
+    def sample(self, logits, uniforms, row_word, csr, cfg, history=None, history_start=None, boost_first=None):
         ptr, ids, vals = csr
         raw = logits
         if cfg.shapes_logits:
@@ -125,7 +126,7 @@ class TorchBackend:
             self._dense, self._dense_key = dense, csr
         with self.torch.inference_mode():
             tok, lp = torch_sample(logits, uniforms, row_word, self._dense, cfg.temperature, cfg.top_p,
-                                   cfg.boost_order == "boost_then_filter")
+                                   cfg.boost_order == "boost_then_filter" if boost_first is None else boost_first)
             if cfg.shapes_logits:      # the model's own log-prob, as the kernel returns
                 lp = self.torch.log_softmax(raw.float() / cfg.temperature, -1).gather(1, tok[:, None])[:, 0]
         return tok.numpy().astype(np.int64), lp.float().numpy()

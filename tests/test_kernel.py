@@ -151,3 +151,17 @@ def test_ban_never_drawn_even_when_it_dominates():
     assert 7 not in ids
     plain, _ = sample(logits, u, top_p=0.9)
     assert (plain == 7).all()                                  # the test bites: without the ban it is 7
+
+
+def test_boost_order_per_row_matches_reference():
+    rng, logits, boosts, row_word, dense = _case(7)
+    ptr, ids, vals = csr_boosts(boosts)
+    first = rng.random(len(logits)) < 0.5
+    for _ in range(3):
+        u = rng.random(len(logits))
+        got, glp = sample(logits, u, top_p=0.9, row_word=row_word, boost_ptr=ptr, boost_ids=ids, boost_vals=vals,
+                          boost_first=first)
+        for r in range(len(logits)):
+            want, wlp = sample_ref(logits[r:r + 1], u[r:r + 1], 1.0, 0.9, dense[r:r + 1], bool(first[r]))
+            assert got[r] == want[0]
+            np.testing.assert_allclose(glp[r], wlp[0], atol=1e-4)

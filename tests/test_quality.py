@@ -216,3 +216,18 @@ def test_fluency_weight_switches_back_to_the_papers_at_the_deadline():
     assert list(search._alphas(rows)) == [0.001, 0.02, 0.02, 0.02]
     search.cfg = DBSConfig.paper()
     assert list(search._alphas(rows)) == [0.001] * 4
+
+
+def test_late_rows_boost_before_the_nucleus_cut():
+    from dbs_fast.beam import Rows
+
+    search = BeamSearch.__new__(BeamSearch)
+    search.cfg = DBSConfig(max_new_tokens=90, reserve_per_keyword=10)
+    search.n_kw = np.array([5])
+    rows = Rows(np.zeros(3, int), np.array([0, 3, 5]), np.zeros(3), np.zeros(3, bool), np.zeros((3, 55), int),
+                np.zeros((3, 55)), np.zeros(3, int))
+    assert list(search._boost_first(rows, 60)) == [True, False, False]     # 30 left: only 5 words are late
+    search.cfg = DBSConfig(late_boost_first=False)
+    assert search._boost_first(rows, 60) is False
+    search.cfg = DBSConfig.paper(boost_order="boost_then_filter")
+    assert search._boost_first(rows, 60) is True
