@@ -158,15 +158,15 @@ class BeamSearch:
             t0 = self.t.add("kernel", t0)
             ids = np.where(rows.ended, self.pad, ids)
             rows.tokens[:, base + j], rows.logp[:, base + j] = ids, lp
-            self.candidate_tokens += int((~rows.ended).sum())
-            rows.n_tok += ~rows.ended
-            was_ended = rows.ended.copy()
+            live = ~rows.ended                         # rows that drew a real token this step
+            self.candidate_tokens += int(live.sum())
+            rows.n_tok += live
             rows.ended |= np.isin(ids, self.eos)
             if active.any():
                 active &= ~self._word_seen(rows, prefix, word, active)
             if self.cfg.stop == "sentence":   # all keywords in (before or in this chunk) + sentence end
                 all_in = (rows.ptr >= self.n_kw[rows.req]) | (last_word & guided_at_start & ~active)
-                rows.ended |= ~was_ended & all_in & self.sentence_end[ids]
+                rows.ended |= live & all_in & self.sentence_end[ids]
             t0 = time.perf_counter()
             if not (last and j == k - 1):
                 pending, cache = self.be.step(ids, cache)

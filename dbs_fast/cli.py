@@ -31,6 +31,12 @@ def _run_export(a) -> int:
     return 0
 
 
+def _bool(v: str) -> bool:
+    if v.lower() not in ("true", "false"):
+        raise ValueError(v)                  # argparse: "invalid _bool value", exit 2
+    return v.lower() == "true"
+
+
 # Every DBSConfig field a user can set, declared once: (field, flag, type, help). `generate` and
 # `eval` both take them, with the defaults of the config they start from.
 CONFIG_FLAGS = (
@@ -45,7 +51,7 @@ CONFIG_FLAGS = (
     ("alpha", "--alpha", float, "weight of perplexity in the quality score Q"),
     ("alpha_fluent", "--alpha-fluent", float, "weight of perplexity in Q while the beam is ahead of its deadline"),
     ("reserve_per_keyword", "--reserve-per-keyword", int, "tokens kept per keyword still to place (the deadline)"),
-    ("late_boost_first", "--late-boost-first", "bool", "true/false: rows behind the deadline boost before the top-p cut"),
+    ("late_boost_first", "--late-boost-first", _bool, "true/false: rows behind the deadline boost before the top-p cut"),
     ("c_star", "--c-star", float, "Q's penalty for a chunk without the guide word"),
     ("repetition_penalty", "--repetition-penalty", float, "> 1 discourages tokens already used (1 = off)"),
     ("no_repeat_ngram_size", "--no-repeat-ngram-size", int, "ban repeating any n-gram of this size (0 = off)"),
@@ -54,20 +60,13 @@ CONFIG_FLAGS = (
 )
 
 
-def _bool(v: str) -> bool:
-    if v.lower() not in ("true", "false"):
-        raise ValueError(v)                  # argparse: "invalid _bool value", exit 2
-    return v.lower() == "true"
-
-
 def _add_config_flags(p, title: str) -> None:
     from .config import DBSConfig
 
     d = DBSConfig()
     g = p.add_argument_group(title)
     for name, flag, typ, text in CONFIG_FLAGS:
-        g.add_argument(flag, dest=name, type=_bool if typ == "bool" else typ, default=None,
-                       help=f"{text} (default {getattr(d, name)!r})")
+        g.add_argument(flag, dest=name, type=typ, default=None, help=f"{text} (default {getattr(d, name)!r})")
     g.add_argument("--paper", action="store_true",
                    help="the paper's protocol: no repetition control, fixed max-new-tokens (flags above override)")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .backend import left_pad
 from .errors import DBSError
 from .scorer import token_logprobs
 from .session import OnnxModel
@@ -56,8 +57,6 @@ class Judge:
             seqs = [enc[j][0] + enc[j][1] for j in part]
             if max(map(len, seqs)) < 2:
                 continue
-            from .backend import left_pad
-
             ids, mask = left_pad(seqs, self.pad)
             logits, _ = self.model.forward(ids, self.model.empty_cache(len(seqs)), mask)   # (B, T, V)
             width = ids.shape[1]

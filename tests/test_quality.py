@@ -47,7 +47,7 @@ def _max_ngram_count(seq, n):
 
 def test_no_repeat_ngram_never_repeats_and_the_test_bites(dbs):
     # penalty < 1 *rewards* reuse: the tiny random model then loops, unless n-grams are banned
-    loopy = dbs.config.__class__.paper(beams=2, candidates=3, chunk=4, max_new_tokens=24, repetition_penalty=0.02,
+    loopy = DBSConfig.paper(beams=2, candidates=3, chunk=4, max_new_tokens=24, repetition_penalty=0.02,
                                        guided=False)
     ctx, rows = _run(dbs, loopy)
     assert max(_max_ngram_count(ctx + list(rows.tokens[i, :rows.n_tok[i]]), 2) for i in range(len(rows.req))) > 1
