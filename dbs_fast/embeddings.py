@@ -160,9 +160,14 @@ class SimilarityTable:
         return (lam * np.square(np.maximum(cos, 0.0))).astype(np.float32)
 
     def sparse(self, word: str, lam: float, cutoff: float, subword_fallback=None) -> SparseBoost:
-        d = self.dense(word, lam, subword_fallback)
+        return self.sparse_vector(word, self.guide_vector(word, subword_fallback), lam, cutoff)
+
+    def sparse_vector(self, name: str, unit: np.ndarray, lam: float, cutoff: float) -> SparseBoost:
+        """Boosts towards a unit guide vector (a word's, or a phrase's mean), entries >= cutoff."""
+        cos = self.token_unit @ unit                                                  # (V,)
+        d = (lam * np.square(np.maximum(cos, 0.0))).astype(np.float32)
         ids = np.flatnonzero(d >= max(cutoff, 1e-12)).astype(np.int32)
-        return SparseBoost(word, ids, d[ids])
+        return SparseBoost(name, ids, d[ids])
 
 
 def sparse_error(table: SimilarityTable, word: str, lam: float, cutoff: float) -> dict:

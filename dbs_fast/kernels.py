@@ -1,6 +1,6 @@
 """The logits kernel: temperature -> (sparse boosts) -> nucleus -> (sparse boosts) -> one draw per row.
 
-One Numba function, parallel over rows, no full sort of the vocabulary: the nucleus cut is
+One Numba function, parallel over rows (with bans of token sequences and forced tokens), no full sort of the vocabulary: the nucleus cut is
 found from a histogram of log-probabilities (BUCKETS_PER_NAT buckets per nat below the row's
 maximum), and only the bucket that straddles top_p is sorted. Randomness comes in as one
 uniform per row, drawn by the caller from a seeded generator, so a fixed stream gives a fixed
@@ -69,6 +69,30 @@ def _penalise(x, s, inv_temp, h, start, end, penalty, ngram):
 
 
 @njit(cache=True, nogil=True)
+def _ban(s, h, start, end, lo, hi, seq_ptr, seq_tok, banned):
+    """Banned sequences lo:hi of one row: a one-token sequence's token is never drawn, a longer
+    one's last token never right after the rest (the history's end). Returns how many tokens it
+    banned (written to `banned`)."""
+    n = 0
+    for q in range(lo, hi):
+        a = seq_ptr[q]
+        b = seq_ptr[q + 1]
+        m = b - a - 1                                 # tokens that must precede the last
+        if m > end - start:
+            continue
+        same = True
+        for i in range(m):
+            if h[end - m + i] != seq_tok[a + i]:
+                same = False
+                break
+        if same:
+            s[seq_tok[b - 1]] = -np.inf
+            banned[n] = seq_tok[b - 1]
+            n += 1
+    return n
+
+
+@njit(cache=True, nogil=True)
 def _unguided_mass_delta(x, e, inv_temp, top, hs, boost_ids, lo, hi):
     """sum over the distinct modified tokens (sorted history `hs` and boost ids lo:hi, both
     ascending) of exp(raw scaled logit - top) - e[t]: the unguided mass they lost or gained."""
@@ -129,7 +153,8 @@ def _nucleus_cut(s, e, top, hist, target):
 
 @njit(parallel=True, cache=True)
 def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_vals, boost_first,
-                 hseq, hstart, hend, penalty, ngram, uniforms, out_ids, out_logp):
+                 hseq, hstart, hend, penalty, ngram, row_ban, ban_ptr, seq_ptr, seq_tok, force, uniforms,
+                 out_ids, out_logp):
     R, V = logits.shape
     for r in prange(R):
         x = logits[r]
@@ -146,6 +171,11 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
         shaped = penalty != 1.0 or ngram > 0
         if shaped:
             top = max(top, _penalise(x, s, inv_temp, hseq[r], hstart[r], hend, penalty, ngram))
+        g = row_ban[r]
+        n_banned = 0
+        banned = np.empty(ban_ptr[g + 1] - ban_ptr[g] if g >= 0 else 0, np.int32)
+        if g >= 0:
+            n_banned = _ban(s, hseq[r], hstart[r], hend, ban_ptr[g], ban_ptr[g + 1], seq_ptr, seq_tok, banned)
         bf = boost_first[r]
         if bf:
             for j in range(lo, hi):
@@ -160,8 +190,8 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
             total += ei
             hist[_bucket(top, s[i])] += ei
         unguided = total                     # the log-prob returned is the unguided one:
-        if shaped:                           # undo the penalties and (boost_first) boosts
-            hs = np.sort(hseq[r, hstart[r]:hend])
+        if shaped or n_banned > 0:           # undo the penalties, bans and (boost_first) boosts
+            hs = np.sort(np.concatenate((hseq[r, hstart[r]:hend] if shaped else hseq[r, 0:0], banned[:n_banned])))
             unguided += _unguided_mass_delta(x, e, inv_temp, top, hs, boost_ids, lo if bf else hi, hi)
         elif bf:
             for j in range(lo, hi):
@@ -169,6 +199,10 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
                 unguided -= np.float64(e[t])     # in float64: e[t] dwarfs the unguided mass
                 unguided += np.float64(np.exp(x[t] * inv_temp - top))
         logz = top + np.log(unguided)
+        if force[r] >= 0:                    # a forced token (a deadline or a phrase's rest)
+            out_ids[r] = force[r]
+            out_logp[r] = x[force[r]] * inv_temp - logz
+            continue
         if top_p < 1.0:                      # pass 3 (boundary bucket only) + a sort of it
             cut, mass = _nucleus_cut(s, e, top, hist, top_p * total)
         else:
@@ -198,14 +232,22 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
            boost_ids: np.ndarray | None = None, boost_vals: np.ndarray | None = None,
            boost_first=False, history: np.ndarray | None = None,
            history_start: np.ndarray | None = None, repetition_penalty: float = 1.0,
-           no_repeat_ngram_size: int = 0) -> tuple[np.ndarray, np.ndarray]:
+           no_repeat_ngram_size: int = 0, bans=None, row_ban: np.ndarray | None = None,
+           force: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Draw one token per row of `logits` (R, V) float32; returns (ids (R,) int64, logp (R,) float32).
 
     `row_word[r]` indexes the CSR boost table (`boost_ptr`, `boost_ids` ascending per word,
     `boost_vals`) or is -1 for an unguided row. `boost_first`: one bool for all rows or one per
     row (boost then filter where true, filter then boost elsewhere). `history` (R, H) holds each row's tokens so far
     (context + generated), the row's own starting at `history_start[r]` (left padding before);
-    it is needed only for `repetition_penalty` != 1 or `no_repeat_ngram_size` > 0.
+    it is needed only for `repetition_penalty` != 1 or `no_repeat_ngram_size` > 0, or for bans
+    of more than one token.
+
+    `bans` = (group_ptr, seq_ptr, seq_tok): group g holds banned token sequences
+    group_ptr[g]:group_ptr[g+1], sequence q is seq_tok[seq_ptr[q]:seq_ptr[q+1]]; `row_ban[r]` is
+    the row's group or -1. A banned one-token sequence is never drawn; a longer one's last token
+    is never drawn when the history ends with the rest. `force[r]` >= 0 makes the row emit that
+    token (its returned log-prob is still the model's own); the row's uniform is then unused.
     """
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     R = logits.shape[0]
@@ -218,10 +260,16 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
     shaped = repetition_penalty != 1.0 or no_repeat_ngram_size > 0
     if shaped and history is None:
         raise ValueError("repetition_penalty / no_repeat_ngram_size need the rows' token history")
-    if not shaped or history is None:
+    if bans is None or row_ban is None:
+        bans, row_ban = (np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int32)), np.full(R, -1)
+    multi = bool((np.diff(bans[1]) > 1).any())
+    if multi and history is None and (np.asarray(row_ban) >= 0).any():
+        raise ValueError("bans of more than one token need the rows' token history")
+    if not (shaped or multi) or history is None:
         history, history_start = np.zeros((R, 0), np.int32), np.zeros(R, np.int32)
     elif history_start is None:
         history_start = np.zeros(R, np.int32)
+    force = np.full(R, -1, np.int64) if force is None else np.asarray(force, np.int64)
     out_ids = np.empty(R, np.int64)
     out_logp = np.empty(R, np.float32)
     _sample_rows(logits, np.float32(1.0 / temperature), float(top_p), row_word.astype(np.int32),
@@ -229,7 +277,8 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
                  np.broadcast_to(np.asarray(boost_first, bool), (R,)).copy(), np.ascontiguousarray(history, dtype=np.int32),
                  np.asarray(history_start, dtype=np.int32), int(history.shape[1]),
                  np.float32(repetition_penalty), int(no_repeat_ngram_size),
-                 uniforms.astype(np.float64), out_ids, out_logp)
+                 np.asarray(row_ban, np.int64), np.asarray(bans[0], np.int64), np.asarray(bans[1], np.int64),
+                 np.asarray(bans[2], np.int32), force, uniforms.astype(np.float64), out_ids, out_logp)
     return out_ids, out_logp
 
 

@@ -1,4 +1,8 @@
-"""Guide-word occurrence: whole words (split on whitespace and punctuation) with equal Porter stems."""
+"""Guide-word occurrence: whole words (split on whitespace and punctuation) with equal Porter stems.
+
+A keyword in the constraint syntax (`dbs_fast.constraints`) may be a phrase, whose words must
+follow one another, or alternatives separated by `|`, any of which counts.
+"""
 from __future__ import annotations
 
 import re
@@ -19,31 +23,54 @@ def words(text: str) -> list[str]:
     return _WORDS.findall(text.lower())
 
 
+@lru_cache(maxsize=20_000)
+def _pattern(keyword: str) -> tuple[tuple[str, ...], ...]:
+    """Stems of each alternative's words: "ice cream|gelato" -> (("ice", "cream"), ("gelato",))."""
+    return tuple(tuple(stem(w) for w in words(a)) for a in keyword.split("|"))
+
+
+def _spans(text: str, keyword: str):
+    """(start, end) character spans of every occurrence: a position where the stems of some
+    alternative's words follow one another."""
+    ms = list(_WORDS.finditer(text))
+    st = [stem(m.group(0)) for m in ms]
+    alts = _pattern(keyword)
+    for i in range(len(st)):
+        for a in alts:
+            if a and tuple(st[i: i + len(a)]) == a:
+                yield ms[i].start(), ms[i + len(a) - 1].end()
+                break
+
+
 def count(text: str, keyword: str) -> int:
-    """Occurrences of `keyword` in `text` ("Colonies." counts for "colony")."""
-    target = stem(keyword)
-    return sum(1 for w in words(text) if stem(w) == target)
+    """Occurrences of `keyword` in `text` ("Colonies." counts for "colony"; "ice creams" for
+    "ice cream"; "ran" for "run|ran")."""
+    return sum(1 for _ in _spans(text, keyword))
 
 
-def _tail(prefix: str) -> str:
-    """The unfinished last word of `prefix` (a chunk may complete it)."""
-    m = re.search(r"[^\W_]+$", prefix)
-    return m.group(0) if m else ""
+def _tail(prefix: str, n_words: int = 1) -> str:
+    """The end of `prefix` from the start of its last `n_words` words (a chunk may complete the
+    last one, or a phrase that starts there)."""
+    ms = list(_WORDS.finditer(prefix[-200 * n_words:]))
+    if not ms:
+        return ""
+    if len(ms) < n_words:
+        return prefix[-200 * n_words:]
+    cut = ms[-n_words]
+    if n_words == 1 and cut.end() < len(prefix[-200:]):
+        return ""                       # the last word is finished: nothing to carry
+    return prefix[-200 * n_words:][cut.start():]
 
 
 def count_new(prefix: str, chunk: str, keyword: str) -> int:
-    """Occurrences that `chunk` adds after `prefix` (words straddling the boundary included)."""
-    tail = _tail(prefix)
+    """Occurrences that `chunk` adds after `prefix` (words and phrases straddling the boundary included)."""
+    tail = _tail(prefix, max(len(a) for a in _pattern(keyword)))
     return count(tail + chunk, keyword) - count(tail, keyword)
 
 
 def first_match(text: str, keyword: str) -> tuple[int, int] | None:
     """(start, end) character span of the first occurrence of `keyword`, or None."""
-    target = stem(keyword)
-    for m in _WORDS.finditer(text):
-        if stem(m.group(0)) == target:
-            return m.span()
-    return None
+    return next(_spans(text, keyword), None)
 
 
 _SENTENCE_END = re.compile(r"[.!?][\"')\]”’]*\s*$")

@@ -13,6 +13,18 @@ def banned_ngram_tokens(history, n):
     return grams.get(tuple(h[len(h) - n + 1:]) if n > 1 else (), set())
 
 
+def banned_tokens(history, ban_seqs):
+    """Tokens a row may not draw: one-token sequences always, a longer one's last token when the
+    history ends with the rest."""
+    h = [] if history is None else list(history)
+    out = set()
+    for seq in ban_seqs or ():
+        seq = list(seq)
+        if len(seq) - 1 <= len(h) and (len(seq) == 1 or h[len(h) - len(seq) + 1:] == seq[:-1]):
+            out.add(seq[-1])
+    return out
+
+
 def shape_logits(x, history, penalty=1.0, ngram=0):
     """Repetition penalty (CTRL / transformers) and n-gram bans on raw logits (float32)."""
     x = x.astype(np.float32).copy()
@@ -28,8 +40,9 @@ def shape_logits(x, history, penalty=1.0, ngram=0):
 
 
 def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, boost_first=False,
-               histories=None, penalty=1.0, ngram=0):
-    """dense_boosts: list per row of a (V,) boost vector or None; histories: list per row of token ids."""
+               histories=None, penalty=1.0, ngram=0, bans=None, force=None):
+    """dense_boosts: list per row of a (V,) boost vector or None; histories: list per row of token ids;
+    bans: list per row of banned token sequences; force: per row a token id or -1."""
     R, V = logits.shape
     ids = np.empty(R, np.int64)
     logp = np.empty(R, np.float64)
@@ -39,6 +52,12 @@ def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, 
         logz = float(raw.max()) + np.log(np.exp((raw - raw.max()).astype(np.float64)).sum())
         h = None if histories is None else histories[r]
         s = shape_logits(logits[r], h, penalty, ngram) * inv_t
+        for t in banned_tokens(h, None if bans is None else bans[r]):
+            s[t] = -np.inf
+        if force is not None and force[r] >= 0:
+            ids[r] = force[r]
+            logp[r] = float(raw[ids[r]]) - logz
+            continue
         m = s.max()
         b = None if dense_boosts is None else dense_boosts[r]
         key = s.astype(np.float64) + (b if (b is not None and boost_first) else 0.0)

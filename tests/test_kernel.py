@@ -4,7 +4,7 @@ import pytest
 
 from dbs_fast.embeddings import SparseBoost
 from dbs_fast.kernels import csr_boosts, sample
-from naive import banned_ngram_tokens, sample_ref, shape_logits
+from naive import banned_ngram_tokens, banned_tokens, sample_ref, shape_logits
 
 
 def _case(seed, R=24, V=3000, scale=3.0):
@@ -165,3 +165,61 @@ def test_boost_order_per_row_matches_reference():
             want, wlp = sample_ref(logits[r:r + 1], u[r:r + 1], 1.0, 0.9, dense[r:r + 1], bool(first[r]))
             assert got[r] == want[0]
             np.testing.assert_allclose(glp[r], wlp[0], atol=1e-4)
+
+
+def _ban_arrays(groups):
+    """groups: list of lists of token sequences -> the kernel's (group_ptr, seq_ptr, seq_tok)."""
+    gptr, sptr, toks = [0], [0], []
+    for g in groups:
+        for seq in g:
+            toks += list(seq)
+            sptr.append(len(toks))
+        gptr.append(len(sptr) - 1)
+    return np.array(gptr), np.array(sptr), np.array(toks, np.int32)
+
+
+@pytest.mark.parametrize("boost_first", [False, True])
+@pytest.mark.parametrize("penalty,ngram", [(1.0, 0), (1.2, 3)])
+def test_bans_and_forcing_match_reference_exactly(boost_first, penalty, ngram):
+    rng, logits, boosts, row_word, dense = _case(8)
+    R, V = logits.shape
+    hist, start, rows = _histories(rng, R, V)
+    # one group per row: a one-token ban of its likeliest token, and two-token bans whose first
+    # token is (row 0, 2, ...) or is not (odd rows) the history's last token
+    groups = []
+    for r in range(R):
+        top = int(np.argmax(logits[r]))
+        last = int(rows[r][-1]) if len(rows[r]) else 0
+        prev = last if r % 2 == 0 else (last + 1) % V
+        second = int(np.argsort(-logits[r])[1])
+        groups.append([(top,), (prev, second)])
+    bans = _ban_arrays(groups)
+    row_ban = np.arange(R)
+    row_ban[-1] = -1                                           # one row without bans
+    force = np.full(R, -1)
+    force[1] = 3
+    ptr, ids, vals = csr_boosts(boosts)
+    for _ in range(4):
+        u = rng.random(R)
+        got, glp = sample(logits, u, top_p=0.9, row_word=row_word, boost_ptr=ptr, boost_ids=ids, boost_vals=vals,
+                          boost_first=boost_first, history=hist, history_start=start, repetition_penalty=penalty,
+                          no_repeat_ngram_size=ngram, bans=bans, row_ban=row_ban, force=force)
+        ref_bans = [groups[g] if g >= 0 else None for g in row_ban]
+        want, wlp = sample_ref(logits, u, 1.0, 0.9, dense, boost_first, rows, penalty, ngram, ref_bans, force)
+        assert np.array_equal(got, want)
+        np.testing.assert_allclose(glp, wlp, atol=1e-4)         # the model's own log-prob, unbanned
+        assert got[1] == 3
+        for r in range(R - 1):
+            assert got[r] not in banned_tokens(rows[r], groups[r])
+
+
+def test_banned_token_never_drawn_though_it_has_all_the_mass():
+    V = 50
+    logits = np.zeros((4, V), np.float32)
+    logits[:, 9] = 40.0
+    hist = np.array([[2, 5], [2, 4], [2, 5], [2, 4]], np.int32)
+    bans = _ban_arrays([[(9,)], [(5, 9)]])
+    u = np.array([0.0, 0.3, 0.6, 0.999])
+    ids, _ = sample(logits, u, history=hist, bans=bans, row_ban=np.array([0, 1, 1, -1]))
+    assert ids[0] != 9 and ids[2] != 9                          # always / after 5
+    assert ids[1] == 9 and ids[3] == 9                          # 4 then 9 is allowed; no bans: 9

@@ -1,0 +1,225 @@
+"""Constraints: what a keyword may be, what may not appear, and the tables the kernel reads.
+
+Syntax (CLI, API and eval alike): keywords are comma-separated; a keyword is one or more
+alternatives separated by `|` (any one satisfies it, as transformers' DisjunctiveConstraint);
+an alternative is a word or a phrase of words separated by spaces ("ice cream|gelato").
+Banned words use the same syntax; every alternative of a banned keyword is banned.
+
+Guidance (the boost table): a word is guided by its embedding vector, a phrase by the mean of
+its words' unit vectors (words the embeddings lack are left out), a keyword with alternatives
+by the per-token max over its alternatives' boosts, and `order="any"` by the per-token max over
+the keywords still to place (merged rows, built on first use and cached).
+
+Forcing (the token sequences the scheduler may force): a keyword's tokens when its deadline
+comes under `guarantee`, and the rest of a phrase once its first word's tokens are out.
+
+Bans (the sequences the kernel never completes): every case and leading-space variant of a
+banned word, tokenised; a one-token variant is never drawn, a longer one's last token is never
+drawn after the rest.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .embeddings import SimilarityTable, SparseBoost
+from .errors import DBSError
+
+_ALLOWED = re.compile(r"^[^\W_]+(?:[ '\-][^\W_]+)*$")   # words joined by single spaces, ' or -
+_WORD = re.compile(r"[^\W_]+")
+
+
+@dataclass(frozen=True)
+class Keyword:
+    text: str                                      # normalised: "ice cream|gelato"
+    alternatives: tuple[tuple[str, ...], ...]      # (("ice", "cream"), ("gelato",))
+
+    @property
+    def phrases(self) -> list[str]:
+        """Each alternative as written (words joined by spaces)."""
+        return [a for a in self.text.split("|")]
+
+
+def parse_keyword(text: str) -> Keyword:
+    if not isinstance(text, str):
+        raise DBSError(f"a keyword must be a string, got {text!r}")
+    alts = [" ".join(a.split()) for a in text.split("|")]
+    if any(not a for a in alts):
+        raise DBSError(f"empty alternative in keyword {text!r}: write `run|ran`, not `run|` or `|ran`")
+    for a in alts:
+        if not _ALLOWED.match(a):
+            raise DBSError(f"keyword {a!r} must be words of letters/digits (a phrase: words separated by spaces; "
+                           f"alternatives: separated by |), without other punctuation")
+    return Keyword("|".join(alts), tuple(tuple(w.lower() for w in _WORD.findall(a)) for a in alts))
+
+
+def parse_keywords(keywords, what: str = "keyword") -> list[Keyword]:
+    """`keywords`: a comma-separated string or a list of strings."""
+    if isinstance(keywords, str):
+        keywords = keywords.split(",")
+    if not isinstance(keywords, (list, tuple)):
+        raise DBSError(f"{what}s must be a comma-separated string or a list of strings, got {keywords!r}")
+    parts = [k.strip() if isinstance(k, str) else k for k in keywords]
+    if what == "keyword" and (not parts or all(not p for p in parts)):
+        raise DBSError("no keywords given: pass at least one, e.g. --keywords \"enemy,speed\"")
+    if any(p == "" for p in parts) and what == "keyword":
+        raise DBSError(f"empty keyword in {keywords!r}")
+    return [parse_keyword(p) for p in parts if p != ""]
+
+
+def check_bans(keywords: list[Keyword], bans: list[Keyword]) -> None:
+    from .occurrence import stem
+
+    def stems(alt):
+        return tuple(stem(w) for w in alt)
+
+    banned = {stems(a): b.text for b in bans for a in b.alternatives}
+    for k in keywords:
+        for a in k.alternatives:
+            if stems(a) in banned:
+                raise DBSError(f"keyword {' '.join(a)!r} is also banned ({banned[stems(a)]!r}): drop one of them")
+
+
+def surface_variants(phrase: str) -> list[str]:
+    """Case and leading-space variants of a phrase, as text may contain it."""
+    forms = dict.fromkeys([phrase, phrase.lower(), phrase[:1].upper() + phrase[1:], phrase.title(), phrase.upper()])
+    return [v for f in forms for v in (" " + f, f)]
+
+
+def _dedup(seqs) -> list[tuple[int, ...]]:
+    return list(dict.fromkeys(tuple(int(t) for t in s) for s in seqs if len(s)))
+
+
+# -- guidance -------------------------------------------------------------------------------
+def keyword_boost(table: SimilarityTable, kw: Keyword, lam: float, cutoff: float, subword_fallback=None,
+                  lenient: bool = False) -> SparseBoost:
+    """Boost of one keyword: per-token max over its alternatives; a phrase uses the mean of its
+    words' unit vectors. `lenient` (guarantee): a keyword no vector covers gets its sub-word
+    tokens' vectors, or no boost at all, instead of an error."""
+    rows = []
+    for alt in kw.alternatives:
+        vecs = [v for v in (table.emb.vector(w) for w in alt) if v is not None]
+        if not vecs and (subword_fallback is not None or lenient):
+            try:
+                vecs = [table.guide_vector(" ".join(alt), subword_fallback or _no_fallback)]
+            except DBSError:
+                vecs = []
+        if not vecs:
+            if lenient:
+                continue
+            missing = [w for w in alt if table.emb.vector(w) is None]
+            raise DBSError(f"keyword {' '.join(missing)!r} is not in the embeddings ({table.emb.source}); "
+                           f"use --subword-fallback, --guarantee, or another form (`word|other`)")
+        m = np.mean([v / np.linalg.norm(v) for v in vecs], axis=0)
+        rows.append(table.sparse_vector(kw.text, m / np.linalg.norm(m), lam, cutoff))
+    return merge_boosts(kw.text, rows)
+
+
+def _no_fallback(word):
+    return []
+
+
+def merge_boosts(name: str, boosts: list[SparseBoost]) -> SparseBoost:
+    """Per-token max of several sparse boosts."""
+    if not boosts:
+        return SparseBoost(name, np.zeros(0, np.int32), np.zeros(0, np.float32))
+    if len(boosts) == 1:
+        return SparseBoost(name, boosts[0].ids, boosts[0].values)
+    ids = np.concatenate([b.ids for b in boosts])
+    vals = np.concatenate([b.values for b in boosts])
+    order = np.lexsort((-vals, ids))                   # by id, largest value first
+    ids, vals = ids[order], vals[order]
+    first = np.r_[True, ids[1:] != ids[:-1]]
+    return SparseBoost(name, ids[first].astype(np.int32), vals[first].astype(np.float32))
+
+
+class BoostTable:
+    """CSR rows the kernel indexes: one per keyword (request by request), plus merged rows for
+    sets of a request's keywords (`order="any"`), appended on first use and cached."""
+
+    def __init__(self, boosts: list[SparseBoost]):
+        self.rows = list(boosts)
+        self._merged: dict[tuple[int, int], int] = {}
+        self._csr = None
+
+    def row(self, base: int, mask: int) -> int:
+        """Row of the keywords in bitmask `mask` of the request whose first keyword is row `base`."""
+        if mask <= 0:
+            return -1
+        if mask & (mask - 1) == 0:
+            return base + mask.bit_length() - 1
+        key = (base, mask)
+        if key not in self._merged:
+            bits = [i for i in range(mask.bit_length()) if mask >> i & 1]
+            self.rows.append(merge_boosts("|".join(self.rows[base + i].word for i in bits),
+                                          [self.rows[base + i] for i in bits]))
+            self._merged[key] = len(self.rows) - 1
+            self._csr = None
+        return self._merged[key]
+
+    def rows_for(self, bases: np.ndarray, masks: np.ndarray) -> np.ndarray:
+        cache: dict = {}
+        out = np.empty(len(masks), np.int32)
+        for i, (b, m) in enumerate(zip(bases.tolist(), masks.tolist())):
+            out[i] = cache[(b, m)] if (b, m) in cache else cache.setdefault((b, m), self.row(b, m))
+        return out
+
+    @property
+    def csr(self):
+        if self._csr is None:
+            from .kernels import csr_boosts
+
+            self._csr = csr_boosts(self.rows)
+        return self._csr
+
+
+# -- forcing and bans -----------------------------------------------------------------------
+class SequenceTable:
+    """Token sequences packed flat (ptr, tokens), referenced by index."""
+
+    def __init__(self):
+        self.seqs: list[tuple[int, ...]] = []
+        self._index: dict = {}
+
+    def add(self, seq) -> int:
+        seq = tuple(int(t) for t in seq)
+        if seq not in self._index:
+            self._index[seq] = len(self.seqs)
+            self.seqs.append(seq)
+        return self._index[seq]
+
+    def arrays(self):
+        ptr = np.zeros(len(self.seqs) + 1, np.int64)
+        for i, s in enumerate(self.seqs):
+            ptr[i + 1] = ptr[i] + len(s)
+        toks = np.array([t for s in self.seqs for t in s], np.int32)
+        return ptr, toks
+
+
+def keyword_tokens(encode, kw: Keyword) -> list[tuple[int, ...]]:
+    """Token sequences that write each alternative (leading space, as given), shortest first."""
+    return sorted(_dedup(encode(" " + a) for a in kw.phrases), key=len)
+
+
+def phrase_starts(encode, kw: Keyword) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """For each multi-word alternative and surface variant: (tokens of its first word, tokens of
+    the whole phrase) when the first word's tokens are a prefix of the phrase's."""
+    out = []
+    for a in kw.phrases:
+        if " " not in a:
+            continue
+        first = a.split(" ")[0]
+        for v in surface_variants(a):
+            lead = " " if v.startswith(" ") else ""
+            fw = v[len(lead): len(lead) + len(first)]
+            head, whole = tuple(encode(lead + fw)), tuple(encode(v))
+            if head and len(whole) > len(head) and whole[: len(head)] == head:
+                out.append((head, whole))
+    return list(dict.fromkeys(out))
+
+
+def ban_sequences(encode, bans: list[Keyword]) -> list[tuple[int, ...]]:
+    """Every tokenised case / leading-space variant of every banned alternative."""
+    return _dedup(encode(v) for b in bans for a in b.phrases for v in surface_variants(a))
