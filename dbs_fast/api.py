@@ -1,21 +1,21 @@
 """The Python API: `DirectedBeamSearch(model, embeddings, config).generate(context, keywords)`."""
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from . import kernels, occurrence
+from . import constraints, kernels, occurrence
 from .beam import BeamSearch, Request
 from .config import DBSConfig
 from .embeddings import Embeddings, SimilarityTable
 from .errors import DBSError
 from .home import EMBEDDED_DIRS, MANIFEST, embedded_model_dir
 
-_KEYWORD = re.compile(r"^[^\W_]+$")
+MAX_KEYWORDS = 62           # one bit each in the scheduler's int64 masks
+_START_TOKENS = ("<|endoftext|>", "<bos>", "<s>")   # an empty context starts a document with one
 _EMB_CACHE: dict[str, Embeddings] = {}
 
 
@@ -60,18 +60,15 @@ def resolve_model_dir(model: str | Path, quiet: bool = True) -> Path:
 
 
 def validate_keywords(keywords) -> list[str]:
-    if isinstance(keywords, str):
-        keywords = keywords.split(",")
-    kws = [k.strip() for k in keywords]
-    if not kws or all(not k for k in kws):
-        raise DBSError("no keywords given: pass at least one, e.g. --keywords \"enemy,speed\"")
-    for k in kws:
-        if not k:
-            raise DBSError(f"empty keyword in {keywords!r}")
-        if not _KEYWORD.match(k):
-            raise DBSError(f"keyword {k!r} must be a single word of letters/digits (multi-word keywords and "
-                           f"punctuation are not supported: give each word as its own keyword)")
+    """Keywords in the constraint syntax (`dbs_fast.constraints`), normalised; DBSError if bad."""
+    kws = [k.text for k in constraints.parse_keywords(keywords)]
+    if len(kws) > MAX_KEYWORDS:
+        raise DBSError(f"at most {MAX_KEYWORDS} keywords, got {len(kws)}")
     return kws
+
+
+def validate_bans(ban) -> list[str]:
+    return [] if ban is None else [b.text for b in constraints.parse_keywords(ban, what="banned word")]
 
 
 class DirectedBeamSearch:
@@ -111,8 +108,12 @@ class DirectedBeamSearch:
             self._sentence_end = occurrence.sentence_end_tokens(self.backend.decode_one, self.backend.vocab_size)
         return self._sentence_end
 
+    def _pieces(self, text: str) -> list[int]:
+        """Tokens of a piece of running text (no BOS or other special tokens)."""
+        return self.backend.tokenizer.encode(text, add_special_tokens=False).ids
+
     def _subwords(self, word: str) -> list[int]:
-        return self.backend.encode(" " + word)
+        return self._pieces(" " + word)
 
     def _make_scorer(self, scorer: str, provider, threads):
         from .scorer import OnnxScorer, SelfScorer
@@ -124,29 +125,60 @@ class DirectedBeamSearch:
         return OnnxScorer(OnnxModel(resolve_model_dir(scorer), provider, threads), self.backend.tokenizer)
 
     def generate(self, context: str, keywords, seed: int = 0, config: DBSConfig | None = None,
-                 progress=None) -> GenerationResult:
-        return self.generate_batch([(context, keywords)], seeds=[seed], config=config, progress=progress)[0]
+                 progress=None, ban=None) -> GenerationResult:
+        return self.generate_batch([(context, keywords)], seeds=[seed], config=config, progress=progress,
+                                   bans=[ban])[0]
+
+    def _context_ids(self, context: str) -> list[int]:
+        """The context's tokens; an empty context is the model's document-start token."""
+        if not isinstance(context, str):
+            raise DBSError(f"the context must be a string, got {context!r}")
+        ids = self.backend.encode(context) if context else []
+        if not context or not ids:
+            start = [i for i in (self.backend.tokenizer.token_to_id(t) for t in _START_TOKENS) if i is not None]
+            if context or not start:
+                raise DBSError("the context encodes to no tokens: give some text, e.g. --context \"It is\"")
+            ids = start[:1]
+        return ids
+
+    def _request(self, context, keywords, ban, seed, word_base: int, cfg: DBSConfig) -> Request:
+        """One request with its constraints tokenised; DBSError names what is wrong."""
+        kws = constraints.parse_keywords(validate_keywords(keywords))
+        bans = constraints.parse_keywords(validate_bans(ban), what="banned word")
+        constraints.check_bans(kws, bans)
+        ids = self._context_ids(context)
+        limit = self.backend.max_positions
+        if limit and len(ids) + cfg.max_new_tokens > limit:
+            raise DBSError(f"context ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds "
+                           f"the model's context window of {limit} tokens")
+        enc = self._pieces
+        force = [constraints.keyword_tokens(enc, k)[0] for k in kws]
+        for k, f in zip(kws, force):
+            if len(f) > cfg.max_new_tokens:
+                raise DBSError(f"keyword {k.text!r} takes {len(f)} tokens, more than max_new_tokens "
+                               f"({cfg.max_new_tokens})")
+        if cfg.guarantee and sum(map(len, force)) > cfg.max_new_tokens:
+            raise DBSError(f"--guarantee: the keywords take {sum(map(len, force))} tokens, more than "
+                           f"max_new_tokens ({cfg.max_new_tokens}) can hold; raise it or give fewer keywords")
+        phrases = [(i, head, whole) for i, k in enumerate(kws) for head, whole in constraints.phrase_starts(enc, k)]
+        return Request(ids, [k.text for k in kws], word_base, int(seed), force, phrases,
+                       constraints.ban_sequences(enc, bans))
 
     def generate_batch(self, requests, seeds=None, config: DBSConfig | None = None,
-                       progress=None) -> list[GenerationResult]:
-        """Many (context, keywords) requests decoded as one batch of rows."""
+                       progress=None, bans=None) -> list[GenerationResult]:
+        """Many (context, keywords) requests decoded as one batch of rows; `bans`: per request,
+        banned words (comma-separated or a list) or None."""
         cfg = config or self.config
         seeds = list(seeds) if seeds is not None else list(range(len(requests)))
+        bans = list(bans) if bans is not None else [None] * len(requests)
         reqs, boosts = [], []
-        for (context, keywords), seed in zip(requests, seeds):
-            kws = validate_keywords(keywords)
-            ids = self.backend.encode(context)
-            if not ids:
-                raise DBSError("the context encodes to no tokens: give some text, e.g. --context \"It is\"")
-            limit = self.backend.max_positions
-            if limit and len(ids) + cfg.max_new_tokens > limit:
-                raise DBSError(f"context ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds "
-                               f"the model's context window of {limit} tokens")
-            reqs.append(Request(ids, kws, len(boosts), int(seed)))
-            boosts += [self.table.sparse(k, cfg.lam, cfg.boost_cutoff, self.subword_fallback) for k in kws]
-        csr = kernels.csr_boosts(boosts)
+        for (context, keywords), ban, seed in zip(requests, bans, seeds):
+            r = self._request(context, keywords, ban, seed, len(boosts), cfg)
+            reqs.append(r)
+            boosts += [constraints.keyword_boost(self.table, constraints.parse_keyword(k), cfg.lam, cfg.boost_cutoff,
+                                                 self.subword_fallback, lenient=cfg.guarantee) for k in r.keywords]
         t0 = time.perf_counter()
-        search = BeamSearch(self.backend, self.scorer, cfg, csr, reqs, progress,
+        search = BeamSearch(self.backend, self.scorer, cfg, constraints.BoostTable(boosts), reqs, progress,
                             self.sentence_end if cfg.stop == "sentence" else None)
         rows = search.run()
         seconds = time.perf_counter() - t0

@@ -49,7 +49,8 @@ class OnnxBackend:
         return np.take(x, rows, axis=0)
 
     @staticmethod
-    def sample(logits, uniforms, row_word, csr, cfg, history=None, history_start=None, boost_first=None):
+    def sample(logits, uniforms, row_word, csr, cfg, history=None, history_start=None, boost_first=None,
+               bans=None, row_ban=None, force=None):
         ptr, ids, vals = csr
         if boost_first is None:
             boost_first = cfg.boost_order == "boost_then_filter"
@@ -57,7 +58,8 @@ class OnnxBackend:
                               row_word=row_word, boost_ptr=ptr, boost_ids=ids, boost_vals=vals,
                               boost_first=boost_first, history=history,
                               history_start=history_start, repetition_penalty=cfg.repetition_penalty,
-                              no_repeat_ngram_size=cfg.no_repeat_ngram_size)
+                              no_repeat_ngram_size=cfg.no_repeat_ngram_size, bans=bans, row_ban=row_ban,
+                              force=force)
 
     def encode(self, text: str) -> list[int]:
         return self.model.encode(text)

@@ -21,8 +21,21 @@ from .config import DBSConfig
 class Request:
     context_ids: list[int]
     keywords: list[str]
-    word_base: int            # row of its first keyword in the CSR boost table
+    word_base: int            # row of its first keyword in the boost table
     seed: int
+    force: list[tuple] = field(default_factory=list)    # per keyword: the tokens `guarantee` forces
+    phrases: list[tuple] = field(default_factory=list)  # (keyword index, first word's tokens, phrase's tokens)
+    bans: list[tuple] = field(default_factory=list)     # banned token sequences
+
+
+def popcount(x: np.ndarray) -> np.ndarray:
+    if hasattr(np, "bitwise_count"):
+        return np.bitwise_count(x).astype(np.int64)
+    return np.array([bin(int(v)).count("1") for v in x], np.int64)
+
+
+def lowest_bit(x: np.ndarray) -> np.ndarray:
+    return x & -x
 
 
 @dataclass
@@ -30,12 +43,14 @@ class Rows:
     """Per-candidate state; every field has the row count as its leading dimension."""
 
     req: np.ndarray           # (R,) request index
-    ptr: np.ndarray           # (R,) index of the current guide word
+    found: np.ndarray         # (R,) int64 bitmask of the request's keywords placed (credited at chunk ends)
     cum: np.ndarray           # (R,) float64 cumulative quality score
     ended: np.ndarray         # (R,) bool, emitted EOS
     tokens: np.ndarray        # (R, L) int64 generated tokens (EOS padded after the end)
     logp: np.ndarray          # (R, L) float32 scorer log-probabilities of those tokens
     n_tok: np.ndarray         # (R,) tokens that count (up to and including EOS)
+    fseq: np.ndarray          # (R,) sequence being forced (index into the forced-sequence table) or -1
+    fpos: np.ndarray          # (R,) next position in it
 
     def take(self, rows: np.ndarray) -> "Rows":
         return Rows(*(getattr(self, f.name)[rows] for f in fields(self)))
@@ -54,9 +69,9 @@ class Timings:
 class BeamSearch:
     """One run of DBS over a batch of requests with a backend (model + sampler) and a scorer."""
 
-    def __init__(self, backend, scorer, cfg: DBSConfig, csr, requests: list[Request], progress=None,
+    def __init__(self, backend, scorer, cfg: DBSConfig, table, requests: list[Request], progress=None,
                  sentence_end: np.ndarray | None = None):
-        self.be, self.scorer, self.cfg, self.csr = backend, scorer, cfg, csr
+        self.be, self.scorer, self.cfg, self.table = backend, scorer, cfg, table
         self.requests = requests
         if cfg.stop == "sentence" and sentence_end is None:   # (V,) bool; the API passes a cached one
             sentence_end = occurrence.sentence_end_tokens(backend.decode_one, backend.vocab_size)
@@ -68,9 +83,11 @@ class BeamSearch:
         self.ctx_start = (self.ctx.shape[1] - ctx_len).astype(np.int32)
         self.rngs = [np.random.default_rng(r.seed) for r in requests]
         self.n_kw = np.array([len(r.keywords) for r in requests])
+        self.full = (np.left_shift(1, self.n_kw) - 1).astype(np.int64)   # every keyword's bit
         self.word_base = np.array([r.word_base for r in requests])
         self.pad = backend.pad_id
         self.eos = np.array(sorted(backend.eos_ids) or [-1])
+        self._constraint_tables(requests)
         self.progress = progress
         self.t = Timings()
         self.candidate_tokens = 0
@@ -84,9 +101,10 @@ class BeamSearch:
         t0 = self.t.add("prefill", t0)
         Q = len(self.requests)
         first = np.repeat(np.arange(Q), cfg.beams)            # step 1: b beams per request
-        rows = Rows(first, np.zeros(len(first), np.int64), np.zeros(len(first)), np.zeros(len(first), bool),
-                    np.zeros((len(first), 0), np.int64), np.zeros((len(first), 0), np.float32),
-                    np.zeros(len(first), np.int64))
+        n = len(first)
+        rows = Rows(first, np.zeros(n, np.int64), np.zeros(n), np.zeros(n, bool), np.zeros((n, 0), np.int64),
+                    np.zeros((n, 0), np.float32), np.zeros(n, np.int64), np.full(n, -1, np.int64),
+                    np.zeros(n, np.int64))
         pending, cache = self.be.take(pending, first), self.be.select(cache, first)
         self.scorer.select(first)
         n_chunks = math.ceil(cfg.max_new_tokens / cfg.chunk)
@@ -125,10 +143,92 @@ class BeamSearch:
         self.t.add("text", t0)
         return out
 
-    def _guide_words(self, rows: Rows) -> np.ndarray:
-        """Global boost-table row of each row's current guide word, -1 when unguided."""
-        on = (rows.ptr < self.n_kw[rows.req]) if self.cfg.guided else np.zeros(len(rows.req), bool)
-        return np.where(on, self.word_base[rows.req] + rows.ptr, -1).astype(np.int32)
+    # -- constraints: which keywords guide a row, which tokens are forced or banned -----------
+    def _constraint_tables(self, requests: list[Request]) -> None:
+        from .constraints import SequenceTable
+
+        K = max(1, self.n_kw.max())
+        forced = SequenceTable()
+        self.force_idx = np.full((len(requests), K), -1, np.int64)   # keyword -> its forced sequence
+        self.need = np.zeros((len(requests), K), np.int64)           # ... and that sequence's length
+        self.phrases = []                                             # per request: (bit, head, seq index)
+        for q, r in enumerate(requests):
+            for i, seq in enumerate(r.force):
+                self.force_idx[q, i], self.need[q, i] = forced.add(seq), len(seq)
+            self.phrases.append([(1 << i, head, forced.add(whole)) for i, head, whole in r.phrases])
+        self.seq_ptr, self.seq_tok = forced.arrays()
+        self.bans = None      # groups 2q: request q's bans; 2q + 1: the same and EOS (guarantee)
+        if any(r.bans for r in requests) or self.cfg.guarantee:
+            banned = SequenceTable()
+            groups = [[banned.add(b) for b in r.bans] + [banned.add((int(e),)) for e in self.eos if e >= 0] * extra
+                      for r in requests for extra in (0, 1)]
+            gptr = np.cumsum([0] + [len(g) for g in groups])
+            order = np.array([i for g in groups for i in g], np.int64)
+            ptr, tok = banned.arrays()
+            lens = np.diff(ptr)[order]         # the groups' sequences laid out in group order
+            sptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+            stok = np.array([t for i in order for t in banned.seqs[i]], np.int32)
+            self.bans = (gptr.astype(np.int64), sptr, stok)
+        self.multi_bans = any(len(b) > 1 for r in requests for b in r.bans)
+
+    def _remaining(self, rows: Rows, seen: np.ndarray) -> np.ndarray:
+        return self.full[rows.req] & ~(rows.found | seen)
+
+    def _candidates(self, rows: Rows, seen: np.ndarray) -> np.ndarray:
+        """Keywords (bitmask) a row looks for now: `next`, the next one in order (none once it
+        was seen in this chunk, as in the paper); `any`, every one still to place."""
+        rem = self._remaining(rows, seen)
+        if self.cfg.order == "any":
+            return rem
+        return np.where(seen == 0, lowest_bit(rem), 0)
+
+    def _guide_words(self, cand: np.ndarray, rows: Rows) -> np.ndarray:
+        """Boost-table row of each row's guide keywords (merged for several), -1 when unguided."""
+        if not self.cfg.guided:
+            return np.full(len(cand), -1, np.int32)
+        return self.table.rows_for(self.word_base[rows.req], cand)
+
+    def _forced(self, rows: Rows, seen: np.ndarray, n_done: int) -> np.ndarray:
+        """Token each row must emit now, or -1: the rest of a sequence being forced; under
+        `guarantee`, the first token of the next keyword to place once the tokens left are just
+        what the remaining keywords need (K2T's deadline, made exact)."""
+        force = np.full(len(rows.req), -1, np.int64)
+        on = (rows.fseq >= 0) & ~rows.ended
+        force[on] = self.seq_tok[self.seq_ptr[rows.fseq[on]] + rows.fpos[on]]
+        if self.cfg.guarantee:
+            rem = self._remaining(rows, seen)
+            need = np.zeros(len(rem), np.int64)
+            for i in range(self.need.shape[1]):
+                need += (rem >> i & 1) * self.need[rows.req, i]
+            start = np.flatnonzero(~on & ~rows.ended & (rem != 0) & (self.cfg.max_new_tokens - n_done <= need))
+            if len(start):
+                bit = np.log2(lowest_bit(rem[start])).astype(np.int64)
+                rows.fseq[start], rows.fpos[start] = self.force_idx[rows.req[start], bit], 0
+                force[start] = self.seq_tok[self.seq_ptr[rows.fseq[start]]]
+        return force
+
+    def _advance_forcing(self, rows: Rows, force: np.ndarray, seen: np.ndarray, n_gen: int) -> None:
+        """After a step: move along forced sequences; a row whose tokens now end with the first
+        word of a phrase it still needs has the phrase's rest forced from the next step on."""
+        on = force >= 0
+        rows.fpos[on] += 1
+        done = on & (rows.fpos >= self.seq_ptr[rows.fseq + 1] - self.seq_ptr[rows.fseq])
+        rows.fseq[done] = -1
+        if not any(self.phrases):
+            return
+        rem = self._remaining(rows, seen)
+        for i in np.flatnonzero((rows.fseq < 0) & ~rows.ended):
+            toks = rows.tokens[i, :n_gen]
+            for bit, head, seq in self.phrases[rows.req[i]]:
+                if rem[i] & bit and len(head) <= len(toks) and tuple(toks[len(toks) - len(head):]) == head:
+                    rows.fseq[i], rows.fpos[i] = seq, len(head)
+                    break
+
+    def _ban_groups(self, rows: Rows, seen: np.ndarray):
+        if self.bans is None:
+            return None
+        open_ = (self._remaining(rows, seen) != 0) if self.cfg.guarantee else np.zeros(len(rows.req), bool)
+        return 2 * rows.req + open_     # under guarantee, no EOS while a keyword is missing
 
     def _uniforms(self, rows: Rows) -> np.ndarray:
         counts = np.bincount(rows.req, minlength=len(self.rngs))
@@ -136,25 +236,25 @@ class BeamSearch:
 
     def _history(self, rows: Rows, n_gen: int):
         """Each row's tokens so far (context + generated) for the kernel's repetition rules."""
-        if not self.cfg.shapes_logits:
+        if not (self.cfg.shapes_logits or self.multi_bans):
             return None, None
         return np.concatenate([self.ctx[rows.req], rows.tokens[:, :n_gen]], axis=1), self.ctx_start[rows.req]
 
     def _decode_chunk(self, rows: Rows, prefix: list[str], k: int, pending, cache, last: bool):
         R = len(rows.req)
-        word = self._guide_words(rows)
-        active = word >= 0
-        guided_at_start = active.copy()
-        last_word = rows.ptr == self.n_kw[rows.req] - 1
+        seen = np.zeros(R, np.int64)         # keywords seen in this chunk so far (guidance moves on)
         base = rows.tokens.shape[1]
         boost_first = self._boost_first(rows, base + k)
         rows.tokens = np.concatenate([rows.tokens, np.full((R, k), self.pad, np.int64)], axis=1)  # (R, L+k)
         rows.logp = np.concatenate([rows.logp, np.zeros((R, k), np.float32)], axis=1)
         for j in range(k):
             t0 = time.perf_counter()
+            cand = self._candidates(rows, seen)
+            word = self._guide_words(cand, rows)
+            force = self._forced(rows, seen, base + j)
             hist, hstart = self._history(rows, base + j)
-            ids, lp = self.be.sample(pending, self._uniforms(rows), np.where(active, word, -1), self.csr, self.cfg,
-                                     hist, hstart, boost_first)
+            ids, lp = self.be.sample(pending, self._uniforms(rows), word, self.table.csr, self.cfg, hist, hstart,
+                                     boost_first, bans=self.bans, row_ban=self._ban_groups(rows, seen), force=force)
             t0 = self.t.add("kernel", t0)
             ids = np.where(rows.ended, self.pad, ids)
             rows.tokens[:, base + j], rows.logp[:, base + j] = ids, lp
@@ -162,25 +262,31 @@ class BeamSearch:
             self.candidate_tokens += int(live.sum())
             rows.n_tok += live
             rows.ended |= np.isin(ids, self.eos)
-            if active.any():
-                active &= ~self._word_seen(rows, prefix, word, active)
+            check = (word >= 0) | (force >= 0)
+            if check.any():
+                seen |= self._seen_now(rows, prefix, np.flatnonzero(check & live),
+                                       np.where(force >= 0, self._remaining(rows, seen), cand))
+            self._advance_forcing(rows, force, seen, base + j + 1)
             if self.cfg.stop == "sentence":   # all keywords in (before or in this chunk) + sentence end
-                all_in = (rows.ptr >= self.n_kw[rows.req]) | (last_word & guided_at_start & ~active)
-                rows.ended |= live & all_in & self.sentence_end[ids]
+                rows.ended |= live & (self._remaining(rows, seen) == 0) & self.sentence_end[ids]
             t0 = time.perf_counter()
             if not (last and j == k - 1):
                 pending, cache = self.be.step(ids, cache)
             self.t.add("model", t0)
         return rows, rows.tokens[:, base:], pending, cache
 
-    def _word_seen(self, rows: Rows, prefix, word, active) -> np.ndarray:
-        """Rows whose current guide word appeared in the chunk so far (guidance then stops)."""
+    def _seen_now(self, rows: Rows, prefix, idx, masks) -> np.ndarray:
+        """Bits of `masks` (per row) whose keyword appeared in the row's chunk so far."""
         t0 = time.perf_counter()
-        idx = np.flatnonzero(active)
-        seen = np.zeros(len(rows.req), bool)
+        seen = np.zeros(len(rows.req), np.int64)
         for i, text in zip(idx, self._chunk_texts(rows, prefix, idx)):
-            kw = self.requests[rows.req[i]].keywords[rows.ptr[i]]
-            seen[i] = occurrence.count_new(prefix[i], text, kw) > 0
+            kws = self.requests[rows.req[i]].keywords
+            m = int(masks[i])
+            while m:
+                b = m & -m
+                m ^= b
+                if occurrence.count_new(prefix[i], text, kws[b.bit_length() - 1]) > 0:
+                    seen[i] |= b
         self.t.add("text", t0)
         return seen
 
@@ -202,22 +308,37 @@ class BeamSearch:
         texts = self._chunk_texts(rows, prefix, idx)
         cfg = self.cfg
         alpha = self._alphas(rows)
+        rem = self._remaining(rows, np.zeros(len(rows.req), np.int64))
         for i, text in zip(idx, texts):
             pp = math.exp(-float(lp[i, : n_new[i]].mean()))
-            kws = self.requests[rows.req[i]].keywords
-            c = occurrence.count_new(prefix[i], text, kws[rows.ptr[i]]) if rows.ptr[i] < len(kws) else 0
-            q = math.exp(-((c if c > 0 else cfg.c_star) + alpha[i] * pp))
-            if c > 0:
-                rows.ptr[i] += 1
-            rows.cum[i] += q
+            credit, new = self._credit(self.requests[rows.req[i]].keywords, int(rem[i]), prefix[i], text)
+            rows.cum[i] += (credit if new else math.exp(-cfg.c_star)) * math.exp(-alpha[i] * pp)
+            rows.found[i] |= new
         self.t.add("text", t0)
         return rows
+
+    def _credit(self, kws: list[str], rem: int, prefix: str, text: str) -> tuple[float, int]:
+        """Q's keyword term for a chunk, sum of exp(-c) over the keywords it places (c: their
+        occurrences in the chunk), and their bits. `next` places the next keyword in order (the
+        paper; under `guarantee` also the ones after it, in order, which forcing can put in the
+        same chunk); `any`, whichever of the remaining ones appear."""
+        credit, new = 0.0, 0
+        while rem:
+            b = rem & -rem
+            rem ^= b
+            c = occurrence.count_new(prefix, text, kws[b.bit_length() - 1])
+            if c > 0:
+                credit += math.exp(-c)
+                new |= b
+            if self.cfg.order == "next" and (c == 0 or not self.cfg.guarantee):
+                break
+        return credit, new
 
     def _on_time(self, rows: Rows, tokens_after: int) -> np.ndarray:
         """Rows ahead of their deadline: after `tokens_after` generated tokens, at least
         `reserve_per_keyword` tokens are left per keyword still to place."""
         left = self.cfg.max_new_tokens - tokens_after
-        return left >= (self.n_kw[rows.req] - rows.ptr) * self.cfg.reserve_per_keyword
+        return left >= popcount(self._remaining(rows, 0)) * self.cfg.reserve_per_keyword
 
     def _alphas(self, rows: Rows) -> np.ndarray:
         """Weight of perplexity in each row's Q: `alpha_fluent` while the row is ahead of its
@@ -238,7 +359,7 @@ class BeamSearch:
     def _finish_requests(self, rows: Rows) -> Rows:
         """stop="sentence": a request with a finished beam (every keyword, then a sentence end or
         EOS) is done; its unfinished beams are dropped, so only finished ones can be chosen."""
-        finished = rows.ended & (rows.ptr >= self.n_kw[rows.req])
+        finished = rows.ended & (self._remaining(rows, 0) == 0)
         done = np.zeros(len(self.requests), bool)
         done[rows.req[finished]] = True
         drop = done[rows.req] & ~finished

@@ -57,7 +57,13 @@ CONFIG_FLAGS = (
     ("no_repeat_ngram_size", "--no-repeat-ngram-size", int, "ban repeating any n-gram of this size (0 = off)"),
     ("stop", "--stop", str, "sentence: end at the first sentence end after the last keyword; max: always "
                             "max-new-tokens (the paper)"),
+    ("order", "--order", str, "next: keywords one at a time in the given order (the paper); any: guide towards "
+                              "all remaining keywords at once"),
+    ("guarantee", "--guarantee", "switch", "force each keyword's tokens when the budget left is what the "
+                                           "remaining keywords need: every keyword appears"),
 )
+KEYWORD_SYNTAX = ('comma-separated; a phrase is words separated by spaces ("ice cream"), alternatives are '
+                  'separated by | ("run|ran|running"): any one satisfies the keyword')
 
 
 def _add_config_flags(p, title: str) -> None:
@@ -66,7 +72,10 @@ def _add_config_flags(p, title: str) -> None:
     d = DBSConfig()
     g = p.add_argument_group(title)
     for name, flag, typ, text in CONFIG_FLAGS:
-        g.add_argument(flag, dest=name, type=typ, default=None, help=f"{text} (default {getattr(d, name)!r})")
+        if typ == "switch":
+            g.add_argument(flag, dest=name, action="store_true", default=None, help=text)
+        else:
+            g.add_argument(flag, dest=name, type=typ, default=None, help=f"{text} (default {getattr(d, name)!r})")
     g.add_argument("--paper", action="store_true",
                    help="the paper's protocol: no repetition control, fixed max-new-tokens (flags above override)")
 
@@ -84,7 +93,9 @@ def config_from_args(a, **extra):
 
 def _add_generate(sub):
     p = sub.add_parser("generate", help="Directed Beam Search: text that contains the keywords, in order")
-    p.add_argument("--keywords", required=True, help='comma-separated guide words, e.g. "enemy,speed,meet"')
+    p.add_argument("--keywords", required=True, help=f'guide words, e.g. "enemy,speed,meet": {KEYWORD_SYNTAX}')
+    p.add_argument("--ban", default=None, help='words that must not appear, e.g. "war,gun" (same syntax; every '
+                                               'case and leading-space variant is banned)')
     p.add_argument("--context", default="It is")
     p.add_argument("--model", default="default", help="exported model dir, or `default` (embedded SmolLM2)")
     p.add_argument("--scorer", default="self", help="`self` or an exported model dir sharing the tokenizer")
@@ -104,18 +115,19 @@ def _add_generate(sub):
 def highlight(text: str, keywords, tty: bool) -> str:
     import re
 
-    from .occurrence import stem
+    from .occurrence import stem, words
 
-    targets = {stem(k) for k in keywords}
+    targets = {stem(w) for k in keywords for w in words(k)}
     on, off = ("\033[1;32m", "\033[0m") if tty else ("**", "**")
     return re.sub(r"[^\W_]+", lambda m: f"{on}{m.group(0)}{off}" if stem(m.group(0)) in targets else m.group(0), text)
 
 
 def _run_generate(a) -> int:
     cfg = config_from_args(a, guided=not a.unguided)
-    from .api import DirectedBeamSearch, validate_keywords
+    from .api import DirectedBeamSearch, validate_bans, validate_keywords
+    from .constraints import check_bans, parse_keywords
 
-    validate_keywords(a.keywords)
+    check_bans(parse_keywords(validate_keywords(a.keywords)), parse_keywords(validate_bans(a.ban), "banned word"))
     if a.threads is not None and a.threads < 1:
         raise DBSError(f"`--threads` must be >= 1, got {a.threads}")
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, backend=a.backend,
@@ -131,7 +143,7 @@ def _run_generate(a) -> int:
             bar.total = total
             bar.n = done
             bar.refresh()
-    r = dbs.generate(a.context, a.keywords, seed=a.seed, progress=None if a.json else progress)
+    r = dbs.generate(a.context, a.keywords, seed=a.seed, progress=None if a.json else progress, ban=a.ban)
     if bar is not None:
         bar.close()
     if a.json:

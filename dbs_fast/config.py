@@ -11,6 +11,7 @@ from .errors import DBSError
 
 BOOST_ORDERS = ("filter_then_boost", "boost_then_filter")
 STOPS = ("max", "sentence")
+ORDERS = ("next", "any")
 # The settings where the default differs from the paper (chosen by measurement, README "Quality").
 IMPROVED = {"alpha_fluent": 0.02, "late_boost_first": True, "repetition_penalty": 1.0, "no_repeat_ngram_size": 3,
             "stop": "sentence"}
@@ -39,6 +40,10 @@ class DBSConfig:
     boost_order: str = "filter_then_boost"  # the authors' code: top-p first, then boosts
     boost_cutoff: float = 0.01   # sparse table drops boosts below this (logit units = max error)
     guided: bool = True          # False = the unguided baseline (no boosts)
+    order: str = "next"          # "next": one keyword at a time, in the given order (the paper);
+    #                              "any": guide towards every keyword still to place (per-token max)
+    guarantee: bool = False      # force each keyword's tokens when the budget left is what the
+    #                              remaining keywords need (every keyword appears; K2T's deadline)
     # anti-degeneration (not in the paper; transformers semantics), and natural stopping:
     repetition_penalty: float = IMPROVED["repetition_penalty"]    # > 1 discourages tokens already used
     #                                  (off by default: 1.2 doubled the judge perplexity, README "Quality")
@@ -76,6 +81,10 @@ class DBSConfig:
         v = self.no_repeat_ngram_size
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise DBSError(f"`no_repeat_ngram_size` must be an integer >= 0 (0 = off), got {v!r}")
+        if self.order not in ORDERS:
+            raise DBSError(f"`order` must be one of {ORDERS}, got {self.order!r}")
+        if not isinstance(self.guarantee, bool):
+            raise DBSError(f"`guarantee` must be true or false, got {self.guarantee!r}")
         if self.stop not in STOPS:
             raise DBSError(f"`stop` must be one of {STOPS}, got {self.stop!r}")
 

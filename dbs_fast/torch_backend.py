@@ -113,11 +113,26 @@ class TorchBackend:
             out[r] = row[0]
         return out
 
-    def sample(self, logits, uniforms, row_word, csr, cfg, history=None, history_start=None, boost_first=None):
+    def ban(self, logits, history, history_start, bans, row_ban):
+        """Banned sequences per row, the kernel's rule (transformers' NoBadWordsLogitsProcessor's)."""
+        gptr, sptr, stok = bans
+        out = logits.clone()
+        for r, g in enumerate(row_ban):
+            h = [] if history is None else list(history[r, history_start[r]:])
+            for q in range(gptr[g], gptr[g + 1]) if g >= 0 else ():
+                seq = list(stok[sptr[q]:sptr[q + 1]])
+                if len(seq) - 1 <= len(h) and (len(seq) == 1 or h[len(h) - len(seq) + 1:] == seq[:-1]):
+                    out[r, int(seq[-1])] = -float("inf")
+        return out
+
+    def sample(self, logits, uniforms, row_word, csr, cfg, history=None, history_start=None, boost_first=None,
+               bans=None, row_ban=None, force=None):
         ptr, ids, vals = csr
         raw = logits
         if cfg.shapes_logits:
             logits = self.shape(logits, cfg, history, history_start)
+        if bans is not None:
+            logits = self.ban(logits, history, history_start, bans, row_ban)
         if self._dense_key is not csr:  # dense (W, V) boost table for torch indexing
             t = self.torch
             dense = t.zeros((len(ptr) - 1, self.vocab_size))
@@ -127,7 +142,9 @@ class TorchBackend:
         with self.torch.inference_mode():
             tok, lp = torch_sample(logits, uniforms, row_word, self._dense, cfg.temperature, cfg.top_p,
                                    cfg.boost_order == "boost_then_filter" if boost_first is None else boost_first)
-            if cfg.shapes_logits:      # the model's own log-prob, as the kernel returns
+            if force is not None:
+                tok = self.torch.where(self.torch.as_tensor(force) >= 0, self.torch.as_tensor(force), tok)
+            if cfg.shapes_logits or bans is not None or force is not None:   # the model's own log-prob
                 lp = self.torch.log_softmax(raw.float() / cfg.temperature, -1).gather(1, tok[:, None])[:, 0]
         return tok.numpy().astype(np.int64), lp.float().numpy()
 

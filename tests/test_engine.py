@@ -40,14 +40,14 @@ def test_guidance_places_keywords_far_more_than_unguided(dbs):
 def test_kv_reuse_gives_the_logprobs_of_a_full_recompute(dbs):
     """The self-scorer log-probs of the kept beam (KV caches gathered/repeated every chunk)
     equal a from-scratch forward over context + generated tokens."""
-    from dbs_fast.kernels import csr_boosts
+    from dbs_fast.constraints import BoostTable
 
     be = dbs.backend
     ctx = be.encode("It is")
     boosts = [dbs.table.sparse(k, SMALL.lam, SMALL.boost_cutoff) for k in KW]
     from dbs_fast.beam import Request
 
-    search = BeamSearch(be, dbs.scorer, SMALL, csr_boosts(boosts), [Request(ctx, KW, 0, 5)])
+    search = BeamSearch(be, dbs.scorer, SMALL, BoostTable(boosts), [Request(ctx, KW, 0, 5)])
     rows = search.run()
     for i in range(len(rows.req)):
         toks = rows.tokens[i, : rows.n_tok[i]]
@@ -57,7 +57,7 @@ def test_kv_reuse_gives_the_logprobs_of_a_full_recompute(dbs):
         np.testing.assert_allclose(rows.logp[i, : rows.n_tok[i]], want, atol=2e-4)
         # the guide pointer advanced once per chunk that contained the current word, in order
         text = be.decode_batch([toks])[0]
-        pos = [occurrence.first_match(text, k) for k in KW[: rows.ptr[i]]]
+        pos = [occurrence.first_match(text, k) for k in KW[: int(rows.found[i]).bit_count()]]
         assert all(p is not None for p in pos)
 
 
@@ -66,7 +66,8 @@ def test_select_best_keeps_top_cumulative_scores_per_request():
     search.cfg = DBSConfig(beams=2)
     cum = np.array([0.1, 0.9, 0.5, 0.7, 0.3, 0.2, 0.8])
     req = np.array([0, 0, 0, 0, 1, 1, 1])
-    rows = Rows(req, np.zeros(7, int), cum, np.zeros(7, bool), np.zeros((7, 0), int), np.zeros((7, 0)), np.zeros(7, int))
+    rows = Rows(req, np.zeros(7, int), cum, np.zeros(7, bool), np.zeros((7, 0), int), np.zeros((7, 0)), np.zeros(7, int),
+                np.full(7, -1), np.zeros(7, int))
     assert list(search._select_best(rows)) == [1, 3, 4, 6]
 
 
@@ -115,9 +116,14 @@ def test_cli_text_output_highlights(exported, capsys):
     (["--keywords", ""], "no keywords"),
     (["--keywords", " , "], "no keywords"),
     (["--keywords", "colony,,enemy"], "empty keyword"),
-    (["--keywords", "ice cream"], "single word"),
-    (["--keywords", "don't"], "single word"),
-    (["--keywords", "qwzxvbnmkj"], "not in the embeddings"),
+    (["--keywords", "colony!"], "must be words"),
+    (["--keywords", "run|"], "empty alternative"),
+    (["--keywords", "|run"], "empty alternative"),
+    (["--keywords", "war,colony", "--ban", "gun,War"], "also banned"),
+    (["--keywords", "colony", "--order", "sideways"], "`order` must be"),
+    (["--keywords", "colony,enemy,mouth", "--guarantee", "--max-new-tokens", "2"], "can hold"),
+    (["--keywords", "the colony of the enemy at the mouth"], "more than max_new_tokens"),
+    (["--keywords", "qwzxvbnmkj", "--max-new-tokens", "20"], "not in the embeddings"),
     (["--keywords", "colony", "--max-new-tokens", "400"], "context window"),
     (["--keywords", "colony", "--beams", "0"], "`beams` must be"),
     (["--keywords", "colony", "--candidates", "0"], "`candidates` must be"),
