@@ -45,19 +45,48 @@ def read_sets(path: str) -> list[list[str]]:
     p = Path(path)
     if not p.is_file():
         raise DBSError(f"keyword file not found: {path}")
-    return [[w.strip() for w in line.split(",")] for line in p.read_text().splitlines() if line.strip()]
+    # comma-separated keywords (phrases may contain spaces); a line without commas is a
+    # space-separated set of single words (CommonGen's format)
+    return [[w.strip() for w in line.split(",")] if "," in line else line.split()
+            for line in p.read_text().splitlines() if line.strip()]
 
 
 # Built-in keyword sets, copied into the package (dbs_fast/data/README.md gives their sources).
-BUILTIN_SETS = {"paper": "paper_50_keyword_sets.txt", "roc": "roc_20_storylines.txt"}
+BUILTIN_SETS = {"paper": "paper_50_keyword_sets.txt", "roc": "roc_20_storylines.txt",
+                "commongen-dev": "commongen_dev.txt"}
+BUILTIN_REFS = {"commongen-dev": "commongen_dev_refs.txt"}   # one reference sentence per set
+
+
+def _data(name: str) -> str:
+    from importlib.resources import files
+
+    return str(files("dbs_fast") / "data" / name)
 
 
 def builtin_sets(name: str) -> list[list[str]]:
-    from importlib.resources import files
-
     if name not in BUILTIN_SETS:
         raise DBSError(f"--sets must be one of {sorted(BUILTIN_SETS)} or a number of sets to sample, got {name!r}")
-    return read_sets(str(files("dbs_fast") / "data" / BUILTIN_SETS[name]))
+    return read_sets(_data(BUILTIN_SETS[name]))
+
+
+def builtin_refs(name: str) -> list[str] | None:
+    return Path(_data(BUILTIN_REFS[name])).read_text().splitlines() if name in BUILTIN_REFS else None
+
+
+def commongen_scores(rows, refs: list[str]) -> dict:
+    """CommonGen's metrics for one run: coverage (lemma match) of the generated text and corpus
+    BLEU-4 (sacrebleu, one reference per set) of the sentence, context included (a context such
+    as "A" is the sentence's first word)."""
+    import sacrebleu
+
+    from dbs_fast.metrics import coverage
+
+    rs = sorted(rows, key=lambda r: r["set"])
+    hyps = [r["text"].strip() for r in rs]      # the sentence: context ("A", or none) + generated
+    bleu = sacrebleu.corpus_bleu(hyps, [[refs[r["set"]] for r in rs]])
+    return {"coverage": float(np.mean([coverage(r["generated"], r["keywords"]) for r in rs])) if rs else float("nan"),
+            "all_covered": float(np.mean([coverage(r["generated"], r["keywords"]) == 1.0 for r in rs])) if rs else
+            float("nan"), "bleu4": float(bleu.score), "bleu_signature": str(bleu.format(signature=True))}
 
 
 def _row(i, kws, mode, r, n_batch, context) -> dict:
@@ -152,8 +181,10 @@ def keyword_misses(rows) -> dict:
             "missed_words": dict(sorted(missed.items(), key=lambda kv: (-kv[1], kv[0])))}
 
 
-def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed=0, judge=None, quiet=False) -> dict:
-    """Every run of `configs` ({name: DBSConfig}) on every set; judged, with degeneration metrics."""
+def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed=0, judge=None, quiet=False,
+             refs: list[str] | None = None) -> dict:
+    """Every run of `configs` ({name: DBSConfig}) on every set; judged, with degeneration metrics;
+    with `refs` (CommonGen), coverage by lemma and BLEU-4 too."""
     from dbs_fast.metrics import distinct_n
 
     path = out / "results.jsonl"
@@ -171,6 +202,8 @@ def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed
         agg["natural_stop"] = float(np.mean([r.get("stopped") in ("sentence", "eos") for r in rs]))
         agg["ends_at_sentence"] = float(np.mean([r.get("stopped") in ("sentence", "eos", "trimmed") for r in rs]))
         agg["misses"] = keyword_misses(rs)
+        if refs is not None:
+            agg["commongen"] = commongen_scores(rs, refs)
         summary[mode] = agg
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     lines = [f"{len(sets)} keyword sets, context {context!r}; judge: {summary['judge']} (perplexity of the "
@@ -185,6 +218,14 @@ def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed
                      f"{a['rep_2']['mean']:.3f} | {a['rep_4']['mean']:.3f} | {a['distinct_2']:.3f} | "
                      f"{a['distinct_4']:.3f} | {a['success_length']['mean']:.1f} | {a['new_tokens']['mean']:.1f} | "
                      f"{a['ends_at_sentence']:.2f} | {a['seconds']['mean']:.1f} |")
+    if refs is not None:
+        lines += ["", "CommonGen: coverage = concepts used, by lemma (lemminflect); all = sets with every concept; "
+                  "BLEU-4 = sacrebleu corpus BLEU against the one reference per set "
+                  f"({summary[next(iter(configs))]['commongen']['bleu_signature']}).", "",
+                  "| run | coverage | all concepts | BLEU-4 |", "|---|---|---|---|"]
+        for mode in configs:
+            c = summary[mode]["commongen"]
+            lines.append(f"| {mode} | {c['coverage']:.3f} | {c['all_covered']:.3f} | {c['bleu4']:.1f} |")
     for mode in configs:
         miss = summary[mode]["misses"]
         lines += ["", f"{mode}: miss rate by keyword position: " + ", ".join(

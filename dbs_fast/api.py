@@ -98,6 +98,7 @@ class DirectedBeamSearch:
                                                    _EMB_CACHE[embeddings])
         self.subword_fallback = self._subwords if subword_fallback else None
         self._sentence_end = None
+        self._word_piece = None
         self.scorer_name = scorer
         self.scorer = self._make_scorer(scorer, provider, threads)
 
@@ -107,6 +108,13 @@ class DirectedBeamSearch:
         if self._sentence_end is None:
             self._sentence_end = occurrence.sentence_end_tokens(self.backend.decode_one, self.backend.vocab_size)
         return self._sentence_end
+
+    @property
+    def word_piece(self) -> np.ndarray:
+        """(V,) bool: tokens that continue a word (built on first use of guarantee/boost_word_starts)."""
+        if self._word_piece is None:
+            self._word_piece = occurrence.word_piece_tokens(self.backend.decode_one, self.backend.vocab_size)
+        return self._word_piece
 
     def _pieces(self, text: str) -> list[int]:
         """Tokens of a piece of running text (no BOS or other special tokens)."""
@@ -176,10 +184,13 @@ class DirectedBeamSearch:
             r = self._request(context, keywords, ban, seed, len(boosts), cfg)
             reqs.append(r)
             boosts += [constraints.keyword_boost(self.table, constraints.parse_keyword(k), cfg.lam, cfg.boost_cutoff,
-                                                 self.subword_fallback, lenient=cfg.guarantee) for k in r.keywords]
+                                                 self.subword_fallback, lenient=cfg.guarantee,
+                                                 allowed=~self.word_piece if cfg.boost_word_starts else None)
+                       for k in r.keywords]
         t0 = time.perf_counter()
         search = BeamSearch(self.backend, self.scorer, cfg, constraints.BoostTable(boosts), reqs, progress,
-                            self.sentence_end if cfg.stop == "sentence" else None)
+                            self.sentence_end if cfg.stop == "sentence" else None,
+                            self.word_piece if cfg.guarantee or cfg.boost_word_starts else None)
         rows = search.run()
         seconds = time.perf_counter() - t0
         timings = dict(search.t.seconds)

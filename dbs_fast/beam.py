@@ -70,12 +70,15 @@ class BeamSearch:
     """One run of DBS over a batch of requests with a backend (model + sampler) and a scorer."""
 
     def __init__(self, backend, scorer, cfg: DBSConfig, table, requests: list[Request], progress=None,
-                 sentence_end: np.ndarray | None = None):
+                 sentence_end: np.ndarray | None = None, word_piece: np.ndarray | None = None):
         self.be, self.scorer, self.cfg, self.table = backend, scorer, cfg, table
         self.requests = requests
         if cfg.stop == "sentence" and sentence_end is None:   # (V,) bool; the API passes a cached one
             sentence_end = occurrence.sentence_end_tokens(backend.decode_one, backend.vocab_size)
         self.sentence_end = sentence_end
+        if cfg.guarantee and word_piece is None:   # (V,) bool; the API passes a cached one
+            word_piece = occurrence.word_piece_tokens(backend.decode_one, backend.vocab_size)
+        self.word_piece = word_piece
         ctx_len = np.array([len(r.context_ids) for r in requests])
         self.ctx = np.zeros((len(requests), ctx_len.max()), np.int64)      # left-padded contexts
         for q, r in enumerate(requests):
@@ -157,11 +160,15 @@ class BeamSearch:
                 self.force_idx[q, i], self.need[q, i] = forced.add(seq), len(seq)
             self.phrases.append([(1 << i, head, forced.add(whole)) for i, head, whole in r.phrases])
         self.seq_ptr, self.seq_tok = forced.arrays()
-        self.bans = None      # groups 2q: request q's bans; 2q + 1: the same and EOS (guarantee)
+        # ban groups 4q + 2 * glue + eos: request q's bans, plus (guarantee) EOS while a keyword is
+        # missing, plus tokens that would glue onto a keyword just completed ("hockey" + "rink")
+        self.bans = None
         if any(r.bans for r in requests) or self.cfg.guarantee:
             banned = SequenceTable()
-            groups = [[banned.add(b) for b in r.bans] + [banned.add((int(e),)) for e in self.eos if e >= 0] * extra
-                      for r in requests for extra in (0, 1)]
+            eos = [banned.add((int(e),)) for e in self.eos if e >= 0]
+            glue = [banned.add((int(t),)) for t in np.flatnonzero(self.word_piece)] if self.cfg.guarantee else []
+            groups = [[banned.add(b) for b in r.bans] + glue * g + eos * e
+                      for r in requests for g in (0, 1) for e in (0, 1)]
             gptr = np.cumsum([0] + [len(g) for g in groups])
             order = np.array([i for g in groups for i in g], np.int64)
             ptr, tok = banned.arrays()
@@ -224,11 +231,12 @@ class BeamSearch:
                     rows.fseq[i], rows.fpos[i] = seq, len(head)
                     break
 
-    def _ban_groups(self, rows: Rows, seen: np.ndarray):
+    def _ban_groups(self, rows: Rows, seen: np.ndarray, glue: np.ndarray):
         if self.bans is None:
             return None
-        open_ = (self._remaining(rows, seen) != 0) if self.cfg.guarantee else np.zeros(len(rows.req), bool)
-        return 2 * rows.req + open_     # under guarantee, no EOS while a keyword is missing
+        if not self.cfg.guarantee:
+            return 4 * rows.req
+        return 4 * rows.req + 2 * glue + (self._remaining(rows, seen) != 0)
 
     def _uniforms(self, rows: Rows) -> np.ndarray:
         counts = np.bincount(rows.req, minlength=len(self.rngs))
@@ -243,6 +251,7 @@ class BeamSearch:
     def _decode_chunk(self, rows: Rows, prefix: list[str], k: int, pending, cache, last: bool):
         R = len(rows.req)
         seen = np.zeros(R, np.int64)         # keywords seen in this chunk so far (guidance moves on)
+        glue = np.zeros(R, bool)             # a keyword ended at the last token: it must stay a word
         base = rows.tokens.shape[1]
         boost_first = self._boost_first(rows, base + k)
         rows.tokens = np.concatenate([rows.tokens, np.full((R, k), self.pad, np.int64)], axis=1)  # (R, L+k)
@@ -254,7 +263,8 @@ class BeamSearch:
             force = self._forced(rows, seen, base + j)
             hist, hstart = self._history(rows, base + j)
             ids, lp = self.be.sample(pending, self._uniforms(rows), word, self.table.csr, self.cfg, hist, hstart,
-                                     boost_first, bans=self.bans, row_ban=self._ban_groups(rows, seen), force=force)
+                                     boost_first, bans=self.bans, row_ban=self._ban_groups(rows, seen, glue),
+                                     force=force)
             t0 = self.t.add("kernel", t0)
             ids = np.where(rows.ended, self.pad, ids)
             rows.tokens[:, base + j], rows.logp[:, base + j] = ids, lp
@@ -264,8 +274,10 @@ class BeamSearch:
             rows.ended |= np.isin(ids, self.eos)
             check = (word >= 0) | (force >= 0)
             if check.any():
-                seen |= self._seen_now(rows, prefix, np.flatnonzero(check & live),
-                                       np.where(force >= 0, self._remaining(rows, seen), cand))
+                new = self._seen_now(rows, prefix, np.flatnonzero(check & live),
+                                     np.where(force >= 0, self._remaining(rows, seen), cand))
+                glue = (new & ~seen) != 0
+                seen |= new
             self._advance_forcing(rows, force, seen, base + j + 1)
             if self.cfg.stop == "sentence":   # all keywords in (before or in this chunk) + sentence end
                 rows.ended |= live & (self._remaining(rows, seen) == 0) & self.sentence_end[ids]

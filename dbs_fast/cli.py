@@ -161,14 +161,20 @@ def _add_eval(sub):
     p = sub.add_parser("eval", help="keyword-to-phrase evaluation: DBS (default and paper settings) vs unguided, "
                                     "judged by an independent LM")
     p.add_argument("--sets", default="paper",
-                   help="paper: the paper's 50 keyword sets (default); roc: 20 ROC storylines; a number N: N sets "
-                        "sampled from wordfreq ranks 501-1000 without stop words (with --seed)")
+                   help="paper: the paper's 50 keyword sets (default); roc: 20 ROC storylines; commongen-dev: the "
+                        "993 CommonGen dev concept sets (defaults then: --order any, --context '', "
+                        f"--max-new-tokens {COMMONGEN['max_new_tokens']}; coverage and BLEU-4 reported); a number N: "
+                        "N sets sampled from wordfreq ranks 501-1000 without stop words (with --seed)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N sets")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--keywords-file", help="one comma-separated keyword set per line (instead of --sets)")
-    p.add_argument("--context", default="It is")
+    p.add_argument("--keywords-file", help="one keyword set per line, comma-separated (or space-separated single "
+                                           "words) (instead of --sets)")
+    p.add_argument("--context", default=None, help="text before every generation (default 'It is'; '' starts a "
+                                                   "document)")
     p.add_argument("--runs", default="dbs,paper,unguided",
                    help="comma-separated: dbs (the settings below), paper (the same with the paper's protocol: "
-                        "no repetition control, fixed length), unguided (b = s = 1, no boosts, paper protocol)")
+                        "no repetition control, fixed length), guarantee (the settings below with --guarantee), "
+                        "unguided (b = s = 1, no boosts, paper protocol)")
     p.add_argument("--judge", default="auto",
                    help="model that scores the texts: auto (the other embedded model: gemma3-270m for the "
                         "default, default for gemma3-270m), an exported dir, or none")
@@ -190,7 +196,9 @@ def _add_eval(sub):
     p.set_defaults(func=_run_eval)
 
 
-EVAL_RUNS = ("dbs", "paper", "unguided")
+EVAL_RUNS = ("dbs", "paper", "guarantee", "unguided")
+# CommonGen: unordered concepts, one sentence: guide towards all at once, from a document start
+COMMONGEN = {"order": "any", "max_new_tokens": 32, "context": ""}
 
 
 def eval_configs(cfg, runs: str) -> dict:
@@ -204,7 +212,8 @@ def eval_configs(cfg, runs: str) -> dict:
     if not names or bad:
         raise DBSError(f"--runs takes a comma-separated subset of {EVAL_RUNS}, got {runs!r}")
     paper = replace(cfg, **PAPER)
-    every = {"dbs": cfg, "paper": paper, "unguided": replace(paper, beams=1, candidates=1, guided=False)}
+    every = {"dbs": cfg, "paper": paper, "guarantee": replace(cfg, guarantee=True),
+             "unguided": replace(paper, beams=1, candidates=1, guided=False)}
     return {n: every[n] for n in names}
 
 
@@ -228,9 +237,17 @@ def _run_eval(a) -> int:
 
     if a.batch < 1:
         raise DBSError(f"`--batch` must be >= 1, got {a.batch}")
+    if a.limit is not None and a.limit < 1:
+        raise DBSError(f"`--limit` must be >= 1, got {a.limit}")
+    commongen = a.sets == "commongen-dev" and not a.keywords_file
+    if commongen:                       # the task's defaults, where the flags leave them open
+        a.order = a.order if a.order is not None else COMMONGEN["order"]
+        a.max_new_tokens = a.max_new_tokens if a.max_new_tokens is not None else COMMONGEN["max_new_tokens"]
+        a.context = a.context if a.context is not None else COMMONGEN["context"]
+    a.context = "It is" if a.context is None else a.context
     cfg = config_from_args(a)
     configs = eval_configs(cfg, a.runs)
-    sets = _eval_sets(a)
+    sets = _eval_sets(a)[: a.limit]
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads)
     if a.stories:
         from .benchmarks.eval import run_stories
@@ -260,7 +277,11 @@ def _run_eval(a) -> int:
 
         judge = Judge(judge_for(a.model) if a.judge == "auto" else a.judge, generator_dir=dbs.model_dir,
                       threads=a.threads)
-    s = run_eval(dbs, sets, Path(a.out), configs, context=a.context, batch=a.batch, seed=a.seed, judge=judge)
+    from .benchmarks.eval import builtin_refs
+
+    refs = builtin_refs(a.sets) if commongen else None
+    s = run_eval(dbs, sets, Path(a.out), configs, context=a.context, batch=a.batch, seed=a.seed, judge=judge,
+                 refs=refs)
     print((Path(a.out) / "summary.md").read_text())
     print(f"judge: {s['judge']}; model: {s['model']}; plot: {Path(a.out) / 'quality.png'}")
     return 0

@@ -13,9 +13,9 @@ BOOST_ORDERS = ("filter_then_boost", "boost_then_filter")
 STOPS = ("max", "sentence")
 ORDERS = ("next", "any")
 # The settings where the default differs from the paper (chosen by measurement, README "Quality").
-IMPROVED = {"alpha_fluent": 0.02, "late_boost_first": True, "repetition_penalty": 1.0, "no_repeat_ngram_size": 3,
+IMPROVED = {"boost_word_starts": True, "alpha_fluent": 0.02, "late_boost_first": True, "repetition_penalty": 1.0, "no_repeat_ngram_size": 3,
             "stop": "sentence"}
-PAPER = {"alpha_fluent": None, "late_boost_first": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+PAPER = {"boost_word_starts": False, "alpha_fluent": None, "late_boost_first": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
          "stop": "max"}
 
 
@@ -39,6 +39,9 @@ class DBSConfig:
     max_new_tokens: int = 90     # paper: termination after 90 tokens
     boost_order: str = "filter_then_boost"  # the authors' code: top-p first, then boosts
     boost_cutoff: float = 0.01   # sparse table drops boosts below this (logit units = max error)
+    boost_word_starts: bool = IMPROVED["boost_word_starts"]  # boost only tokens that start a word (a
+    #                              space or punctuation first): a boosted "rink" no longer glues onto
+    #                              "hockey" ("hockeyrink", which is no word and places nothing)
     guided: bool = True          # False = the unguided baseline (no boosts)
     order: str = "next"          # "next": one keyword at a time, in the given order (the paper);
     #                              "any": guide towards every keyword still to place (per-token max)

@@ -94,10 +94,11 @@ def _dedup(seqs) -> list[tuple[int, ...]]:
 
 # -- guidance -------------------------------------------------------------------------------
 def keyword_boost(table: SimilarityTable, kw: Keyword, lam: float, cutoff: float, subword_fallback=None,
-                  lenient: bool = False) -> SparseBoost:
+                  lenient: bool = False, allowed: np.ndarray | None = None) -> SparseBoost:
     """Boost of one keyword: per-token max over its alternatives; a phrase uses the mean of its
     words' unit vectors. `lenient` (guarantee): a keyword no vector covers gets its sub-word
-    tokens' vectors, or no boost at all, instead of an error."""
+    tokens' vectors, or no boost at all, instead of an error. `allowed`: (V,) bool, the tokens
+    that may be boosted (others are dropped)."""
     rows = []
     for alt in kw.alternatives:
         vecs = [v for v in (table.emb.vector(w) for w in alt) if v is not None]
@@ -113,7 +114,11 @@ def keyword_boost(table: SimilarityTable, kw: Keyword, lam: float, cutoff: float
             raise DBSError(f"keyword {' '.join(missing)!r} is not in the embeddings ({table.emb.source}); "
                            f"use --subword-fallback, --guarantee, or another form (`word|other`)")
         m = np.mean([v / np.linalg.norm(v) for v in vecs], axis=0)
-        rows.append(table.sparse_vector(kw.text, m / np.linalg.norm(m), lam, cutoff))
+        b = table.sparse_vector(kw.text, m / np.linalg.norm(m), lam, cutoff)
+        if allowed is not None:
+            keep = allowed[b.ids]
+            b = SparseBoost(b.word, b.ids[keep], b.values[keep])
+        rows.append(b)
     return merge_boosts(kw.text, rows)
 
 

@@ -5,6 +5,10 @@
 - distinct-n of a set of texts: unique n-grams / n-grams, pooled over the set (1 = no n-gram
   is ever reused, across texts too).
 Words are lower-cased runs of letters/digits; punctuation is not a word.
+
+CommonGen's coverage: the fraction of concepts that the text uses in some form, matched by
+lemma ("stands" covers "stand", "ran" covers "run"), with lemminflect's lemmas for every part
+of speech (a word may be covered through any reading of it).
 """
 from __future__ import annotations
 
@@ -31,3 +35,19 @@ def distinct_n(texts, n: int) -> float:
     """unique/total n-grams pooled over `texts`; 0.0 when there is none."""
     g = [x for t in texts for x in ngrams(words(t), n)]
     return len(set(g)) / len(g) if g else 0.0
+
+
+def lemmas(word: str) -> set[str]:
+    """The word and every lemma lemminflect gives it (any part of speech)."""
+    from lemminflect import getAllLemmas
+
+    w = word.lower()
+    return {w} | {lem.lower() for forms in getAllLemmas(w).values() for lem in forms}
+
+
+def coverage(text: str, concepts) -> float:
+    """Fraction of `concepts` (words) whose lemmas meet the lemmas of a word of `text`."""
+    if not concepts:
+        return 1.0
+    seen = set().union(*(lemmas(w) for w in words(text))) if words(text) else set()
+    return sum(1 for c in concepts if lemmas(c) & seen) / len(concepts)

@@ -81,6 +81,14 @@ def ends_sentence(text: str) -> bool:
     return bool(text.strip()) and _SENTENCE_END.search(text) is not None
 
 
+def word_piece_tokens(decode_one, vocab_size: int):
+    """Boolean (V,) array: tokens whose text starts with a letter or digit (they continue the word
+    before them: "rink" after "hockey" makes "hockeyrink")."""
+    import numpy as np
+
+    return np.array([bool(re.match(r"[^\W_]", decode_one(i))) for i in range(vocab_size)], bool)
+
+
 def sentence_end_tokens(decode_one, vocab_size: int):
     """Boolean (V,) array: tokens that, decoded alone, end a sentence ("." "!" '."' " end." ...)."""
     import numpy as np
