@@ -51,6 +51,7 @@ class Rows:
     n_tok: np.ndarray         # (R,) tokens that count (up to and including EOS)
     fseq: np.ndarray          # (R,) sequence being forced (index into the forced-sequence table) or -1
     fpos: np.ndarray          # (R,) next position in it
+    glue: np.ndarray          # (R,) bool: a keyword ended at the last token (guarantee: it must stay a word)
 
     def take(self, rows: np.ndarray) -> "Rows":
         return Rows(*(getattr(self, f.name)[rows] for f in fields(self)))
@@ -107,7 +108,7 @@ class BeamSearch:
         n = len(first)
         rows = Rows(first, np.zeros(n, np.int64), np.zeros(n), np.zeros(n, bool), np.zeros((n, 0), np.int64),
                     np.zeros((n, 0), np.float32), np.zeros(n, np.int64), np.full(n, -1, np.int64),
-                    np.zeros(n, np.int64))
+                    np.zeros(n, np.int64), np.zeros(n, bool))
         pending, cache = self.be.take(pending, first), self.be.select(cache, first)
         self.scorer.select(first)
         n_chunks = math.ceil(cfg.max_new_tokens / cfg.chunk)
@@ -231,12 +232,12 @@ class BeamSearch:
                     rows.fseq[i], rows.fpos[i] = seq, len(head)
                     break
 
-    def _ban_groups(self, rows: Rows, seen: np.ndarray, glue: np.ndarray):
+    def _ban_groups(self, rows: Rows, seen: np.ndarray):
         if self.bans is None:
             return None
         if not self.cfg.guarantee:
             return 4 * rows.req
-        return 4 * rows.req + 2 * glue + (self._remaining(rows, seen) != 0)
+        return 4 * rows.req + 2 * rows.glue + (self._remaining(rows, seen) != 0)
 
     def _uniforms(self, rows: Rows) -> np.ndarray:
         counts = np.bincount(rows.req, minlength=len(self.rngs))
@@ -251,7 +252,6 @@ class BeamSearch:
     def _decode_chunk(self, rows: Rows, prefix: list[str], k: int, pending, cache, last: bool):
         R = len(rows.req)
         seen = np.zeros(R, np.int64)         # keywords seen in this chunk so far (guidance moves on)
-        glue = np.zeros(R, bool)             # a keyword ended at the last token: it must stay a word
         base = rows.tokens.shape[1]
         boost_first = self._boost_first(rows, base + k)
         rows.tokens = np.concatenate([rows.tokens, np.full((R, k), self.pad, np.int64)], axis=1)  # (R, L+k)
@@ -263,7 +263,7 @@ class BeamSearch:
             force = self._forced(rows, seen, base + j)
             hist, hstart = self._history(rows, base + j)
             ids, lp = self.be.sample(pending, self._uniforms(rows), word, self.table.csr, self.cfg, hist, hstart,
-                                     boost_first, bans=self.bans, row_ban=self._ban_groups(rows, seen, glue),
+                                     boost_first, bans=self.bans, row_ban=self._ban_groups(rows, seen),
                                      force=force)
             t0 = self.t.add("kernel", t0)
             ids = np.where(rows.ended, self.pad, ids)
@@ -273,11 +273,12 @@ class BeamSearch:
             rows.n_tok += live
             rows.ended |= np.isin(ids, self.eos)
             check = (word >= 0) | (force >= 0)
+            new = np.zeros(R, np.int64)
             if check.any():
                 new = self._seen_now(rows, prefix, np.flatnonzero(check & live),
                                      np.where(force >= 0, self._remaining(rows, seen), cand))
-                glue = (new & ~seen) != 0
-                seen |= new
+            rows.glue = (new & ~seen) != 0
+            seen |= new
             self._advance_forcing(rows, force, seen, base + j + 1)
             if self.cfg.stop == "sentence":   # all keywords in (before or in this chunk) + sentence end
                 rows.ended |= live & (self._remaining(rows, seen) == 0) & self.sentence_end[ids]

@@ -128,7 +128,7 @@ def _no_fallback(word):
 
 def merge_boosts(name: str, boosts: list[SparseBoost]) -> SparseBoost:
     """Per-token max of several sparse boosts."""
-    if not boosts:
+    if not boosts or not any(len(b.ids) for b in boosts):
         return SparseBoost(name, np.zeros(0, np.int32), np.zeros(0, np.float32))
     if len(boosts) == 1:
         return SparseBoost(name, boosts[0].ids, boosts[0].values)

@@ -67,7 +67,7 @@ def test_select_best_keeps_top_cumulative_scores_per_request():
     cum = np.array([0.1, 0.9, 0.5, 0.7, 0.3, 0.2, 0.8])
     req = np.array([0, 0, 0, 0, 1, 1, 1])
     rows = Rows(req, np.zeros(7, int), cum, np.zeros(7, bool), np.zeros((7, 0), int), np.zeros((7, 0)), np.zeros(7, int),
-                np.full(7, -1), np.zeros(7, int))
+                np.full(7, -1), np.zeros(7, int), np.zeros(7, bool))
     assert list(search._select_best(rows)) == [1, 3, 4, 6]
 
 

@@ -1,0 +1,176 @@
+"""Constraints: parsing, unordered / phrase / alternative occurrence and credit, merged boosts,
+guaranteed inclusion and bans in the engine (tiny random model), CommonGen coverage and eval."""
+import json
+
+import numpy as np
+import pytest
+
+from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence
+from dbs_fast.beam import BeamSearch
+from dbs_fast.cli import main as cli
+from dbs_fast.constraints import BoostTable, merge_boosts, parse_keyword, parse_keywords
+from dbs_fast.embeddings import SparseBoost
+from dbs_fast.errors import DBSError
+
+KW = ["colony", "enemy", "mouth"]
+
+
+# -- syntax and occurrence on hand-made texts ----------------------------------------------------
+def test_parse_phrases_and_alternatives():
+    k = parse_keyword(" ice   cream |gelato")
+    assert k.text == "ice cream|gelato" and k.alternatives == (("ice", "cream"), ("gelato",))
+    assert [x.text for x in parse_keywords("run|ran, New York")] == ["run|ran", "New York"]
+    for bad, msg in (("run|", "empty alternative"), ("|ran", "empty alternative"), ("ice-cream!", "must be words")):
+        with pytest.raises(DBSError, match=msg):
+            parse_keyword(bad)
+
+
+def test_phrase_and_alternative_occurrence():
+    assert occurrence.count("I ate Ice creams. ice cold cream", "ice cream") == 1   # words must follow one another
+    assert occurrence.count("he ran; she runs", "run|ran") == 2
+    assert occurrence.count("he ran; she runs", "walk|stroll") == 0
+    # a phrase split across a chunk boundary counts once, for the chunk that completes it
+    assert occurrence.count_new("We had ice", " cream today", "ice cream") == 1
+    assert occurrence.count_new("We had ice cream", " today", "ice cream") == 0
+    assert occurrence.count_new("We had ic", "e cream", "ice cream") == 1
+    assert occurrence.first_match("Off to New  York!", "new york") == (7, 16)
+
+
+def _search(order, guarantee=False, n_kw=3):
+    s = BeamSearch.__new__(BeamSearch)
+    s.cfg = DBSConfig(order=order, guarantee=guarantee)
+    s.n_kw = np.array([n_kw])
+    s.full = np.array([(1 << n_kw) - 1])
+    return s
+
+
+def test_credit_next_is_the_papers_pointer_and_any_counts_whichever_appears():
+    kws = ["colony", "enemy", "mouth"]
+    text = " the enemy met a colony at the mouth"
+    # next: only the next keyword in order counts (c = its occurrences); later ones wait
+    credit, new = _search("next")._credit(kws, 0b111, "It is", text)
+    assert new == 0b001 and credit == pytest.approx(np.exp(-1))
+    credit, new = _search("next")._credit(kws, 0b110, "It is", " the colony and the mouth")
+    assert new == 0                                                   # "enemy" is next: mouth waits
+    # any: every remaining keyword that appears, exp(-c) each
+    credit, new = _search("any")._credit(kws, 0b111, "It is", text)
+    assert new == 0b111 and credit == pytest.approx(3 * np.exp(-1))
+    credit, new = _search("any")._credit(kws, 0b110, "It is", " the colony and the mouth, the mouth")
+    assert new == 0b100 and credit == pytest.approx(np.exp(-2))      # colony already placed: not counted
+    # next under guarantee: consecutive keywords in order (forcing can place two in one chunk)
+    credit, new = _search("next", True)._credit(kws, 0b111, "It is", " colony enemy")
+    assert new == 0b011
+
+
+def test_merged_boost_rows_are_the_per_token_max():
+    a = SparseBoost("a", np.array([1, 3, 5], np.int32), np.array([1.0, 2.0, 3.0], np.float32))
+    b = SparseBoost("b", np.array([3, 4], np.int32), np.array([5.0, 1.0], np.float32))
+    c = SparseBoost("c", np.array([0, 5], np.int32), np.array([0.5, 4.0], np.float32))
+    m = merge_boosts("abc", [a, b, c])
+    assert m.ids.tolist() == [0, 1, 3, 4, 5] and m.values.tolist() == [0.5, 1.0, 5.0, 1.0, 4.0]
+    t = BoostTable([a, b, c])
+    assert t.row(0, 0b010) == 1 and t.row(0, 0) == -1               # one keyword: its own row
+    r = t.row(0, 0b111)
+    assert r == 3 and t.row(0, 0b111) == 3                            # merged once, then cached
+    ptr, ids, vals = t.csr
+    assert ids[ptr[r]:ptr[r + 1]].tolist() == m.ids.tolist()
+    assert t.rows_for(np.array([0, 0]), np.array([0b101, 0b001])).tolist() == [4, 0]
+
+
+# -- the engine on a tiny random model ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def dbs(exported):
+    return DirectedBeamSearch(exported["gpt2"], config=DBSConfig(beams=2, candidates=3, chunk=4, max_new_tokens=16))
+
+
+@pytest.mark.parametrize("order", ["next", "any"])
+@pytest.mark.parametrize("lam", [0.0, 20.0])
+def test_guarantee_places_every_keyword_at_any_lambda(dbs, order, lam):
+    from dataclasses import replace
+
+    cfg = replace(dbs.config, order=order, lam=lam, guarantee=True)
+    free = replace(cfg, guarantee=False)
+    plain = [dbs.generate("It is", KW, seed=s, config=free).success_rate for s in range(4)]
+    for seed in range(4):
+        r = dbs.generate("It is", KW, seed=seed, config=cfg)
+        assert r.success_rate == 1.0, r.generated
+        assert r.new_tokens <= cfg.max_new_tokens
+    if lam == 0.0:
+        assert min(plain) < 1.0          # the test bites: unguided by boosts, the random model misses
+
+
+def test_guarantee_with_phrases_alternatives_and_a_word_the_embeddings_lack(dbs):
+    from dataclasses import replace
+
+    cfg = replace(dbs.config, guarantee=True, order="any", max_new_tokens=20)
+    kws = ["the colony", "enemy|enemies", "qwzxvbnmkj"]
+    for seed in range(3):
+        r = dbs.generate("It is", kws, seed=seed, config=cfg)
+        assert r.success_rate == 1.0 and all(r.found[k] is not None for k in kws), r.generated
+    with pytest.raises(DBSError, match="not in the embeddings"):    # without --guarantee: an error
+        dbs.generate("It is", kws, config=replace(cfg, guarantee=False))
+
+
+def test_phrase_rest_is_forced_after_its_first_word(dbs):
+    from dataclasses import replace
+
+    cfg = replace(dbs.config, max_new_tokens=12)
+    be = dbs.backend
+    head = tuple(be.tokenizer.encode(" mouth", add_special_tokens=False).ids)
+    r = dbs._request("It is", ["mouth of the river"], None, 0, 0, cfg)
+    assert r.phrases and any(h == head for _, h, _ in r.phrases)
+    # the first word is forced by the deadline; the phrase's rest then follows token by token
+    r = dbs.generate("It is", ["mouth of the river"], config=replace(cfg, guarantee=True))
+    assert occurrence.count(r.generated, "mouth of the river") == 1
+
+
+def test_banned_word_never_appears_and_the_test_bites(dbs):
+    from collections import Counter
+    from dataclasses import replace
+
+    cfg = replace(dbs.config, guided=False, max_new_tokens=16)
+    texts = [dbs.generate("It is", ["colony"], seed=s, config=cfg).generated for s in range(8)]
+    common = [w for w, _ in Counter(w for t in texts for w in occurrence.words(t) if w.isalpha()).most_common(3)]
+    assert common, texts
+    before = sum(occurrence.words(t).count(w) for t in texts for w in common)
+    assert before > 0                                                 # the words do appear unbanned
+    for s in range(8):
+        t = dbs.generate("It is", ["colony"], seed=s, config=cfg, ban=common).generated
+        assert not set(occurrence.words(t)) & set(common), (common, t)
+
+
+def test_bad_constraint_input_is_a_clear_error(dbs):
+    from dataclasses import replace
+
+    with pytest.raises(DBSError, match="also banned"):
+        dbs.generate("It is", ["colony", "enemy"], ban="Colonies")   # same stem
+    with pytest.raises(DBSError, match="can hold"):
+        dbs.generate("It is", KW, config=replace(dbs.config, guarantee=True, max_new_tokens=2))
+    with pytest.raises(DBSError, match="`order`"):
+        DBSConfig(order="sideways")
+
+
+# -- CommonGen ----------------------------------------------------------------------------------
+def test_commongen_coverage_by_lemma():
+    pytest.importorskip("lemminflect")
+    from dbs_fast.metrics import coverage
+
+    assert coverage("The player stood in the field looking at the batter.", ["field", "stand", "look"]) == 1.0
+    assert coverage("Kids dance.", ["kid", "room", "dance"]) == pytest.approx(2 / 3)
+    assert coverage("The geese ran.", ["goose", "run"]) == 1.0
+    assert coverage("A standard field.", ["stand"]) == 0.0          # no false stem match
+
+
+def test_eval_commongen_at_toy_size(exported, tmp_path, capsys):
+    pytest.importorskip("sacrebleu")
+    pytest.importorskip("lemminflect")
+    out = tmp_path / "cg"
+    argv = ["eval", "--model", str(exported["gpt2"]), "--sets", "commongen-dev", "--limit", "2", "--out", str(out),
+            "--beams", "2", "--candidates", "2", "--chunk", "3", "--max-new-tokens", "12", "--batch", "2",
+            "--runs", "dbs,guarantee", "--judge", "none"]
+    assert cli(argv) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["sets"] == 2 and s["context"] == "" and s["configs"]["dbs"]["order"] == "any"
+    assert s["guarantee"]["commongen"]["coverage"] == 1.0             # guaranteed
+    assert 0.0 <= s["dbs"]["commongen"]["bleu4"] <= 100.0
+    assert "BLEU-4" in capsys.readouterr().out
