@@ -3,14 +3,8 @@
 The runtime (this package) needs no torch; `dbs_fast.export` (folder `export/`) and the
 PyTorch baseline backend import torch lazily, only when used.
 """
-import os as _os
-
-# In a source checkout `export/` and `benchmarks/` sit beside this folder; installed, they
-# are mapped to dbs_fast.export / dbs_fast.benchmarks by pyproject's package-dir.
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isdir(_os.path.join(_root, "export")) and _os.path.isfile(_os.path.join(_root, "pyproject.toml")):
-    __path__.append(_root)  # type: ignore[name-defined]
-
+# `export/` and `benchmarks/` are mapped to dbs_fast.export / dbs_fast.benchmarks by pyproject's
+# package-dir, installed or editable (`pip install -e .`): no path tricks here.
 __version__ = "0.1.0"
 
 from .config import DBSConfig  # noqa: E402
