@@ -311,7 +311,10 @@ def _spawn(spec: dict, workdir: Path) -> dict:
     out = Path(f.name).with_suffix(".out.json")
     cmd = [sys.executable, "-m", "dbs_fast.benchmarks.bench", "--worker", f.name, str(out)]
     print(f"[bench] {spec['point']}: {spec['contender']} ...", flush=True)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # PYTHONSAFEPATH: `-m` must not put the cwd first on sys.path, where a checkout's dbs_fast/
+    # folder (without export/ and benchmarks/ mapped in) would shadow the installed package
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "PYTHONSAFEPATH": "1"})
     Path(f.name).unlink(missing_ok=True)
     if proc.returncode != 0 or not out.is_file():
         tail = "\n".join(proc.stdout.splitlines()[-15:])
