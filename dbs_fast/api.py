@@ -59,16 +59,20 @@ def resolve_model_dir(model: str | Path, quiet: bool = True) -> Path:
     return p
 
 
-def validate_keywords(keywords) -> list[str]:
-    """Keywords in the constraint syntax (`dbs_fast.constraints`), normalised; DBSError if bad."""
-    kws = [k.text for k in constraints.parse_keywords(keywords)]
+def parse_constraints(keywords, ban=None):
+    """(keywords, banned words) parsed from the constraint syntax (`dbs_fast.constraints`) and
+    checked against each other; DBSError names what is wrong."""
+    kws = constraints.parse_keywords(keywords)
     if len(kws) > MAX_KEYWORDS:
         raise DBSError(f"at most {MAX_KEYWORDS} keywords, got {len(kws)}")
-    return kws
+    bans = [] if ban is None else constraints.parse_keywords(ban, what="banned word")
+    constraints.check_bans(kws, bans)
+    return kws, bans
 
 
-def validate_bans(ban) -> list[str]:
-    return [] if ban is None else [b.text for b in constraints.parse_keywords(ban, what="banned word")]
+def validate_keywords(keywords) -> list[str]:
+    """Keywords normalised ("ice  cream |gelato" -> "ice cream|gelato"); DBSError if bad."""
+    return [k.text for k in parse_constraints(keywords)[0]]
 
 
 class DirectedBeamSearch:
@@ -151,9 +155,7 @@ class DirectedBeamSearch:
 
     def _request(self, context, keywords, ban, seed, word_base: int, cfg: DBSConfig) -> Request:
         """One request with its constraints tokenised; DBSError names what is wrong."""
-        kws = constraints.parse_keywords(validate_keywords(keywords))
-        bans = constraints.parse_keywords(validate_bans(ban), what="banned word")
-        constraints.check_bans(kws, bans)
+        kws, bans = parse_constraints(keywords, ban)
         ids = self._context_ids(context)
         limit = self.backend.max_positions
         if limit and len(ids) + cfg.max_new_tokens > limit:
@@ -183,9 +185,9 @@ class DirectedBeamSearch:
         for (context, keywords), ban, seed in zip(requests, bans, seeds):
             r = self._request(context, keywords, ban, seed, len(boosts), cfg)
             reqs.append(r)
+            allowed = ~self.word_piece if cfg.boost_word_starts else None
             boosts += [constraints.keyword_boost(self.table, constraints.parse_keyword(k), cfg.lam, cfg.boost_cutoff,
-                                                 self.subword_fallback, lenient=cfg.guarantee,
-                                                 allowed=~self.word_piece if cfg.boost_word_starts else None)
+                                                 self.subword_fallback, lenient=cfg.guarantee, allowed=allowed)
                        for k in r.keywords]
         t0 = time.perf_counter()
         search = BeamSearch(self.backend, self.scorer, cfg, constraints.BoostTable(boosts), reqs, progress,

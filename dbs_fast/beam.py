@@ -38,6 +38,14 @@ def lowest_bit(x: np.ndarray) -> np.ndarray:
     return x & -x
 
 
+def bits(mask: int):
+    """(bit, keyword index) of every set bit of `mask`, lowest first."""
+    while mask:
+        b = mask & -mask
+        mask ^= b
+        yield b, b.bit_length() - 1
+
+
 @dataclass
 class Rows:
     """Per-candidate state; every field has the row count as its leading dimension."""
@@ -165,27 +173,21 @@ class BeamSearch:
         # missing, plus tokens that would glue onto a keyword just completed ("hockey" + "rink")
         self.bans = None
         if any(r.bans for r in requests) or self.cfg.guarantee:
-            banned = SequenceTable()
-            eos = [banned.add((int(e),)) for e in self.eos if e >= 0]
-            glue = [banned.add((int(t),)) for t in np.flatnonzero(self.word_piece)] if self.cfg.guarantee else []
-            groups = [[banned.add(b) for b in r.bans] + glue * g + eos * e
-                      for r in requests for g in (0, 1) for e in (0, 1)]
-            gptr = np.cumsum([0] + [len(g) for g in groups])
-            order = np.array([i for g in groups for i in g], np.int64)
-            ptr, tok = banned.arrays()
-            lens = np.diff(ptr)[order]         # the groups' sequences laid out in group order
-            sptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-            stok = np.array([t for i in order for t in banned.seqs[i]], np.int32)
-            self.bans = (gptr.astype(np.int64), sptr, stok)
+            eos = [(int(e),) for e in self.eos if e >= 0]
+            glue = [(int(t),) for t in np.flatnonzero(self.word_piece)] if self.cfg.guarantee else []
+            groups = [list(r.bans) + glue * g + eos * e for r in requests for g in (0, 1) for e in (0, 1)]
+            seqs = [s for g in groups for s in g]
+            self.bans = (np.cumsum([0] + [len(g) for g in groups]).astype(np.int64),
+                         np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64),
+                         np.array([t for s in seqs for t in s], np.int32))
         self.multi_bans = any(len(b) > 1 for r in requests for b in r.bans)
 
     def _remaining(self, rows: Rows, seen: np.ndarray) -> np.ndarray:
         return self.full[rows.req] & ~(rows.found | seen)
 
-    def _candidates(self, rows: Rows, seen: np.ndarray) -> np.ndarray:
-        """Keywords (bitmask) a row looks for now: `next`, the next one in order (none once it
-        was seen in this chunk, as in the paper); `any`, every one still to place."""
-        rem = self._remaining(rows, seen)
+    def _candidates(self, rem: np.ndarray, seen: np.ndarray) -> np.ndarray:
+        """Keywords (bitmask) a row looks for now, of those remaining: `next`, the next one in
+        order (none once one was seen in this chunk, as in the paper); `any`, all of them."""
         if self.cfg.order == "any":
             return rem
         return np.where(seen == 0, lowest_bit(rem), 0)
@@ -196,7 +198,7 @@ class BeamSearch:
             return np.full(len(cand), -1, np.int32)
         return self.table.rows_for(self.word_base[rows.req], cand)
 
-    def _forced(self, rows: Rows, seen: np.ndarray, n_done: int) -> np.ndarray:
+    def _forced(self, rows: Rows, rem: np.ndarray, n_done: int) -> np.ndarray:
         """Token each row must emit now, or -1: the rest of a sequence being forced; under
         `guarantee`, the first token of the next keyword to place once the tokens left are just
         what the remaining keywords need (K2T's deadline, made exact)."""
@@ -204,13 +206,12 @@ class BeamSearch:
         on = (rows.fseq >= 0) & ~rows.ended
         force[on] = self.seq_tok[self.seq_ptr[rows.fseq[on]] + rows.fpos[on]]
         if self.cfg.guarantee:
-            rem = self._remaining(rows, seen)
             need = np.zeros(len(rem), np.int64)
             for i in range(self.need.shape[1]):
                 need += (rem >> i & 1) * self.need[rows.req, i]
             start = np.flatnonzero(~on & ~rows.ended & (rem != 0) & (self.cfg.max_new_tokens - n_done <= need))
             if len(start):
-                bit = np.log2(lowest_bit(rem[start])).astype(np.int64)
+                bit = popcount(lowest_bit(rem[start]) - 1)      # index of the lowest remaining keyword
                 rows.fseq[start], rows.fpos[start] = self.force_idx[rows.req[start], bit], 0
                 force[start] = self.seq_tok[self.seq_ptr[rows.fseq[start]]]
         return force
@@ -232,12 +233,12 @@ class BeamSearch:
                     rows.fseq[i], rows.fpos[i] = seq, len(head)
                     break
 
-    def _ban_groups(self, rows: Rows, seen: np.ndarray):
+    def _ban_groups(self, rows: Rows, rem: np.ndarray):
         if self.bans is None:
             return None
         if not self.cfg.guarantee:
             return 4 * rows.req
-        return 4 * rows.req + 2 * rows.glue + (self._remaining(rows, seen) != 0)
+        return 4 * rows.req + 2 * rows.glue + (rem != 0)
 
     def _uniforms(self, rows: Rows) -> np.ndarray:
         counts = np.bincount(rows.req, minlength=len(self.rngs))
@@ -258,12 +259,13 @@ class BeamSearch:
         rows.logp = np.concatenate([rows.logp, np.zeros((R, k), np.float32)], axis=1)
         for j in range(k):
             t0 = time.perf_counter()
-            cand = self._candidates(rows, seen)
+            rem = self._remaining(rows, seen)
+            cand = self._candidates(rem, seen)
             word = self._guide_words(cand, rows)
-            force = self._forced(rows, seen, base + j)
+            force = self._forced(rows, rem, base + j)
             hist, hstart = self._history(rows, base + j)
             ids, lp = self.be.sample(pending, self._uniforms(rows), word, self.table.csr, self.cfg, hist, hstart,
-                                     boost_first, bans=self.bans, row_ban=self._ban_groups(rows, seen),
+                                     boost_first, bans=self.bans, row_ban=self._ban_groups(rows, rem),
                                      force=force)
             t0 = self.t.add("kernel", t0)
             ids = np.where(rows.ended, self.pad, ids)
@@ -275,8 +277,7 @@ class BeamSearch:
             check = (word >= 0) | (force >= 0)
             new = np.zeros(R, np.int64)
             if check.any():
-                new = self._seen_now(rows, prefix, np.flatnonzero(check & live),
-                                     np.where(force >= 0, self._remaining(rows, seen), cand))
+                new = self._seen_now(rows, prefix, np.flatnonzero(check & live), np.where(force >= 0, rem, cand))
             rows.glue = (new & ~seen) != 0
             seen |= new
             self._advance_forcing(rows, force, seen, base + j + 1)
@@ -294,11 +295,8 @@ class BeamSearch:
         seen = np.zeros(len(rows.req), np.int64)
         for i, text in zip(idx, self._chunk_texts(rows, prefix, idx)):
             kws = self.requests[rows.req[i]].keywords
-            m = int(masks[i])
-            while m:
-                b = m & -m
-                m ^= b
-                if occurrence.count_new(prefix[i], text, kws[b.bit_length() - 1]) > 0:
+            for b, k in bits(int(masks[i])):
+                if occurrence.count_new(prefix[i], text, kws[k]) > 0:
                     seen[i] |= b
         self.t.add("text", t0)
         return seen
@@ -321,7 +319,7 @@ class BeamSearch:
         texts = self._chunk_texts(rows, prefix, idx)
         cfg = self.cfg
         alpha = self._alphas(rows)
-        rem = self._remaining(rows, np.zeros(len(rows.req), np.int64))
+        rem = self._remaining(rows, 0)
         for i, text in zip(idx, texts):
             pp = math.exp(-float(lp[i, : n_new[i]].mean()))
             credit, new = self._credit(self.requests[rows.req[i]].keywords, int(rem[i]), prefix[i], text)
@@ -336,10 +334,8 @@ class BeamSearch:
         paper; under `guarantee` also the ones after it, in order, which forcing can put in the
         same chunk); `any`, whichever of the remaining ones appear."""
         credit, new = 0.0, 0
-        while rem:
-            b = rem & -rem
-            rem ^= b
-            c = occurrence.count_new(prefix, text, kws[b.bit_length() - 1])
+        for b, k in bits(rem):
+            c = occurrence.count_new(prefix, text, kws[k])
             if c > 0:
                 credit += math.exp(-c)
                 new |= b

@@ -124,10 +124,9 @@ def highlight(text: str, keywords, tty: bool) -> str:
 
 def _run_generate(a) -> int:
     cfg = config_from_args(a, guided=not a.unguided)
-    from .api import DirectedBeamSearch, validate_bans, validate_keywords
-    from .constraints import check_bans, parse_keywords
+    from .api import DirectedBeamSearch, parse_constraints
 
-    check_bans(parse_keywords(validate_keywords(a.keywords)), parse_keywords(validate_bans(a.ban), "banned word"))
+    parse_constraints(a.keywords, a.ban)       # bad keywords fail before the model loads
     if a.threads is not None and a.threads < 1:
         raise DBSError(f"`--threads` must be >= 1, got {a.threads}")
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, backend=a.backend,

@@ -39,7 +39,7 @@ class Keyword:
     @property
     def phrases(self) -> list[str]:
         """Each alternative as written (words joined by spaces)."""
-        return [a for a in self.text.split("|")]
+        return self.text.split("|")
 
 
 def parse_keyword(text: str) -> Keyword:
@@ -70,16 +70,13 @@ def parse_keywords(keywords, what: str = "keyword") -> list[Keyword]:
 
 
 def check_bans(keywords: list[Keyword], bans: list[Keyword]) -> None:
-    from .occurrence import stem
+    from .occurrence import pattern
 
-    def stems(alt):
-        return tuple(stem(w) for w in alt)
-
-    banned = {stems(a): b.text for b in bans for a in b.alternatives}
+    banned = {a: b.text for b in bans for a in pattern(b.text)}
     for k in keywords:
-        for a in k.alternatives:
-            if stems(a) in banned:
-                raise DBSError(f"keyword {' '.join(a)!r} is also banned ({banned[stems(a)]!r}): drop one of them")
+        for text, a in zip(k.phrases, pattern(k.text)):
+            if a in banned:
+                raise DBSError(f"keyword {text.lower()!r} is also banned ({banned[a]!r}): drop one of them")
 
 
 def surface_variants(phrase: str) -> list[str]:
@@ -165,10 +162,14 @@ class BoostTable:
         return self._merged[key]
 
     def rows_for(self, bases: np.ndarray, masks: np.ndarray) -> np.ndarray:
-        cache: dict = {}
-        out = np.empty(len(masks), np.int32)
-        for i, (b, m) in enumerate(zip(bases.tolist(), masks.tolist())):
-            out[i] = cache[(b, m)] if (b, m) in cache else cache.setdefault((b, m), self.row(b, m))
+        """`row` for every (base, mask); one keyword or none (all of `order="next"`) without a loop."""
+        masks = np.asarray(masks, np.int64)
+        single = (masks & (masks - 1)) == 0
+        index = np.bitwise_count(np.maximum(masks - 1, 0)) if hasattr(np, "bitwise_count") else \
+            np.array([int(m - 1).bit_count() if m > 0 else 0 for m in masks])
+        out = np.where(masks == 0, -1, bases + index).astype(np.int32)
+        for i in np.flatnonzero(~single):
+            out[i] = self.row(int(bases[i]), int(masks[i]))
         return out
 
     @property

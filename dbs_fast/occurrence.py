@@ -24,7 +24,7 @@ def words(text: str) -> list[str]:
 
 
 @lru_cache(maxsize=20_000)
-def _pattern(keyword: str) -> tuple[tuple[str, ...], ...]:
+def pattern(keyword: str) -> tuple[tuple[str, ...], ...]:
     """Stems of each alternative's words: "ice cream|gelato" -> (("ice", "cream"), ("gelato",))."""
     return tuple(tuple(stem(w) for w in words(a)) for a in keyword.split("|"))
 
@@ -34,7 +34,7 @@ def _spans(text: str, keyword: str):
     alternative's words follow one another."""
     ms = list(_WORDS.finditer(text))
     st = [stem(m.group(0)) for m in ms]
-    alts = _pattern(keyword)
+    alts = pattern(keyword)
     for i in range(len(st)):
         for a in alts:
             if a and tuple(st[i: i + len(a)]) == a:
@@ -51,20 +51,21 @@ def count(text: str, keyword: str) -> int:
 def _tail(prefix: str, n_words: int = 1) -> str:
     """The end of `prefix` from the start of its last `n_words` words (a chunk may complete the
     last one, or a phrase that starts there)."""
-    ms = list(_WORDS.finditer(prefix[-200 * n_words:]))
+    p = prefix[-200 * n_words:]         # long enough for n words
+    ms = list(_WORDS.finditer(p))
     if not ms:
         return ""
     if len(ms) < n_words:
-        return prefix[-200 * n_words:]
+        return p
     cut = ms[-n_words]
-    if n_words == 1 and cut.end() < len(prefix[-200:]):
+    if n_words == 1 and cut.end() < len(p):
         return ""                       # the last word is finished: nothing to carry
-    return prefix[-200 * n_words:][cut.start():]
+    return p[cut.start():]
 
 
 def count_new(prefix: str, chunk: str, keyword: str) -> int:
     """Occurrences that `chunk` adds after `prefix` (words and phrases straddling the boundary included)."""
-    tail = _tail(prefix, max(len(a) for a in _pattern(keyword)))
+    tail = _tail(prefix, max(len(a) for a in pattern(keyword)))
     return count(tail + chunk, keyword) - count(tail, keyword)
 
 
