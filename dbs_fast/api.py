@@ -1,14 +1,13 @@
 """The Python API: `DirectedBeamSearch(model, embeddings, config).generate(context, keywords)`."""
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from . import constraints, kernels, occurrence
-from .beam import BeamSearch, Request
+from .beam import BeamSearch, Finished, Request
 from .config import DBSConfig
 from .embeddings import Embeddings, SimilarityTable
 from .errors import DBSError
@@ -153,8 +152,10 @@ class DirectedBeamSearch:
             ids = start[:1]
         return ids
 
-    def _request(self, context, keywords, ban, seed, word_base: int, cfg: DBSConfig) -> Request:
-        """One request with its constraints tokenised; DBSError names what is wrong."""
+    def request(self, context, keywords, ban=None, seed: int = 0, config: DBSConfig | None = None) -> Request:
+        """One request with its constraints tokenised and its boosts built; DBSError names what
+        is wrong (the service's and the CLI's validation)."""
+        cfg = config or self.config
         kws, bans = parse_constraints(keywords, ban)
         ids = self._context_ids(context)
         limit = self.backend.max_positions
@@ -171,8 +172,15 @@ class DirectedBeamSearch:
             raise DBSError(f"--guarantee: the keywords take {sum(map(len, force))} tokens, more than "
                            f"max_new_tokens ({cfg.max_new_tokens}) can hold; raise it or give fewer keywords")
         phrases = [(i, head, whole) for i, k in enumerate(kws) for head, whole in constraints.phrase_starts(enc, k)]
-        return Request(ids, [k.text for k in kws], word_base, int(seed), force, phrases,
-                       constraints.ban_sequences(enc, bans))
+        allowed = ~self.word_piece if cfg.boost_word_starts else None
+        boosts = [constraints.keyword_boost(self.table, k, cfg.lam, cfg.boost_cutoff, self.subword_fallback,
+                                            lenient=cfg.guarantee, allowed=allowed) for k in kws]
+        return Request(ids, [k.text for k in kws], int(seed), boosts, force, phrases,
+                       constraints.ban_sequences(enc, bans), context)
+
+    def batch(self, config: DBSConfig | None = None, progress=None) -> "Batch":
+        """An empty running batch that requests can join and leave between chunks."""
+        return Batch(self, config or self.config, progress)
 
     def generate_batch(self, requests, seeds=None, config: DBSConfig | None = None,
                        progress=None, bans=None) -> list[GenerationResult]:
@@ -181,24 +189,16 @@ class DirectedBeamSearch:
         cfg = config or self.config
         seeds = list(seeds) if seeds is not None else list(range(len(requests)))
         bans = list(bans) if bans is not None else [None] * len(requests)
-        reqs, boosts = [], []
-        for (context, keywords), ban, seed in zip(requests, bans, seeds):
-            r = self._request(context, keywords, ban, seed, len(boosts), cfg)
-            reqs.append(r)
-            allowed = ~self.word_piece if cfg.boost_word_starts else None
-            boosts += [constraints.keyword_boost(self.table, constraints.parse_keyword(k), cfg.lam, cfg.boost_cutoff,
-                                                 self.subword_fallback, lenient=cfg.guarantee, allowed=allowed)
-                       for k in r.keywords]
-        t0 = time.perf_counter()
-        search = BeamSearch(self.backend, self.scorer, cfg, constraints.BoostTable(boosts), reqs, progress,
-                            self.sentence_end if cfg.stop == "sentence" else None,
-                            self.word_piece if cfg.guarantee or cfg.boost_word_starts else None)
-        rows = search.run()
-        seconds = time.perf_counter() - t0
-        timings = dict(search.t.seconds)
-        cand_tps = search.candidate_tokens / seconds
-        return [self._result(q, ctx, r.keywords, cfg, rows, seconds, timings, cand_tps)
-                for q, ((ctx, _), r) in enumerate(zip(requests, reqs))]
+        reqs = [self.request(context, keywords, ban, seed, cfg)
+                for (context, keywords), ban, seed in zip(requests, bans, seeds)]
+        batch = self.batch(cfg, progress)
+        batch.admit(reqs)
+        return batch.run()
+
+    def _search(self, cfg: DBSConfig, progress=None) -> BeamSearch:
+        return BeamSearch(self.backend, self.scorer, cfg, (), progress,
+                          self.sentence_end if cfg.stop == "sentence" else None,
+                          self.word_piece if cfg.guarantee or cfg.boost_word_starts else None)
 
     @staticmethod
     def _found(texts: list[str], kws) -> dict:
@@ -211,9 +211,10 @@ class DirectedBeamSearch:
             found[kw] = None if span is None else {"char": span[0], "token": tok}
         return found
 
-    def _result(self, q, context, kws, cfg, rows, seconds, timings, cand_tps) -> GenerationResult:
-        req_rows = np.flatnonzero(rows.req == q)
-        order = req_rows[np.argsort(-rows.cum[req_rows], kind="stable")]
+    def result(self, fin: Finished, cfg: DBSConfig, timings: dict) -> GenerationResult:
+        """The result of a request that left the batch: its best beam, trimmed, with its stats."""
+        rows, seconds, context, kws = fin.rows, fin.seconds, fin.request.context, fin.request.keywords
+        order = np.argsort(-rows.cum, kind="stable")
         best = order[0]
         n_gen = int(rows.n_tok[best])
         toks = rows.tokens[best, :n_gen]
@@ -239,4 +240,61 @@ class DirectedBeamSearch:
             success_rate=len(hits) / len(kws), success_length=int(success_length), stopped=stopped,
             perplexity=float(np.exp(-lp.mean())) if n_gen else float("nan"), new_tokens=n_gen,
             beams=beams, seconds=seconds, tokens_per_second=n_gen / seconds,
-            candidate_tokens_per_second=cand_tps, timings=timings)
+            candidate_tokens_per_second=fin.candidate_tokens_per_second, timings=timings)
+
+    def certain(self, search: BeamSearch, q: int) -> str:
+        """Text of request q that no later chunk can change: the common prefix of its beams'
+        tokens (with stop="sentence", up to its last sentence end: a result can be trimmed back
+        to one), decoded without a trailing partial character."""
+        rows = search.rows
+        seqs = [rows.generated(i) for i in np.flatnonzero(rows.req == q)]
+        n = min(map(len, seqs), default=0)
+        if seqs and n:
+            same = np.all(np.stack([s[:n] for s in seqs]) == seqs[0][:n], axis=0)
+            n = int(np.argmin(same)) if not same.all() else n
+        if search.cfg.stop == "sentence":
+            ends = np.flatnonzero(self.sentence_end[seqs[0][:n]]) if n else []
+            n = int(ends[-1]) + 1 if len(ends) else 0
+        return self.backend.decode_batch([seqs[0][:n]])[0].rstrip("\ufffd") if n else ""
+
+
+class Batch:
+    """A running batch of one config (continuous batching): `admit` requests between chunks,
+    `step` decodes one chunk and returns the results of the requests that ended, `drop`
+    cancels requests. Batching changes when a result comes, never what it is."""
+
+    def __init__(self, dbs: DirectedBeamSearch, config: DBSConfig, progress=None):
+        self.dbs, self.config = dbs, config
+        self.search = dbs._search(config, progress)
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.search.requests
+
+    @property
+    def rows(self) -> int:
+        return self.search.n_rows
+
+    @property
+    def candidate_tokens(self) -> int:
+        return self.search.candidate_tokens
+
+    def admit(self, requests: list[Request]) -> None:
+        if requests:
+            self.search.admit(requests)
+
+    def drop(self, requests: list[Request]) -> None:
+        self.search.drop(requests)
+
+    def step(self) -> list[tuple[Request, GenerationResult]]:
+        return [(f.request, self.dbs.result(f, self.config, dict(self.search.t.seconds))) for f in self.search.step()]
+
+    def run(self) -> list[GenerationResult]:
+        """Every admitted request to its end; results in admission order."""
+        fins = self.search.run()
+        timings = dict(self.search.t.seconds)
+        return [self.dbs.result(f, self.config, timings) for f in fins]
+
+    def certain(self) -> list[tuple[Request, str]]:
+        """Per request in the batch: its text that is already certain (see `certain`)."""
+        return [(r, self.dbs.certain(self.search, q)) for q, r in enumerate(self.requests)]

@@ -3,6 +3,8 @@
 Both offer the same four steps to the scheduler: `prefill` (left-padded contexts -> logits of
 the last position + cache), `step` (one token per row), `select` (row gather of the cache:
 repeat and keep in one copy) and `sample` (boosts + nucleus + draw, from given uniforms).
+The ONNX backend also merges caches (`concat`, `merge`, `trim`) so that requests can join a
+running batch; the PyTorch baseline runs fixed batches only.
 """
 from __future__ import annotations
 
@@ -47,6 +49,19 @@ class OnnxBackend:
     @staticmethod
     def take(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return np.take(x, rows, axis=0)
+
+    # requests joining a running batch (continuous batching) and leaving it
+    @staticmethod
+    def concat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.concatenate([a, b])
+
+    @staticmethod
+    def merge(a: KVCache, b: KVCache) -> KVCache:
+        return KVCache.merge(a, b)
+
+    @staticmethod
+    def trim(cache: KVCache) -> KVCache:
+        return cache.trim()
 
     @staticmethod
     def sample(logits, uniforms, row_word, csr, cfg, history=None, history_start=None, boost_first=None,

@@ -3,6 +3,8 @@
 All b*s candidate rows of all requests are one batch: the contexts are prefilled once, every
 chunk starts from the kept beams' KV caches (one gather that both keeps and repeats), and the
 prefix is never re-encoded. Per-row state lives in `Rows`, a few arrays gathered together.
+Between chunks requests may join the batch and leave it (continuous batching, used by the
+service): a row's tokens start at the column where its request joined.
 """
 from __future__ import annotations
 
@@ -15,17 +17,19 @@ import numpy as np
 
 from . import occurrence
 from .config import DBSConfig
+from .constraints import BoostTable, SequenceTable
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     context_ids: list[int]
     keywords: list[str]
-    word_base: int            # row of its first keyword in the boost table
     seed: int
+    boosts: list = field(default_factory=list)          # per keyword: its SparseBoost (the kernel's guidance)
     force: list[tuple] = field(default_factory=list)    # per keyword: the tokens `guarantee` forces
     phrases: list[tuple] = field(default_factory=list)  # (keyword index, first word's tokens, phrase's tokens)
     bans: list[tuple] = field(default_factory=list)     # banned token sequences
+    context: str = ""                                   # the context as given (for the result)
 
 
 def popcount(x: np.ndarray) -> np.ndarray:
@@ -54,15 +58,32 @@ class Rows:
     found: np.ndarray         # (R,) int64 bitmask of the request's keywords placed (credited at chunk ends)
     cum: np.ndarray           # (R,) float64 cumulative quality score
     ended: np.ndarray         # (R,) bool, emitted EOS
-    tokens: np.ndarray        # (R, L) int64 generated tokens (EOS padded after the end)
+    tokens: np.ndarray        # (R, L) int64 generated tokens from column col0 on (EOS padded after the end)
     logp: np.ndarray          # (R, L) float32 scorer log-probabilities of those tokens
     n_tok: np.ndarray         # (R,) tokens that count (up to and including EOS)
     fseq: np.ndarray          # (R,) sequence being forced (index into the forced-sequence table) or -1
     fpos: np.ndarray          # (R,) next position in it
     glue: np.ndarray          # (R,) bool: a keyword ended at the last token (guarantee: it must stay a word)
+    col0: np.ndarray          # (R,) column of the row's first token: its request joined the batch then
 
     def take(self, rows: np.ndarray) -> "Rows":
         return Rows(*(getattr(self, f.name)[rows] for f in fields(self)))
+
+    @staticmethod
+    def new(req: np.ndarray, width: int, pad: int) -> "Rows":
+        """Fresh rows for requests `req` joining a batch whose token columns are `width` wide."""
+        n = len(req)
+        return Rows(req, np.zeros(n, np.int64), np.zeros(n), np.zeros(n, bool), np.full((n, width), pad, np.int64),
+                    np.zeros((n, width), np.float32), np.zeros(n, np.int64), np.full(n, -1, np.int64),
+                    np.zeros(n, np.int64), np.zeros(n, bool), np.full(n, width, np.int64))
+
+    @staticmethod
+    def concat(parts: list["Rows"]) -> "Rows":
+        return Rows(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Rows)))
+
+    def generated(self, i: int) -> np.ndarray:
+        """Row i's generated tokens (up to and including EOS)."""
+        return self.tokens[i, self.col0[i]: self.col0[i] + self.n_tok[i]]
 
 
 @dataclass
@@ -75,90 +96,195 @@ class Timings:
         return t
 
 
-class BeamSearch:
-    """One run of DBS over a batch of requests with a backend (model + sampler) and a scorer."""
+@dataclass(eq=False)
+class Slot:
+    """A request while it is in the batch."""
 
-    def __init__(self, backend, scorer, cfg: DBSConfig, table, requests: list[Request], progress=None,
+    request: Request
+    rng: np.random.Generator
+    t0: float                 # when it joined
+    cand0: int                # the batch's candidate-token count then
+    chunks: int = 0           # chunks decoded
+
+
+@dataclass
+class Finished:
+    """A request that left the batch: its final beams (request index 0, tokens from column 0)."""
+
+    request: Request
+    rows: Rows
+    seconds: float                      # from joining to leaving
+    candidate_tokens_per_second: float  # the whole batch's, while it was in
+
+
+class BeamSearch:
+    """DBS over a batch of requests with a backend (model + sampler) and a scorer.
+
+    Requests join (`admit`) and leave (`step` returns them, `drop` cancels them) at chunk
+    boundaries, so a running batch can take new work (continuous batching); `run` admits a
+    fixed set and decodes it to the end. All requests of one batch share its config."""
+
+    def __init__(self, backend, scorer, cfg: DBSConfig, requests: list[Request] = (), progress=None,
                  sentence_end: np.ndarray | None = None, word_piece: np.ndarray | None = None):
-        self.be, self.scorer, self.cfg, self.table = backend, scorer, cfg, table
-        self.requests = requests
+        self.be, self.scorer, self.cfg = backend, scorer.fresh(), cfg
         if cfg.stop == "sentence" and sentence_end is None:   # (V,) bool; the API passes a cached one
             sentence_end = occurrence.sentence_end_tokens(backend.decode_one, backend.vocab_size)
         self.sentence_end = sentence_end
         if cfg.guarantee and word_piece is None:   # (V,) bool; the API passes a cached one
             word_piece = occurrence.word_piece_tokens(backend.decode_one, backend.vocab_size)
         self.word_piece = word_piece
-        ctx_len = np.array([len(r.context_ids) for r in requests])
-        self.ctx = np.zeros((len(requests), ctx_len.max()), np.int64)      # left-padded contexts
-        for q, r in enumerate(requests):
-            self.ctx[q, self.ctx.shape[1] - len(r.context_ids):] = r.context_ids
-        self.ctx_start = (self.ctx.shape[1] - ctx_len).astype(np.int32)
-        self.rngs = [np.random.default_rng(r.seed) for r in requests]
-        self.n_kw = np.array([len(r.keywords) for r in requests])
-        self.full = (np.left_shift(1, self.n_kw) - 1).astype(np.int64)   # every keyword's bit
-        self.word_base = np.array([r.word_base for r in requests])
         self.pad = backend.pad_id
         self.eos = np.array(sorted(backend.eos_ids) or [-1])
-        self._constraint_tables(requests)
         self.progress = progress
         self.t = Timings()
         self.candidate_tokens = 0
+        self.chunks = 0
+        self.slots: list[Slot] = []
+        self.rows: Rows | None = None
+        self.pending = self.cache = None      # next-token logits (R, V) and the KV cache of the rows
+        if requests:
+            self.admit(list(requests))
+
+    @property
+    def requests(self) -> list[Request]:
+        return [s.request for s in self.slots]
+
+    @property
+    def n_rows(self) -> int:
+        return 0 if self.rows is None else len(self.rows.req)
 
     # -- the loop ---------------------------------------------------------------------------
-    def run(self) -> Rows:
-        cfg = self.cfg
-        t0 = time.perf_counter()
-        pending, cache = self.be.prefill([r.context_ids for r in self.requests])   # (Q, V)
-        self.scorer.prefill([r.context_ids for r in self.requests])
-        t0 = self.t.add("prefill", t0)
-        Q = len(self.requests)
-        first = np.repeat(np.arange(Q), cfg.beams)            # step 1: b beams per request
-        n = len(first)
-        rows = Rows(first, np.zeros(n, np.int64), np.zeros(n), np.zeros(n, bool), np.zeros((n, 0), np.int64),
-                    np.zeros((n, 0), np.float32), np.zeros(n, np.int64), np.full(n, -1, np.int64),
-                    np.zeros(n, np.int64), np.zeros(n, bool))
-        pending, cache = self.be.take(pending, first), self.be.select(cache, first)
-        self.scorer.select(first)
-        n_chunks = math.ceil(cfg.max_new_tokens / cfg.chunk)
-        for c in range(n_chunks):
-            k = min(cfg.chunk, cfg.max_new_tokens - c * cfg.chunk)
-            last = c == n_chunks - 1
-            prefix = self._texts(rows)
-            rows, chunk, pending, cache = self._decode_chunk(rows, prefix, k, pending, cache, last)
-            rows = self._score(rows, prefix, chunk, last)
-            if cfg.stop == "sentence":
-                rows = self._finish_requests(rows)
-            keep = self._select_best(rows)
-            if last:
-                rows = rows.take(keep)
-                break
-            grow = np.repeat(keep, cfg.candidates)            # keep and repeat: one gather
-            t0 = time.perf_counter()
-            rows = rows.take(grow)
-            pending, cache = self.be.take(pending, grow), self.be.select(cache, grow)
-            self.scorer.select(grow)
-            self.t.add("kv_gather", t0)
-            dup = rows.ended & (np.arange(len(grow)) % cfg.candidates > 0)
-            rows.cum[dup] = -np.inf                           # an ended beam is one candidate, not s
+    def run(self) -> list[Finished]:
+        """Decode every admitted request to its end; results in admission order."""
+        order = self.requests
+        n_chunks = math.ceil(self.cfg.max_new_tokens / self.cfg.chunk)
+        done = {}
+        while self.slots:
+            done.update((id(f.request), f) for f in self.step())
             if self.progress:
-                self.progress(c + 1, n_chunks)
-            if rows.ended.all():
-                break
+                self.progress(min(self.chunks, n_chunks), n_chunks)
         if self.progress:
             self.progress(n_chunks, n_chunks)
-        return rows
+        return [done[id(r)] for r in order]
+
+    def step(self) -> list[Finished]:
+        """One chunk for every row of the batch: decode k tokens, score, keep the best b beams
+        per request and repeat each s times; requests at their end leave with their beams."""
+        cfg = self.cfg
+        left = cfg.max_new_tokens - cfg.chunk * np.array([s.chunks for s in self.slots])
+        k = int(min(cfg.chunk, left.max()))
+        last = left <= k                                    # per request: this is its final chunk
+        rows = self.rows
+        prefix = self._texts(rows)
+        rows, chunk = self._decode_chunk(rows, prefix, k, bool(last.all()))
+        rows = self._score(rows, prefix, chunk, bool(last.all()))
+        if cfg.stop == "sentence":
+            rows = self._finish_requests(rows)
+        keep = self._select_best(rows)
+        self.chunks += 1
+        for s in self.slots:
+            s.chunks += 1
+        kept = rows.take(keep)
+        leave = last.copy()
+        leave |= np.bincount(kept.req[~kept.ended], minlength=len(self.slots)) == 0   # every beam ended
+        finished = self._finished(kept, leave)
+        t0 = time.perf_counter()
+        grow = np.repeat(keep[~leave[rows.req[keep]]], cfg.candidates)   # keep and repeat: one gather
+        self.rows = rows.take(grow)
+        if len(grow):
+            self.pending, self.cache = self.be.take(self.pending, grow), self.be.select(self.cache, grow)
+            self.scorer.select(grow)
+        dup = self.rows.ended & (np.arange(len(grow)) % cfg.candidates > 0)
+        self.rows.cum[dup] = -np.inf                        # an ended beam is one candidate, not s
+        self._leave(leave)
+        self.t.add("kv_gather", t0)
+        return finished
+
+    # -- requests joining and leaving ---------------------------------------------------------
+    def admit(self, requests: list[Request]) -> None:
+        """`requests` join the batch (between chunks): contexts prefilled, `beams` rows each."""
+        t0 = time.perf_counter()
+        contexts = [r.context_ids for r in requests]
+        pending, cache = self.be.prefill(contexts)                   # (Q, V)
+        first = np.repeat(np.arange(len(requests)), self.cfg.beams)  # step 1: b beams per request
+        pending, cache = self.be.take(pending, first), self.be.select(cache, first)
+        self.scorer.admit(contexts, first)
+        rows = Rows.new(first + len(self.slots), 0 if self.rows is None else self.rows.tokens.shape[1], self.pad)
+        if self.rows is None:
+            self.rows, self.pending, self.cache = rows, pending, cache
+        else:
+            self.rows = Rows.concat([self.rows, rows])
+            self.pending, self.cache = self.be.concat(self.pending, pending), self.be.merge(self.cache, cache)
+        self.slots += [Slot(r, np.random.default_rng(r.seed), t0, self.candidate_tokens) for r in requests]
+        self._index()
+        self.t.add("prefill", t0)
+
+    def drop(self, requests) -> None:
+        """Cancel `requests` (between chunks): their rows leave, no result."""
+        gone = np.array([any(s.request is r for r in requests) for s in self.slots], bool)
+        if not gone.any():
+            return
+        stay = np.flatnonzero(~gone[self.rows.req])
+        self.rows = self.rows.take(stay)
+        self.pending, self.cache = self.be.take(self.pending, stay), self.be.select(self.cache, stay)
+        self.scorer.select(stay)
+        self._leave(gone)
+
+    def _finished(self, kept: Rows, leave: np.ndarray) -> list[Finished]:
+        now, out = time.perf_counter(), []
+        for q in np.flatnonzero(leave):
+            r = kept.take(np.flatnonzero(kept.req == q))
+            c = int(r.col0[0])
+            r = Rows(np.zeros_like(r.req), r.found, r.cum, r.ended, r.tokens[:, c:], r.logp[:, c:], r.n_tok,
+                     r.fseq, r.fpos, r.glue, np.zeros_like(r.col0))
+            s = self.slots[q]
+            out.append(Finished(s.request, r, now - s.t0, (self.candidate_tokens - s.cand0) / max(now - s.t0, 1e-9)))
+        return out
+
+    def _leave(self, gone: np.ndarray) -> None:
+        """Forget the requests in `gone` (their rows are already out): renumber the rest, drop
+        token and cache columns no row needs any more, rebuild the per-request tables."""
+        if not gone.any():
+            return
+        stay = np.flatnonzero(~gone)
+        self.slots = [self.slots[q] for q in stay]
+        if not self.slots:
+            self.rows = self.pending = self.cache = None
+            return
+        renum = np.full(len(gone), -1, np.int64)
+        renum[stay] = np.arange(len(stay))
+        rows = self.rows
+        rows.req = renum[rows.req]
+        c = int(rows.col0.min())
+        if c:
+            rows.tokens, rows.logp, rows.col0 = rows.tokens[:, c:], rows.logp[:, c:], rows.col0 - c
+        self.cache = self.be.trim(self.cache)
+        self.scorer.trim()
+        self._index()
+
+    def _index(self) -> None:
+        """Per-request arrays and tables of the requests in the batch, in slot order."""
+        reqs = self.requests
+        ctx_len = np.array([len(r.context_ids) for r in reqs])
+        self.ctx = np.full((len(reqs), ctx_len.max()), self.pad, np.int64)   # left-padded contexts
+        for q, r in enumerate(reqs):
+            self.ctx[q, self.ctx.shape[1] - len(r.context_ids):] = r.context_ids
+        self.ctx_start = (self.ctx.shape[1] - ctx_len).astype(np.int32)
+        self.n_kw = np.array([len(r.keywords) for r in reqs])
+        self.full = (np.left_shift(1, self.n_kw) - 1).astype(np.int64)   # every keyword's bit
+        self.word_base = np.concatenate([[0], np.cumsum(self.n_kw)[:-1]]).astype(np.int64)
+        self.table = BoostTable([b for r in reqs for b in r.boosts])
+        self._constraint_tables(reqs)
 
     # -- steps ------------------------------------------------------------------------------
     def _texts(self, rows: Rows) -> list[str]:
         t0 = time.perf_counter()
-        out = self.be.decode_batch([rows.tokens[i, : rows.n_tok[i]] for i in range(len(rows.req))])
+        out = self.be.decode_batch([rows.generated(i) for i in range(len(rows.req))])
         self.t.add("text", t0)
         return out
 
     # -- constraints: which keywords guide a row, which tokens are forced or banned -----------
     def _constraint_tables(self, requests: list[Request]) -> None:
-        from .constraints import SequenceTable
-
         K = max(1, self.n_kw.max())
         forced = SequenceTable()
         self.force_idx = np.full((len(requests), K), -1, np.int64)   # keyword -> its forced sequence
@@ -198,7 +324,7 @@ class BeamSearch:
             return np.full(len(cand), -1, np.int32)
         return self.table.rows_for(self.word_base[rows.req], cand)
 
-    def _forced(self, rows: Rows, rem: np.ndarray, n_done: int) -> np.ndarray:
+    def _forced(self, rows: Rows, rem: np.ndarray, n_done: np.ndarray) -> np.ndarray:
         """Token each row must emit now, or -1: the rest of a sequence being forced; under
         `guarantee`, the first token of the next keyword to place once the tokens left are just
         what the remaining keywords need (K2T's deadline, made exact)."""
@@ -209,14 +335,15 @@ class BeamSearch:
             need = np.zeros(len(rem), np.int64)
             for i in range(self.need.shape[1]):
                 need += (rem >> i & 1) * self.need[rows.req, i]
-            start = np.flatnonzero(~on & ~rows.ended & (rem != 0) & (self.cfg.max_new_tokens - n_done <= need))
+            left = self.cfg.max_new_tokens - n_done
+            start = np.flatnonzero(~on & ~rows.ended & (rem != 0) & (left > 0) & (left <= need))
             if len(start):
                 bit = popcount(lowest_bit(rem[start]) - 1)      # index of the lowest remaining keyword
                 rows.fseq[start], rows.fpos[start] = self.force_idx[rows.req[start], bit], 0
                 force[start] = self.seq_tok[self.seq_ptr[rows.fseq[start]]]
         return force
 
-    def _advance_forcing(self, rows: Rows, force: np.ndarray, seen: np.ndarray, n_gen: int) -> None:
+    def _advance_forcing(self, rows: Rows, force: np.ndarray, seen: np.ndarray, col: int) -> None:
         """After a step: move along forced sequences; a row whose tokens now end with the first
         word of a phrase it still needs has the phrase's rest forced from the next step on."""
         on = force >= 0
@@ -227,7 +354,7 @@ class BeamSearch:
             return
         rem = self._remaining(rows, seen)
         for i in np.flatnonzero((rows.fseq < 0) & ~rows.ended):
-            toks = rows.tokens[i, :n_gen]
+            toks = rows.tokens[i, rows.col0[i]:col]
             for bit, head, seq in self.phrases[rows.req[i]]:
                 if rem[i] & bit and len(head) <= len(toks) and tuple(toks[len(toks) - len(head):]) == head:
                     rows.fseq[i], rows.fpos[i] = seq, len(head)
@@ -241,16 +368,21 @@ class BeamSearch:
         return 4 * rows.req + 2 * rows.glue + (rem != 0)
 
     def _uniforms(self, rows: Rows) -> np.ndarray:
-        counts = np.bincount(rows.req, minlength=len(self.rngs))
-        return np.concatenate([g.random(n) for g, n in zip(self.rngs, counts)])
+        counts = np.bincount(rows.req, minlength=len(self.slots))
+        return np.concatenate([s.rng.random(n) for s, n in zip(self.slots, counts)])
 
-    def _history(self, rows: Rows, n_gen: int):
-        """Each row's tokens so far (context + generated) for the kernel's repetition rules."""
+    def _history(self, rows: Rows, col: int):
+        """Each row's tokens so far (context + generated, left-padded) for the kernel's
+        repetition rules and multi-token bans."""
         if not (self.cfg.shapes_logits or self.multi_bans):
             return None, None
-        return np.concatenate([self.ctx[rows.req], rows.tokens[:, :n_gen]], axis=1), self.ctx_start[rows.req]
+        hist = np.concatenate([self.ctx[rows.req], rows.tokens[:, :col]], axis=1)
+        if rows.col0.any():    # a row that joined at column c: its context moves right past c pads
+            W, c, j = self.ctx.shape[1], rows.col0[:, None], np.arange(hist.shape[1])[None]
+            hist = np.take_along_axis(hist, np.where(j < W + c, (j - c) % (W + c), j), axis=1)
+        return hist, (self.ctx_start[rows.req] + rows.col0).astype(np.int32)
 
-    def _decode_chunk(self, rows: Rows, prefix: list[str], k: int, pending, cache, last: bool):
+    def _decode_chunk(self, rows: Rows, prefix: list[str], k: int, last: bool):
         R = len(rows.req)
         seen = np.zeros(R, np.int64)         # keywords seen in this chunk so far (guidance moves on)
         base = rows.tokens.shape[1]
@@ -262,18 +394,19 @@ class BeamSearch:
             rem = self._remaining(rows, seen)
             cand = self._candidates(rem, seen)
             word = self._guide_words(cand, rows)
-            force = self._forced(rows, rem, base + j)
+            n_done = base + j - rows.col0                # the row's tokens so far
+            force = self._forced(rows, rem, n_done)
             hist, hstart = self._history(rows, base + j)
-            ids, lp = self.be.sample(pending, self._uniforms(rows), word, self.table.csr, self.cfg, hist, hstart,
+            ids, lp = self.be.sample(self.pending, self._uniforms(rows), word, self.table.csr, self.cfg, hist, hstart,
                                      boost_first, bans=self.bans, row_ban=self._ban_groups(rows, rem),
                                      force=force)
             t0 = self.t.add("kernel", t0)
-            ids = np.where(rows.ended, self.pad, ids)
+            live = ~rows.ended & (n_done < self.cfg.max_new_tokens)   # rows that draw a real token
+            ids = np.where(live, ids, self.pad)
             rows.tokens[:, base + j], rows.logp[:, base + j] = ids, lp
-            live = ~rows.ended                         # rows that drew a real token this step
             self.candidate_tokens += int(live.sum())
             rows.n_tok += live
-            rows.ended |= np.isin(ids, self.eos)
+            rows.ended |= live & np.isin(ids, self.eos)
             check = (word >= 0) | (force >= 0)
             new = np.zeros(R, np.int64)
             if check.any():
@@ -285,16 +418,16 @@ class BeamSearch:
                 rows.ended |= live & (self._remaining(rows, seen) == 0) & self.sentence_end[ids]
             t0 = time.perf_counter()
             if not (last and j == k - 1):
-                pending, cache = self.be.step(ids, cache)
+                self.pending, self.cache = self.be.step(ids, self.cache)
             self.t.add("model", t0)
-        return rows, rows.tokens[:, base:], pending, cache
+        return rows, rows.tokens[:, base:]
 
     def _seen_now(self, rows: Rows, prefix, idx, masks) -> np.ndarray:
         """Bits of `masks` (per row) whose keyword appeared in the row's chunk so far."""
         t0 = time.perf_counter()
         seen = np.zeros(len(rows.req), np.int64)
         for i, text in zip(idx, self._chunk_texts(rows, prefix, idx)):
-            kws = self.requests[rows.req[i]].keywords
+            kws = self.slots[rows.req[i]].request.keywords
             for b, k in bits(int(masks[i])):
                 if occurrence.count_new(prefix[i], text, kws[k]) > 0:
                     seen[i] |= b
@@ -303,7 +436,7 @@ class BeamSearch:
 
     def _chunk_texts(self, rows: Rows, prefix, idx) -> list[str]:
         """Text each row in `idx` added after its prefix (decoded whole: no broken boundaries)."""
-        full = self.be.decode_batch([rows.tokens[i, : rows.n_tok[i]] for i in idx])
+        full = self.be.decode_batch([rows.generated(i) for i in idx])
         return [f[len(prefix[i]):] for f, i in zip(full, idx)]
 
     def _score(self, rows: Rows, prefix: list[str], chunk: np.ndarray, last: bool) -> Rows:
@@ -313,8 +446,8 @@ class BeamSearch:
         lp = self.scorer.score(chunk, rows.logp[:, -k:], last)
         rows.logp[:, -k:] = lp
         t0 = self.t.add("scorer", t0)
-        base = rows.tokens.shape[1] - k
-        n_new = np.clip(rows.n_tok - base, 0, k)
+        before = rows.tokens.shape[1] - k - rows.col0       # the rows' tokens before this chunk (at most)
+        n_new = np.clip(rows.n_tok - before, 0, k)
         idx = np.flatnonzero(n_new > 0)
         texts = self._chunk_texts(rows, prefix, idx)
         cfg = self.cfg
@@ -322,7 +455,7 @@ class BeamSearch:
         rem = self._remaining(rows, 0)
         for i, text in zip(idx, texts):
             pp = math.exp(-float(lp[i, : n_new[i]].mean()))
-            credit, new = self._credit(self.requests[rows.req[i]].keywords, int(rem[i]), prefix[i], text)
+            credit, new = self._credit(self.slots[rows.req[i]].request.keywords, int(rem[i]), prefix[i], text)
             rows.cum[i] += (credit if new else math.exp(-cfg.c_star)) * math.exp(-alpha[i] * pp)
             rows.found[i] |= new
         self.t.add("text", t0)
@@ -343,10 +476,10 @@ class BeamSearch:
                 break
         return credit, new
 
-    def _on_time(self, rows: Rows, tokens_after: int) -> np.ndarray:
-        """Rows ahead of their deadline: after `tokens_after` generated tokens, at least
-        `reserve_per_keyword` tokens are left per keyword still to place."""
-        left = self.cfg.max_new_tokens - tokens_after
+    def _on_time(self, rows: Rows, col: int) -> np.ndarray:
+        """Rows ahead of their deadline: once the tokens up to column `col` are generated, at
+        least `reserve_per_keyword` tokens are left per keyword still to place."""
+        left = self.cfg.max_new_tokens - np.minimum(col - rows.col0, self.cfg.max_new_tokens)
         return left >= popcount(self._remaining(rows, 0)) * self.cfg.reserve_per_keyword
 
     def _alphas(self, rows: Rows) -> np.ndarray:
@@ -357,19 +490,19 @@ class BeamSearch:
             return np.full(len(rows.req), cfg.alpha)
         return np.where(self._on_time(rows, rows.tokens.shape[1]), cfg.alpha_fluent, cfg.alpha)
 
-    def _boost_first(self, rows: Rows, tokens_after: int):
+    def _boost_first(self, rows: Rows, col: int):
         """Per-row boost order: the configured one, and boost-then-filter for rows behind their
         deadline when `late_boost_first` (their word may lie outside the nucleus)."""
         first = self.cfg.boost_order == "boost_then_filter"
         if not self.cfg.late_boost_first or first:
             return first
-        return ~self._on_time(rows, tokens_after)
+        return ~self._on_time(rows, col)
 
     def _finish_requests(self, rows: Rows) -> Rows:
         """stop="sentence": a request with a finished beam (every keyword, then a sentence end or
         EOS) is done; its unfinished beams are dropped, so only finished ones can be chosen."""
         finished = rows.ended & (self._remaining(rows, 0) == 0)
-        done = np.zeros(len(self.requests), bool)
+        done = np.zeros(len(self.slots), bool)
         done[rows.req[finished]] = True
         drop = done[rows.req] & ~finished
         rows.cum[drop] = -np.inf

@@ -14,10 +14,16 @@ from .session import OnnxModel
 class SelfScorer:
     name = "self"
 
-    def prefill(self, contexts):
+    def fresh(self):
+        return self
+
+    def admit(self, contexts, rows):
         pass
 
     def select(self, rows):
+        pass
+
+    def trim(self):
         pass
 
     def score(self, chunk, gen_logp, last):
@@ -45,12 +51,25 @@ class OnnxScorer:
         self.cache = None
         self.pending = None           # (R, V) logits predicting each row's next token
 
-    def prefill(self, contexts):
+    def fresh(self) -> "OnnxScorer":
+        """A scorer on the same model with no rows (one per batch: the rows are its state)."""
+        return OnnxScorer(self.model, self.model.tokenizer)
+
+    def admit(self, contexts, rows):
+        """New contexts join: prefilled, gathered to `rows` and appended to the running rows."""
         from .backend import left_pad
+        from .session import KVCache
 
         ids, mask = left_pad(contexts, self.pad)
-        logits, self.cache = self.model.forward(ids, self.model.empty_cache(len(contexts)), mask)
-        self.pending = logits[:, -1]
+        logits, cache = self.model.forward(ids, self.model.empty_cache(len(contexts)), mask)
+        cache, pending = cache.select(rows), np.take(logits[:, -1], rows, axis=0)
+        if self.cache is None or self.cache.batch == 0:
+            self.cache, self.pending = cache, pending
+        else:
+            self.cache, self.pending = KVCache.merge(self.cache, cache), np.concatenate([self.pending, pending])
+
+    def trim(self):
+        self.cache = self.cache.trim()
 
     def select(self, rows):
         self.cache = self.cache.select(rows, in_place=True)

@@ -43,6 +43,25 @@ class KVCache:
             return KVCache([np.take(t, rows, axis=0) for t in self.tensors], self.mask[rows])
         return KVCache([take_rows_in_place(t, rows) for t in self.tensors], self.mask[rows])
 
+    @staticmethod
+    def merge(a: "KVCache", b: "KVCache") -> "KVCache":
+        """The rows of `a` then those of `b`, the shorter left-padded (mask 0) to the longer."""
+        T = max(a.length, b.length)
+
+        def pad(c: KVCache, t: np.ndarray) -> np.ndarray:
+            return np.pad(t, ((0, 0), (0, 0), (T - c.length, 0), (0, 0))) if c.length < T else t
+
+        tensors = [np.concatenate([pad(a, x), pad(b, y)]) for x, y in zip(a.tensors, b.tensors)]
+        mask = np.concatenate([np.pad(c.mask, ((0, 0), (T - c.length, 0))) for c in (a, b)])
+        return KVCache(tensors, mask)
+
+    def trim(self) -> "KVCache":
+        """Without the leading columns that are padding in every row (left by rows that left)."""
+        z = int(np.argmax(self.mask.any(axis=0))) if self.mask.any() else self.length
+        if z == 0:
+            return self
+        return KVCache([np.ascontiguousarray(t[:, :, z:]) for t in self.tensors], self.mask[:, z:].copy())
+
     def repeat(self, n: int) -> "KVCache":
         return self.select(np.repeat(np.arange(self.batch), n))
 

@@ -96,6 +96,16 @@ class TorchBackend:
     def take(self, x, rows):
         return x[self.torch.as_tensor(rows, dtype=self.torch.long)]
 
+    def concat(self, a, b):
+        raise DBSError("the PyTorch baseline decodes fixed batches: requests cannot join a running one "
+                       "(use the onnx backend)")
+
+    merge = concat
+
+    @staticmethod
+    def trim(cache):
+        return cache
+
     def shape(self, logits, cfg, history, history_start):
         """Repetition penalty and n-gram bans with transformers' own logits processors, per row
         (rows have different left padding)."""

@@ -117,7 +117,7 @@ def test_phrase_rest_is_forced_after_its_first_word(dbs):
     cfg = replace(dbs.config, max_new_tokens=12)
     be = dbs.backend
     head = tuple(be.tokenizer.encode(" mouth", add_special_tokens=False).ids)
-    r = dbs._request("It is", ["mouth of the river"], None, 0, 0, cfg)
+    r = dbs.request("It is", ["mouth of the river"], None, 0, cfg)
     assert r.phrases and any(h == head for _, h, _ in r.phrases)
     # the first word is forced by the deadline; the phrase's rest then follows token by token
     r = dbs.generate("It is", ["mouth of the river"], config=replace(cfg, guarantee=True))

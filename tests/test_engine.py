@@ -40,15 +40,14 @@ def test_guidance_places_keywords_far_more_than_unguided(dbs):
 def test_kv_reuse_gives_the_logprobs_of_a_full_recompute(dbs):
     """The self-scorer log-probs of the kept beam (KV caches gathered/repeated every chunk)
     equal a from-scratch forward over context + generated tokens."""
-    from dbs_fast.constraints import BoostTable
 
     be = dbs.backend
     ctx = be.encode("It is")
     boosts = [dbs.table.sparse(k, SMALL.lam, SMALL.boost_cutoff) for k in KW]
     from dbs_fast.beam import Request
 
-    search = BeamSearch(be, dbs.scorer, SMALL, BoostTable(boosts), [Request(ctx, KW, 0, 5)])
-    rows = search.run()
+    search = BeamSearch(be, dbs.scorer, SMALL, [Request(ctx, KW, 5, boosts)])
+    rows = search.run()[0].rows
     for i in range(len(rows.req)):
         toks = rows.tokens[i, : rows.n_tok[i]]
         full = np.array([ctx + list(toks)])
@@ -67,7 +66,7 @@ def test_select_best_keeps_top_cumulative_scores_per_request():
     cum = np.array([0.1, 0.9, 0.5, 0.7, 0.3, 0.2, 0.8])
     req = np.array([0, 0, 0, 0, 1, 1, 1])
     rows = Rows(req, np.zeros(7, int), cum, np.zeros(7, bool), np.zeros((7, 0), int), np.zeros((7, 0)), np.zeros(7, int),
-                np.full(7, -1), np.zeros(7, int), np.zeros(7, bool))
+                np.full(7, -1), np.zeros(7, int), np.zeros(7, bool), np.zeros(7, int))
     assert list(search._select_best(rows)) == [1, 3, 4, 6]
 
 

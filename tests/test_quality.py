@@ -7,7 +7,7 @@ from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence
 from dbs_fast.beam import BeamSearch, Request
 from dbs_fast.cli import main as cli
 from dbs_fast.errors import DBSError
-from dbs_fast.constraints import BoostTable
+
 from dbs_fast.metrics import distinct_n, rep_n, words
 
 KW = ["colony", "enemy"]
@@ -35,9 +35,8 @@ def _run(dbs, cfg, seed=0, sentence_end=None):
     be = dbs.backend
     ctx = be.encode("It is")
     boosts = [dbs.table.sparse(k, cfg.lam, cfg.boost_cutoff) for k in KW]
-    search = BeamSearch(be, dbs.scorer, cfg, BoostTable(boosts), [Request(ctx, KW, 0, seed)],
-                        sentence_end=sentence_end)
-    return ctx, search.run()
+    search = BeamSearch(be, dbs.scorer, cfg, [Request(ctx, KW, seed, boosts)], sentence_end=sentence_end)
+    return ctx, search.run()[0].rows
 
 
 def _max_ngram_count(seq, n):
@@ -211,7 +210,7 @@ def test_fluency_weight_switches_back_to_the_papers_at_the_deadline():
     search.n_kw, search.full = np.array([5]), np.array([31])
     found = np.array([0, 0b111, 0b11111, 0b10111])   # keywords placed so far (3, 5, 4 of the 5)
     rows = Rows(np.zeros(4, int), found, np.zeros(4), np.zeros(4, bool), np.zeros((4, 60), int),
-                np.zeros((4, 60)), np.zeros(4, int), np.full(4, -1), np.zeros(4, int), np.zeros(4, bool))  # 60 tokens after: 30 left
+                np.zeros((4, 60)), np.zeros(4, int), np.full(4, -1), np.zeros(4, int), np.zeros(4, bool), np.zeros(4, int))  # 60 tokens after: 30 left
     # 30 left: 5 words need 50 (late), 2 need 20 (on time), 0 need 0, 1 needs 10
     assert list(search._alphas(rows)) == [0.001, 0.02, 0.02, 0.02]
     search.cfg = DBSConfig.paper()
@@ -225,7 +224,7 @@ def test_late_rows_boost_before_the_nucleus_cut():
     search.cfg = DBSConfig(max_new_tokens=90, reserve_per_keyword=10)
     search.n_kw, search.full = np.array([5]), np.array([31])
     rows = Rows(np.zeros(3, int), np.array([0, 0b111, 0b11111]), np.zeros(3), np.zeros(3, bool),
-                np.zeros((3, 55), int), np.zeros((3, 55)), np.zeros(3, int), np.full(3, -1), np.zeros(3, int), np.zeros(3, bool))
+                np.zeros((3, 55), int), np.zeros((3, 55)), np.zeros(3, int), np.full(3, -1), np.zeros(3, int), np.zeros(3, bool), np.zeros(3, int))
     assert list(search._boost_first(rows, 60)) == [True, False, False]     # 30 left: only 5 words are late
     search.cfg = DBSConfig(late_boost_first=False)
     assert search._boost_first(rows, 60) is False

@@ -1,0 +1,104 @@
+"""Continuous batching in the engine: requests join a running batch and leave it between chunks,
+and each gets exactly the result it gets alone (tiny random GPT-2, seconds)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from dbs_fast.api import DirectedBeamSearch
+from dbs_fast.config import DBSConfig
+
+# 22 tokens in chunks of 4 (a short last chunk); n-gram bans and a two-word ban need each row's
+# history, which is shifted for rows that joined late
+CFG = DBSConfig(beams=2, candidates=3, chunk=4, max_new_tokens=22, no_repeat_ngram_size=2, stop="max")
+JOBS = [("It is", "colony,enemy", None, 0),
+        ("The quick brown fox jumps over the lazy dog near the river", "mouth|meet", "of the", 1),
+        ("A", "speed,river,enemy", "fox", 2),
+        ("Colonies, mouths, meetings and", "meet", None, 3)]
+
+
+@pytest.fixture(scope="module")
+def dbs(exported):
+    return DirectedBeamSearch(exported["gpt2"], config=CFG)
+
+
+def _alone(dbs, cfg, job):
+    ctx, kw, ban, seed = job
+    return dbs.generate(ctx, kw, seed=seed, config=cfg, ban=ban)
+
+
+def _staggered(dbs, cfg, jobs, join_after=1, drop=None):
+    """Jobs join one by one, `join_after` chunks apart; `drop`: a job cancelled after its first chunk."""
+    batch = dbs.batch(cfg)
+    reqs = [dbs.request(c, k, b, s, cfg) for c, k, b, s in jobs]
+    out, waiting, steps = {}, list(reqs), 0
+    while waiting or batch.requests:
+        if waiting and steps % join_after == 0:
+            batch.admit([waiting.pop(0)])
+        if batch.requests:
+            out.update((id(r), res) for r, res in batch.step())
+        steps += 1
+        if drop is not None and steps == 2 and any(r is reqs[drop] for r in batch.requests):
+            batch.drop([reqs[drop]])
+    assert batch.rows == 0 and batch.search.cache is None
+    return [out.get(id(r)) for r in reqs]
+
+
+@pytest.mark.parametrize("cfg", [CFG, replace(CFG, order="any", guarantee=True, stop="sentence"),
+                                 replace(CFG, chunk=5, max_new_tokens=20, repetition_penalty=1.3)],
+                         ids=["next-max", "any-guarantee-sentence", "penalty"])
+def test_a_request_that_joins_a_running_batch_gets_the_result_it_gets_alone(dbs, cfg):
+    alone = [_alone(dbs, cfg, j) for j in JOBS]
+    for join_after in (1, 2):
+        merged = _staggered(dbs, cfg, JOBS, join_after)
+        for a, m in zip(alone, merged):
+            assert m.generated == a.generated and m.found == a.found and m.stopped == a.stopped
+            assert m.perplexity == pytest.approx(a.perplexity, rel=1e-4)
+            assert [b["text"] for b in m.beams] == [b["text"] for b in a.beams]
+
+
+def test_a_dropped_request_leaves_no_result_and_changes_no_other(dbs):
+    alone = [_alone(dbs, CFG, j) for j in JOBS]
+    merged = _staggered(dbs, CFG, JOBS, 1, drop=1)
+    assert merged[1] is None
+    for i in (0, 2, 3):
+        assert merged[i].generated == alone[i].generated
+
+
+def test_the_cache_keeps_only_columns_some_row_needs(dbs):
+    """Once the long-context request leaves, the padding it forced on the others is cut away."""
+    batch = dbs.batch(CFG)
+    short, long_ = (dbs.request(c, k, b, s, CFG) for c, k, b, s in (JOBS[0], JOBS[1]))
+    batch.admit([long_])
+    batch.step()
+    batch.admit([short])
+    width = batch.search.cache.length
+    batch.drop([long_])
+    assert batch.search.cache.length < width
+    assert batch.search.cache.mask.any(axis=0)[0]            # the first column is used by some row
+    rest = []
+    while batch.requests:
+        rest += batch.step()
+    assert rest[0][1].generated == _alone(dbs, CFG, JOBS[0]).generated
+
+
+def test_certain_text_is_a_prefix_of_the_final_text(dbs):
+    cfg = replace(CFG, stop="sentence")
+    batch = dbs.batch(cfg)
+    req = dbs.request("It is", "colony,enemy", None, 0, cfg)
+    batch.admit([req])
+    seen, final = [], None
+    while batch.requests:
+        done = batch.step()
+        if done:
+            final = done[0][1]
+        else:
+            (r, text), = batch.certain()
+            assert r is req
+            seen.append(text)
+    assert final is not None
+    for s in seen:
+        assert final.generated.startswith(s)
+    assert all(a == b[:len(a)] for a, b in zip(seen, seen[1:]))   # it only grows
