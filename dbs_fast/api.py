@@ -1,6 +1,7 @@
 """The Python API: `DirectedBeamSearch(model, embeddings, config).generate(context, keywords)`."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,21 @@ class GenerationResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def to_json(self) -> dict:
+        """`to_dict` as strict JSON: a non-finite float (the score of a dropped beam, the
+        perplexity of an empty text) becomes null. What `generate --json` and the service send."""
+        return json_safe(self.to_dict())
+
+
+def json_safe(x):
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
 
 
 def resolve_model_dir(model: str | Path, quiet: bool = True) -> Path:

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from .config import OPTIONS
 from .errors import DBSError
 
 
@@ -31,37 +32,6 @@ def _run_export(a) -> int:
     return 0
 
 
-def _bool(v: str) -> bool:
-    if v.lower() not in ("true", "false"):
-        raise ValueError(v)                  # argparse: "invalid _bool value", exit 2
-    return v.lower() == "true"
-
-
-# Every DBSConfig field a user can set, declared once: (field, flag, type, help). `generate` and
-# `eval` both take them, with the defaults of the config they start from.
-CONFIG_FLAGS = (
-    ("beams", "--beams", int, "b: beams kept after every chunk"),
-    ("candidates", "--candidates", int, "s: candidates per beam"),
-    ("chunk", "--chunk", int, "k: tokens per chunk"),
-    ("lam", "--lambda", float, "guidance strength"),
-    ("top_p", "--top-p", float, "nucleus sampling mass"),
-    ("temperature", "--temperature", float, "sampling temperature"),
-    ("max_new_tokens", "--max-new-tokens", int, "token budget"),
-    ("boost_order", "--boost-order", str, "filter_then_boost (the authors' code) or boost_then_filter"),
-    ("alpha", "--alpha", float, "weight of perplexity in the quality score Q"),
-    ("alpha_fluent", "--alpha-fluent", float, "weight of perplexity in Q while the beam is ahead of its deadline"),
-    ("reserve_per_keyword", "--reserve-per-keyword", int, "tokens kept per keyword still to place (the deadline)"),
-    ("late_boost_first", "--late-boost-first", _bool, "true/false: rows behind the deadline boost before the top-p cut"),
-    ("c_star", "--c-star", float, "Q's penalty for a chunk without the guide word"),
-    ("repetition_penalty", "--repetition-penalty", float, "> 1 discourages tokens already used (1 = off)"),
-    ("no_repeat_ngram_size", "--no-repeat-ngram-size", int, "ban repeating any n-gram of this size (0 = off)"),
-    ("stop", "--stop", str, "sentence: end at the first sentence end after the last keyword; max: always "
-                            "max-new-tokens (the paper)"),
-    ("order", "--order", str, "next: keywords one at a time in the given order (the paper); any: guide towards "
-                              "all remaining keywords at once"),
-    ("guarantee", "--guarantee", "switch", "force each keyword's tokens when the budget left is what the "
-                                           "remaining keywords need: every keyword appears"),
-)
 KEYWORD_SYNTAX = ('comma-separated; a phrase is words separated by spaces ("ice cream"), alternatives are '
                   'separated by | ("run|ran|running"): any one satisfies the keyword')
 
@@ -71,7 +41,7 @@ def _add_config_flags(p, title: str) -> None:
 
     d = DBSConfig()
     g = p.add_argument_group(title)
-    for name, flag, typ, text in CONFIG_FLAGS:
+    for name, flag, typ, text in OPTIONS:
         if typ == "switch":
             g.add_argument(flag, dest=name, action="store_true", default=None, help=text)
         else:
@@ -87,7 +57,7 @@ def config_from_args(a, **extra):
     from .config import DBSConfig
 
     base = DBSConfig.paper() if a.paper else DBSConfig()
-    given = {name: getattr(a, name) for name, *_ in CONFIG_FLAGS if getattr(a, name) is not None}
+    given = {name: getattr(a, name) for name, *_ in OPTIONS if getattr(a, name) is not None}
     return replace(base, **given, **extra)
 
 
@@ -146,7 +116,7 @@ def _run_generate(a) -> int:
     if bar is not None:
         bar.close()
     if a.json:
-        print(json.dumps(r.to_dict()))
+        print(json.dumps(r.to_json(), allow_nan=False))
         return 0
     print(highlight(r.text, r.keywords, sys.stdout.isatty()))
     print(f"\nfound {sum(v is not None for v in r.found.values())}/{len(r.keywords)} "

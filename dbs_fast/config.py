@@ -19,6 +19,39 @@ PAPER = {"boost_word_starts": False, "alpha_fluent": None, "late_boost_first": F
          "stop": "max"}
 
 
+def parse_bool(v: str) -> bool:
+    if v.lower() not in ("true", "false"):
+        raise ValueError(v)                  # argparse: "invalid parse_bool value", exit 2
+    return v.lower() == "true"
+
+
+# Every DBSConfig field a user can set, declared once: (field, CLI flag, type, help). `generate` and
+# `eval` take them as flags, the service as JSON fields named like the flag ("--top-p" -> "top_p").
+OPTIONS = (
+    ("beams", "--beams", int, "b: beams kept after every chunk"),
+    ("candidates", "--candidates", int, "s: candidates per beam"),
+    ("chunk", "--chunk", int, "k: tokens per chunk"),
+    ("lam", "--lambda", float, "guidance strength"),
+    ("top_p", "--top-p", float, "nucleus sampling mass"),
+    ("temperature", "--temperature", float, "sampling temperature"),
+    ("max_new_tokens", "--max-new-tokens", int, "token budget"),
+    ("boost_order", "--boost-order", str, "filter_then_boost (the authors' code) or boost_then_filter"),
+    ("alpha", "--alpha", float, "weight of perplexity in the quality score Q"),
+    ("alpha_fluent", "--alpha-fluent", float, "weight of perplexity in Q while the beam is ahead of its deadline"),
+    ("reserve_per_keyword", "--reserve-per-keyword", int, "tokens kept per keyword still to place (the deadline)"),
+    ("late_boost_first", "--late-boost-first", parse_bool, "true/false: rows behind the deadline boost before the top-p cut"),
+    ("c_star", "--c-star", float, "Q's penalty for a chunk without the guide word"),
+    ("repetition_penalty", "--repetition-penalty", float, "> 1 discourages tokens already used (1 = off)"),
+    ("no_repeat_ngram_size", "--no-repeat-ngram-size", int, "ban repeating any n-gram of this size (0 = off)"),
+    ("stop", "--stop", str, "sentence: end at the first sentence end after the last keyword; max: always "
+                            "max-new-tokens (the paper)"),
+    ("order", "--order", str, "next: keywords one at a time in the given order (the paper); any: guide towards "
+                              "all remaining keywords at once"),
+    ("guarantee", "--guarantee", "switch", "force each keyword's tokens when the budget left is what the "
+                                           "remaining keywords need: every keyword appears"),
+)
+
+
 @dataclass(frozen=True)
 class DBSConfig:
     lam: float = 20.0            # guidance strength lambda; paper picks 20 (best success, Fig. 1)

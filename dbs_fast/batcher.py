@@ -1,0 +1,217 @@
+"""The service's engine loop: one thread owns the model and runs continuous batching.
+
+Jobs wait in a bounded queue; between chunks the loop drops cancelled and timed-out jobs,
+admits queued ones while the row budget allows (first come, first served), and decodes one
+chunk of every running batch (one batch per config: all requests of a batch share it, so
+requests with other settings take turns chunk by chunk). A job leaves with its result when
+its request ends. Events go back to the asyncio side through `Job.send`; the loop never blocks
+on a client. The HTTP layer is `dbs_fast.service`; this module knows nothing of HTTP.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .api import Batch, DirectedBeamSearch
+from .beam import Request
+from .config import DBSConfig
+
+
+@dataclass(eq=False)
+class Job:
+    request: Request
+    config: DBSConfig
+    send: callable               # send(kind, payload): thread-safe, never blocks
+    stream: bool = False
+    deadline: float = float("inf")
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: str | None = None  # why: "disconnected", "timeout", "shutdown"
+    chunks: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.config.beams * self.config.candidates
+
+
+class Batcher:
+    """Continuous batching at chunk boundaries over one `DirectedBeamSearch`."""
+
+    def __init__(self, dbs: DirectedBeamSearch, max_rows: int, max_queue: int, metrics=None):
+        self.dbs, self.max_rows, self.max_queue = dbs, max_rows, max_queue
+        self.metrics = metrics
+        self.queue: deque[Job] = deque()
+        self.batches: dict[DBSConfig, Batch] = {}
+        self.jobs: dict[int, Job] = {}            # id(request) -> job, for the jobs in a batch
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.latencies: deque[float] = deque(maxlen=50)
+        self.thread = threading.Thread(target=self._loop, name="dbs-fast-engine", daemon=True)
+        self.thread.start()
+
+    # -- the asyncio side ---------------------------------------------------------------------
+    def submit(self, job: Job) -> bool:
+        """Queue `job`; False when the queue is full (or the server is stopping)."""
+        if job.rows > self.max_rows:
+            raise ValueError(f"a request of {job.rows} rows can never fit max_rows={self.max_rows}")
+        with self.cond:
+            if self.stopping or len(self.queue) >= self.max_queue:
+                return False
+            self.queue.append(job)
+            self._gauges()
+            self.cond.notify()
+        return True
+
+    def cancel(self, job: Job, why: str) -> None:
+        """The job's rows leave at the next chunk boundary (or it never starts)."""
+        with self.cond:
+            job.cancelled = job.cancelled or why
+            self.cond.notify()
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: about one recent request's latency."""
+        recent = list(self.latencies)
+        return max(1, round(sum(recent) / len(recent))) if recent else 1
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.queue)
+
+    @property
+    def rows(self) -> int:
+        return sum(b.rows for b in self.batches.values())
+
+    def stop(self, grace: float) -> None:
+        """Take no new jobs; finish the running ones for up to `grace` seconds, then cancel the
+        rest (each gets a "shutdown" error event), and end the loop."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        self.thread.join(grace)
+        with self.cond:
+            for job in list(self.queue) + list(self.jobs.values()):
+                job.cancelled = job.cancelled or "shutdown"
+            self.cond.notify()
+        self.thread.join(30)
+
+    # -- the engine thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not (self.queue or self.batches or self.stopping):
+                    self.cond.wait()
+                if self.stopping and not self.batches and not self.queue:
+                    return
+                admit = self._take_admissible()
+            self._drop_cancelled()
+            self._admit(admit)
+            for cfg in list(self.batches):
+                self._step(cfg)
+            self._gauges()
+
+    def _take_admissible(self) -> list[Job]:
+        """Queued jobs that fit the row budget, in order (the first that does not fit waits, and
+        so does everything behind it: no starvation of large requests)."""
+        out, free = [], self.max_rows - self.rows
+        while self.queue:
+            job = self.queue[0]
+            if job.cancelled is None and time.perf_counter() > job.deadline:
+                job.cancelled = "timeout"
+            if job.cancelled:
+                self.queue.popleft()
+                self._finish(job, "error", self._cancel_error(job))
+                continue
+            if job.rows > free:
+                break
+            free -= job.rows
+            out.append(self.queue.popleft())
+        return out
+
+    def _admit(self, jobs: list[Job]) -> None:
+        by_cfg: dict[DBSConfig, list[Job]] = {}
+        for job in jobs:
+            by_cfg.setdefault(job.config, []).append(job)
+        for cfg, group in by_cfg.items():
+            batch = self.batches.get(cfg) or self.dbs.batch(cfg)
+            try:
+                batch.admit([j.request for j in group])
+            except Exception as e:            # noqa: BLE001 -- one bad admission fails its jobs only
+                for j in group:
+                    self._finish(j, "error", (500, f"admission failed: {type(e).__name__}: {e}"))
+                if not batch.requests:
+                    self.batches.pop(cfg, None)
+                continue
+            self.batches[cfg] = batch
+            for j in group:
+                self.jobs[id(j.request)] = j
+                self._count("admitted")
+
+    def _drop_cancelled(self) -> None:
+        now = time.perf_counter()
+        for cfg, batch in list(self.batches.items()):
+            gone = []
+            for r in batch.requests:
+                job = self.jobs[id(r)]
+                if job.cancelled is None and now > job.deadline:
+                    job.cancelled = "timeout"
+                if job.cancelled:
+                    gone.append(r)
+            if gone:
+                batch.drop(gone)
+                for r in gone:
+                    job = self.jobs.pop(id(r))
+                    self._finish(job, "error", self._cancel_error(job))
+            if not batch.requests:
+                del self.batches[cfg]
+
+    def _step(self, cfg: DBSConfig) -> None:
+        batch = self.batches[cfg]
+        before, t0 = batch.candidate_tokens, time.perf_counter()
+        try:
+            done = batch.step()
+            partial = [(r, t) for r, t in batch.certain() if self.jobs[id(r)].stream]
+        except Exception as e:                # noqa: BLE001 -- the loop survives; this batch's jobs fail
+            for r in batch.requests:
+                self._finish(self.jobs.pop(id(r)), "error", (500, f"generation failed: {type(e).__name__}: {e}"))
+            del self.batches[cfg]
+            return
+        if self.metrics:
+            self.metrics.chunk(time.perf_counter() - t0, batch.candidate_tokens - before)
+        for r, text in partial:
+            job = self.jobs[id(r)]
+            job.chunks += 1
+            job.send("chunk", {"chunk": job.chunks, "text": text,
+                               "found": [k for k in r.keywords if _occurs(text, k)]})
+        for r, result in done:
+            job = self.jobs.pop(id(r))
+            self.latencies.append(time.perf_counter() - job.submitted)
+            self._finish(job, "result", result.to_json())
+        if not batch.requests:
+            del self.batches[cfg]
+
+    def _finish(self, job: Job, kind: str, payload) -> None:
+        job.send(kind, payload)
+        if kind == "result":
+            self._count("ok", time.perf_counter() - job.submitted)
+        else:
+            self._count(job.cancelled or "error")
+
+    @staticmethod
+    def _cancel_error(job: Job) -> tuple[int, str]:
+        return {"timeout": (504, "the request timed out"), "shutdown": (503, "the server is shutting down"),
+                "disconnected": (499, "the client disconnected")}.get(job.cancelled, (500, str(job.cancelled)))
+
+    def _count(self, status: str, latency: float | None = None) -> None:
+        if self.metrics:
+            self.metrics.finished(status, latency)
+
+    def _gauges(self) -> None:
+        if self.metrics:
+            self.metrics.gauges(len(self.queue), self.rows)
+
+
+def _occurs(text: str, keyword: str) -> bool:
+    from .occurrence import count
+
+    return count(text, keyword) > 0

@@ -1,0 +1,304 @@
+"""`dbs-fast serve`: the engine over HTTP, a layer on top of it (FastAPI + uvicorn).
+
+FastAPI rather than bare Starlette: the request body is declared once as a pydantic model
+(derived from `config.OPTIONS`, as the CLI flags are), so a wrong type or an unknown field is a
+422 that names the field, and the OpenAPI page (/docs, /openapi.json) comes with it.
+
+Endpoints: POST /v1/generate (JSON, or Server-Sent Events with "stream": true), GET /health,
+GET /metrics (Prometheus text). One `Batcher` thread owns the model (continuous batching at
+chunk boundaries, `dbs_fast.batcher`); handlers only validate, queue and wait.
+"""
+
+import asyncio
+import json
+import re
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+from .config import OPTIONS, DBSConfig, parse_bool
+from .errors import DBSError
+
+SERVE_EXTRA = "pip install 'dbs-fast[serve]'"
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    model: str = "default"
+    embeddings: str = "default"
+    max_rows: int = 140            # rows decoded together: two paper-setting requests (b*s = 70) at once,
+    #                                or 35 small ones (b = s = 2); a 70-row step is compute-bound on 2 cores
+    max_queue: int = 64            # requests waiting beyond that are refused (429)
+    threads: Optional[int] = None
+    provider: str = "cpu"
+    timeout: float = 300.0         # per request, seconds (a request may ask for less)
+    grace: float = 30.0            # at shutdown: seconds to finish running requests before cancelling them
+
+    def __post_init__(self):
+        for name in ("max_rows", "max_queue"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise DBSError(f"`--{name.replace('_', '-')}` must be an integer >= 1, got {v!r}")
+        if self.threads is not None and self.threads < 1:
+            raise DBSError(f"`--threads` must be >= 1, got {self.threads}")
+        if not self.timeout > 0:
+            raise DBSError(f"`--timeout` must be > 0 seconds, got {self.timeout}")
+
+
+def json_name(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+FIELD_OF = {name: json_name(flag) for name, flag, *_ in OPTIONS}   # DBSConfig field -> JSON field
+
+
+def request_model():
+    """The body of POST /v1/generate: context, constraints, seed, stream, and every option of
+    `dbs-fast generate` (`config.OPTIONS`), named like its flag. Unknown fields are refused."""
+    from pydantic import ConfigDict, Field, create_model
+
+    types = {int: int, float: float, str: str, parse_bool: bool, "switch": bool}
+    fields = {
+        "context": (str, Field("It is", description="text to continue (empty: a new document)")),
+        "keywords": (Union[str, list[str]], Field(..., description='"enemy,speed" or a list; "a|b" alternatives, '
+                                                                  'spaces make a phrase')),
+        "ban": (Optional[Union[str, list[str]]], Field(None, description="words that must not appear")),
+        "seed": (int, 0),
+        "stream": (bool, Field(False, description="Server-Sent Events: one per chunk, then the result")),
+        "paper": (bool, Field(False, description="start from the paper's settings instead of the default")),
+        "unguided": (bool, Field(False, description="the baseline: no boosts")),
+        "timeout": (Optional[float], Field(None, gt=0, description="seconds; at most the server's --timeout")),
+    }
+    for name, flag, typ, text in OPTIONS:
+        key = json_name(flag)
+        fields[name if key == "lambda" else key] = (Optional[types[typ]], Field(None, description=text,
+                                                                             alias=key if key == "lambda" else None))
+    return create_model("GenerateRequest", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+GenerateRequest = None   # built on first use (pydantic is in the serve extra)
+
+
+class Invalid(Exception):
+    """Bad input: the field and the value, for a 422 in FastAPI's own shape."""
+
+    def __init__(self, field: str, value, msg: str):
+        super().__init__(msg)
+        self.field, self.value, self.msg = field, value, msg
+
+    def detail(self) -> dict:
+        return {"detail": [{"type": "value_error", "loc": ["body", self.field], "msg": self.msg,
+                            "input": self.value}]}
+
+
+class Metrics:
+    """Prometheus metrics of one server (its own registry: several apps can live in a process)."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("dbs_requests", "requests by final status (ok, invalid, refused, timeout, "
+                                "disconnected, shutdown, error)", ["status"], registry=r)
+        self.queue = Gauge("dbs_queue_depth", "requests waiting for rows", registry=r)
+        self.rows = Gauge("dbs_batch_rows", "candidate rows in the running batches", registry=r)
+        self.tokens = Counter("dbs_candidate_tokens", "candidate tokens sampled", registry=r)
+        self.rate = Gauge("dbs_candidate_tokens_per_second", "candidate tokens/s of the last chunk", registry=r)
+        self.chunks = Histogram("dbs_chunk_seconds", "seconds per chunk of a running batch", registry=r,
+                                buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30))
+        self.latency = Histogram("dbs_request_latency_seconds", "seconds from arrival to the result",
+                                 registry=r, buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300))
+
+    def finished(self, status: str, latency: float | None = None) -> None:
+        self.requests.labels(status).inc()
+        if latency is not None:
+            self.latency.observe(latency)
+
+    def chunk(self, seconds: float, tokens: int) -> None:
+        self.tokens.inc(tokens)
+        self.rate.set(tokens / max(seconds, 1e-9))
+        self.chunks.observe(seconds)
+
+    def gauges(self, queue: int, rows: int) -> None:
+        self.queue.set(queue)
+        self.rows.set(rows)
+
+
+class Service:
+    """The engine behind the app: loads the model off the event loop, then runs the batcher."""
+
+    def __init__(self, opts: ServiceOptions, dbs=None):
+        self.opts, self.dbs, self.batcher = opts, None, None
+        self.metrics = Metrics()
+        self.error: str | None = None
+        self._preloaded = dbs
+
+    def start(self) -> None:
+        threading.Thread(target=self._load, name="dbs-fast-load", daemon=True).start()
+
+    def _load(self) -> None:
+        from .api import DirectedBeamSearch
+        from .batcher import Batcher
+
+        try:
+            dbs = self._preloaded or DirectedBeamSearch(self.opts.model, self.opts.embeddings, threads=self.opts.threads,
+                                                        provider=self.opts.provider, quiet=True)
+            dbs.word_piece, dbs.sentence_end                           # built once, before the first request
+            dbs.generate("It is", "day", config=DBSConfig(beams=1, candidates=1, max_new_tokens=2))   # warm up
+            self.batcher = Batcher(dbs, self.opts.max_rows, self.opts.max_queue, self.metrics)
+            self.dbs = dbs
+        except Exception as e:   # noqa: BLE001 -- reported by /health, the server stays up
+            self.error = f"{type(e).__name__}: {e}"
+
+    @property
+    def ready(self) -> bool:
+        return self.dbs is not None
+
+    def stop(self) -> None:
+        if self.batcher is not None:
+            self.batcher.stop(self.opts.grace)
+
+    # -- validation: every bad field a 422 that names it -------------------------------------
+    def job(self, body) -> "Job":
+        from .api import parse_constraints
+        from .batcher import Job
+
+        for field, value, check in (("keywords", body.keywords, lambda: parse_constraints(body.keywords)),
+                                    ("ban", body.ban, lambda: parse_constraints(body.keywords, body.ban))):
+            try:
+                check()
+            except DBSError as e:
+                raise Invalid(field, value, str(e)) from None
+        given = {name: getattr(body, name if FIELD_OF[name] == "lambda" else FIELD_OF[name]) for name in FIELD_OF}
+        given = {k: v for k, v in given.items() if v is not None}
+        if body.unguided:
+            given["guided"] = False
+        try:
+            cfg = replace(DBSConfig.paper() if body.paper else DBSConfig(), **given)
+        except DBSError as e:
+            m = re.search(r"`(\w+)`", str(e))
+            field = FIELD_OF.get(m.group(1), m.group(1)) if m else "body"
+            raise Invalid(field, given.get(m.group(1)) if m else None, str(e)) from None
+        if cfg.beams * cfg.candidates > self.opts.max_rows:
+            raise Invalid("candidates", cfg.candidates, f"beams x candidates = {cfg.beams * cfg.candidates} rows, "
+                                                       f"more than this server's --max-rows {self.opts.max_rows}")
+        try:
+            request = self.dbs.request(body.context, body.keywords, body.ban, body.seed, cfg)
+        except DBSError as e:
+            field = "context" if "context" in str(e) else "keywords"
+            raise Invalid(field, getattr(body, field), str(e)) from None
+        timeout = min(body.timeout or self.opts.timeout, self.opts.timeout)
+        return Job(request, cfg, send=None, stream=body.stream, deadline=time.perf_counter() + timeout)
+
+
+def _sse(kind: str, payload) -> str:
+    return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+
+
+def create_app(opts: ServiceOptions | None = None, dbs=None):
+    """The FastAPI app; `dbs`: an already built `DirectedBeamSearch` to serve (tests, Ray)."""
+    try:
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+        from starlette.concurrency import run_in_threadpool
+    except ImportError as e:
+        raise DBSError(f"the service needs the serve extra: {SERVE_EXTRA} (missing: {e.name})") from None
+    global GenerateRequest
+    if GenerateRequest is None:
+        GenerateRequest = request_model()
+    svc = Service(opts or ServiceOptions(), dbs)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        svc.start()
+        yield
+        await run_in_threadpool(svc.stop)
+
+    app = FastAPI(title="dbs-fast", version="0.1.0", lifespan=lifespan,
+                  description="Directed Beam Search: text that contains the keywords you ask for.")
+    app.state.service = svc
+
+    def refuse(status: int, label: str, detail, retry: int | None = None):
+        svc.metrics.finished(label)
+        headers = {"Retry-After": str(retry)} if retry is not None else None
+        return JSONResponse(detail if isinstance(detail, dict) else {"detail": detail}, status, headers=headers)
+
+    @app.get("/health")
+    async def health():
+        if svc.error:
+            return JSONResponse({"status": "failed", "detail": svc.error}, 503)
+        if not svc.ready:
+            return JSONResponse({"status": "loading"}, 503)
+        b = svc.batcher
+        return {"status": "ready", "model": str(svc.dbs.model_dir), "rows": b.rows, "max_rows": b.max_rows,
+                "queue": b.queue_depth, "max_queue": b.max_queue}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        """The same JSON as `dbs-fast generate --json`; with "stream": true, Server-Sent Events:
+        `chunk` events ({"chunk", "text": the generated text already certain, "found"}), then
+        `result` (or `error` with {"status", "detail"})."""
+        if not svc.ready:
+            return refuse(503, "error", svc.error or "the model is loading", retry=5)
+        try:
+            job = svc.job(body)
+        except Invalid as e:
+            return refuse(422, "invalid", e.detail())
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        job.send = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+        if not svc.batcher.submit(job):
+            return refuse(429, "refused", f"the queue is full ({svc.opts.max_queue} waiting); retry later",
+                          retry=svc.batcher.retry_after())
+        if body.stream:
+            return StreamingResponse(_stream(job, events), media_type="text/event-stream")
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(events.get(), 0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    svc.batcher.cancel(job, "disconnected")
+                    return PlainTextResponse("client disconnected", 499)
+                if time.perf_counter() > job.deadline + 1.0:    # the engine is inside a long chunk
+                    svc.batcher.cancel(job, "timeout")
+                    return JSONResponse({"detail": "the request timed out"}, 504)
+                continue
+            if kind == "result":
+                return JSONResponse(payload)
+            if kind == "error":
+                status, detail = payload
+                return JSONResponse({"detail": detail}, status)
+
+    async def _stream(job, events):
+        done = False
+        try:
+            while True:
+                kind, payload = await events.get()
+                if kind == "error":
+                    status, detail = payload
+                    payload = {"status": status, "detail": detail}
+                done = kind in ("result", "error")
+                yield _sse(kind, payload)
+                if done:
+                    return
+        finally:
+            if not done:                 # the client went away: its rows leave at the next boundary
+                svc.batcher.cancel(job, "disconnected")
+
+    return app
+
+
+def serve(opts: ServiceOptions, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Run the server until SIGINT/SIGTERM (uvicorn), then shut down gracefully."""
+    try:
+        import uvicorn
+    except ImportError as e:
+        raise DBSError(f"the service needs the serve extra: {SERVE_EXTRA} (missing: {e.name})") from None
+    uvicorn.run(create_app(opts), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=opts.grace)

@@ -1,0 +1,265 @@
+"""The HTTP service over loopback: a real uvicorn server on a free port, the tiny random GPT-2."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+from dbs_fast.api import DirectedBeamSearch  # noqa: E402
+from dbs_fast.config import DBSConfig  # noqa: E402
+from dbs_fast.service import ServiceOptions, create_app  # noqa: E402
+
+SMALL = {"beams": 2, "candidates": 3, "chunk": 4, "max_new_tokens": 16}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """uvicorn in a thread, serving `app` on loopback until `stop`."""
+
+    def __init__(self, app):
+        self.app, self.port = app, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+
+    def wait_ready(self, timeout=120):
+        t0 = time.time()
+        while httpx.get(self.url + "/health").status_code != 200:
+            assert time.time() - t0 < timeout, httpx.get(self.url + "/health").json()
+            time.sleep(0.05)
+        return self
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def dbs(exported):
+    return DirectedBeamSearch(exported["gpt2"])
+
+
+@pytest.fixture(scope="module")
+def server(dbs):
+    s = Server(create_app(ServiceOptions(max_rows=24, max_queue=8), dbs=dbs)).wait_ready()
+    yield s
+    s.stop()
+
+
+def events(lines) -> list[tuple[str, dict]]:
+    out, kind = [], None
+    for line in lines:
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: "):
+            out.append((kind, json.loads(line[6:])))
+    return out
+
+
+def test_generate_answers_the_json_of_generate_and_the_same_text(server, dbs):
+    r = httpx.post(server.url + "/v1/generate", json={"context": "It is", "keywords": "colony,enemy", "seed": 3,
+                                                      **SMALL, "lambda": 15.0}, timeout=60)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    want = dbs.generate("It is", "colony,enemy", seed=3, config=replace(DBSConfig(), **SMALL, lam=15.0)).to_dict()
+    assert set(got) == set(want)
+    assert got["generated"] == want["generated"] and got["found"] == want["found"]
+
+
+def test_requests_served_together_get_the_text_they_get_alone(server, dbs):
+    jobs = [("It is", "colony", 0, {}), ("The quick brown fox jumps over", "enemy|mouth", 1, {}),
+            ("A", "speed,river", 2, {"ban": "fox"}), ("It is", "meet", 5, {"order": "any", "guarantee": True})]
+    out = [None] * len(jobs)
+
+    def send(i, ctx, kw, seed, extra):
+        out[i] = httpx.post(server.url + "/v1/generate", json={"context": ctx, "keywords": kw, "seed": seed,
+                                                               **SMALL, **extra}, timeout=120).json()
+
+    threads = [threading.Thread(target=send, args=(i, *j)) for i, j in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (ctx, kw, seed, extra), got in zip(jobs, out):
+        cfg_extra = {k: v for k, v in extra.items() if k != "ban"}
+        want = dbs.generate(ctx, kw, seed=seed, config=replace(DBSConfig(), **SMALL, **cfg_extra), ban=extra.get("ban"))
+        assert got["generated"] == want.generated, (ctx, kw)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"keywords": "colony", "beams": 0}, "beams"),
+    ({"keywords": "colony", "top_p": 1.5}, "top_p"),
+    ({"keywords": "colony", "lambda": -1}, "lambda"),
+    ({"keywords": "colony", "order": "random"}, "order"),
+    ({"keywords": "run|"}, "keywords"),
+    ({"keywords": "colony", "ban": "colonies"}, "ban"),
+    ({"keywords": "colony", "beams": "many"}, "beams"),
+    ({"keywords": "colony", "bogus": 1}, "bogus"),
+    ({"context": "It is"}, "keywords"),
+    ({"keywords": "colony", "beams": 10, "candidates": 10}, "candidates"),     # 100 rows > max_rows 24
+])
+def test_bad_input_is_a_422_naming_the_field(server, body, field):
+    r = httpx.post(server.url + "/v1/generate", json=body, timeout=30)
+    assert r.status_code == 422, r.text
+    assert any(d["loc"][-1] == field for d in r.json()["detail"]), r.json()
+
+
+def test_unknown_path_is_404_and_openapi_lists_generate(server):
+    assert httpx.get(server.url + "/v2/nothing").status_code == 404
+    assert httpx.get(server.url + "/v1/generate").status_code == 405
+    spec = httpx.get(server.url + "/openapi.json").json()
+    assert "/v1/generate" in spec["paths"] and "lambda" in json.dumps(spec)
+
+
+def test_stream_sends_certain_text_per_chunk_then_the_result(server):
+    body = {"context": "It is", "keywords": "colony,enemy", "seed": 1, **SMALL, "stream": True, "stop": "max"}
+    with httpx.stream("POST", server.url + "/v1/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        ev = events(r.iter_lines())
+    kinds = [k for k, _ in ev]
+    assert kinds[-1] == "result" and set(kinds[:-1]) == {"chunk"} and len(kinds) >= 2
+    final = ev[-1][1]
+    texts = [p["text"] for k, p in ev[:-1]]
+    assert all(final["generated"].startswith(t) for t in texts)
+    assert all(a == b[:len(a)] for a, b in zip(texts, texts[1:]))
+    assert [p["chunk"] for _, p in ev[:-1]] == list(range(1, len(texts) + 1))
+    plain = httpx.post(server.url + "/v1/generate", json={**body, "stream": False}, timeout=60).json()
+    assert plain["generated"] == final["generated"]
+
+
+def test_metrics_and_health(server):
+    h = httpx.get(server.url + "/health").json()
+    assert h["status"] == "ready" and h["max_rows"] == 24
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("dbs_requests_total", "dbs_queue_depth", "dbs_batch_rows", "dbs_candidate_tokens_total",
+                 "dbs_request_latency_seconds_bucket", "dbs_candidate_tokens_per_second"):
+        assert name in text
+    assert 'dbs_requests_total{status="ok"}' in text and 'dbs_requests_total{status="invalid"}' in text
+
+
+# -- back-pressure, disconnects, timeouts, failures: a server whose model steps slowly ------------
+@pytest.fixture()
+def slow(exported, monkeypatch):
+    dbs = DirectedBeamSearch(exported["gpt2"])
+    step, state = dbs.backend.step, {"delay": 0.0, "fail": False}
+
+    def slow_step(tokens, cache):
+        if state["fail"]:
+            state["fail"] = False
+            raise RuntimeError("injected failure")
+        time.sleep(state["delay"])
+        return step(tokens, cache)
+
+    dbs.backend.step = slow_step
+    s = Server(create_app(ServiceOptions(max_rows=6, max_queue=1), dbs=dbs)).wait_ready()
+    state["delay"] = 0.02
+    yield s, state
+    s.stop()
+
+
+LONG = {"context": "It is", "keywords": "colony", "beams": 1, "candidates": 6, "chunk": 1, "max_new_tokens": 200,
+        "stop": "max"}
+
+
+def _metric(url, status) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(f'dbs_requests_total{{status="{status}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _wait(cond, timeout=30):
+    t0 = time.time()
+    while not cond():
+        assert time.time() - t0 < timeout
+        time.sleep(0.02)
+
+
+def test_full_queue_is_429_and_a_disconnect_drops_the_rows(slow):
+    s, _ = slow
+    queued = {}
+    with httpx.stream("POST", s.url + "/v1/generate", json={**LONG, "stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(l for l in lines if l.startswith("data: "))       # running: all 6 rows are taken
+        assert json.loads(first[6:])["chunk"] == 1
+        t = threading.Thread(target=lambda: queued.update(r=httpx.post(s.url + "/v1/generate", json={
+            **LONG, "max_new_tokens": 4}, timeout=60)))
+        t.start()
+        _wait(lambda: httpx.get(s.url + "/health").json()["queue"] == 1)
+        refused = httpx.post(s.url + "/v1/generate", json={**LONG, "max_new_tokens": 4}, timeout=60)
+        assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+    # the stream is closed mid-way: its rows leave at the next boundary, the queued request runs
+    t.join(60)
+    assert queued["r"].status_code == 200
+    _wait(lambda: _metric(s.url, "disconnected") == 1)
+    _wait(lambda: httpx.get(s.url + "/health").json()["rows"] == 0)
+
+
+def test_timeout_is_504_and_a_failing_request_spares_the_loop(slow):
+    s, state = slow
+    r = httpx.post(s.url + "/v1/generate", json={**LONG, "timeout": 0.3}, timeout=60)
+    assert r.status_code == 504
+    state["fail"] = True
+    r = httpx.post(s.url + "/v1/generate", json={**LONG, "max_new_tokens": 4}, timeout=60)
+    assert r.status_code == 500 and "injected failure" in r.json()["detail"]
+    r = httpx.post(s.url + "/v1/generate", json={**LONG, "max_new_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["new_tokens"] == 4
+
+
+def test_health_is_503_until_the_model_is_loaded(exported, monkeypatch):
+    from dbs_fast import service
+
+    gate = threading.Event()
+    load = service.Service._load
+    monkeypatch.setattr(service.Service, "_load", lambda self: (gate.wait(60), load(self)))
+    s = Server(create_app(ServiceOptions(model=str(exported["gpt2"]))))
+    try:
+        h = httpx.get(s.url + "/health")
+        assert h.status_code == 503 and h.json()["status"] == "loading"
+        r = httpx.post(s.url + "/v1/generate", json={"keywords": "colony"})
+        assert r.status_code == 503 and "Retry-After" in r.headers
+        gate.set()
+        s.wait_ready()
+        assert httpx.get(s.url + "/health").json()["status"] == "ready"
+    finally:
+        gate.set()
+        s.stop()
+
+
+def test_shutdown_finishes_running_work_within_the_grace_period(exported):
+    from dbs_fast.batcher import Batcher, Job
+
+    dbs = DirectedBeamSearch(exported["gpt2"])
+    cfg = replace(DBSConfig(), **SMALL)
+    for grace, want in ((60.0, "result"), (0.0, "error")):
+        got = []
+        b = Batcher(dbs, max_rows=24, max_queue=4)
+        step = dbs.backend.step
+        dbs.backend.step = lambda t, c: (time.sleep(0.01), step(t, c))[1]
+        try:
+            b.submit(Job(dbs.request("It is", "colony", None, 0, cfg), cfg, send=lambda k, p: got.append((k, p))))
+            _wait(lambda: b.rows > 0)
+            b.stop(grace)
+        finally:
+            dbs.backend.step = step
+        assert [k for k, _ in got] == [want]
+        assert not b.submit(Job(dbs.request("It is", "colony", None, 0, cfg), cfg, send=None))   # stopped
+        if want == "error":
+            assert got[0][1][0] == 503
