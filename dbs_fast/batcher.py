@@ -145,7 +145,6 @@ class Batcher:
             self.batches[cfg] = batch
             for j in group:
                 self.jobs[id(j.request)] = j
-                self._count("admitted")
 
     def _drop_cancelled(self) -> None:
         now = time.perf_counter()

@@ -1,4 +1,4 @@
-"""`dbs-fast` command line: export, generate, bench, eval. Bad input -> message + exit 2."""
+"""`dbs-fast` command line: export, generate, bench, eval, serve. Bad input -> message + exit 2."""
 from __future__ import annotations
 
 import argparse
@@ -304,8 +304,57 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_eval(sub)
     _add_bench(sub)
+    _add_serve(sub)
     return ap
 
+
+
+def _add_serve(sub):
+    from .service import ServiceOptions
+
+    d = ServiceOptions()
+    p = sub.add_parser("serve", help="HTTP service: POST /v1/generate (JSON or streamed), /health, /metrics, "
+                                     "/docs; continuous batching at chunk boundaries (needs the serve extra)")
+    p.add_argument("--model", default=d.model, help="exported model dir, or `default` (embedded SmolLM2)")
+    p.add_argument("--embeddings", default=d.embeddings)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-rows", type=int, default=d.max_rows,
+                   help=f"candidate rows decoded together (a request takes beams x candidates; default {d.max_rows}: "
+                        f"two paper-setting requests)")
+    p.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests beyond this get 429")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--provider", default=d.provider, choices=["cpu", "cuda"])
+    p.add_argument("--timeout", type=float, default=d.timeout, help="seconds per request (at most)")
+    p.add_argument("--grace", type=float, default=d.grace, help="seconds to finish running requests at shutdown")
+    p.add_argument("--ray-replicas", type=int, default=None,
+                   help="serve N replicas on Ray Serve instead (each its own engine; needs the ray extra)")
+    p.add_argument("--ray-address", default=None, help="a running Ray cluster (`auto`), else a local Ray is started")
+    p.add_argument("--ray-cpus", type=float, default=None, help="CPUs each replica reserves (default --threads or 1)")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(a) -> int:
+    from pathlib import Path
+
+    from .home import EMBEDDED_DIRS
+    from .service import ServiceOptions, serve
+
+    opts = ServiceOptions(model=a.model, embeddings=a.embeddings, max_rows=a.max_rows, max_queue=a.max_queue,
+                          threads=a.threads, provider=a.provider, timeout=a.timeout, grace=a.grace)
+    if not 0 < a.port < 65536:
+        raise DBSError(f"`--port` must be in 1..65535, got {a.port}")
+    if a.model not in EMBEDDED_DIRS:          # a wrong directory fails here, not in the background
+        from .session import read_manifest
+
+        read_manifest(Path(a.model).expanduser())
+    if a.ray_replicas is not None:
+        from .deploy import run
+
+        run(opts, a.ray_replicas, a.host, a.port, a.ray_address, a.ray_cpus)
+        return 0
+    serve(opts, a.host, a.port)
+    return 0
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,71 @@
+"""The same service on Ray Serve: N replicas, each with its own engine (model, batcher, metrics).
+
+Ray Serve's proxy spreads requests over the replicas; inside a replica the FastAPI app of
+`dbs_fast.service` runs unchanged (continuous batching, streaming, 422/429). On a laptop:
+
+    dbs-fast serve --ray-replicas 2                 # starts a local Ray, serves on --port
+
+On a cluster (`ray start --head` on one node, `ray start --address HEAD:6379` on the others):
+
+    dbs-fast serve --ray-replicas 8 --ray-address auto
+    serve run dbs_fast.deploy:build replicas=8 model=/shared/models/smollm2   # Ray's own CLI
+
+Each replica reserves `--ray-cpus` CPUs (default: its --threads, else 1) so Ray places them
+where cores are free; a model directory must exist on every node (or use `default`, which each
+node exports on first use).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+
+from .errors import DBSError
+from .service import ServiceOptions, create_app
+
+
+def application(opts: ServiceOptions, replicas: int = 1, cpus: float | None = None):
+    """The bound Ray Serve application (pass it to `serve.run`)."""
+    try:
+        from ray import serve
+    except ImportError as e:
+        raise DBSError(f"Ray Serve is not installed: pip install 'dbs-fast[ray]' (missing: {e.name})") from None
+    if not isinstance(replicas, int) or replicas < 1:
+        raise DBSError(f"`--ray-replicas` must be an integer >= 1, got {replicas!r}")
+
+    @serve.ingress()
+    class DBSFast:
+        def __init__(self, options: dict):
+            self.options = ServiceOptions(**options)
+
+        def __serve_build_asgi_app__(self):
+            return create_app(self.options)
+
+    cpus = cpus if cpus is not None else float(opts.threads or 1)
+    return serve.deployment(DBSFast, name="dbs-fast", num_replicas=replicas,
+                            ray_actor_options={"num_cpus": cpus}).bind(asdict(opts))
+
+
+def build(args: dict):
+    """Application builder for Ray's CLI: `serve run dbs_fast.deploy:build replicas=4 model=DIR`."""
+    names = {f.name: f.type for f in fields(ServiceOptions)}
+    args = dict(args)
+    replicas = int(args.pop("replicas", 1))
+    cpus = float(args.pop("cpus")) if "cpus" in args else None
+    unknown = set(args) - set(names)
+    if unknown:
+        raise DBSError(f"unknown option(s) {sorted(unknown)}; known: replicas, cpus, {', '.join(names)}")
+    conv = {"max_rows": int, "max_queue": int, "threads": int, "timeout": float, "grace": float}
+    return application(ServiceOptions(**{k: conv.get(k, str)(v) for k, v in args.items()}), replicas, cpus)
+
+
+def run(opts: ServiceOptions, replicas: int, host: str, port: int, address: str | None = None,
+        cpus: float | None = None) -> None:
+    """Start (or join, with `address`) Ray, deploy the replicas, serve until interrupted."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError as e:
+        raise DBSError(f"Ray Serve is not installed: pip install 'dbs-fast[ray]' (missing: {e.name})") from None
+    app = application(opts, replicas, cpus)
+    ray.init(address=address, ignore_reinit_error=True)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(app, name="dbs-fast", route_prefix="/", blocking=True)

@@ -1,0 +1,56 @@
+"""The service on Ray Serve: a local single-node Ray, two replicas, requests over HTTP."""
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
+
+from dbs_fast.deploy import application, build  # noqa: E402
+from dbs_fast.errors import DBSError  # noqa: E402
+from dbs_fast.service import ServiceOptions  # noqa: E402
+
+
+def test_ray_serve_replicas_answer_requests(exported):
+    import tempfile
+
+    from test_service import free_port
+
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")          # Ray's socket paths must stay short
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, _temp_dir=tmp)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        opts = ServiceOptions(model=str(exported["gpt2"]), max_rows=24, threads=1)
+        serve.run(application(opts, replicas=2, cpus=1), name="dbs-fast", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.time()
+        while True:                        # replicas load the model after they start
+            h = httpx.get(url + "/health", timeout=30)
+            if h.status_code == 200:
+                break
+            assert time.time() - t0 < 180, h.text
+            time.sleep(0.5)
+        body = {"context": "It is", "keywords": "colony,enemy", "seed": 2, "beams": 2, "candidates": 3, "chunk": 4,
+                "max_new_tokens": 16}
+        answers = [httpx.post(url + "/v1/generate", json=body, timeout=120) for _ in range(4)]
+        assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+        assert len({a.json()["generated"] for a in answers}) == 1          # same seed: same text on any replica
+        bad = httpx.post(url + "/v1/generate", json={**body, "beams": 0}, timeout=30)
+        assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "beams"]
+        assert serve.status().applications["dbs-fast"].deployments["dbs-fast"].replica_states.get("RUNNING") == 2
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_ray_cli_builder_checks_its_arguments():
+    with pytest.raises(DBSError, match="unknown option"):
+        build({"replicas": "2", "modle": "x"})
+    with pytest.raises(DBSError, match="ray-replicas"):
+        application(ServiceOptions(), replicas=0)
