@@ -1,0 +1,306 @@
+"""Load test of `dbs-fast serve` on loopback (a benchmark, not a test).
+
+    python -m dbs_fast.benchmarks.load --out runs/load [--levels 1,2,4,8,16] [--skip paper,soak]
+
+Each arm starts its own server process (`dbs-fast serve`), waits for /health, and drives it
+with N concurrent asyncio clients (httpx), each sending `--per-client` requests back to back:
+- small: b = s = 2 requests (CommonGen concept sets, --order any, 32 tokens, context "A"), at
+  every concurrency level, against a server with continuous batching (--max-rows 140) and one
+  serving one request at a time (--max-rows = the request's rows: the same code, no merging);
+- paper: paper-setting requests (b = 7, s = 10, k = 5, 90 tokens, the paper's 50 sets) at 1 and
+  4 clients, both servers; and the join test: request B (streamed) arrives while A runs, the
+  delay to B's first event against the merged batch's chunk time (B's event spacing);
+- soak: `--soak` requests (small) from 8 clients, 10% malformed, 5% clients that disconnect
+  after sending; counts every answer, checks the server survives, reports its RSS start/end.
+Throughput: requests/s and candidate tokens/s (the server's /metrics counter over the arm's
+wall time); latency p50/p95 per request. Writes load.json and load.png.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dbs_fast.benchmarks.eval import builtin_sets
+
+SMALL = {"beams": 2, "candidates": 2, "order": "any", "max_new_tokens": 32, "context": "A"}
+PAPER = {"paper": True, "beams": 7, "candidates": 10, "chunk": 5, "max_new_tokens": 90, "context": "It is"}
+MALFORMED = [{"keywords": "run|"}, {"keywords": "dog", "beams": 0}, {"keywords": "dog", "top_p": 2},
+             {"keywords": "dog", "ban": "dogs"}, {"context": "A"}, {"keywords": "dog", "beams": "x"},
+             {"keywords": "dog", "order": "sideways"}, {"keywords": "dog", "unknown": 1}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str, max_rows: int, threads: int | None, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "dbs_fast.cli", "serve", "--model", model, "--port", str(self.port),
+               "--max-rows", str(max_rows), "--max-queue", "1024"] + (["--threads", str(threads)] if threads else [])
+        env = {**os.environ, "PYTHONSAFEPATH": "1"}       # a checkout's dbs_fast/ must not shadow the package
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 600) -> "ServerProcess":
+        import httpx
+
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}); see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("the server did not become ready")
+
+    def rss(self) -> float:
+        import psutil
+
+        return psutil.Process(self.proc.pid).memory_info().rss / 2**30
+
+    def metric(self, name: str) -> float:
+        import httpx
+
+        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.split()[-1])
+        return 0.0
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def bodies(kind: str, n: int, seed0: int = 0) -> list[dict]:
+    if kind == "small":
+        sets = builtin_sets("commongen-dev")
+        return [{**SMALL, "keywords": sets[i % len(sets)], "seed": seed0 + i} for i in range(n)]
+    sets = builtin_sets("paper")
+    return [{**PAPER, "keywords": sets[i % len(sets)], "seed": seed0 + i} for i in range(n)]
+
+
+async def drive(url: str, work: list[dict], clients: int, deadline: float) -> list[dict]:
+    """`clients` concurrent clients take requests from `work` in order until none is left."""
+    import httpx
+
+    queue, out = list(enumerate(work)), []
+
+    async def client(c: httpx.AsyncClient):
+        while queue and time.time() < deadline:
+            i, body = queue.pop(0)
+            t = time.perf_counter()
+            r = await c.post(url + "/v1/generate", json=body, timeout=None)
+            out.append({"i": i, "status": r.status_code, "latency": time.perf_counter() - t})
+
+    async with httpx.AsyncClient() as c:
+        await asyncio.gather(*(client(c) for _ in range(clients)))
+    return out
+
+
+def arm(server: ServerProcess, kind: str, clients: int, per_client: int, max_seconds: float) -> dict:
+    work = bodies(kind, clients * per_client, seed0=1000 * clients)
+    tok0, t0 = server.metric("dbs_candidate_tokens_total"), time.perf_counter()
+    res = asyncio.run(drive(server.url, work, clients, time.time() + max_seconds))
+    wall = time.perf_counter() - t0
+    lat = np.array([r["latency"] for r in res if r["status"] == 200])
+    return {"clients": clients, "requests": len(res), "ok": int((np.array([r["status"] for r in res]) == 200).sum()),
+            "wall_s": wall, "requests_per_s": len(lat) / wall,
+            "candidate_tokens_per_s": (server.metric("dbs_candidate_tokens_total") - tok0) / wall,
+            "p50_s": float(np.percentile(lat, 50)) if len(lat) else None,
+            "p95_s": float(np.percentile(lat, 95)) if len(lat) else None}
+
+
+async def join_test(url: str) -> dict:
+    """A runs (paper setting, streamed); B arrives after A's first event. B's first event delay
+    against the merged batch's chunk time (the spacing of B's events while A still runs)."""
+    import httpx
+
+    a_body, b_body = bodies("paper", 2, seed0=77)
+    marks: dict[str, list[float]] = {"a": [], "b": []}
+    b_sent = asyncio.Event()
+
+    async def stream(c, name, body):
+        async with c.stream("POST", url + "/v1/generate", json={**body, "stream": True}, timeout=None) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("event: "):
+                    marks[name].append(time.perf_counter())
+                    if name == "a" and len(marks["a"]) == 1:
+                        b_sent.set()
+
+    async with httpx.AsyncClient() as c:
+        ta = asyncio.create_task(stream(c, "a", a_body))
+        await b_sent.wait()
+        t_b = time.perf_counter()
+        await asyncio.gather(ta, stream(c, "b", b_body))
+    a_end = marks["a"][-1]
+    both = [t for t in marks["b"] if t <= a_end]
+    gaps = np.diff(both) if len(both) > 2 else np.diff(marks["b"])
+    chunk = float(np.median(gaps))
+    first = marks["b"][0] - t_b
+    return {"b_first_event_s": first, "merged_chunk_s": chunk, "first_event_in_chunks": first / chunk,
+            "a_total_s": a_end - marks["a"][0], "b_events": len(marks["b"])}
+
+
+async def soak(url: str, n: int, clients: int, seed: int = 0) -> dict:
+    import httpx
+
+    rng = random.Random(seed)
+    good = bodies("small", n, seed0=5000)
+    plan = []
+    for i in range(n):
+        u = rng.random()
+        plan.append(("malformed", rng.choice(MALFORMED)) if u < 0.10 else
+                    ("disconnect", good[i]) if u < 0.15 else ("good", good[i]))
+    queue, out = list(enumerate(plan)), []
+
+    async def client(c):
+        while queue:
+            i, (kind, body) = queue.pop(0)
+            rec = {"i": i, "kind": kind}
+            try:
+                if kind == "disconnect":       # sends, then goes away before the answer
+                    await asyncio.wait_for(c.post(url + "/v1/generate", json=body, timeout=None), 0.3)
+                    rec["status"] = "answered before the client left"
+                else:
+                    r = await c.post(url + "/v1/generate", json=body, timeout=None)
+                    rec["status"] = r.status_code
+                    rec["detail"] = r.json().get("detail") if r.status_code != 200 else None
+            except asyncio.TimeoutError:
+                rec["status"] = "left"
+            except httpx.HTTPError as e:
+                rec["status"] = f"error: {type(e).__name__}"
+            out.append(rec)
+
+    async with httpx.AsyncClient() as c:
+        await asyncio.gather(*(client(c) for _ in range(clients)))
+    good_ok = sum(r["kind"] == "good" and r["status"] == 200 for r in out)
+    bad_4xx = sum(r["kind"] == "malformed" and isinstance(r["status"], int) and 400 <= r["status"] < 500
+                  and bool(r["detail"]) for r in out)
+    return {"requests": n, "good": sum(r["kind"] == "good" for r in out), "good_ok": good_ok,
+            "malformed": sum(r["kind"] == "malformed" for r in out), "malformed_4xx_with_message": bad_4xx,
+            "disconnecting": sum(r["kind"] == "disconnect" for r in out),
+            "transport_errors": sum(str(r["status"]).startswith("error") for r in out)}
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, style in (("continuous", "o-"), ("sequential", "s--")):
+        pts = res["small"].get(mode, [])
+        if not pts:
+            continue
+        x = [p["clients"] for p in pts]
+        ax[0].plot(x, [p["requests_per_s"] for p in pts], style, label=f"{mode}")
+        ax[1].plot(x, [p["p50_s"] for p in pts], style, label=f"{mode} p50")
+        ax[1].plot(x, [p["p95_s"] for p in pts], style, alpha=0.5, label=f"{mode} p95")
+    ax[0].set(xscale="log", xlabel="concurrent clients", ylabel="requests/s", title="small requests (b = s = 2)")
+    ax[1].set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="latency (s)", title="latency")
+    for a in ax:
+        a.legend()
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="load_out")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--levels", default="1,2,4,8,16")
+    ap.add_argument("--per-client", type=int, default=3, help="requests each client sends (small)")
+    ap.add_argument("--max-seconds", type=float, default=240, help="per arm: clients stop taking work after this")
+    ap.add_argument("--soak", type=int, default=500)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--skip", default="", help="comma-separated: small, paper, join, soak")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, a.skip.split(",")))
+    levels = [int(x) for x in a.levels.split(",")]
+    res = {"machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version()},
+           "date": time.strftime("%Y-%m-%d"), "model": a.model, "small_request": SMALL, "paper_request": PAPER,
+           "small": {}, "paper": {}}
+    modes = {"continuous": {"small": 140, "paper": 140},
+             "sequential": {"small": SMALL["beams"] * SMALL["candidates"], "paper": 70}}
+    for mode, rows in modes.items():
+        for kind in ("small", "paper"):
+            if kind in skip:
+                continue
+            srv = ServerProcess(a.model, rows[kind], a.threads, out / f"server-{mode}-{kind}.log").wait_ready()
+            try:
+                lv = levels if kind == "small" else [1, 4]
+                per = a.per_client if kind == "small" else 2
+                res[kind][mode] = []
+                for n in lv:
+                    r = arm(srv, kind, n, per, a.max_seconds)
+                    res[kind][mode].append(r)
+                    print(mode, kind, json.dumps(r), flush=True)
+                if kind == "paper" and mode == "continuous" and "join" not in skip:
+                    res["join"] = asyncio.run(join_test(srv.url))
+                    print("join", json.dumps(res["join"]), flush=True)
+            finally:
+                srv.stop()
+            (out / "load.json").write_text(json.dumps(res, indent=2))
+    for kind in ("small", "paper"):
+        c, s = res[kind].get("continuous"), res[kind].get("sequential")
+        if c and s:
+            res[kind]["ratio"] = [{"clients": x["clients"], "throughput": x["requests_per_s"] / y["requests_per_s"],
+                                   "p95_over_single": x["p95_s"] / s[0]["p50_s"]} for x, y in zip(c, s)]
+    if "soak" not in skip:
+        srv = ServerProcess(a.model, 140, a.threads, out / "server-soak.log").wait_ready()
+        try:
+            rss0 = srv.rss()
+            res["soak"] = asyncio.run(soak(srv.url, a.soak, 8))
+            res["soak"].update(rss_start_gb=rss0, rss_end_gb=srv.rss(), server_alive=srv.proc.poll() is None,
+                               health=__import__("httpx").get(srv.url + "/health", timeout=30).status_code,
+                               statuses={k: srv.metric(f'dbs_requests_total{{status="{k}"}}')
+                                         for k in ("ok", "invalid", "disconnected", "error", "refused")})
+            print("soak", json.dumps(res["soak"]), flush=True)
+        finally:
+            srv.stop()
+    (out / "load.json").write_text(json.dumps(res, indent=2))
+    if res["small"]:
+        plot(res, out / "load.png")
+    print(f"wrote {out / 'load.json'}")
+    return 0
+
+
+def _cpu() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        name = next(l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name"))
+        flags = next(l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags"))
+        isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "amx_tile") if f in flags]
+        return f"{name} ({', '.join(isa)})"
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
