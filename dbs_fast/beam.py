@@ -30,6 +30,7 @@ class Request:
     phrases: list[tuple] = field(default_factory=list)  # (keyword index, first word's tokens, phrase's tokens)
     bans: list[tuple] = field(default_factory=list)     # banned token sequences
     context: str = ""                                   # the context as given (for the result)
+    merged: dict = field(default_factory=dict, repr=False)  # order="any": mask -> merged boost, cached
 
 
 def popcount(x: np.ndarray) -> np.ndarray:
@@ -273,7 +274,8 @@ class BeamSearch:
         self.n_kw = np.array([len(r.keywords) for r in reqs])
         self.full = (np.left_shift(1, self.n_kw) - 1).astype(np.int64)   # every keyword's bit
         self.word_base = np.concatenate([[0], np.cumsum(self.n_kw)[:-1]]).astype(np.int64)
-        self.table = BoostTable([b for r in reqs for b in r.boosts])
+        self.table = BoostTable([b for r in reqs for b in r.boosts],
+                                {int(base): r.merged for base, r in zip(self.word_base, reqs)})
         self._constraint_tables(reqs)
 
     # -- steps ------------------------------------------------------------------------------

@@ -139,11 +139,14 @@ def merge_boosts(name: str, boosts: list[SparseBoost]) -> SparseBoost:
 
 class BoostTable:
     """CSR rows the kernel indexes: one per keyword (request by request), plus merged rows for
-    sets of a request's keywords (`order="any"`), appended on first use and cached."""
+    sets of a request's keywords (`order="any"`), appended on first use and cached. `merged`:
+    per first row of a request, a dict (mask -> merged boost) that outlives the table, so a
+    batch that is rebuilt when requests join or leave does not merge the same rows again."""
 
-    def __init__(self, boosts: list[SparseBoost]):
+    def __init__(self, boosts: list[SparseBoost], merged: dict[int, dict] | None = None):
         self.rows = list(boosts)
         self._merged: dict[tuple[int, int], int] = {}
+        self._kept = merged or {}
         self._csr = None
 
     def row(self, base: int, mask: int) -> int:
@@ -154,9 +157,12 @@ class BoostTable:
             return base + mask.bit_length() - 1
         key = (base, mask)
         if key not in self._merged:
-            bits = [i for i in range(mask.bit_length()) if mask >> i & 1]
-            self.rows.append(merge_boosts("|".join(self.rows[base + i].word for i in bits),
-                                          [self.rows[base + i] for i in bits]))
+            kept = self._kept.get(base, {})
+            if mask not in kept:
+                bits = [i for i in range(mask.bit_length()) if mask >> i & 1]
+                kept[mask] = merge_boosts("|".join(self.rows[base + i].word for i in bits),
+                                          [self.rows[base + i] for i in bits])
+            self.rows.append(kept[mask])
             self._merged[key] = len(self.rows) - 1
             self._csr = None
         return self._merged[key]
