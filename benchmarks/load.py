@@ -12,6 +12,7 @@ with N concurrent asyncio clients (httpx), each sending `--per-client` requests 
   delay to B's first event against the merged batch's chunk time (B's event spacing);
 - soak: `--soak` requests (small) from 8 clients, 10% malformed, 5% clients that disconnect
   after sending; counts every answer, checks the server survives, reports its RSS start/end.
+- engine: in process, n small requests as one batch: seconds and model ms per step vs rows.
 Throughput: requests/s and candidate tokens/s (the server's /metrics counter over the arm's
 wall time); latency p50/p95 per request. Writes load.json and load.png.
 """
@@ -163,7 +164,7 @@ async def join_test(url: str) -> dict:
             "a_total_s": a_end - marks["a"][0], "b_events": len(marks["b"])}
 
 
-async def soak(url: str, n: int, clients: int, seed: int = 0) -> dict:
+async def soak(url: str, n: int, clients: int, rss=None, seed: int = 0) -> dict:
     import httpx
 
     rng = random.Random(seed)
@@ -173,11 +174,13 @@ async def soak(url: str, n: int, clients: int, seed: int = 0) -> dict:
         u = rng.random()
         plan.append(("malformed", rng.choice(MALFORMED)) if u < 0.10 else
                     ("disconnect", good[i]) if u < 0.15 else ("good", good[i]))
-    queue, out = list(enumerate(plan)), []
+    queue, out, rss_at = list(enumerate(plan)), [], {}
 
     async def client(c):
         while queue:
             i, (kind, body) = queue.pop(0)
+            if rss and i % 50 == 0:
+                rss_at[i] = rss()
             rec = {"i": i, "kind": kind}
             try:
                 if kind == "disconnect":       # sends, then goes away before the answer
@@ -201,7 +204,35 @@ async def soak(url: str, n: int, clients: int, seed: int = 0) -> dict:
     return {"requests": n, "good": sum(r["kind"] == "good" for r in out), "good_ok": good_ok,
             "malformed": sum(r["kind"] == "malformed" for r in out), "malformed_4xx_with_message": bad_4xx,
             "disconnecting": sum(r["kind"] == "disconnect" for r in out),
-            "transport_errors": sum(str(r["status"]).startswith("error") for r in out)}
+            "transport_errors": sum(str(r["status"]).startswith("error") for r in out),
+            "rss_gb_by_request": dict(sorted(rss_at.items()))}
+
+
+def engine_scaling(model: str, levels: list[int], threads: int | None) -> list[dict]:
+    """In process, no HTTP: n small requests decoded as one batch (generate_batch), seconds and
+    model milliseconds per step. Shows how a step's cost grows with the rows on this machine."""
+    from dataclasses import replace
+
+    from dbs_fast import DBSConfig, DirectedBeamSearch
+
+    dbs = DirectedBeamSearch(model, threads=threads)
+    cfg = replace(DBSConfig(), **{k: v for k, v in SMALL.items() if k != "context"})
+    sets = builtin_sets("commongen-dev")
+    dbs.generate("A", sets[0], config=cfg)                                   # warm up
+    out = []
+    for n in levels:
+        best = None
+        for _ in range(2):
+            t = time.perf_counter()
+            rs = dbs.generate_batch([("A", s) for s in sets[:n]], seeds=list(range(n)), config=cfg)
+            dt = time.perf_counter() - t
+            steps = max(r.new_tokens for r in rs)
+            cur = {"requests": n, "rows": n * SMALL["beams"] * SMALL["candidates"], "seconds": dt,
+                   "model_ms_per_step": 1000 * rs[0].timings["model"] / max(steps, 1)}
+            best = cur if best is None or dt < best["seconds"] else best
+        out.append(best)
+        print("engine", json.dumps(best), flush=True)
+    return out
 
 
 def plot(res: dict, path: Path) -> None:
@@ -237,7 +268,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=240, help="per arm: clients stop taking work after this")
     ap.add_argument("--soak", type=int, default=500)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--skip", default="", help="comma-separated: small, paper, join, soak")
+    ap.add_argument("--skip", default="", help="comma-separated: engine, small, paper, join, soak")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -246,6 +277,8 @@ def main(argv=None) -> int:
     res = {"machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version()},
            "date": time.strftime("%Y-%m-%d"), "model": a.model, "small_request": SMALL, "paper_request": PAPER,
            "small": {}, "paper": {}}
+    if "engine" not in skip:
+        res["engine_scaling"] = engine_scaling(a.model, levels, a.threads)
     modes = {"continuous": {"small": 140, "paper": 140},
              "sequential": {"small": SMALL["beams"] * SMALL["candidates"], "paper": 70}}
     for mode, rows in modes.items():
@@ -276,7 +309,7 @@ def main(argv=None) -> int:
         srv = ServerProcess(a.model, 140, a.threads, out / "server-soak.log").wait_ready()
         try:
             rss0 = srv.rss()
-            res["soak"] = asyncio.run(soak(srv.url, a.soak, 8))
+            res["soak"] = asyncio.run(soak(srv.url, a.soak, 8, srv.rss))
             res["soak"].update(rss_start_gb=rss0, rss_end_gb=srv.rss(), server_alive=srv.proc.poll() is None,
                                health=__import__("httpx").get(srv.url + "/health", timeout=30).status_code,
                                statuses={k: srv.metric(f'dbs_requests_total{{status="{k}"}}')

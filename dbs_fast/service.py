@@ -201,6 +201,8 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
     """The FastAPI app; `dbs`: an already built `DirectedBeamSearch` to serve (tests, Ray)."""
     try:
         from fastapi import FastAPI, Request
+        from fastapi.exception_handlers import request_validation_exception_handler
+        from fastapi.exceptions import RequestValidationError
         from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
         from starlette.concurrency import run_in_threadpool
     except ImportError as e:
@@ -219,6 +221,11 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
     app = FastAPI(title="dbs-fast", version="0.1.0", lifespan=lifespan,
                   description="Directed Beam Search: text that contains the keywords you ask for.")
     app.state.service = svc
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request, exc):           # FastAPI's own 422 (types, unknown fields), counted
+        svc.metrics.finished("invalid")
+        return await request_validation_exception_handler(request, exc)
 
     def refuse(status: int, label: str, detail, retry: int | None = None):
         svc.metrics.finished(label)
