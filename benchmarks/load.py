@@ -223,12 +223,14 @@ def engine_scaling(model: str, levels: list[int], threads: int | None) -> list[d
     for n in levels:
         best = None
         for _ in range(2):
+            batch = dbs.batch(cfg)
             t = time.perf_counter()
-            rs = dbs.generate_batch([("A", s) for s in sets[:n]], seeds=list(range(n)), config=cfg)
+            batch.admit([dbs.request("A", s, None, i, cfg) for i, s in enumerate(sets[:n])])
+            batch.run()
             dt = time.perf_counter() - t
-            steps = max(r.new_tokens for r in rs)
+            tm = batch.search.t
             cur = {"requests": n, "rows": n * SMALL["beams"] * SMALL["candidates"], "seconds": dt,
-                   "model_ms_per_step": 1000 * rs[0].timings["model"] / max(steps, 1)}
+                   "model_steps": tm.calls["model"], "model_ms_per_step": 1000 * tm.seconds["model"] / tm.calls["model"]}
             best = cur if best is None or dt < best["seconds"] else best
         out.append(best)
         print("engine", json.dumps(best), flush=True)
@@ -274,9 +276,14 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, a.skip.split(",")))
     levels = [int(x) for x in a.levels.split(",")]
-    res = {"machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version()},
-           "date": time.strftime("%Y-%m-%d"), "model": a.model, "small_request": SMALL, "paper_request": PAPER,
-           "small": {}, "paper": {}}
+    res = {"small": {}, "paper": {}}
+    if (out / "load.json").is_file():            # arms not run this time keep their earlier results
+        res = json.loads((out / "load.json").read_text())
+    res.update({"machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version()},
+                "model": a.model, "small_request": SMALL, "paper_request": PAPER})
+    res.setdefault("dates", {})
+    for arm_name in {"engine", "small", "paper", "join", "soak"} - skip:
+        res["dates"][arm_name] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if "engine" not in skip:
         res["engine_scaling"] = engine_scaling(a.model, levels, a.threads)
     modes = {"continuous": {"small": 140, "paper": 140},

@@ -90,10 +90,12 @@ class Rows:
 @dataclass
 class Timings:
     seconds: dict = field(default_factory=lambda: defaultdict(float))
+    calls: dict = field(default_factory=lambda: defaultdict(int))
 
     def add(self, stage: str, t0: float) -> float:
         t = time.perf_counter()
         self.seconds[stage] += t - t0
+        self.calls[stage] += 1
         return t
 
 
@@ -418,10 +420,10 @@ class BeamSearch:
             self._advance_forcing(rows, force, seen, base + j + 1)
             if self.cfg.stop == "sentence":   # all keywords in (before or in this chunk) + sentence end
                 rows.ended |= live & (self._remaining(rows, seen) == 0) & self.sentence_end[ids]
-            t0 = time.perf_counter()
             if not (last and j == k - 1):
+                t0 = time.perf_counter()
                 self.pending, self.cache = self.be.step(ids, self.cache)
-            self.t.add("model", t0)
+                self.t.add("model", t0)
         return rows, rows.tokens[:, base:]
 
     def _seen_now(self, rows: Rows, prefix, idx, masks) -> np.ndarray:

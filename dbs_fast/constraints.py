@@ -129,12 +129,11 @@ def merge_boosts(name: str, boosts: list[SparseBoost]) -> SparseBoost:
         return SparseBoost(name, np.zeros(0, np.int32), np.zeros(0, np.float32))
     if len(boosts) == 1:
         return SparseBoost(name, boosts[0].ids, boosts[0].values)
-    ids = np.concatenate([b.ids for b in boosts])
-    vals = np.concatenate([b.values for b in boosts])
-    order = np.lexsort((-vals, ids))                   # by id, largest value first
-    ids, vals = ids[order], vals[order]
-    first = np.r_[True, ids[1:] != ids[:-1]]
-    return SparseBoost(name, ids[first].astype(np.int32), vals[first].astype(np.float32))
+    dense = np.full(max(int(b.ids.max()) for b in boosts if len(b.ids)) + 1, -np.inf, np.float32)
+    for b in boosts:                                   # ids are unique within a boost: a scatter-max
+        dense[b.ids] = np.maximum(dense[b.ids], b.values)
+    ids = np.flatnonzero(dense > -np.inf)
+    return SparseBoost(name, ids.astype(np.int32), dense[ids])
 
 
 class BoostTable:
