@@ -12,7 +12,8 @@ with N concurrent asyncio clients (httpx), each sending `--per-client` requests 
   delay to B's first event against the merged batch's chunk time (B's event spacing);
 - soak: `--soak` requests (small) from 8 clients, 10% malformed, 5% clients that disconnect
   after sending; counts every answer, checks the server survives, reports its RSS start/end.
-- engine: in process, n small requests as one batch: seconds and model ms per step vs rows.
+- engine: in process, n small requests as one batch: seconds and model ms per step vs rows; and
+  one decode step's milliseconds by rows and cache length.
 Throughput: requests/s and candidate tokens/s (the server's /metrics counter over the arm's
 wall time); latency p50/p95 per request. Writes load.json and load.png.
 """
@@ -237,6 +238,27 @@ def engine_scaling(model: str, levels: list[int], threads: int | None) -> list[d
     return out
 
 
+def step_cost(model: str, threads: int | None) -> list[dict]:
+    """Milliseconds of one decode step (`backend.step`, best of 5) by rows and cache length."""
+    from dbs_fast import DirectedBeamSearch
+
+    be = DirectedBeamSearch(model, threads=threads).backend
+    out = []
+    for rows in (4, 8, 16, 32, 64):
+        for length in (8, 40, 100):
+            _, cache = be.prefill([[1] * length] * rows)
+            ids = np.full(rows, 5, np.int64)
+            be.step(ids, cache)
+            best = float("inf")
+            for _ in range(5):
+                t = time.perf_counter()
+                be.step(ids, cache)
+                best = min(best, time.perf_counter() - t)
+            out.append({"rows": rows, "cache_length": length, "step_ms": 1000 * best})
+            print("step", json.dumps(out[-1]), flush=True)
+    return out
+
+
 def plot(res: dict, path: Path) -> None:
     import matplotlib
 
@@ -286,6 +308,7 @@ def main(argv=None) -> int:
         res["dates"][arm_name] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if "engine" not in skip:
         res["engine_scaling"] = engine_scaling(a.model, levels, a.threads)
+        res["step_cost"] = step_cost(a.model, a.threads)
     modes = {"continuous": {"small": 140, "paper": 140},
              "sequential": {"small": SMALL["beams"] * SMALL["candidates"], "paper": 70}}
     for mode, rows in modes.items():
