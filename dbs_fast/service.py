@@ -146,7 +146,7 @@ class Service:
             dbs = self._preloaded or DirectedBeamSearch(self.opts.model, self.opts.embeddings, threads=self.opts.threads,
                                                         provider=self.opts.provider, quiet=True)
             dbs.word_piece, dbs.sentence_end                           # built once, before the first request
-            dbs.generate("It is", "day", config=DBSConfig(beams=1, candidates=1, max_new_tokens=2))   # warm up
+            dbs.generate("It is", "day", config=DBSConfig(beams=1, candidates=1, max_new_tokens=8, stop="max"))  # warm-up
             self.batcher = Batcher(dbs, self.opts.max_rows, self.opts.max_queue, self.metrics)
             self.dbs = dbs
         except Exception as e:   # noqa: BLE001 -- reported by /health, the server stays up

@@ -144,8 +144,9 @@ def test_bad_constraint_input_is_a_clear_error(dbs):
 
     with pytest.raises(DBSError, match="also banned"):
         dbs.generate("It is", ["colony", "enemy"], ban="Colonies")   # same stem
+    longest = max(len(dbs._pieces(" " + k)) for k in KW)        # each keyword fits, all of them do not
     with pytest.raises(DBSError, match="can hold"):
-        dbs.generate("It is", KW, config=replace(dbs.config, guarantee=True, max_new_tokens=2))
+        dbs.generate("It is", KW, config=replace(dbs.config, guarantee=True, max_new_tokens=longest))
     with pytest.raises(DBSError, match="`order`"):
         DBSConfig(order="sideways")
 
@@ -166,7 +167,7 @@ def test_eval_commongen_at_toy_size(exported, tmp_path, capsys):
     pytest.importorskip("lemminflect")
     out = tmp_path / "cg"
     argv = ["eval", "--model", str(exported["gpt2"]), "--sets", "commongen-dev", "--limit", "2", "--out", str(out),
-            "--beams", "2", "--candidates", "2", "--chunk", "3", "--max-new-tokens", "12", "--batch", "2",
+            "--beams", "2", "--candidates", "2", "--chunk", "3", "--max-new-tokens", "24", "--batch", "2",
             "--runs", "dbs,guarantee", "--judge", "none"]
     assert cli(argv) == 0
     s = json.loads((out / "summary.json").read_text())

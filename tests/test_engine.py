@@ -120,7 +120,7 @@ def test_cli_text_output_highlights(exported, capsys):
     (["--keywords", "|run"], "empty alternative"),
     (["--keywords", "war,colony", "--ban", "gun,War"], "also banned"),
     (["--keywords", "colony", "--order", "sideways"], "`order` must be"),
-    (["--keywords", "colony,enemy,mouth", "--guarantee", "--max-new-tokens", "2"], "can hold"),
+    (["--keywords", "colony,enemy,mouth,speed,river", "--guarantee", "--max-new-tokens", "4"], "can hold"),
     (["--keywords", "the colony of the enemy at the mouth"], "more than max_new_tokens"),
     (["--keywords", "qwzxvbnmkj", "--max-new-tokens", "20"], "not in the embeddings"),
     (["--keywords", "colony", "--max-new-tokens", "400"], "context window"),

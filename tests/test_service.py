@@ -41,8 +41,8 @@ class Server:
 
     def wait_ready(self, timeout=120):
         t0 = time.time()
-        while httpx.get(self.url + "/health").status_code != 200:
-            assert time.time() - t0 < timeout, httpx.get(self.url + "/health").json()
+        while (h := httpx.get(self.url + "/health")).status_code != 200:
+            assert h.json()["status"] != "failed" and time.time() - t0 < timeout, h.json()
             time.sleep(0.05)
         return self
 
@@ -247,7 +247,7 @@ def test_shutdown_finishes_running_work_within_the_grace_period(exported):
     from dbs_fast.batcher import Batcher, Job
 
     dbs = DirectedBeamSearch(exported["gpt2"])
-    cfg = replace(DBSConfig(), **SMALL)
+    cfg = replace(DBSConfig(), **{**SMALL, "max_new_tokens": 64, "stop": "max"})     # 16 chunks: still running
     for grace, want in ((60.0, "result"), (0.0, "error")):
         got = []
         b = Batcher(dbs, max_rows=24, max_queue=4)
