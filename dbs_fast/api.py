@@ -311,6 +311,8 @@ class Batch:
         timings = dict(self.search.t.seconds)
         return [self.dbs.result(f, self.config, timings) for f in fins]
 
-    def certain(self) -> list[tuple[Request, str]]:
-        """Per request in the batch: its text that is already certain (see `certain`)."""
-        return [(r, self.dbs.certain(self.search, q)) for q, r in enumerate(self.requests)]
+    def certain(self, wanted=None) -> list[tuple[Request, str]]:
+        """Per request in the batch (those for which `wanted(request)` holds): its text that is
+        already certain (see `DirectedBeamSearch.certain`)."""
+        return [(r, self.dbs.certain(self.search, q)) for q, r in enumerate(self.requests)
+                if wanted is None or wanted(r)]

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from . import occurrence
 from .api import Batch, DirectedBeamSearch
 from .beam import Request
 from .config import DBSConfig
@@ -169,7 +170,7 @@ class Batcher:
         before, t0 = batch.candidate_tokens, time.perf_counter()
         try:
             done = batch.step()
-            partial = [(r, t) for r, t in batch.certain() if self.jobs[id(r)].stream]
+            partial = batch.certain(lambda r: self.jobs[id(r)].stream)
         except Exception as e:                # noqa: BLE001 -- the loop survives; this batch's jobs fail
             for r in batch.requests:
                 self._finish(self.jobs.pop(id(r)), "error", (500, f"generation failed: {type(e).__name__}: {e}"))
@@ -181,7 +182,7 @@ class Batcher:
             job = self.jobs[id(r)]
             job.chunks += 1
             job.send("chunk", {"chunk": job.chunks, "text": text,
-                               "found": [k for k in r.keywords if _occurs(text, k)]})
+                               "found": [k for k in r.keywords if occurrence.count(text, k) > 0]})
         for r, result in done:
             job = self.jobs.pop(id(r))
             self.latencies.append(time.perf_counter() - job.submitted)
@@ -208,9 +209,3 @@ class Batcher:
     def _gauges(self) -> None:
         if self.metrics:
             self.metrics.gauges(len(self.queue), self.rows)
-
-
-def _occurs(text: str, keyword: str) -> bool:
-    from .occurrence import count
-
-    return count(text, keyword) > 0

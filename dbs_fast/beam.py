@@ -236,10 +236,9 @@ class BeamSearch:
     def _finished(self, kept: Rows, leave: np.ndarray) -> list[Finished]:
         now, out = time.perf_counter(), []
         for q in np.flatnonzero(leave):
-            r = kept.take(np.flatnonzero(kept.req == q))
+            r = kept.take(np.flatnonzero(kept.req == q))           # a copy: safe to shift
             c = int(r.col0[0])
-            r = Rows(np.zeros_like(r.req), r.found, r.cum, r.ended, r.tokens[:, c:], r.logp[:, c:], r.n_tok,
-                     r.fseq, r.fpos, r.glue, np.zeros_like(r.col0))
+            r.tokens, r.logp, r.req[:], r.col0[:] = r.tokens[:, c:], r.logp[:, c:], 0, 0
             s = self.slots[q]
             out.append(Finished(s.request, r, now - s.t0, (self.candidate_tokens - s.cand0) / max(now - s.t0, 1e-9)))
         return out

@@ -10,6 +10,7 @@ chunk boundaries, `dbs_fast.batcher`); handlers only validate, queue and wait.
 """
 
 import asyncio
+import functools
 import json
 import re
 import threading
@@ -54,6 +55,7 @@ def json_name(flag: str) -> str:
 FIELD_OF = {name: json_name(flag) for name, flag, *_ in OPTIONS}   # DBSConfig field -> JSON field
 
 
+@functools.cache
 def request_model():
     """The body of POST /v1/generate: context, constraints, seed, stream, and every option of
     `dbs-fast generate` (`config.OPTIONS`), named like its flag. Unknown fields are refused."""
@@ -76,9 +78,6 @@ def request_model():
         fields[name if key == "lambda" else key] = (Optional[types[typ]], Field(None, description=text,
                                                                              alias=key if key == "lambda" else None))
     return create_model("GenerateRequest", __config__=ConfigDict(extra="forbid"), **fields)
-
-
-GenerateRequest = None   # built on first use (pydantic is in the serve extra)
 
 
 class Invalid(Exception):
@@ -207,9 +206,7 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
         from starlette.concurrency import run_in_threadpool
     except ImportError as e:
         raise DBSError(f"the service needs the serve extra: {SERVE_EXTRA} (missing: {e.name})") from None
-    global GenerateRequest
-    if GenerateRequest is None:
-        GenerateRequest = request_model()
+    GenerateRequest = request_model()          # evaluated below as the body's annotation
     svc = Service(opts or ServiceOptions(), dbs)
 
     @asynccontextmanager
