@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
+
+from dbs_fast.benchmarks.host import machine
 
 KEYWORDS = ["enemy", "speed", "meet", "colony", "mouth"]
 
@@ -29,7 +30,7 @@ def main(argv=None):
     from dbs_fast import DBSConfig, DirectedBeamSearch
 
     cfg = DBSConfig.paper(max_new_tokens=a.max_new_tokens)
-    report = {"machine": f"{platform.machine()} {platform.processor()} cpus={__import__('os').cpu_count()}",
+    report = {"machine": machine(),
               "date": time.strftime("%Y-%m-%d %H:%M"), "config": cfg.to_dict(), "keywords": KEYWORDS}
     texts = {}
     for backend in ("onnx", "torch"):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dbs_fast.benchmarks.host import machine
 from dbs_fast.config import DBSConfig
 from dbs_fast.errors import DBSError
 
@@ -348,7 +348,7 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
                                                                 [(1, 5), (3, 5), (5, 5), (5, 10)]))]
     ref_cands = reference_candidates or (1 if quick else 2)
     points = prepare_points(workdir, tokenizer, checkpoint, shape, with_default)
-    report = {"machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "quick": quick,
+    report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "quick": quick,
               "config": cfg.to_dict(), "context": CONTEXT, "keyword_sets": KEYWORD_SETS, "points": {}}
     from .kernel import run as kernel_run
 
@@ -391,15 +391,6 @@ def _encode(model_dir: str, text: str) -> list[int]:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).encode(text).ids
-
-
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cpus, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
 
 
 def _ratios(res: dict, cfg: DBSConfig) -> None:

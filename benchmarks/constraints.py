@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence
 from dbs_fast.benchmarks.eval import builtin_sets
+from dbs_fast.benchmarks.host import machine
 
 BAN_CASE = {"context": "World War II was", "keywords": ["army", "conflict"], "ban": ["war", "wars"]}
 
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="ban and/or speed")
     a = ap.parse_args(argv)
     dbs = DirectedBeamSearch("default")
-    res = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+    res = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
            "model": str(dbs.model_dir)}
     if "ban" not in a.skip:
         res["ban"] = ban_rate(dbs, a.n, DBSConfig(beams=3, candidates=3, max_new_tokens=40))

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from dbs_fast.benchmarks.eval import builtin_sets
+from dbs_fast.benchmarks.host import machine
 
 SMALL = {"beams": 2, "candidates": 2, "order": "any", "max_new_tokens": 32, "context": "A"}
 PAPER = {"paper": True, "beams": 7, "candidates": 10, "chunk": 5, "max_new_tokens": 90, "context": "It is"}
@@ -301,7 +302,7 @@ def main(argv=None) -> int:
     res = {"small": {}, "paper": {}}
     if (out / "load.json").is_file():            # arms not run this time keep their earlier results
         res = json.loads((out / "load.json").read_text())
-    res.update({"machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version()},
+    res.update({"machine": {"cpu": machine(), "python": platform.python_version()},
                 "model": a.model, "small_request": SMALL, "paper_request": PAPER})
     res.setdefault("dates", {})
     for arm_name in {"engine", "small", "paper", "join", "soak"} - skip:
@@ -353,16 +354,6 @@ def main(argv=None) -> int:
     print(f"wrote {out / 'load.json'}")
     return 0
 
-
-def _cpu() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        name = next(l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name"))
-        flags = next(l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags"))
-        isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "amx_tile") if f in flags]
-        return f"{name} ({', '.join(isa)})"
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 if __name__ == "__main__":

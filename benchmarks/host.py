@@ -1,0 +1,21 @@
+"""The machine a benchmark ran on, as one line: CPU model, the ISA flags that decide kernel speed
+(AVX2, AVX-512, VNNI, AMX), cores and memory. Every speed figure is stored next to it."""
+
+import os
+import platform
+from pathlib import Path
+
+ISA = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "VNNI", "amx_tile": "AMX"}
+
+
+def machine() -> str:
+    cpu, isa = platform.processor() or platform.machine(), []
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(l.split(":", 1)[1].strip() for l in lines if l.startswith("model name"))
+        flags = set(next(l.split(":", 1)[1].split() for l in lines if l.startswith("flags")))
+        isa = [name for flag, name in ISA.items() if flag in flags]
+    except (OSError, StopIteration):
+        pass
+    gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu} ({', '.join(isa) or 'no AVX2'}), {os.cpu_count()} cpus, {gib:.0f} GiB"
