@@ -75,14 +75,15 @@ def builtin_refs(name: str) -> list[str] | None:
 
 def commongen_scores(rows, refs: list[str]) -> dict:
     """CommonGen's metrics for one run: coverage (lemma match) of the generated text and corpus
-    BLEU-4 (sacrebleu, one reference per set) of the sentence, context included (a context such
-    as "A" is the sentence's first word)."""
+    BLEU-4 (sacrebleu, one reference per set) of the sentence: the generated text after the
+    context's last line (a context "A" is the sentence's first word; a prompt that ends in a line
+    break is not part of it)."""
     import sacrebleu
 
     from dbs_fast.metrics import coverage
 
     rs = sorted(rows, key=lambda r: r["set"])
-    hyps = [r["text"].strip() for r in rs]      # the sentence: context ("A", or none) + generated
+    hyps = [(r["context"].rpartition("\n")[2] + r["generated"]).strip() for r in rs]
     bleu = sacrebleu.corpus_bleu(hyps, [[refs[r["set"]] for r in rs]])
     return {"coverage": float(np.mean([coverage(r["generated"], r["keywords"]) for r in rs])) if rs else float("nan"),
             "all_covered": float(np.mean([coverage(r["generated"], r["keywords"]) == 1.0 for r in rs])) if rs else
