@@ -14,9 +14,11 @@ def _add_export(sub):
     p.add_argument("--model", required=True, help="hub id, local checkpoint dir, or `default`")
     p.add_argument("--out", required=True, help="output directory (refused if it exists, unless --force)")
     p.add_argument("--optimize", action="store_true", help="onnxruntime transformer graph fusions")
-    p.add_argument("--quantize", choices=["int8", "int8-block"],
+    p.add_argument("--quantize", choices=["int8", "int8-block", "auto"],
                    help="int8: dynamic (fastest; fails parity on outlier-heavy models such as the default); "
-                        "int8-block: weight-only 8-bit blocks of 32 (MatMul layers only)")
+                        "int8-block: weight-only 8-bit blocks of 32 (MatMul layers only); auto: on a CPU with "
+                        "VNNI/AMX the first of int8, int8-block that passes parity, else fp32 (no int8 hardware: "
+                        "fp32)")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_run_export)

@@ -101,7 +101,11 @@ def _fix_gguf_tokenizer(src: Source, work: Path, quiet: bool) -> str:
     return "rebuilt from GGUF vocabulary (export/gguf_tokenizer.py)"
 
 
-def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet: bool) -> dict:
+class ParityFailed(DBSError):
+    """The exported graph does not reproduce the checkpoint's logits."""
+
+
+def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet: bool, note: dict) -> dict:
     """Write the whole export into `work`; returns the manifest."""
     config = load_config(src)
     check_supported(config)
@@ -174,6 +178,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
         "optimize": report_opt,
         "quantize": report_q,
         "tokenizer": tokenizer_note,
+        **note,
         "files": _files(work),
         "versions": _versions(),
     }
@@ -189,25 +194,47 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
     _log(f"parity: {why} -> {'ok' if ok else 'FAILED'}", quiet)
     if not ok:
-        raise DBSError(f"parity check failed for {src.name} ({mode}): {why}")
+        raise ParityFailed(f"parity check failed for {src.name} ({mode}): {why}")
     return manifest
 
 
 def export_model(model: str, out: str | os.PathLike, optimize: bool = False, quantize: str | None = None,
                  force: bool = False, quiet: bool = False) -> dict:
     out = Path(out).expanduser()
-    from .quantize import METHODS
+    from dbs_fast.session import int8_hardware
 
-    if quantize is not None and quantize not in METHODS:
-        raise DBSError(f"`--quantize` must be one of {METHODS}, got {quantize!r}")
+    from .quantize import AUTO, METHODS, plan
+
+    if quantize is not None and quantize not in METHODS + (AUTO,):
+        raise DBSError(f"`--quantize` must be one of {METHODS + (AUTO,)}, got {quantize!r}")
     if out.exists() and not force:
         raise DBSError(f"output directory {out} exists; pass --force to replace it")
     src = resolve(model)
+    isa = int8_hardware()
+    tries = plan(quantize, isa)
+    for n, q in enumerate(tries):
+        note = {} if quantize != AUTO else {"quantize_auto": {
+            "int8_hardware": isa, "tried": [t or "fp32" for t in tries[:n + 1]], "chose": q or "fp32"}}
+        if quantize == AUTO:
+            _log(f"--quantize auto: int8 hardware {isa or 'none'}; trying {q or 'fp32'}", quiet)
+        try:
+            manifest = _export_once(src, out, optimize, q, quiet, note)
+            break
+        except ParityFailed as e:
+            if n == len(tries) - 1:
+                raise
+            _log(f"{e}; trying {tries[n + 1] or 'fp32'}", quiet)
+    _log(f"wrote {out} ({sum(manifest['files'].values()) / 1e6:.1f} MB)", quiet)
+    return manifest
+
+
+def _export_once(src: Source, out: Path, optimize: bool, quantize: str | None, quiet: bool, note: dict) -> dict:
+    """One export into a temporary directory beside `out`, moved into place only when it is whole."""
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     work.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary directory
     try:
-        manifest = _build(src, work, optimize, quantize, quiet)
+        manifest = _build(src, work, optimize, quantize, quiet, note)
         if out.exists():  # --force: swap, then drop the old one
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / "x")
@@ -221,16 +248,4 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    _log(f"wrote {out} ({sum(manifest['files'].values()) / 1e6:.1f} MB)", quiet)
     return manifest
-
-
-def ensure_embedded(name: str = "default", quiet: bool = False) -> Path:
-    """An embedded model (`default`, `gemma3-270m`) exported once under DBS_FAST_HOME and reused after."""
-    from dbs_fast.home import embedded_model_dir
-
-    d = embedded_model_dir(name)
-    if not (d / MANIFEST).is_file():
-        _log(f"first use: exporting the embedded model {name!r} to {d} (once)", quiet)
-        export_model(name, d, force=d.exists(), quiet=quiet)
-    return d

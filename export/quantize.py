@@ -16,6 +16,16 @@ from __future__ import annotations
 from pathlib import Path
 
 METHODS = ("int8", "int8-block")
+AUTO = "auto"   # the fastest that passes parity on this host: int8, int8-block, fp32 (see `plan`)
+
+
+def plan(method: str | None, int8_isa: list[str]) -> list[str | None]:
+    """The quantisations to try in turn (None = fp32). `auto`: with int8 dot-product hardware
+    (VNNI/AMX) dynamic int8 (fastest), then weight-only blocks if parity refuses it (the default
+    model's activation outliers), then fp32; without it, fp32 (int8 GEMMs then run at fp32 speed)."""
+    if method != AUTO:
+        return [method]
+    return ["int8", "int8-block", None] if int8_isa else [None]
 
 
 def quantize_int8(src: Path, dst: Path) -> dict:

@@ -47,6 +47,48 @@ def test_quantized_and_optimized_export(checkpoints, tmp_path):
     assert lo["optimize"]["applied"] is False and "reason" in lo["optimize"]  # fallback reported
 
 
+def test_int8_hardware_and_quantize_plan():
+    from dbs_fast.export.quantize import plan
+    from dbs_fast.session import int8_hardware
+
+    assert int8_hardware({"avx2", "fma"}) == []
+    assert int8_hardware({"avx2", "avx512f", "avx512_vnni", "amx_int8"}) == ["AVX-512 VNNI", "AMX-INT8"]
+    assert plan("auto", []) == [None]                                    # no VNNI/AMX: fp32
+    assert plan("auto", ["AVX-VNNI"]) == ["int8", "int8-block", None]    # fastest first, parity decides
+    assert plan("int8-block", []) == ["int8-block"] and plan(None, ["AMX-INT8"]) == [None]
+
+
+def test_quantize_auto_follows_the_host(checkpoints, tmp_path, monkeypatch):
+    """`--quantize auto`: fp32 on a CPU without int8 hardware; with it, dynamic int8 unless parity
+    refuses it (forced here), then weight-only blocks. Loading int8 weights on a CPU without int8
+    hardware warns."""
+    import dbs_fast.session as session
+    from dbs_fast.export import convert
+    from dbs_fast.session import OnnxModel
+
+    monkeypatch.setattr(session, "int8_hardware", lambda flags=None: [])
+    m = convert.export_model(str(checkpoints["llama"]), tmp_path / "a", quantize="auto", quiet=True)
+    assert m["dtype"] == "float32" and m["quantize_auto"] == {"int8_hardware": [], "tried": ["fp32"], "chose": "fp32"}
+    assert json.loads((tmp_path / "a" / MANIFEST).read_text())["quantize_auto"]["chose"] == "fp32"
+
+    build = convert._build
+
+    def refuse_dynamic(src, work, optimize, quantize, quiet, note):
+        if quantize == "int8":
+            raise convert.ParityFailed("parity check failed (forced by the test)")
+        return build(src, work, optimize, quantize, quiet, note)
+
+    monkeypatch.setattr(session, "int8_hardware", lambda flags=None: ["AMX-INT8"])
+    monkeypatch.setattr(convert, "_build", refuse_dynamic)
+    m = convert.export_model(str(checkpoints["llama"]), tmp_path / "b", quantize="auto", quiet=True)
+    assert m["dtype"] == "int8-block" and m["quantize_auto"]["tried"] == ["int8", "int8-block"]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]     # no temporary dir left
+
+    monkeypatch.setattr(session, "int8_hardware", lambda flags=None: [])
+    with pytest.warns(RuntimeWarning, match="no int8 dot-product"):
+        OnnxModel(tmp_path / "b")
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_cached_decode_equals_full_recompute(exported, kind):
     from dbs_fast.session import OnnxModel
