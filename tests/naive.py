@@ -79,3 +79,17 @@ def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, 
         ids[r] = min(int(np.searchsorted(c, uniforms[r] * c[-1], side="right")), V - 1)
         logp[r] = float(raw[ids[r]]) - logz
     return ids, logp
+
+
+def attention_ref(q, keys, values, mask):
+    """Plain softmax attention of one query row per head: q (H, d), keys/values (kv, T, d) with
+    grouped heads (head h reads kv head h // (H / kv)), mask (T,) bool; returns (H * d,)."""
+    H, d = q.shape
+    g = H // keys.shape[0]
+    out = []
+    for h in range(H):
+        s = keys[h // g] @ q[h] / np.sqrt(d)
+        s = np.where(mask, s, -np.inf)
+        w = np.exp(s - s.max())
+        out.append((w / w.sum()) @ values[h // g])
+    return np.concatenate(out)

@@ -1,0 +1,96 @@
+"""Engine v2's KV cache: each beam's prefix stored once, each candidate's chunk in its own buffer.
+
+`PrefixCache` holds b prefixes (b, kv_heads, T, head_dim) per layer and N = b * s preallocated
+chunk buffers (N, kv_heads, k, head_dim); row r is candidate r % s of beam r // s. A decode step
+(`PrefixDecoder.step`, the graph of `export/prefix_graph.py`) reads them in place and returns
+only the new token's K/V, which `write` puts at the chunk's next column. At the chunk boundary
+`keep(rows)` builds the next prefixes from the kept candidates: their parent beam's prefix plus
+their own chunk (a gather of b prefixes and b chunks of <= k tokens), and empties the chunks.
+The s candidates of a kept beam are then the s rows that follow it, with no copy at all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DBSError
+
+
+@dataclass
+class PrefixCache:
+    prefix: list[np.ndarray]   # [k0, v0, k1, v1, ...], (b, kv, T, d) each
+    mask: np.ndarray           # (b, T) int64, 0 = left padding
+    chunk: list[np.ndarray]    # [k0, v0, ...], (N, kv, K, d) each, N = b * s
+    chunk_mask: np.ndarray     # (N, K) int64, 1 = decoded in this chunk
+    s: int
+    used: int = 0              # tokens decoded in this chunk
+
+    @classmethod
+    def start(cls, past: list[np.ndarray], mask: np.ndarray, s: int, k: int) -> "PrefixCache":
+        """From a prefill's present K/V (one row per beam) with s candidates per beam and room for k tokens."""
+        b = mask.shape[0]
+        chunk = [np.zeros((b * s, t.shape[1], k, t.shape[3]), t.dtype) for t in past]
+        return cls([np.ascontiguousarray(t) for t in past], np.asarray(mask, np.int64), chunk,
+                   np.zeros((b * s, k), np.int64), s)
+
+    @property
+    def beams(self) -> int:
+        return self.mask.shape[0]
+
+    def positions(self) -> np.ndarray:
+        """(N, 1) position of each row's next token: its prefix's real tokens + the chunk so far."""
+        return np.repeat(self.mask.sum(1), self.s)[:, None] + self.used
+
+    def write(self, new: list[np.ndarray]) -> None:
+        """The new token's K/V (N, kv, 1, d) per tensor into column `used` of the chunk."""
+        if self.used == self.chunk_mask.shape[1]:
+            raise DBSError(f"the chunk buffer holds {self.used} tokens; call keep() first")
+        for buf, t in zip(self.chunk, new):
+            buf[:, :, self.used] = t[:, :, 0]
+        self.chunk_mask[:, self.used] = 1
+        self.used += 1
+
+    def keep(self, rows) -> None:
+        """The next beams are the candidates `rows` (indices into N): each one's parent prefix + its chunk."""
+        rows = np.asarray(rows, dtype=np.int64)
+        parents, j = rows // self.s, self.used
+        self.prefix = [np.concatenate([p[parents], c[rows, :, :j]], axis=2)
+                       for p, c in zip(self.prefix, self.chunk)]
+        self.mask = np.concatenate([self.mask[parents], np.ones((len(rows), j), np.int64)], axis=1)
+        n = len(rows) * self.s
+        if n != self.chunk_mask.shape[0]:
+            self.chunk = [np.zeros((n,) + c.shape[1:], c.dtype) for c in self.chunk]
+            self.chunk_mask = np.zeros((n, self.chunk_mask.shape[1]), np.int64)
+        else:
+            self.chunk_mask[:] = 0            # stale chunk K/V stays: masked, overwritten column by column
+        self.used = 0
+
+
+class PrefixDecoder:
+    """The decode graph (`export/prefix_graph.py`) as an ONNX Runtime session, inputs bound in place."""
+
+    def __init__(self, path: str | Path, provider: str = "cpu", threads: int | None = None):
+        from .session import make_session
+
+        self.session = make_session(Path(path), provider, threads)
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        self.layers = (len(self.session.get_inputs()) - 4) // 4
+
+    def step(self, input_ids: np.ndarray, cache: PrefixCache) -> np.ndarray:
+        """Logits (N, vocab) of the next token of every row; the row's new K/V goes into `cache`."""
+        io = self.session.io_binding()
+        feeds = {"input_ids": np.ascontiguousarray(input_ids, np.int64).reshape(-1, 1),
+                 "position_ids": cache.positions(), "prefix_mask": cache.mask, "chunk_mask": cache.chunk_mask}
+        for i in range(self.layers):
+            feeds.update({f"prefix.{i}.key": cache.prefix[2 * i], f"prefix.{i}.value": cache.prefix[2 * i + 1],
+                          f"chunk.{i}.key": cache.chunk[2 * i], f"chunk.{i}.value": cache.chunk[2 * i + 1]})
+        for name, arr in feeds.items():
+            io.bind_cpu_input(name, np.ascontiguousarray(arr))
+        for name in self.outputs:
+            io.bind_output(name)
+        self.session.run_with_iobinding(io)
+        out = io.copy_outputs_to_cpu()
+        cache.write(out[1:])
+        return out[0]

@@ -1,0 +1,163 @@
+"""Engine v2's decode graph: each beam's prefix K/V stored once, each candidate's chunk on its own.
+
+Today's graph takes one past per row, so the s candidates of a beam carry s copies of the same
+prefix, gathered every chunk and re-copied (past + new -> present) every step. This graph takes
+
+    input_ids, position_ids   (N, 1)          N = b * s rows, row r a candidate of beam r // s
+    prefix_mask               (b, T)  int64   0 = left padding
+    chunk_mask                (N, K)  int64   1 = a token of this chunk already decoded
+    prefix.L.key/value        (b, kv_heads, T, head_dim)   shared by the s candidates of a beam
+    chunk.L.key/value         (N, kv_heads, K, head_dim)   the row's own chunk so far
+
+and returns `logits` (N, vocab) and only the new token's `new.L.key/value` (N, kv_heads, 1,
+head_dim): the host writes those into its preallocated chunk buffer and appends the kept rows'
+chunks to the prefixes once per chunk (`dbs_fast.prefix.PrefixCache`). Nothing per step copies
+the prefix.
+
+Attention of a decode step (Hydragen's decomposition): the s candidates of a beam and the g
+query heads of a kv head are extra query rows of one batched matmul over the beam's prefix,
+(b, kv, s*g, d) x (b, kv, d, T); the row's chunk and its own new key are scored separately;
+one softmax over [prefix | chunk | self]; the weighted sums are added. RoPE (Llama family) is
+applied before anything is cached, so cached keys are position-final, as in Hugging Face's
+cache. Plain ONNX ops (MatMul, Softmax, ...), no contrib ops: see the README of issue 11's note
+for why.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+MASKED = -1e4     # additive bias of a masked key (finite, see export/fuse.py)
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+
+
+def family(config) -> str:
+    if config.model_type == "gpt2":
+        return "gpt2"
+    if config.model_type in LLAMA_FAMILY:
+        return "llama"
+    raise ValueError(f"no prefix-shared decode graph for model type {config.model_type!r} "
+                     f"(supported: gpt2, {', '.join(LLAMA_FAMILY)})")
+
+
+def attend(q, k, v, pk, pv, ck, cv, prefix_bias, chunk_bias, scale: float):
+    """One decode step's attention. q (N, H, d); k, v (N, kv, d): the new token's; pk, pv
+    (b, kv, T, d); ck, cv (N, kv, K, d); prefix_bias (b, T), chunk_bias (N, K) additive.
+    Returns (N, H * d)."""
+    import torch
+
+    N, H, d = q.shape
+    b, kv = pk.shape[0], pk.shape[1]
+    g = H // kv
+    qg = q.reshape(b, -1, kv, g, d).permute(0, 2, 1, 3, 4).reshape(b, kv, -1, d)        # (b, kv, s*g, d)
+    sp = torch.matmul(qg, pk.transpose(2, 3)) * scale + prefix_bias[:, None, None, :]   # (b, kv, s*g, T)
+    T = sp.shape[-1]
+    sp = sp.reshape(b, kv, -1, g, T).permute(0, 2, 1, 3, 4).reshape(N, kv, g, T)
+    qc = q.reshape(N, kv, g, d)
+    sc = torch.matmul(qc, ck.transpose(2, 3)) * scale + chunk_bias[:, None, None, :]   # (N, kv, g, K)
+    ss = (qc * k[:, :, None, :]).sum(-1, keepdim=True) * scale                          # (N, kv, g, 1)
+    w = torch.softmax(torch.cat([sp, sc, ss], dim=-1), dim=-1)
+    K = sc.shape[-1]
+    wp = w[..., :T].reshape(b, -1, kv, g, T).permute(0, 2, 1, 3, 4).reshape(b, kv, -1, T)
+    op = torch.matmul(wp, pv).reshape(b, kv, -1, g, d).permute(0, 2, 1, 3, 4).reshape(N, kv, g, d)
+    oc = torch.matmul(w[..., T:T + K], cv)
+    os_ = w[..., T + K:] * v[:, :, None, :]
+    return (op + oc + os_).reshape(N, H * d)
+
+
+def _decoder(model):
+    import torch
+
+    fam = family(model.config)
+
+    class PrefixDecoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, position_ids, prefix_mask, chunk_mask, *kv):
+            pbias = (1.0 - prefix_mask.to(torch.float32)) * MASKED
+            cbias = (1.0 - chunk_mask.to(torch.float32)) * MASKED
+            return (_gpt2 if fam == "gpt2" else _llama)(self.model, input_ids, position_ids, pbias, cbias, kv)
+
+    return PrefixDecoder().eval()
+
+
+def _llama(model, ids, pos, pbias, cbias, kv):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    m, cfg = model.model, model.config
+    N = ids.shape[0]
+    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    h = m.embed_tokens(ids)                                            # (N, 1, D)
+    cos, sin = m.rotary_emb(h, pos)
+    new = []
+    for i, layer in enumerate(m.layers):
+        x = layer.input_layernorm(h)
+        a = layer.self_attn
+        q = a.q_proj(x).reshape(N, 1, H, d).transpose(1, 2)            # (N, H, 1, d)
+        k = a.k_proj(x).reshape(N, 1, KV, d).transpose(1, 2)
+        v = a.v_proj(x).reshape(N, KV, d)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k = k.reshape(N, KV, d)
+        o = attend(q.reshape(N, H, d), k, v, *kv[4 * i:4 * i + 4], pbias, cbias, a.scaling)
+        h = h + a.o_proj(o[:, None, :])
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        new += [k[:, :, None, :], v[:, :, None, :]]
+    return (model.lm_head(m.norm(h))[:, -1, :], *new)
+
+
+def _gpt2(model, ids, pos, pbias, cbias, kv):
+    t, cfg = model.transformer, model.config
+    N, H = ids.shape[0], cfg.n_head
+    d = cfg.n_embd // H
+    h = t.wte(ids) + t.wpe(pos)
+    new = []
+    for i, block in enumerate(t.h):
+        q, k, v = block.attn.c_attn(block.ln_1(h)).split(cfg.n_embd, dim=2)
+        q, k, v = (x.reshape(N, H, d) for x in (q, k, v))
+        o = attend(q, k, v, *kv[4 * i:4 * i + 4], pbias, cbias, 1.0 / math.sqrt(d))
+        h = h + block.attn.c_proj(o[:, None, :])
+        h = h + block.mlp(block.ln_2(h))
+        new += [k[:, :, None, :], v[:, :, None, :]]
+    return (model.lm_head(t.ln_f(h))[:, -1, :], *new)
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    ins = ["input_ids", "position_ids", "prefix_mask", "chunk_mask"]
+    outs = ["logits"]
+    for i in range(num_layers):
+        ins += [f"prefix.{i}.key", f"prefix.{i}.value", f"chunk.{i}.key", f"chunk.{i}.value"]
+        outs += [f"new.{i}.key", f"new.{i}.value"]
+    return ins, outs
+
+
+def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
+    """Write the decode graph of `model` (a transformers causal LM, fp32, eval) to `path`."""
+    import torch
+
+    cfg = model.config
+    dec = _decoder(model)
+    L = cfg.num_hidden_layers
+    H = cfg.num_attention_heads
+    KV = getattr(cfg, "num_key_value_heads", None) or H
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    b, s, T, K = 2, 3, 5, 4
+    N = b * s
+    args = [torch.zeros(N, 1, dtype=torch.int64), torch.full((N, 1), T, dtype=torch.int64),
+            torch.ones(b, T, dtype=torch.int64), torch.zeros(N, K, dtype=torch.int64)]
+    for _ in range(L):
+        args += [torch.zeros(b, KV, T, d), torch.zeros(b, KV, T, d), torch.zeros(N, KV, K, d), torch.zeros(N, KV, K, d)]
+    ins, outs = io_names(L)
+    axes = {"input_ids": {0: "rows"}, "position_ids": {0: "rows"}, "prefix_mask": {0: "beams", 1: "prefix"},
+            "chunk_mask": {0: "rows", 1: "chunk"}, "logits": {0: "rows"}}
+    for i in range(L):
+        axes.update({f"prefix.{i}.key": {0: "beams", 2: "prefix"}, f"prefix.{i}.value": {0: "beams", 2: "prefix"},
+                     f"chunk.{i}.key": {0: "rows", 2: "chunk"}, f"chunk.{i}.value": {0: "rows", 2: "chunk"},
+                     f"new.{i}.key": {0: "rows"}, f"new.{i}.value": {0: "rows"}})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        torch.onnx.export(dec, tuple(args), str(path), input_names=ins, output_names=outs, dynamic_axes=axes,
+                          opset_version=opset, dynamo=False, do_constant_folding=True)
+    return {"graph": path.name, "family": family(cfg), "inputs": ins, "outputs": outs, "opset": opset}
