@@ -13,7 +13,9 @@ from .config import DBSConfig
 from .embeddings import Embeddings, SimilarityTable
 from .errors import DBSError
 from .home import EMBEDDED_DIRS, MANIFEST, embedded_model_dir
+from .prefix import DECODE_GRAPH
 
+KV_LAYOUTS = ("rows", "prefix")   # one cache row per candidate (today) | engine v2 (dbs_fast.prefix)
 MAX_KEYWORDS = 62           # one bit each in the scheduler's int64 masks
 _START_TOKENS = ("<|endoftext|>", "<bos>", "<s>")   # an empty context starts a document with one
 _EMB_CACHE: dict[str, Embeddings] = {}
@@ -96,15 +98,17 @@ class DirectedBeamSearch:
     def __init__(self, model: str | Path = "default", embeddings: str = "default",
                  config: DBSConfig | None = None, scorer: str = "self", backend: str = "onnx",
                  provider: str = "cpu", threads: int | None = None, subword_fallback: bool = False,
-                 quiet: bool = True):
+                 quiet: bool = True, kv_layout: str = "rows"):
         self.config = config or DBSConfig()
         self.model_dir = resolve_model_dir(model, quiet)
         kernels.set_threads(threads)
+        self.decoder = None
         if backend == "onnx":
             from .backend import OnnxBackend
             from .session import OnnxModel
 
             self.backend = OnnxBackend(OnnxModel(self.model_dir, provider, threads))
+            self.decoder = self._decoder(kv_layout, provider, threads)
         elif backend == "torch":
             from .torch_backend import TorchBackend
 
@@ -141,6 +145,19 @@ class DirectedBeamSearch:
 
     def _subwords(self, word: str) -> list[int]:
         return self._pieces(" " + word)
+
+    def _decoder(self, kv_layout: str, provider, threads):
+        """Engine v2's decode graph (decode.onnx, `export/prefix_graph.py`) for kv_layout "prefix"."""
+        if kv_layout not in KV_LAYOUTS:
+            raise DBSError(f"`kv_layout` must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+        if kv_layout == "rows":
+            return None
+        path = self.model_dir / DECODE_GRAPH
+        if not path.is_file():
+            raise DBSError(f"kv_layout 'prefix' needs {path} (re-export the model with this version)")
+        from .prefix import PrefixDecoder
+
+        return PrefixDecoder(path, provider, threads)
 
     def _make_scorer(self, scorer: str, provider, threads):
         from .scorer import OnnxScorer, SelfScorer
@@ -212,7 +229,12 @@ class DirectedBeamSearch:
         return batch.run()
 
     def _search(self, cfg: DBSConfig, progress=None) -> BeamSearch:
-        return BeamSearch(self.backend, self.scorer, cfg, (), progress,
+        be = self.backend
+        if self.decoder is not None:
+            from .backend import PrefixBackend
+
+            be = PrefixBackend(self.backend, self.decoder, cfg.candidates, cfg.chunk)
+        return BeamSearch(be, self.scorer, cfg, (), progress,
                           self.sentence_end if cfg.stop == "sentence" else None,
                           self.word_piece if cfg.guarantee or cfg.boost_word_starts else None)
 

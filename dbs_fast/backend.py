@@ -88,3 +88,52 @@ class OnnxBackend:
     @property
     def max_positions(self):
         return self.model.max_positions
+
+
+class PrefixBackend:
+    """The ONNX backend on engine v2's cache (`dbs_fast.prefix`): each beam's prefix once, each
+    candidate's chunk on its own. The scheduler's rows are the `live` rows of a PrefixCache laid
+    out as beams of `s` rows; `select` (keep + repeat, drop, admission) regroups them. Prefill
+    still runs the row graph (model.onnx); everything else is the same four steps as OnnxBackend."""
+
+    name = "onnx-prefix"
+
+    def __init__(self, base: OnnxBackend, decoder, s: int, k: int):
+        self.base, self.decoder, self.s, self.k = base, decoder, s, k
+
+    def __getattr__(self, name):           # sampling, tokenizer, take, concat: as the row backend
+        return getattr(self.base, name)
+
+    def prefill(self, contexts: list[list[int]]):
+        from .prefix import PrefixCache
+
+        logits, cache = self.base.prefill(contexts)
+        return logits, Layout(PrefixCache.start(cache.tensors, cache.mask, self.s, self.k),
+                              np.arange(len(contexts)) * self.s)
+
+    def step(self, tokens: np.ndarray, lay: "Layout"):
+        ids = np.full(lay.cache.chunk_mask.shape[0], self.base.pad_id, np.int64)
+        ids[lay.live] = tokens
+        return self.decoder.step(ids, lay.cache)[lay.live], lay
+
+    @staticmethod
+    def select(lay: "Layout", rows: np.ndarray) -> "Layout":
+        return Layout(lay.cache, lay.cache.regroup(lay.live[rows]))
+
+    @staticmethod
+    def merge(a: "Layout", b: "Layout") -> "Layout":
+        from .prefix import PrefixCache
+
+        return Layout(PrefixCache.merge(a.cache, b.cache), np.concatenate([a.live, b.live + a.cache.chunk_mask.shape[0]]))
+
+    @staticmethod
+    def trim(lay: "Layout") -> "Layout":
+        lay.cache.trim()
+        return lay
+
+
+class Layout:
+    """A PrefixCache and, per scheduler row, the cache row that holds it."""
+
+    def __init__(self, cache, live: np.ndarray):
+        self.cache, self.live = cache, live

@@ -17,6 +17,8 @@ import numpy as np
 
 from .errors import DBSError
 
+DECODE_GRAPH = "decode.onnx"      # beside model.onnx in an exported model dir
+
 
 @dataclass
 class PrefixCache:
@@ -53,19 +55,68 @@ class PrefixCache:
         self.used += 1
 
     def keep(self, rows) -> None:
-        """The next beams are the candidates `rows` (indices into N): each one's parent prefix + its chunk."""
+        """The next beams are the candidates `rows` (indices into N): each one's parent prefix +
+        its chunk, with s candidate rows each (row r of beam i is row i * s + r)."""
+        self.regroup(np.repeat(np.asarray(rows, np.int64), self.s))
+
+    def regroup(self, rows) -> np.ndarray:
+        """The rows `rows` (indices into N, repeats allowed) as the next layout; returns where each
+        one is now. Rows with the same sequence share a beam: after decoded chunk tokens, the
+        copies of one row; before any, the rows of one beam. A beam is its parent prefix plus
+        that chunk (a gather of a few tokens per beam), with up to s rows; more copies than s
+        take several beams. Slots a beam does not fill are idle rows (their logits unused)."""
         rows = np.asarray(rows, dtype=np.int64)
-        parents, j = rows // self.s, self.used
-        self.prefix = [np.concatenate([p[parents], c[rows, :, :j]], axis=2)
-                       for p, c in zip(self.prefix, self.chunk)]
-        self.mask = np.concatenate([self.mask[parents], np.ones((len(rows), j), np.int64)], axis=1)
-        n = len(rows) * self.s
+        j, s = self.used, self.s
+        key = rows if j else rows // s
+        uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
+        rank = np.empty(len(uniq), np.int64)
+        rank[np.argsort(first)] = np.arange(len(uniq))        # beams in order of first appearance
+        g = rank[inv]
+        order = np.argsort(g, kind="stable")
+        counts = np.bincount(g, minlength=len(uniq))
+        slot = np.empty(len(rows), np.int64)
+        slot[order] = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        per = -(-counts // s)                                   # beams per key (copies beyond s split)
+        beam = (np.cumsum(per) - per)[g] + slot // s
+        src = np.empty(int(per.sum()), np.int64)
+        src[beam] = key                                         # the key each new beam copies
+        if j:
+            self.prefix = [np.concatenate([p[src // s], c[src, :, :j]], axis=2) for p, c in zip(self.prefix, self.chunk)]
+            self.mask = np.concatenate([self.mask[src // s], np.ones((len(src), j), np.int64)], axis=1)
+        else:
+            self.prefix = [p[src] for p in self.prefix]
+            self.mask = self.mask[src]
+        n = len(src) * s
         if n != self.chunk_mask.shape[0]:
             self.chunk = [np.zeros((n,) + c.shape[1:], c.dtype) for c in self.chunk]
             self.chunk_mask = np.zeros((n, self.chunk_mask.shape[1]), np.int64)
         else:
             self.chunk_mask[:] = 0            # stale chunk K/V stays: masked, overwritten column by column
         self.used = 0
+        return beam * s + slot % s
+
+    @staticmethod
+    def merge(a: "PrefixCache", b: "PrefixCache") -> "PrefixCache":
+        """The beams of `a` then those of `b` (between chunks), the shorter prefix left-padded."""
+        if a.used or b.used or a.s != b.s or a.chunk_mask.shape[1] != b.chunk_mask.shape[1]:
+            raise DBSError("prefix caches merge only between chunks, with the same s and chunk size")
+        T = max(a.mask.shape[1], b.mask.shape[1])
+
+        def pad(c: "PrefixCache", t: np.ndarray, axis: int) -> np.ndarray:
+            n = T - c.mask.shape[1]
+            return np.pad(t, [(0, 0)] * axis + [(n, 0)] + [(0, 0)] * (t.ndim - axis - 1)) if n else t
+
+        return PrefixCache([np.concatenate([pad(a, x, 2), pad(b, y, 2)]) for x, y in zip(a.prefix, b.prefix)],
+                           np.concatenate([pad(a, a.mask, 1), pad(b, b.mask, 1)]),
+                           [np.concatenate([x, y]) for x, y in zip(a.chunk, b.chunk)],
+                           np.concatenate([a.chunk_mask, b.chunk_mask]), a.s)
+
+    def trim(self) -> None:
+        """Drop the leading prefix columns that are padding in every beam."""
+        z = int(np.argmax(self.mask.any(axis=0))) if self.mask.any() else self.mask.shape[1]
+        if z:
+            self.prefix = [np.ascontiguousarray(p[:, :, z:]) for p in self.prefix]
+            self.mask = self.mask[:, z:].copy()
 
 
 class PrefixDecoder:

@@ -195,7 +195,32 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     _log(f"parity: {why} -> {'ok' if ok else 'FAILED'}", quiet)
     if not ok:
         raise ParityFailed(f"parity check failed for {src.name} ({mode}): {why}")
+    manifest["prefix_decode"] = _prefix_decode(model, work, quantize, quiet)
+    manifest["files"] = _files(work)
+    (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool) -> dict:
+    """Engine v2's decode graph (export/prefix_graph.py) beside model.onnx, checked against it;
+    optional: a model it cannot serve keeps the row layout, and the manifest says why."""
+    from dbs_fast.prefix import DECODE_GRAPH
+
+    from . import prefix_graph
+
+    if quantize:
+        return {"written": False, "reason": "fp32 exports only so far (the decode graph is not quantised)"}
+    try:
+        prefix_graph.family(model.config)
+    except ValueError as e:
+        return {"written": False, "reason": str(e)}
+    _log("prefix-shared decode graph (engine v2) + parity against model.onnx", quiet)
+    info = prefix_graph.export_prefix_decoder(model, work / DECODE_GRAPH)
+    info.update(prefix_graph.parity(work))
+    if not info["max_abs_logit_diff"] < 1e-3:
+        (work / DECODE_GRAPH).unlink()
+        return {"written": False, "reason": f"parity: max |logit diff| {info['max_abs_logit_diff']:.2e} >= 1e-3"}
+    return {"written": True, **info}
 
 
 def export_model(model: str, out: str | os.PathLike, optimize: bool = False, quantize: str | None = None,

@@ -161,3 +161,29 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
         torch.onnx.export(dec, tuple(args), str(path), input_names=ins, output_names=outs, dynamic_axes=axes,
                           opset_version=opset, dynamo=False, do_constant_folding=True)
     return {"graph": path.name, "family": family(cfg), "inputs": ins, "outputs": outs, "opset": opset}
+
+
+def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0) -> dict:
+    """decode.onnx against model.onnx of the same export: two left-padded contexts, 2 beams x s
+    candidates, two chunks of k random tokens with a keep between them; max |logit diff|."""
+    import numpy as np
+
+    from dbs_fast.prefix import DECODE_GRAPH, PrefixCache, PrefixDecoder
+    from dbs_fast.session import OnnxModel
+
+    full, dec = OnnxModel(model_dir), PrefixDecoder(model_dir / DECODE_GRAPH)
+    rng = np.random.default_rng(seed)
+    V = full.vocab_size
+    ctx, mask = rng.integers(1, V, (2, 4)), np.array([[1, 1, 1, 1], [0, 0, 1, 1]])
+    _, past = full.forward(ctx, full.empty_cache(2), mask)
+    pc, rows = PrefixCache.start(past.tensors, past.mask, s, k), past.repeat(s)
+    diff = 0.0
+    for chunk in range(2):
+        for _ in range(k):
+            tok = rng.integers(1, V, 2 * s)
+            ref, rows = full.forward(tok[:, None], rows)
+            diff = max(diff, float(np.abs(ref[:, 0] - dec.step(tok, pc)).max()))
+        keep = np.array([s + 1, 0])                       # the beams swap places
+        pc.keep(keep)
+        rows = rows.select(np.repeat(keep, s))
+    return {"max_abs_logit_diff": diff}
