@@ -15,7 +15,9 @@ from .errors import DBSError
 from .home import EMBEDDED_DIRS, MANIFEST, embedded_model_dir
 from .prefix import DECODE_GRAPH
 
-KV_LAYOUTS = ("rows", "prefix")   # one cache row per candidate (today) | engine v2 (dbs_fast.prefix)
+# auto: engine v2 (`dbs_fast.prefix`: each beam's prefix once) where the export has its decode graph,
+# else rows (one cache row per candidate, exports made before it)
+KV_LAYOUTS = ("auto", "rows", "prefix")
 MAX_KEYWORDS = 62           # one bit each in the scheduler's int64 masks
 _START_TOKENS = ("<|endoftext|>", "<bos>", "<s>")   # an empty context starts a document with one
 _EMB_CACHE: dict[str, Embeddings] = {}
@@ -98,7 +100,7 @@ class DirectedBeamSearch:
     def __init__(self, model: str | Path = "default", embeddings: str = "default",
                  config: DBSConfig | None = None, scorer: str = "self", backend: str = "onnx",
                  provider: str = "cpu", threads: int | None = None, subword_fallback: bool = False,
-                 quiet: bool = True, kv_layout: str = "rows"):
+                 quiet: bool = True, kv_layout: str = "auto"):
         self.config = config or DBSConfig()
         self.model_dir = resolve_model_dir(model, quiet)
         kernels.set_threads(threads)
@@ -107,8 +109,8 @@ class DirectedBeamSearch:
             from .backend import OnnxBackend
             from .session import OnnxModel
 
-            self.backend = OnnxBackend(OnnxModel(self.model_dir, provider, threads))
             self.decoder = self._decoder(kv_layout, provider, threads)
+            self.backend = OnnxBackend(OnnxModel(self.model_dir, provider, threads, lazy=self.decoder is not None))
         elif backend == "torch":
             from .torch_backend import TorchBackend
 
@@ -147,12 +149,12 @@ class DirectedBeamSearch:
         return self._pieces(" " + word)
 
     def _decoder(self, kv_layout: str, provider, threads):
-        """Engine v2's decode graph (decode.onnx, `export/prefix_graph.py`) for kv_layout "prefix"."""
+        """Engine v2's decode graph (decode.onnx, `export/prefix_graph.py`), or None for the row layout."""
         if kv_layout not in KV_LAYOUTS:
             raise DBSError(f"`kv_layout` must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-        if kv_layout == "rows":
-            return None
         path = self.model_dir / DECODE_GRAPH
+        if kv_layout == "rows" or (kv_layout == "auto" and not path.is_file()):
+            return None
         if not path.is_file():
             raise DBSError(f"kv_layout 'prefix' needs {path} (re-export the model with this version)")
         from .prefix import PrefixDecoder

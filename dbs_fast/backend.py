@@ -94,7 +94,7 @@ class PrefixBackend:
     """The ONNX backend on engine v2's cache (`dbs_fast.prefix`): each beam's prefix once, each
     candidate's chunk on its own. The scheduler's rows are the `live` rows of a PrefixCache laid
     out as beams of `s` rows; `select` (keep + repeat, drop, admission) regroups them. Prefill
-    still runs the row graph (model.onnx); everything else is the same four steps as OnnxBackend."""
+    runs through the same graph (`PrefixCache.prefill`), so model.onnx is never opened."""
 
     name = "onnx-prefix"
 
@@ -107,9 +107,10 @@ class PrefixBackend:
     def prefill(self, contexts: list[list[int]]):
         from .prefix import PrefixCache
 
-        logits, cache = self.base.prefill(contexts)
-        return logits, Layout(PrefixCache.start(cache.tensors, cache.mask, self.s, self.k),
-                              np.arange(len(contexts)) * self.s)
+        ids, mask = left_pad(contexts, self.base.pad_id)
+        m = self.base.model
+        logits, cache = PrefixCache.prefill(self.decoder, ids, mask, m.kv_heads, m.head_dim, self.s, self.k)
+        return logits, Layout(cache, np.arange(len(contexts)) * self.s)
 
     def step(self, tokens: np.ndarray, lay: "Layout"):
         ids = np.full(lay.cache.chunk_mask.shape[0], self.base.pad_id, np.int64)
@@ -137,3 +138,12 @@ class Layout:
 
     def __init__(self, cache, live: np.ndarray):
         self.cache, self.live = cache, live
+
+    @property
+    def mask(self) -> np.ndarray:
+        """(beams, T): the prefixes' mask (0 = left padding)."""
+        return self.cache.mask
+
+    @property
+    def length(self) -> int:
+        return self.cache.mask.shape[1]

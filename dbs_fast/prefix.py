@@ -111,6 +111,24 @@ class PrefixCache:
                            [np.concatenate([x, y]) for x, y in zip(a.chunk, b.chunk)],
                            np.concatenate([a.chunk_mask, b.chunk_mask]), a.s)
 
+    @classmethod
+    def prefill(cls, decoder: "PrefixDecoder", ids: np.ndarray, mask: np.ndarray, kv_heads: int, head_dim: int,
+                s: int, k: int) -> tuple[np.ndarray, "PrefixCache"]:
+        """Left-padded contexts (Q, T) through the decode graph one column at a time (each is a
+        chunk token over an empty prefix; padding stays masked): the last logits (Q, vocab) and
+        the cache with the contexts as prefixes, s rows each. T small steps instead of one
+        prefill call, but no second graph and no second copy of the weights."""
+        Q, T = ids.shape
+        empty = np.zeros((Q, kv_heads, 1, head_dim), np.float32)          # one masked column
+        pc = cls([empty] * (2 * decoder.layers), np.zeros((Q, 1), np.int64),
+                 [np.zeros((Q, kv_heads, T, head_dim), np.float32) for _ in range(2 * decoder.layers)],
+                 np.zeros((Q, T), np.int64), 1)
+        pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+        for t in range(T):
+            logits = decoder.step(ids[:, t], pc, positions=pos[:, t:t + 1])
+            pc.chunk_mask[:, t] = mask[:, t]
+        return logits, cls.start(pc.chunk, mask, s, k)
+
     def trim(self) -> None:
         """Drop the leading prefix columns that are padding in every beam."""
         z = int(np.argmax(self.mask.any(axis=0))) if self.mask.any() else self.mask.shape[1]
@@ -129,11 +147,13 @@ class PrefixDecoder:
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.layers = (len(self.session.get_inputs()) - 4) // 4
 
-    def step(self, input_ids: np.ndarray, cache: PrefixCache) -> np.ndarray:
-        """Logits (N, vocab) of the next token of every row; the row's new K/V goes into `cache`."""
+    def step(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None) -> np.ndarray:
+        """Logits (N, vocab) of the next token of every row; the row's new K/V goes into `cache`.
+        `positions` (N, 1): instead of the cache's own count (prefill of left-padded contexts)."""
         io = self.session.io_binding()
         feeds = {"input_ids": np.ascontiguousarray(input_ids, np.int64).reshape(-1, 1),
-                 "position_ids": cache.positions(), "prefix_mask": cache.mask, "chunk_mask": cache.chunk_mask}
+                 "position_ids": cache.positions() if positions is None else positions,
+                 "prefix_mask": cache.mask, "chunk_mask": cache.chunk_mask}
         for i in range(self.layers):
             feeds.update({f"prefix.{i}.key": cache.prefix[2 * i], f"prefix.{i}.value": cache.prefix[2 * i + 1],
                           f"chunk.{i}.key": cache.chunk[2 * i], f"chunk.{i}.value": cache.chunk[2 * i + 1]})

@@ -160,32 +160,47 @@ def make_session(path: Path, provider: str = "cpu", threads: int | None = None):
 class OnnxModel:
     """A causal LM with KV cache: tokenizer + ORT session + the manifest that describes them."""
 
-    def __init__(self, model_dir: str | os.PathLike, provider: str = "cpu", threads: int | None = None):
+    def __init__(self, model_dir: str | os.PathLike, provider: str = "cpu", threads: int | None = None,
+                 lazy: bool = False):
+        """`lazy`: open the ONNX Runtime session of model.onnx on first use (engine v2 decodes and
+        prefills with decode.onnx alone, so its weights are loaded once)."""
         from tokenizers import Tokenizer
 
         self.dir = Path(model_dir)
         self.manifest = m = read_manifest(self.dir)
-        self.session = make_session(self.dir / m["onnx"], provider, threads)
-        self.provider = self.session.get_providers()[0]
-        names = [i.name for i in self.session.get_inputs()]
-        self.past_names = [n for n in names if n.startswith("past_key_values.")]
-        self.present_names = [o.name for o in self.session.get_outputs() if o.name.startswith("present.")]
-        self.has_position_ids = "position_ids" in names
-        self._outputs = ["logits"] + self.present_names
         self.num_layers = m["num_layers"]
         self.kv_heads = m["num_kv_heads"]
         self.head_dim = m["head_dim"]
         self.vocab_size = m["vocab_size"]
         self.eos_ids = tuple(m.get("eos_token_ids", []))
         self.max_positions = m.get("max_positions")
+        self._open_args, self._session = (provider, threads), None
+        if not lazy:
+            self._open()
+        self.tokenizer = Tokenizer.from_file(str(self.dir / "tokenizer.json"))
+
+    @property
+    def session(self):
+        if self._session is None:
+            self._open()
+        return self._session
+
+    def _open(self) -> None:
+        m = self.manifest
+        self._session = make_session(self.dir / m["onnx"], *self._open_args)
+        self.provider = self._session.get_providers()[0]
+        names = [i.name for i in self._session.get_inputs()]
+        self.past_names = [n for n in names if n.startswith("past_key_values.")]
+        self.present_names = [o.name for o in self._session.get_outputs() if o.name.startswith("present.")]
+        self.has_position_ids = "position_ids" in names
+        self._outputs = ["logits"] + self.present_names
         self._check_against_manifest()
         if str(m.get("dtype", "")).startswith("int8") and self.provider == "CPUExecutionProvider" \
                 and not int8_hardware():
             warnings.warn(f"{self.dir} has int8 weights ({m['dtype']}) but this CPU has no int8 dot-product "
                           f"instructions ({', '.join(INT8_ISA.values())}): int8 runs at about fp32 speed here; "
                           f"an fp32 export (or `dbs-fast export --quantize auto`) is as fast and more accurate",
-                          RuntimeWarning, stacklevel=2)
-        self.tokenizer = Tokenizer.from_file(str(self.dir / "tokenizer.json"))
+                          RuntimeWarning, stacklevel=3)
 
     def _check_against_manifest(self):
         if len(self.past_names) != 2 * self.num_layers:
@@ -205,6 +220,7 @@ class OnnxModel:
 
     def forward(self, input_ids: np.ndarray, cache: KVCache, mask: np.ndarray | None = None):
         """Run T new tokens per row; returns logits (B, T, V) float32 and the grown cache."""
+        session = self.session                                         # opened here if lazy
         B, T = input_ids.shape
         new_mask = np.ones((B, T), np.int64) if mask is None else mask.astype(np.int64)
         full = np.concatenate([cache.mask, new_mask], axis=1)          # (B, past + T)
@@ -213,7 +229,7 @@ class OnnxModel:
             pos = np.cumsum(full, axis=1)[:, -T:] - 1                  # left padding aware
             feed["position_ids"] = np.maximum(pos, 0)
         feed.update(zip(self.past_names, cache.tensors))
-        out = self.session.run(self._outputs, feed)
+        out = session.run(self._outputs, feed)
         return out[0], KVCache(out[1:], full)
 
     def encode(self, text: str) -> list[int]:

@@ -19,9 +19,10 @@ JOBS = [("It is", "colony,enemy", None, 0),
         ("Colonies, mouths, meetings and", "meet", None, 3)]
 
 
-@pytest.fixture(scope="module")
-def dbs(exported):
-    return DirectedBeamSearch(exported["gpt2"], config=CFG)
+@pytest.fixture(scope="module", params=["prefix", "rows"])
+def dbs(exported, request):
+    """Both KV layouts: engine v2's (each beam's prefix once) and one cache row per candidate."""
+    return DirectedBeamSearch(exported["gpt2"], config=CFG, kv_layout=request.param)
 
 
 def _alone(dbs, cfg, job):

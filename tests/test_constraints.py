@@ -171,7 +171,10 @@ def test_eval_commongen_at_toy_size(exported, tmp_path, capsys):
             "--runs", "dbs,guarantee", "--judge", "none"]
     assert cli(argv) == 0
     s = json.loads((out / "summary.json").read_text())
-    assert s["sets"] == 2 and s["context"] == "" and s["configs"]["dbs"]["order"] == "any"
+    from dbs_fast.cli import COMMONGEN
+
+    assert s["sets"] == 2 and s["context"] == COMMONGEN["context"] and s["configs"]["dbs"]["order"] == "any"
+    assert s["configs"]["dbs"]["lam"] == COMMONGEN["lam"]                # the task's defaults
     assert s["guarantee"]["commongen"]["coverage"] == 1.0             # guaranteed
     assert 0.0 <= s["dbs"]["commongen"]["bleu4"] <= 100.0
     assert "BLEU-4" in capsys.readouterr().out

@@ -126,3 +126,5 @@ def test_prefix_layout_generates_the_same_text(kind, exported):
             if dbs is rows:
                 want = texts
         assert texts == want
+    assert prefix.backend.model._session is None          # model.onnx never opened: weights loaded once
+    assert _dbs(exported[kind], "auto").decoder is not None

@@ -158,16 +158,17 @@ def test_metrics_and_health(server):
 @pytest.fixture()
 def slow(exported, monkeypatch):
     dbs = DirectedBeamSearch(exported["gpt2"])
-    step, state = dbs.backend.step, {"delay": 0.0, "fail": False}
+    model = dbs.decoder or dbs.backend          # what runs the model: engine v2's decode graph, or the rows'
+    step, state = model.step, {"delay": 0.0, "fail": False}
 
-    def slow_step(tokens, cache):
+    def slow_step(*args, **kwargs):
         if state["fail"]:
             state["fail"] = False
             raise RuntimeError("injected failure")
         time.sleep(state["delay"])
-        return step(tokens, cache)
+        return step(*args, **kwargs)
 
-    dbs.backend.step = slow_step
+    model.step = slow_step
     s = Server(create_app(ServiceOptions(max_rows=6, max_queue=1), dbs=dbs)).wait_ready()
     state["delay"] = 0.02
     yield s, state
@@ -251,14 +252,15 @@ def test_shutdown_finishes_running_work_within_the_grace_period(exported):
     for grace, want in ((60.0, "result"), (0.0, "error")):
         got = []
         b = Batcher(dbs, max_rows=24, max_queue=4)
-        step = dbs.backend.step
-        dbs.backend.step = lambda t, c: (time.sleep(0.01), step(t, c))[1]
+        model = dbs.decoder or dbs.backend
+        step = model.step
+        model.step = lambda *a, **kw: (time.sleep(0.01), step(*a, **kw))[1]
         try:
             b.submit(Job(dbs.request("It is", "colony", None, 0, cfg), cfg, send=lambda k, p: got.append((k, p))))
             _wait(lambda: b.rows > 0)
             b.stop(grace)
         finally:
-            dbs.backend.step = step
+            model.step = step
         assert [k for k, _ in got] == [want]
         assert not b.submit(Job(dbs.request("It is", "colony", None, 0, cfg), cfg, send=None))   # stopped
         if want == "error":
