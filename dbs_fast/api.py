@@ -13,11 +13,8 @@ from .config import DBSConfig
 from .embeddings import Embeddings, SimilarityTable
 from .errors import DBSError
 from .home import EMBEDDED_DIRS, MANIFEST, embedded_model_dir
-from .prefix import DECODE_GRAPH
+from .prefix import DECODE_GRAPH, KV_LAYOUTS
 
-# auto: engine v2 (`dbs_fast.prefix`: each beam's prefix once) where the export has its decode graph,
-# else rows (one cache row per candidate, exports made before it)
-KV_LAYOUTS = ("auto", "rows", "prefix")
 MAX_KEYWORDS = 62           # one bit each in the scheduler's int64 masks
 _START_TOKENS = ("<|endoftext|>", "<bos>", "<s>")   # an empty context starts a document with one
 _EMB_CACHE: dict[str, Embeddings] = {}

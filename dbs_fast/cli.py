@@ -63,6 +63,14 @@ def config_from_args(a, **extra):
     return replace(base, **given, **extra)
 
 
+def _add_kv_layout(p):
+    from .prefix import KV_LAYOUTS
+
+    p.add_argument("--kv-layout", default="auto", choices=KV_LAYOUTS,
+                   help="KV cache: prefix = engine v2 (each beam's prefix once; needs decode.onnx from this "
+                        "version's export), rows = one cache row per candidate, auto = prefix where available")
+
+
 def _add_generate(sub):
     p = sub.add_parser("generate", help="Directed Beam Search: text that contains the keywords, in order")
     p.add_argument("--keywords", required=True, help=f'guide words, e.g. "enemy,speed,meet": {KEYWORD_SYNTAX}')
@@ -78,6 +86,7 @@ def _add_generate(sub):
                    help="a keyword missing from the embeddings uses the mean of its sub-word vectors")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="onnx", choices=["onnx", "torch"])
+    _add_kv_layout(p)
     p.add_argument("--provider", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -103,7 +112,7 @@ def _run_generate(a) -> int:
         raise DBSError(f"`--threads` must be >= 1, got {a.threads}")
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, backend=a.backend,
                              provider=a.provider, threads=a.threads, subword_fallback=a.subword_fallback,
-                             quiet=a.json)
+                             quiet=a.json, kv_layout=a.kv_layout)
     bar = None
     if not a.json:
         from tqdm import tqdm
@@ -156,6 +165,7 @@ def _add_eval(sub):
     p.add_argument("--embeddings", default="default")
     _add_config_flags(p, "search settings of the `dbs` run")
     p.add_argument("--batch", type=int, default=4, help="keyword sets decoded together in one batch")
+    _add_kv_layout(p)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--grid", choices=["lambda", "bsk", "all"],
                    help="hyper-parameter sweep instead: lambda in --grid-lambdas at b=s=k=5, and/or "
@@ -223,7 +233,7 @@ def _run_eval(a) -> int:
     cfg = config_from_args(a)
     configs = eval_configs(cfg, a.runs)
     sets = _eval_sets(a)[: a.limit]
-    dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads)
+    dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads, kv_layout=a.kv_layout)
     if a.stories:
         from .benchmarks.eval import run_stories
 
@@ -331,6 +341,7 @@ def _add_serve(sub):
     p.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests beyond this get 429")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--provider", default=d.provider, choices=["cpu", "cuda"])
+    _add_kv_layout(p)
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds per request (at most)")
     p.add_argument("--grace", type=float, default=d.grace, help="seconds to finish running requests at shutdown")
     p.add_argument("--ray-replicas", type=int, default=None,
@@ -347,7 +358,8 @@ def _run_serve(a) -> int:
     from .service import ServiceOptions, serve
 
     opts = ServiceOptions(model=a.model, embeddings=a.embeddings, max_rows=a.max_rows, max_queue=a.max_queue,
-                          threads=a.threads, provider=a.provider, timeout=a.timeout, grace=a.grace)
+                          threads=a.threads, provider=a.provider, timeout=a.timeout, grace=a.grace,
+                          kv_layout=a.kv_layout)
     if not 0 < a.port < 65536:
         raise DBSError(f"`--port` must be in 1..65535, got {a.port}")
     if a.model not in EMBEDDED_DIRS:          # a wrong directory fails here, not in the background

@@ -18,6 +18,9 @@ import numpy as np
 from .errors import DBSError
 
 DECODE_GRAPH = "decode.onnx"      # beside model.onnx in an exported model dir
+# auto: this layout where the export has its decode graph, else rows (one cache row per candidate,
+# exports made before it, the PyTorch baseline)
+KV_LAYOUTS = ("auto", "rows", "prefix")
 
 
 @dataclass

@@ -34,6 +34,7 @@ class ServiceOptions:
     max_queue: int = 64            # requests waiting beyond that are refused (429)
     threads: Optional[int] = None
     provider: str = "cpu"
+    kv_layout: str = "auto"        # engine v2's cache where the export has it (see DirectedBeamSearch)
     timeout: float = 300.0         # per request, seconds (a request may ask for less)
     grace: float = 30.0            # at shutdown: seconds to finish running requests before cancelling them
 
@@ -46,6 +47,10 @@ class ServiceOptions:
             raise DBSError(f"`--threads` must be >= 1, got {self.threads}")
         if not self.timeout > 0:
             raise DBSError(f"`--timeout` must be > 0 seconds, got {self.timeout}")
+        from .prefix import KV_LAYOUTS
+
+        if self.kv_layout not in KV_LAYOUTS:
+            raise DBSError(f"`--kv-layout` must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
 
 
 def json_name(flag: str) -> str:
@@ -143,7 +148,8 @@ class Service:
 
         try:
             dbs = self._preloaded or DirectedBeamSearch(self.opts.model, self.opts.embeddings, threads=self.opts.threads,
-                                                        provider=self.opts.provider, quiet=True)
+                                                        provider=self.opts.provider, quiet=True,
+                                                        kv_layout=self.opts.kv_layout)
             dbs.word_piece, dbs.sentence_end                           # built once, before the first request
             dbs.generate("It is", "day", config=DBSConfig(beams=1, candidates=1, max_new_tokens=8, stop="max"))  # warm-up
             self.batcher = Batcher(dbs, self.opts.max_rows, self.opts.max_queue, self.metrics)
