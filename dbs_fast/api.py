@@ -267,7 +267,7 @@ class DirectedBeamSearch:
                 n_gen, stopped = ends[-1], ("trimmed" if ends[-1] < n_gen else "sentence")
                 toks, texts = toks[:n_gen], texts[:n_gen]
         generated = texts[-1] if texts else ""
-        hits = [f["token"] for f in found.values() if f is not None]
+        hits = [found[k]["token"] for k in kws if found[k] is not None]   # a keyword listed twice counts twice
         success_length = max(hits) if len(hits) == len(kws) else cfg.max_new_tokens
         lp = rows.logp[best, :n_gen]
         beams = [{"text": t, "score": float(rows.cum[i])} for i, t in

@@ -111,6 +111,16 @@ def test_guarantee_with_phrases_alternatives_and_a_word_the_embeddings_lack(dbs)
         dbs.generate("It is", kws, config=replace(cfg, guarantee=False))
 
 
+def test_a_keyword_listed_twice_counts_each_time_it_is_placed(dbs):
+    """The paper's set 9 lists "tie" twice: the success rate counts it twice (it was 0.8 with
+    every word in the text, because `found` is keyed by word)."""
+    from dataclasses import replace
+
+    cfg = replace(dbs.config, guarantee=True, order="next")
+    r = dbs.generate("It is", ["colony", "enemy", "enemy"], seed=0, config=cfg)
+    assert r.found["enemy"] is not None and r.success_rate == 1.0, r.generated
+
+
 def test_phrase_rest_is_forced_after_its_first_word(dbs):
     from dataclasses import replace
 
