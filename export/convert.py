@@ -215,8 +215,13 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool) -> dict
     except ValueError as e:
         return {"written": False, "reason": str(e)}
     _log("prefix-shared decode graph (engine v2) + parity against model.onnx", quiet)
-    info = prefix_graph.export_prefix_decoder(model, work / DECODE_GRAPH)
-    info.update(prefix_graph.parity(work))
+    try:
+        info = prefix_graph.export_prefix_decoder(model, work / DECODE_GRAPH)
+        info.update(prefix_graph.parity(work))
+    except Exception as e:                  # noqa: BLE001 -- optional graph: the export stands without it
+        for f in work.glob(DECODE_GRAPH + "*"):
+            f.unlink()
+        return {"written": False, "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
     if not info["max_abs_logit_diff"] < 1e-3:
         (work / DECODE_GRAPH).unlink()
         return {"written": False, "reason": f"parity: max |logit diff| {info['max_abs_logit_diff']:.2e} >= 1e-3"}
