@@ -198,8 +198,9 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
         torch.onnx.export(dec, tuple(args), str(path), input_names=ins, output_names=outs, dynamic_axes=axes,
                           opset_version=opset, dynamo=False, do_constant_folding=True)
     saved = share_tied_head(path)
-    return {"graph": path.name, "family": family(cfg), "inputs": ins, "outputs": outs, "opset": opset,
-            "tied_head_bytes_shared": saved}
+    return {"graph": path.name, "family": family(cfg), "layers": L, "opset": opset,
+            "inputs": "input_ids, position_ids, prefix_mask, chunk_mask, prefix.L.key/value, chunk.L.key/value",
+            "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved}
 
 
 def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0) -> dict:
