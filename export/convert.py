@@ -279,3 +279,14 @@ def _export_once(src: Source, out: Path, optimize: bool, quantize: str | None, q
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return manifest
+
+
+def ensure_embedded(name: str = "default", quiet: bool = False) -> Path:
+    """An embedded model (`default`, `gemma3-270m`) exported once under DBS_FAST_HOME and reused after."""
+    from dbs_fast.home import embedded_model_dir
+
+    d = embedded_model_dir(name)
+    if not (d / MANIFEST).is_file():
+        _log(f"first use: exporting the embedded model {name!r} to {d} (once)", quiet)
+        export_model(name, d, force=d.exists(), quiet=quiet)
+    return d

@@ -261,3 +261,24 @@ def test_select_in_place(exported):
     c = b.select(np.array([1, 0, 2]), in_place=True)               # 4 -> 3 rows: a fresh gather
     np.testing.assert_array_equal(c.tensors[0], want[0][[1, 0, 2]])
     assert not np.shares_memory(c.tensors[0], b.tensors[0])
+
+
+def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
+    """The first-use path of `--model default` (api.resolve_model_dir -> ensure_embedded): an
+    export already under DBS_FAST_HOME is reused, a missing one is exported there."""
+    from dbs_fast.api import resolve_model_dir
+    from dbs_fast.export import convert
+    from dbs_fast.home import embedded_model_dir
+
+    monkeypatch.setenv("DBS_FAST_HOME", str(tmp_path))
+    calls = []
+
+    def fake_export(name, out, force=False, quiet=False):
+        calls.append(name)
+        Path(out).mkdir(parents=True)
+        (Path(out) / MANIFEST).write_text("{}")
+
+    monkeypatch.setattr(convert, "export_model", fake_export)
+    d = resolve_model_dir("default")
+    assert d == embedded_model_dir("default") and d.is_relative_to(tmp_path) and calls == ["default"]
+    assert resolve_model_dir("default") == d and calls == ["default"]          # reused, not re-exported
