@@ -217,13 +217,24 @@ def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0) -> dict:
     ctx, mask = rng.integers(1, V, (2, 4)), np.array([[1, 1, 1, 1], [0, 0, 1, 1]])
     _, past = full.forward(ctx, full.empty_cache(2), mask)
     pc, rows = PrefixCache.start(past.tensors, past.mask, s, k), past.repeat(s)
-    diff = 0.0
+    diff, kls = 0.0, []
     for chunk in range(2):
         for _ in range(k):
             tok = rng.integers(1, V, 2 * s)
             ref, rows = full.forward(tok[:, None], rows)
-            diff = max(diff, float(np.abs(ref[:, 0] - dec.step(tok, pc)).max()))
+            got = dec.step(tok, pc)
+            diff = max(diff, float(np.abs(ref[:, 0] - got).max()))
+            kls.append(_kl(ref[:, 0], got))
         keep = np.array([s + 1, 0])                       # the beams swap places
         pc.keep(keep)
         rows = rows.select(np.repeat(keep, s))
-    return {"max_abs_logit_diff": diff}
+    return {"max_abs_logit_diff": diff, "mean_kl": float(np.mean(kls))}
+
+
+def _kl(p_logits, q_logits) -> float:
+    """Mean over rows of KL(p || q) of the next-token distributions, in nats."""
+    import numpy as np
+
+    lp = p_logits - np.logaddexp.reduce(p_logits, axis=-1, keepdims=True)
+    lq = q_logits - np.logaddexp.reduce(q_logits, axis=-1, keepdims=True)
+    return float((np.exp(lp) * (lp - lq)).sum(-1).mean())

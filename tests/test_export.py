@@ -38,6 +38,8 @@ def test_quantized_and_optimized_export(checkpoints, tmp_path):
     assert q["parity"]["passed"] and q["parity"]["mode"] == "int8"
     qb = export_model(str(checkpoints["llama"]), tmp_path / "qb", quantize="int8-block", quiet=True)
     assert qb["dtype"] == "int8-block" and qb["quantize"]["quantized_nodes"] > 0 and qb["parity"]["passed"]
+    for m in (q, qb):       # engine v2's decode graph, quantised the same way, within int8 parity of model.onnx
+        assert m["prefix_decode"]["written"] and m["prefix_decode"]["mean_kl"] < 0.1 and m["prefix_decode"]["quantize"]
     gq = export_model(str(checkpoints["gpt2"]), tmp_path / "gq", quantize="int8", quiet=True)
     assert gq["steps"] == ["export", "fuse_attention", "quantize"] and gq["parity"]["passed"]
     o = export_model(str(checkpoints["gpt2"]), tmp_path / "o", optimize=True, quiet=True)
