@@ -5,17 +5,19 @@ import os
 import platform
 from pathlib import Path
 
+from dbs_fast.session import cpu_flags
+
 ISA = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "VNNI", "amx_tile": "AMX"}
 
 
 def machine() -> str:
-    cpu, isa = platform.processor() or platform.machine(), []
+    cpu = platform.processor() or platform.machine()
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next(l.split(":", 1)[1].strip() for l in lines if l.startswith("model name"))
-        flags = set(next(l.split(":", 1)[1].split() for l in lines if l.startswith("flags")))
-        isa = [name for flag, name in ISA.items() if flag in flags]
+        cpu = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                   if l.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    flags = cpu_flags()
+    isa = [name for flag, name in ISA.items() if flag in flags]
     gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{cpu} ({', '.join(isa) or 'no AVX2'}), {os.cpu_count()} cpus, {gib:.0f} GiB"

@@ -8,9 +8,12 @@ running batch; the PyTorch baseline runs fixed batches only.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from . import kernels
+from .prefix import PrefixCache
 from .session import KVCache, OnnxModel
 
 
@@ -105,8 +108,6 @@ class PrefixBackend:
         return getattr(self.base, name)
 
     def prefill(self, contexts: list[list[int]]):
-        from .prefix import PrefixCache
-
         ids, mask = left_pad(contexts, self.base.pad_id)
         m = self.base.model
         logits, cache = PrefixCache.prefill(self.decoder, ids, mask, m.kv_heads, m.head_dim, self.s, self.k)
@@ -123,8 +124,6 @@ class PrefixBackend:
 
     @staticmethod
     def merge(a: "Layout", b: "Layout") -> "Layout":
-        from .prefix import PrefixCache
-
         return Layout(PrefixCache.merge(a.cache, b.cache), np.concatenate([a.live, b.live + a.cache.chunk_mask.shape[0]]))
 
     @staticmethod
@@ -133,11 +132,12 @@ class PrefixBackend:
         return lay
 
 
+@dataclass
 class Layout:
     """A PrefixCache and, per scheduler row, the cache row that holds it."""
 
-    def __init__(self, cache, live: np.ndarray):
-        self.cache, self.live = cache, live
+    cache: PrefixCache
+    live: np.ndarray
 
     @property
     def mask(self) -> np.ndarray:
