@@ -37,7 +37,7 @@ def test_ray_serve_replicas_answer_requests(exported):
             time.sleep(0.5)
         body = {"context": "It is", "keywords": "colony,enemy", "seed": 2, "beams": 2, "candidates": 3, "chunk": 4,
                 "max_new_tokens": 16}
-        answers = [httpx.post(url + "/v1/generate", json=body, timeout=120) for _ in range(4)]
+        answers = [_post_when_loaded(url + "/v1/generate", body) for _ in range(4)]
         assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
         assert len({a.json()["generated"] for a in answers}) == 1          # same seed: same text on any replica
         bad = httpx.post(url + "/v1/generate", json={**body, "beams": 0}, timeout=30)
@@ -47,6 +47,17 @@ def test_ray_serve_replicas_answer_requests(exported):
         serve.shutdown()
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _post_when_loaded(url, body, wait=180):
+    """A replica answers 503 while its model loads (/health may already be 200 on the other one):
+    a client retries that, as the 503 asks."""
+    t0 = time.time()
+    while True:
+        r = httpx.post(url, json=body, timeout=120)
+        if r.status_code != 503 or time.time() - t0 > wait:
+            return r
+        time.sleep(0.5)
 
 
 def test_the_ray_cli_builder_checks_its_arguments():
