@@ -38,6 +38,7 @@ class GenerationResult:
     tokens_per_second: float      # generated tokens of the result / seconds
     candidate_tokens_per_second: float  # all sampled candidate tokens / seconds (batch-wide)
     timings: dict = field(default_factory=dict)  # seconds by stage (batch-wide)
+    kv_cache_bytes: int = 0       # peak bytes of the batch's KV cache over its steps (0: not known)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -248,7 +249,7 @@ class DirectedBeamSearch:
             found[kw] = None if span is None else {"char": span[0], "token": tok}
         return found
 
-    def result(self, fin: Finished, cfg: DBSConfig, timings: dict) -> GenerationResult:
+    def result(self, fin: Finished, cfg: DBSConfig, timings: dict, kv_bytes: int = 0) -> GenerationResult:
         """The result of a request that left the batch: its best beam, trimmed, with its stats."""
         rows, seconds, context, kws = fin.rows, fin.seconds, fin.request.context, fin.request.keywords
         order = np.argsort(-rows.cum, kind="stable")
@@ -277,7 +278,8 @@ class DirectedBeamSearch:
             success_rate=len(hits) / len(kws), success_length=int(success_length), stopped=stopped,
             perplexity=float(np.exp(-lp.mean())) if n_gen else float("nan"), new_tokens=n_gen,
             beams=beams, seconds=seconds, tokens_per_second=n_gen / seconds,
-            candidate_tokens_per_second=fin.candidate_tokens_per_second, timings=timings)
+            candidate_tokens_per_second=fin.candidate_tokens_per_second, timings=timings,
+            kv_cache_bytes=kv_bytes)
 
     def certain(self, search: BeamSearch, q: int) -> str:
         """Text of request q that no later chunk can change: the common prefix of its beams'
@@ -324,13 +326,14 @@ class Batch:
         self.search.drop(requests)
 
     def step(self) -> list[tuple[Request, GenerationResult]]:
-        return [(f.request, self.dbs.result(f, self.config, dict(self.search.t.seconds))) for f in self.search.step()]
+        return [(f.request, self._result(f)) for f in self.search.step()]
+
+    def _result(self, fin) -> GenerationResult:
+        return self.dbs.result(fin, self.config, dict(self.search.t.seconds), self.search.t.kv_bytes)
 
     def run(self) -> list[GenerationResult]:
         """Every admitted request to its end; results in admission order."""
-        fins = self.search.run()
-        timings = dict(self.search.t.seconds)
-        return [self.dbs.result(f, self.config, timings) for f in fins]
+        return [self._result(f) for f in self.search.run()]
 
     def certain(self, wanted=None) -> list[tuple[Request, str]]:
         """Per request in the batch (those for which `wanted(request)` holds): its text that is

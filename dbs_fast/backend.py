@@ -147,3 +147,7 @@ class Layout:
     @property
     def length(self) -> int:
         return self.cache.mask.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes

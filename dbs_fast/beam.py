@@ -91,12 +91,16 @@ class Rows:
 class Timings:
     seconds: dict = field(default_factory=lambda: defaultdict(float))
     calls: dict = field(default_factory=lambda: defaultdict(int))
+    kv_bytes: int = 0         # peak bytes of the KV cache after a decode step (0: the backend does not say)
 
     def add(self, stage: str, t0: float) -> float:
         t = time.perf_counter()
         self.seconds[stage] += t - t0
         self.calls[stage] += 1
         return t
+
+    def kv(self, cache) -> None:
+        self.kv_bytes = max(self.kv_bytes, getattr(cache, "nbytes", 0))
 
 
 @dataclass(eq=False)
@@ -423,6 +427,7 @@ class BeamSearch:
                 t0 = time.perf_counter()
                 self.pending, self.cache = self.be.step(ids, self.cache)
                 self.t.add("model", t0)
+                self.t.kv(self.cache)
         return rows, rows.tokens[:, base:]
 
     def _seen_now(self, rows: Rows, prefix, idx, masks) -> np.ndarray:

@@ -44,6 +44,10 @@ class PrefixCache:
     def beams(self) -> int:
         return self.mask.shape[0]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.prefix) + sum(t.nbytes for t in self.chunk)
+
     def positions(self) -> np.ndarray:
         """(N, 1) position of each row's next token: its prefix's real tokens + the chunk so far."""
         return np.repeat(self.mask.sum(1), self.s)[:, None] + self.used

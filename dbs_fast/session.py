@@ -53,6 +53,10 @@ class KVCache:
     def length(self) -> int:
         return self.mask.shape[1]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
     def select(self, rows: np.ndarray, in_place: bool = False) -> "KVCache":
         """Rows `rows` of the cache (repeat and gather in one copy per tensor). `in_place` lets it
         overwrite this cache's arrays (see `take_rows_in_place`): do not use this cache after."""

@@ -116,6 +116,8 @@ def test_prefix_layout_generates_the_same_text(kind, exported):
         assert [r.generated for r in a] == [r.generated for r in b]
         assert [r.found for r in a] == [r.found for r in b]
         np.testing.assert_allclose([r.perplexity for r in a], [r.perplexity for r in b], rtol=1e-4)
+        # the cache it reports: s copies of each beam's prefix on the rows, one on v2 (+ k-token chunks)
+        assert 0 < b[0].kv_cache_bytes < a[0].kv_cache_bytes
         for dbs in (rows, prefix):                      # staggered: a request joins after two chunks
             batch = dbs.batch(cfg)
             batch.admit([dbs.request(*reqs[0], None, 1, cfg)])
