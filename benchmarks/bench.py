@@ -5,8 +5,9 @@ weights, the real GPT-2 tokenizer) and the embedded default model, at the paper'
 b=7, s=10, k=5, lambda=20, context "It is", 90 new tokens (`--quick`: 10 tokens, same shapes).
 
 Contenders, each in its own process (peak memory and cold start are its own):
-  onnx-fp32   the engine on the fp32 export
-  onnx-int8   the engine on the `--quantize int8` export
+  onnx-fp32   the engine on the fp32 export, engine v2's cache (decode.onnx: one prefix per beam)
+  onnx-int8   the engine on the `--quantize int8` export, engine v2's cache
+  onnx-fp32-rows, onnx-int8-rows   the same on the row layout (one cache row per candidate)
   torch-fp32  the same scheduler over transformers with its KV cache and a torch sampler
   reference   the authors' way as the paper describes it: one candidate at a time, batch 1,
               the whole sequence re-run for every token, no KV cache (PyTorch). Measured on
@@ -43,7 +44,8 @@ CONTEXT = "It is"
 KEYWORD_SETS = [["enemy", "speed", "meet", "colony", "mouth"],
                 ["garden", "winter", "doctor", "song", "river"],
                 ["market", "storm", "letter", "horse", "silver"]]
-CONTENDERS = ("onnx-fp32", "onnx-int8", "torch-fp32", "reference")
+CONTENDERS = ("onnx-fp32", "onnx-int8", "onnx-fp32-rows", "onnx-int8-rows", "torch-fp32", "reference")
+ENGINES = tuple(c for c in CONTENDERS if c != "reference")
 STAGES = ("model", "kernel", "kv_gather", "scorer", "text", "python")
 SHARED_TOKENIZER = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gpt2-tokenizer"
 
@@ -122,7 +124,9 @@ def worker_engine(spec: dict) -> dict:
     cfg = DBSConfig(**spec["config"])
     backend = "torch" if spec["contender"].startswith("torch") else "onnx"
     t0 = time.perf_counter()
-    dbs = DirectedBeamSearch(spec["model_dir"], config=cfg, backend=backend, threads=spec.get("threads"))
+    layout = "rows" if spec["contender"].endswith("-rows") else "auto"
+    dbs = DirectedBeamSearch(spec["model_dir"], config=cfg, backend=backend, threads=spec.get("threads"),
+                             kv_layout=layout)
     init = time.perf_counter() - t0
     sets = spec["keyword_sets"]
     first = dbs.generate(CONTEXT, sets[0], seed=0)
@@ -132,6 +136,8 @@ def worker_engine(spec: dict) -> dict:
     stages = {s: statistics.median(_stage_ms(r, steps)[s] for r in runs) for s in (*STAGES, "prefill_total")}
     out = {
         "contender": spec["contender"], "model_dir": spec["model_dir"],
+        "kv_layout": "prefix" if getattr(dbs, "decoder", None) is not None else "rows",
+        "kv_cache_bytes": statistics.median(r.kv_cache_bytes for r in runs),
         "seconds_median": statistics.median(secs), "seconds_min": min(secs), "seconds_max": max(secs),
         "seconds_all": secs, "repeats": len(runs),
         "candidate_tokens_per_second": statistics.median(r.candidate_tokens_per_second for r in runs),
@@ -148,7 +154,8 @@ def worker_engine(spec: dict) -> dict:
     sweep = []
     for b, s in spec.get("sweep", []):
         r = dbs.generate(CONTEXT, sets[0], seed=0, config=replace(cfg, beams=b, candidates=s))
-        sweep.append({"beams": b, "candidates": s, "rows": b * s, "seconds": r.seconds})
+        sweep.append({"beams": b, "candidates": s, "rows": b * s, "seconds": r.seconds,
+                      "kv_cache_bytes": r.kv_cache_bytes})
     out["sweep"] = sweep
     out["peak_rss_bytes"] = _peak_rss()
     return out
@@ -293,14 +300,21 @@ def roofline(model_dir: Path, cfg: DBSConfig, context_tokens: int, threads: int 
         out[f"{kind}_gflops"] = flops / sec / 1e9
     bw = memory_bandwidth()
     avg_len = context_tokens + cfg.max_new_tokens / 2
-    kv_bytes = 2 * m["num_layers"] * rows * m["num_kv_heads"] * avg_len * m["head_dim"] * 4
-    out.update(memory_bandwidth_gbs=bw / 1e9, kv_read_bytes_per_step=kv_bytes, kv_read_seconds=kv_bytes / bw)
+    per_token = 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 4
+    kv_bytes = per_token * rows * avg_len                       # rows: every candidate its own copy
+    # v2: each beam's prefix once + each candidate's chunk (half a chunk on average)
+    kv_prefix = per_token * (cfg.beams * avg_len + rows * cfg.chunk / 2)
+    out.update(memory_bandwidth_gbs=bw / 1e9, kv_read_bytes_per_step=kv_bytes, kv_read_seconds=kv_bytes / bw,
+               kv_read_bytes_per_step_prefix=kv_prefix)
     for kind in ("fp32", "int8"):
         out[f"{kind}_step_seconds"] = out[f"{kind}_matmul_seconds_per_step"] + kv_bytes / bw
+        out[f"{kind}_step_seconds_prefix"] = out[f"{kind}_matmul_seconds_per_step"] + kv_prefix / bw
     out["definition"] = ("min step at b*s rows = sum over the step's weight matmuls of ORT's best time for "
                          "that (rows x in x out) MatMul + reading the KV cache once at the average length "
-                         "(context + max_new_tokens/2) at the measured copy bandwidth. A generation's minimum "
-                         "is its candidate tokens x (min step / rows): the first chunk runs b rows, not b*s")
+                         "(context + max_new_tokens/2) at the measured copy bandwidth: b*s copies of it on the "
+                         "row layout, b copies + each row's half chunk on engine v2's (`*_prefix`). A "
+                         "generation's minimum is its candidate tokens x (min step / rows): the first chunk "
+                         "runs b rows, not b*s")
     return out
 
 
@@ -324,12 +338,11 @@ def _spawn(spec: dict, workdir: Path) -> dict:
     return res
 
 
-def _budget(model_dir: str, cfg: DBSConfig, context_tokens: int) -> int:
+def _budget(model_dir: str, kv_layout: str) -> int:
+    """Issue 11's budget: the weight files of the graph the engine loads + 1.5 GB."""
     m = json.loads((Path(model_dir) / "dbs_fast_model.json").read_text())
-    weights = sum(v for k, v in m["files"].items() if k.startswith("model.onnx"))
-    L = cfg.max_new_tokens + context_tokens
-    kv = 2 * m["num_layers"] * cfg.beams * cfg.candidates * m["num_kv_heads"] * L * m["head_dim"] * 4
-    return int(weights + kv + 1.5e9)
+    graph = "decode.onnx" if kv_layout == "prefix" else "model.onnx"
+    return int(sum(v for k, v in m["files"].items() if k.startswith(graph)) + 1.5e9)
 
 
 def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None = None,
@@ -366,14 +379,14 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
                 continue                              # the default is a GGUF: reference on the GPT-2 point
             spec = {"point": name, "contender": c, "config": cfg.to_dict(), "keyword_sets": KEYWORD_SETS,
                     "repeats": repeats, "threads": threads,
-                    "model_dir": p["onnx-int8" if c == "onnx-int8" else "onnx-fp32"],
+                    "model_dir": p["onnx-int8" if "int8" in c else "onnx-fp32"],
                     "checkpoint": p["checkpoint"], "reference_candidates": ref_cands,
-                    "sweep": sweep if c != "reference" and name == next(iter(points)) else []}
+                    "sweep": sweep if c.startswith("onnx") and name == next(iter(points)) else []}
             res["contenders"][c] = r = _spawn(spec, workdir)
             if "error" in r:
                 print(f"[bench]   failed: {r['error']}", flush=True)
             elif c != "reference":
-                res["memory_budget_bytes"][c] = _budget(spec["model_dir"], cfg, ctx_tokens)
+                res["memory_budget_bytes"][c] = _budget(spec["model_dir"], r["kv_layout"])
                 print(f"[bench]   {r['seconds_median']:.2f} s/generation, step {r['step_ms']:.0f} ms, "
                       f"peak {r['peak_rss_bytes'] / 1e9:.2f} GB", flush=True)
             else:
@@ -397,18 +410,19 @@ def _ratios(res: dict, cfg: DBSConfig) -> None:
     c = {k: v for k, v in res["contenders"].items() if "error" not in v}
     r = {}
     if "torch-fp32" in c:
-        for k in ("onnx-fp32", "onnx-int8"):
+        for k in (e for e in ENGINES if e.startswith("onnx")):
             if k in c:
                 r[f"{k}_vs_torch"] = c["torch-fp32"]["seconds_median"] / c[k]["seconds_median"]
     if "reference" in c:
         ref = c["reference"]["seconds_per_candidate_token"]
-        for k in ("onnx-fp32", "onnx-int8", "torch-fp32"):
+        for k in ENGINES:
             if k in c:
                 r[f"{k}_vs_reference_per_candidate_token"] = ref * c[k]["candidate_tokens_per_second"]
     roof = res["roofline"]
-    for k in ("onnx-fp32", "onnx-int8", "torch-fp32"):
+    for k in ENGINES:
         if k in c:
-            base = roof["int8_step_seconds" if k == "onnx-int8" else "fp32_step_seconds"]
+            v2 = "_prefix" if c[k].get("kv_layout") == "prefix" else ""
+            base = roof[("int8" if "int8" in k else "fp32") + "_step_seconds" + v2]
             r[f"{k}_step_vs_roofline"] = c[k]["decode_seconds"] / (c[k]["candidate_tokens"] * base / roof["rows"])
             st = c[k]["stage_ms_per_step"]
             r[f"{k}_scheduling_share"] = (st["kv_gather"] + st["python"] + st["text"]) / c[k]["step_ms"]
@@ -432,27 +446,32 @@ def markdown(report: dict) -> str:
                   f"Roofline at {roof['rows']} rows: {roof['matmul_gflop_per_step']:.1f} GFLOP/step; ORT matmul "
                   f"{roof['fp32_gflops']:.0f} GFLOP/s fp32, {roof['int8_gflops']:.0f} GFLOP/s int8; copy bandwidth "
                   f"{roof['memory_bandwidth_gbs']:.1f} GB/s; min step {roof['fp32_step_seconds'] * 1e3:.0f} ms fp32, "
-                  f"{roof['int8_step_seconds'] * 1e3:.0f} ms int8.", "",
-                  "| contender | s/generation (median, min-max) | candidate tok/s | step ms | x roofline | "
-                  "model | kernel | kv gather | scorer | text | python | peak RSS GB (budget) | cold start s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"{roof['int8_step_seconds'] * 1e3:.0f} ms int8 on the row layout, "
+                  f"{roof['fp32_step_seconds_prefix'] * 1e3:.0f} / {roof['int8_step_seconds_prefix'] * 1e3:.0f} ms "
+                  f"on engine v2's (it reads b prefixes, not b*s).", "",
+                  "| contender | KV layout | s/generation (median, min-max) | candidate tok/s | step ms | x roofline | "
+                  "model | kernel | kv gather | scorer | text | python | KV cache MB | peak RSS GB (budget) | "
+                  "cold start s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         ratios = res.get("ratios", {})
         for c, r in res["contenders"].items():
             if "error" in r:
-                lines.append(f"| {c} | failed: {r['error'].splitlines()[0][:80]} |" + " |" * 11)
+                lines.append(f"| {c} | failed: {r['error'].splitlines()[0][:80]} |" + " |" * 13)
             elif c == "reference":
-                lines.append(f"| reference (batch 1, no cache) | {r['extrapolated_seconds_per_generation']:.0f} "
+                lines.append(f"| reference (batch 1, no cache) | none | {r['extrapolated_seconds_per_generation']:.0f} "
                              f"(extrapolated) | {1 / r['seconds_per_candidate_token']:.2f} | "
-                             f"{r['seconds_per_candidate_token'] * 1e3:.0f} per token | | | | | | | | "
+                             f"{r['seconds_per_candidate_token'] * 1e3:.0f} per token | | | | | | | | | "
                              f"{r['peak_rss_bytes'] / 1e9:.2f} | {r['cold_start_seconds']:.1f} |")
             else:
                 st = r["stage_ms_per_step"]
                 lines.append(
-                    f"| {c} | {r['seconds_median']:.1f} ({r['seconds_min']:.1f}-{r['seconds_max']:.1f}) | "
+                    f"| {c} | {r.get('kv_layout', 'rows')} | {r['seconds_median']:.1f} "
+                    f"({r['seconds_min']:.1f}-{r['seconds_max']:.1f}) | "
                     f"{r['candidate_tokens_per_second']:.0f} | {r['step_ms']:.0f} | "
                     f"{ratios.get(c + '_step_vs_roofline', float('nan')):.2f} | "
                     + " | ".join(f"{st[s]:.0f}" for s in STAGES)
-                    + f" | {r['peak_rss_bytes'] / 1e9:.2f} ({res['memory_budget_bytes'][c] / 1e9:.2f}) | "
+                    + f" | {r.get('kv_cache_bytes', 0) / 1e6:.0f} | {r['peak_rss_bytes'] / 1e9:.2f} "
+                      f"({res['memory_budget_bytes'][c] / 1e9:.2f}) | "
                       f"{r['cold_start_seconds']:.1f} |")
         lines += ["", "Ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()), ""]
     return "\n".join(lines) + "\n"
@@ -484,18 +503,22 @@ def plots(report: dict, out: Path) -> None:
     fig.savefig(out / "stages.png", dpi=120)
     plt.close(fig)
     name, res = pts[0]
-    fig, ax = plt.subplots(figsize=(6, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for c, r in res["contenders"].items():
         if "error" in r or not r.get("sweep"):
             continue
-        xs = [p["rows"] for p in r["sweep"]] + [report["config"]["beams"] * report["config"]["candidates"]]
-        ys = [p["seconds"] for p in r["sweep"]] + [r["seconds_median"]]
+        xs = np.array([p["rows"] for p in r["sweep"]] + [report["config"]["beams"] * report["config"]["candidates"]])
         order = np.argsort(xs)
-        ax.plot(np.array(xs)[order], np.array(ys)[order], "o-", label=c)
-    ax.set_xlabel("b x s (rows decoded together)")
-    ax.set_ylabel("seconds per generation")
-    ax.set_title(f"{name}, {report['config']['max_new_tokens']} new tokens")
-    ax.legend()
+        for ax, key, main, scale in ((axes[0], "seconds", "seconds_median", 1), (axes[1], "kv_cache_bytes",
+                                                                                 "kv_cache_bytes", 1e6)):
+            ys = np.array([p.get(key, 0) for p in r["sweep"]] + [r.get(main, 0)]) / scale
+            ax.plot(xs[order], ys[order], "o-" if r.get("kv_layout") == "prefix" else "s--",
+                    label=f"{c} ({r.get('kv_layout', 'rows')})")
+    for ax, label in ((axes[0], "seconds per generation"), (axes[1], "KV cache MB (peak over the steps)")):
+        ax.set_xlabel("b x s (rows decoded together)")
+        ax.set_ylabel(label)
+        ax.set_title(f"{name}, {report['config']['max_new_tokens']} new tokens")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "sweep.png", dpi=120)
     plt.close(fig)

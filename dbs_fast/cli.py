@@ -279,7 +279,8 @@ def _add_bench(sub):
     p.add_argument("--quick", action="store_true", help="10 new tokens, 1 repeat: a few minutes")
     p.add_argument("--repeats", type=int, default=None, help="timed generations per contender (after a cold one)")
     p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--contenders", default=",".join(("onnx-fp32", "onnx-int8", "torch-fp32", "reference")))
+    p.add_argument("--contenders", default="onnx-fp32,onnx-int8,onnx-fp32-rows,onnx-int8-rows,torch-fp32,reference",
+                   help="onnx-fp32/onnx-int8 run engine v2's cache (decode.onnx); the -rows ones the row layout")
     p.add_argument("--tokenizer", default=None, help="GPT-2 tokenizer dir (default ../shared/data/gpt2-tokenizer)")
     p.add_argument("--checkpoint", default=None, help="a transformers checkpoint instead of random GPT-2 large")
     p.add_argument("--shape", default="gpt2-large", choices=["gpt2-large", "gpt2", "distilgpt2"])

@@ -37,14 +37,19 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
         assert r["seconds_min"] <= r["seconds_median"] <= r["seconds_max"] and r["repeats"] == 1
         assert set(STAGES) <= set(r["stage_ms_per_step"]) and r["candidate_tokens_per_second"] > 0
         assert 0.0 <= r["success_rate"] <= 1.0 and all(isinstance(t, str) and t for t in r["texts"])
-        assert [p["rows"] for p in r["sweep"]] == [2]
+        if c.startswith("onnx"):          # the sweep: time and KV bytes per layout
+            assert [p["rows"] for p in r["sweep"]] == [2] and r["sweep"][0]["kv_cache_bytes"] > 0
+            assert r["kv_layout"] == ("rows" if c.endswith("-rows") else "prefix")
+    fp32, rows = point["contenders"]["onnx-fp32"], point["contenders"]["onnx-fp32-rows"]
+    assert fp32["texts"] == rows["texts"] and fp32["kv_cache_bytes"] > 0 and rows["kv_cache_bytes"] > 0
     # same seeds and keywords: the fp32 engine and the PyTorch baseline write the same text
     assert point["contenders"]["onnx-fp32"]["texts"] == point["contenders"]["torch-fp32"]["texts"]
     ratios = point["ratios"]
     for key in ("onnx-fp32_vs_torch", "onnx-int8_vs_torch", "onnx-fp32_vs_reference_per_candidate_token",
                 "onnx-fp32_step_vs_roofline", "onnx-fp32_scheduling_share", "onnx-fp32_peak_vs_budget"):
         assert ratios[key] > 0
-    assert "| onnx-int8 |" in (out / "bench.md").read_text()
+    assert "| onnx-int8 | prefix |" in (out / "bench.md").read_text()
+    assert "| onnx-int8-rows | rows |" in (out / "bench.md").read_text()
 
 
 @pytest.mark.parametrize("args,msg", [(["--sweep", "7by10"], "--sweep"), (["--contenders", "tensorflow"], "unknown"),
