@@ -214,12 +214,16 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool) -> dict
         return {"written": False, "reason": str(e)}
     _log("prefix-shared decode graph (engine v2) + parity against model.onnx", quiet)
     try:
-        fp32 = work / "_decode" / DECODE_GRAPH if quantize else work / DECODE_GRAPH
+        # in a folder of its own: over 2 GB, torch writes one file per tensor beside the graph
+        fp32 = work / "_decode" / DECODE_GRAPH
         info = prefix_graph.export_prefix_decoder(model, fp32)
         if quantize:                        # the same quantisation as model.onnx
             from .quantize import quantize as run_quantize
 
             info["quantize"] = run_quantize(fp32, work / DECODE_GRAPH, quantize)
+        else:                               # the graph and its one data file (if over 2 GB)
+            for f in fp32.parent.glob(DECODE_GRAPH + "*"):
+                os.replace(f, work / f.name)
         info.update(prefix_graph.parity(work))
     except Exception as e:                  # noqa: BLE001 -- optional graph: the export stands without it
         for f in work.glob(DECODE_GRAPH + "*"):

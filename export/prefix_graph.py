@@ -135,13 +135,17 @@ def _logits(model, h):
 def share_tied_head(path: Path) -> int:
     """The exporter writes a head tied to the embeddings as MatMul on a transposed copy of them
     (113 MB more on the default, 257 MB on GPT-2 large): make it Gemm(transB=1) on the
-    embeddings themselves. Returns the bytes saved (0: nothing tied)."""
+    embeddings themselves. Returns the bytes saved (0: nothing tied). A graph over protobuf's
+    2 GB (GPT-2 large: torch wrote one file per tensor) is saved with its weights in one
+    external file, `<name>_data`, as model.onnx's are."""
     import numpy as np
     import onnx
     from onnx import helper, numpy_helper
 
     g = onnx.load(str(path))
     inits = {i.name: i for i in g.graph.initializer}
+    large = sum(len(t.raw_data) for t in inits.values()) > LARGE
+    saved = 0
     big = {n: t for n, t in inits.items() if len(t.dims) == 2 and t.dims[0] * t.dims[1] >= 1 << 16}
     for k, node in enumerate(g.graph.node):
         if node.op_type != "MatMul" or node.input[1] not in big:
@@ -156,9 +160,15 @@ def share_tied_head(path: Path) -> int:
                                                   name=node.name or "tied_head", transB=1))
         if not any(copy in n.input for n in g.graph.node):
             g.graph.initializer.remove(big[copy])
-        onnx.save(g, str(path))
-        return w.nbytes
-    return 0
+        saved = w.nbytes
+        break
+    if saved or large:
+        onnx.save(g, str(path), save_as_external_data=large, all_tensors_to_one_file=True,
+                  location=path.name + "_data")
+    return saved
+
+
+LARGE = 1_800_000_000   # bytes of weights above which a graph keeps them in an external file
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:

@@ -131,3 +131,25 @@ def test_prefix_layout_generates_the_same_text(kind, exported):
         assert texts == want
     assert prefix.backend.model._session is None          # model.onnx never opened: weights loaded once
     assert _dbs(exported[kind], "auto").decoder is not None
+
+
+def test_a_decode_graph_over_the_protobuf_limit_keeps_its_weights_in_one_data_file(checkpoints, tmp_path,
+                                                                                   monkeypatch):
+    """GPT-2 large's decode graph is over protobuf's 2 GB: torch writes one file per tensor and
+    saving it whole fails. Here the threshold is lowered so a tiny model takes that path."""
+    import json
+
+    from dbs_fast.export import prefix_graph
+    from dbs_fast.export.convert import export_model
+    from dbs_fast.home import MANIFEST
+
+    monkeypatch.setattr(prefix_graph, "LARGE", 0)
+    out = tmp_path / "large"
+    export_model(str(checkpoints["gpt2"]), out, quiet=True)
+    m = json.loads((out / MANIFEST).read_text())
+    assert m["prefix_decode"]["written"], m["prefix_decode"]
+    assert {f.name for f in out.glob("decode.onnx*")} == {"decode.onnx", "decode.onnx_data"}
+    assert (out / "decode.onnx_data").stat().st_size > (out / "decode.onnx").stat().st_size
+    assert not (out / "_decode").exists()
+    r = _dbs(out, "prefix").generate("It is", ["river"], seed=0)
+    assert r.new_tokens > 0
