@@ -509,9 +509,9 @@ def plots(report: dict, out: Path) -> None:
             continue
         xs = np.array([p["rows"] for p in r["sweep"]] + [report["config"]["beams"] * report["config"]["candidates"]])
         order = np.argsort(xs)
-        for ax, key, main, scale in ((axes[0], "seconds", "seconds_median", 1), (axes[1], "kv_cache_bytes",
+        for ax, key, med, scale in ((axes[0], "seconds", "seconds_median", 1), (axes[1], "kv_cache_bytes",
                                                                                  "kv_cache_bytes", 1e6)):
-            ys = np.array([p.get(key, 0) for p in r["sweep"]] + [r.get(main, 0)]) / scale
+            ys = np.array([p.get(key, 0) for p in r["sweep"]] + [r.get(med, 0)]) / scale
             ax.plot(xs[order], ys[order], "o-" if r.get("kv_layout") == "prefix" else "s--",
                     label=f"{c} ({r.get('kv_layout', 'rows')})")
     for ax, label in ((axes[0], "seconds per generation"), (axes[1], "KV cache MB (peak over the steps)")):

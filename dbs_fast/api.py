@@ -12,7 +12,7 @@ from .beam import BeamSearch, Finished, Request
 from .config import DBSConfig
 from .embeddings import Embeddings, SimilarityTable
 from .errors import DBSError
-from .home import EMBEDDED_DIRS, MANIFEST, embedded_model_dir
+from .home import EMBEDDED_DIRS, MANIFEST, embedded_model_dir, predates_v2
 from .prefix import DECODE_GRAPH, KV_LAYOUTS
 
 MAX_KEYWORDS = 62           # one bit each in the scheduler's int64 masks
@@ -62,11 +62,14 @@ def json_safe(x):
 def resolve_model_dir(model: str | Path, quiet: bool = True) -> Path:
     if str(model) in EMBEDDED_DIRS:
         d = embedded_model_dir(str(model))
-        if (d / MANIFEST).is_file():
+        old = (d / MANIFEST).is_file()
+        if old and not predates_v2(d):
             return d
         try:
             from .export.convert import ensure_embedded
         except ImportError as e:
+            if old:                       # made before engine v2: it runs on the row layout
+                return d
             raise DBSError(f"the embedded model {model!r} is exported on first use, which needs the export "
                            f"extra: pip install 'dbs-fast[export]' (missing: {e.name})") from None
         return ensure_embedded(str(model), quiet=quiet)

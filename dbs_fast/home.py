@@ -1,4 +1,5 @@
 """Where exported models live: $DBS_FAST_HOME, else the user's cache dir."""
+import json
 import os
 from pathlib import Path
 
@@ -23,3 +24,8 @@ def embedded_model_dir(name: str) -> Path:
 
 def default_model_dir() -> Path:
     return embedded_model_dir("default")
+
+
+def predates_v2(model_dir: Path) -> bool:
+    """An export made before engine v2: its manifest has no `prefix_decode` (written, or why not)."""
+    return "prefix_decode" not in json.loads((Path(model_dir) / MANIFEST).read_text())

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from dbs_fast.errors import DBSError
-from dbs_fast.home import EXPORT_FORMAT_VERSION, MANIFEST
+from dbs_fast.home import EXPORT_FORMAT_VERSION, MANIFEST, predates_v2
 
 from . import parity as parity_mod
 from .source import Source, check_supported, load_config, load_torch_model, resolve
@@ -302,4 +302,8 @@ def ensure_embedded(name: str = "default", quiet: bool = False) -> Path:
     if not (d / MANIFEST).is_file():
         _log(f"first use: exporting the embedded model {name!r} to {d} (once)", quiet)
         export_model(name, d, force=d.exists(), quiet=quiet)
+    elif predates_v2(d):
+        _log(f"the export of {name!r} in {d} predates engine v2 (no decode graph): exporting it again (once)", quiet)
+        export_model(name, d, force=True, quiet=quiet)
     return d
+

@@ -277,10 +277,13 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
 
     def fake_export(name, out, force=False, quiet=False):
         calls.append(name)
-        Path(out).mkdir(parents=True)
-        (Path(out) / MANIFEST).write_text("{}")
+        Path(out).mkdir(parents=True, exist_ok=force)
+        (Path(out) / MANIFEST).write_text('{"prefix_decode": {"written": true}}')
 
     monkeypatch.setattr(convert, "export_model", fake_export)
     d = resolve_model_dir("default")
     assert d == embedded_model_dir("default") and d.is_relative_to(tmp_path) and calls == ["default"]
     assert resolve_model_dir("default") == d and calls == ["default"]          # reused, not re-exported
+    (d / MANIFEST).write_text("{}")            # an export made before engine v2: exported again, once
+    assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
+    assert calls == ["default", "default"]
