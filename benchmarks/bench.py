@@ -16,7 +16,7 @@ Also: the kernel on 70 x vocab rows (`benchmarks/kernel.py`) and this machine's 
 the model (ONNX Runtime matmul throughput at the batch's shapes, fp32 and int8, plus the KV
 cache read at the measured memory bandwidth).
 
-    dbs-fast bench --out bench_out            # full (~40 min on 2 cores)
+    dbs-fast bench --out bench_out            # full (~1 h on 2 cores with the exports)
     dbs-fast bench --quick --out bench_quick  # a few minutes
 
 Writes bench.json, bench.md, stages.png, sweep.png in --out.

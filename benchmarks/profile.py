@@ -1,0 +1,107 @@
+"""Where a decode step of engine v2's graph spends its time: ONNX Runtime's profiler on
+`decode.onnx` at the paper setting (b beams x s candidates, prefix length T, 2 chunk tokens in),
+summed by operator type. Random K/V and token ids: the cost does not depend on the values.
+
+    python -m dbs_fast.benchmarks.profile --model DIR [--beams 7 --candidates 10 --prefix 47]
+
+Prints ms per step by operator (median step time without the profiler first) and writes the
+same as JSON with --out.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dbs_fast.benchmarks.host import machine
+
+
+def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2) -> dict:
+    rng = np.random.default_rng(0)
+    N, out = b * s, {}
+    for i in sess.get_inputs():
+        n, shape = i.name, i.shape
+        if n == "input_ids":
+            out[n] = np.ones((N, 1), np.int64)
+        elif n == "position_ids":
+            out[n] = np.full((N, 1), T + used, np.int64)
+        elif n == "prefix_mask":
+            out[n] = np.ones((b, T), np.int64)
+        elif n == "chunk_mask":
+            out[n] = np.zeros((N, K), np.int64)
+            out[n][:, :used] = 1
+        else:                                       # prefix.L.* (b, kv, T, d) / chunk.L.* (N, kv, K, d)
+            rows, length = (b, T) if n.startswith("prefix.") else (N, K)
+            out[n] = rng.standard_normal((rows, shape[1], length, shape[3])).astype(np.float32)
+    return out
+
+
+def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | None) -> dict:
+    import onnxruntime as ort
+
+    def session(prof: bool, prefix: str = ""):
+        so = ort.SessionOptions()
+        if threads:
+            so.intra_op_num_threads = threads
+        so.enable_profiling = prof
+        if prof:
+            so.profile_file_prefix = prefix
+        return ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
+
+    plain = session(False)
+    x = feeds(plain, b, s, T)
+    plain.run(None, x)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        plain.run(None, x)
+        times.append(time.perf_counter() - t)
+    del plain
+    with tempfile.TemporaryDirectory() as d:
+        sess = session(True, str(Path(d) / "p"))
+        for _ in range(repeats):
+            sess.run(None, x)
+        events = json.loads(Path(sess.end_profiling()).read_text())
+    dur, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            dur[e["args"]["op_name"]] += e["dur"]
+            count[e["args"]["op_name"]] += 1
+    total = sum(dur.values())
+    ops = [{"op": op, "ms_per_step": us / repeats / 1e3, "share": us / total, "nodes_per_step": count[op] / repeats}
+           for op, us in dur.most_common()]
+    return {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "graph": str(graph),
+            "beams": b, "candidates": s, "prefix": T, "step_ms_median": 1e3 * statistics.median(times),
+            "profiled_ms_per_step": total / repeats / 1e3, "ops": ops}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="an export with decode.onnx")
+    ap.add_argument("--beams", type=int, default=7)
+    ap.add_argument("--candidates", type=int, default=10)
+    ap.add_argument("--prefix", type=int, default=47, help="prefix length T (47: the middle of the paper's run)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None, help="write the result as JSON here")
+    a = ap.parse_args(argv)
+    graph = Path(a.model) / "decode.onnx"
+    if not graph.is_file():
+        ap.error(f"{graph} not found: export the model with this version (`dbs-fast export`)")
+    r = profile(graph, a.beams, a.candidates, a.prefix, a.repeats, a.threads)
+    print(f"{graph}: {r['step_ms_median']:.1f} ms per step (median, no profiler); by operator (profiled):")
+    for o in r["ops"][:15]:
+        print(f"  {o['op']:26s} {o['ms_per_step']:7.1f} ms  {100 * o['share']:5.1f}%  {o['nodes_per_step']:5.0f} nodes")
+    if a.out:
+        Path(a.out).write_text(json.dumps(r, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
