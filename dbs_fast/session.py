@@ -138,7 +138,7 @@ def session_options(threads: int | None):
         so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     # Workers spin inside a run (engine v2's graph has ~4,000 small nodes: waking a sleeping
-    # worker for each cost 30-40 ms of a 200 ms GPT-2-large int8 step) and stop when the run ends,
+    # worker for each cost ~30 ms of a 200 ms GPT-2-large int8 step: benchmarks/spinning.py) and stop when the run ends,
     # because the Numba kernel runs between ORT calls on the same cores (spinning left on after
     # the run slowed the kernel from 12 to 21 ms per step on the default).
     so.add_session_config_entry("session.intra_op.allow_spinning", "1")
