@@ -136,7 +136,7 @@ def worker_engine(spec: dict) -> dict:
     stages = {s: statistics.median(_stage_ms(r, steps)[s] for r in runs) for s in (*STAGES, "prefill_total")}
     out = {
         "contender": spec["contender"], "model_dir": spec["model_dir"],
-        "kv_layout": "prefix" if getattr(dbs, "decoder", None) is not None else "rows",
+        "kv_layout": "prefix" if dbs.decoder is not None else "rows",
         "kv_cache_bytes": statistics.median(r.kv_cache_bytes for r in runs),
         "seconds_median": statistics.median(secs), "seconds_min": min(secs), "seconds_max": max(secs),
         "seconds_all": secs, "repeats": len(runs),

@@ -279,8 +279,9 @@ def _add_bench(sub):
     p.add_argument("--quick", action="store_true", help="10 new tokens, 1 repeat: a few minutes")
     p.add_argument("--repeats", type=int, default=None, help="timed generations per contender (after a cold one)")
     p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--contenders", default="onnx-fp32,onnx-int8,onnx-fp32-rows,onnx-int8-rows,torch-fp32,reference",
-                   help="onnx-fp32/onnx-int8 run engine v2's cache (decode.onnx); the -rows ones the row layout")
+    p.add_argument("--contenders", default=None,
+                   help="comma-separated (default: all of benchmarks/bench.py's CONTENDERS); onnx-fp32/onnx-int8 "
+                        "run engine v2's cache (decode.onnx), the -rows ones the row layout")
     p.add_argument("--tokenizer", default=None, help="GPT-2 tokenizer dir (default ../shared/data/gpt2-tokenizer)")
     p.add_argument("--checkpoint", default=None, help="a transformers checkpoint instead of random GPT-2 large")
     p.add_argument("--shape", default="gpt2-large", choices=["gpt2-large", "gpt2", "distilgpt2"])
@@ -294,7 +295,7 @@ def _run_bench(a) -> int:
     from pathlib import Path
 
     try:
-        from .benchmarks.bench import run_bench
+        from .benchmarks.bench import CONTENDERS, run_bench
     except ImportError as e:
         raise DBSError(f"bench needs the export and dev extras: pip install 'dbs-fast[export,dev]' ({e})") from None
     sweep = None
@@ -307,7 +308,7 @@ def _run_bench(a) -> int:
     if (a.repeats is not None and a.repeats < 1) or (a.max_new_tokens is not None and a.max_new_tokens < 1):
         raise DBSError("--repeats and --max-new-tokens must be >= 1")
     run_bench(Path(a.out), Path(a.workdir), quick=a.quick, repeats=a.repeats, max_new_tokens=a.max_new_tokens,
-              contenders=[c.strip() for c in a.contenders.split(",") if c.strip()],
+              contenders=[c.strip() for c in a.contenders.split(",") if c.strip()] if a.contenders else CONTENDERS,
               tokenizer=Path(a.tokenizer) if a.tokenizer else None,
               checkpoint=Path(a.checkpoint) if a.checkpoint else None, shape=a.shape,
               with_default=not a.no_default, threads=a.threads, sweep=sweep)
