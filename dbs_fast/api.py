@@ -236,7 +236,7 @@ class DirectedBeamSearch:
         if self.decoder is not None:
             from .backend import PrefixBackend
 
-            be = PrefixBackend(self.backend, self.decoder, cfg.candidates, cfg.chunk)
+            be = PrefixBackend(self.backend, self.decoder, cfg.candidates, cfg.chunk, cfg.max_new_tokens)
         return BeamSearch(be, self.scorer, cfg, (), progress,
                           self.sentence_end if cfg.stop == "sentence" else None,
                           self.word_piece if cfg.guarantee or cfg.boost_word_starts else None)

@@ -101,8 +101,8 @@ class PrefixBackend:
 
     name = "onnx-prefix"
 
-    def __init__(self, base: OnnxBackend, decoder, s: int, k: int):
-        self.base, self.decoder, self.s, self.k = base, decoder, s, k
+    def __init__(self, base: OnnxBackend, decoder, s: int, k: int, reserve: int = 0):
+        self.base, self.decoder, self.s, self.k, self.reserve = base, decoder, s, k, reserve
 
     def __getattr__(self, name):           # sampling, tokenizer, take, concat: as the row backend
         return getattr(self.base, name)
@@ -110,7 +110,7 @@ class PrefixBackend:
     def prefill(self, contexts: list[list[int]]):
         ids, mask = left_pad(contexts, self.base.pad_id)
         m = self.base.model
-        logits, cache = PrefixCache.prefill(self.decoder, ids, mask, m.kv_heads, m.head_dim, self.s, self.k)
+        logits, cache = PrefixCache.prefill(self.decoder, ids, mask, m.kv_heads, m.head_dim, self.s, self.k, self.reserve)
         return logits, Layout(cache, np.arange(len(contexts)) * self.s)
 
     def step(self, tokens: np.ndarray, lay: "Layout"):

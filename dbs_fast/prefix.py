@@ -10,7 +10,7 @@ The s candidates of a kept beam are then the s rows that follow it, with no copy
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,14 +31,21 @@ class PrefixCache:
     chunk_mask: np.ndarray     # (N, K) int64, 1 = decoded in this chunk
     s: int
     used: int = 0              # tokens decoded in this chunk
+    capacity: int = 0          # prefix columns expected at most (context + max_new_tokens): the buffers' size
+    # flat buffers the cache allocated itself: `_own` backs `prefix`, `_spare` is free. The chunk
+    # boundary writes the next prefixes into the spare ones and swaps (ping-pong): one copy, no
+    # allocation, so no page faults, at most boundaries.
+    _own: list | None = field(default=None, repr=False)
+    _spare: list | None = field(default=None, repr=False)
 
     @classmethod
-    def start(cls, past: list[np.ndarray], mask: np.ndarray, s: int, k: int) -> "PrefixCache":
-        """From a prefill's present K/V (one row per beam) with s candidates per beam and room for k tokens."""
-        b = mask.shape[0]
+    def start(cls, past: list[np.ndarray], mask: np.ndarray, s: int, k: int, reserve: int = 0) -> "PrefixCache":
+        """From a prefill's present K/V (one row per beam) with s candidates per beam, room for k
+        tokens per chunk and `reserve` more prefix columns (max_new_tokens) in its buffers."""
+        b, T = mask.shape
         chunk = [np.zeros((b * s, t.shape[1], k, t.shape[3]), t.dtype) for t in past]
         return cls([np.ascontiguousarray(t) for t in past], np.asarray(mask, np.int64), chunk,
-                   np.zeros((b * s, k), np.int64), s)
+                   np.zeros((b * s, k), np.int64), s, capacity=T + reserve)
 
     @property
     def beams(self) -> int:
@@ -46,7 +53,9 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.prefix) + sum(t.nbytes for t in self.chunk)
+        """Bytes held: the prefix buffers (with their headroom and the spare ones) and the chunks."""
+        held = (self._own or self.prefix) + (self._spare or [])
+        return sum(t.nbytes for t in held) + sum(t.nbytes for t in self.chunk)
 
     def positions(self) -> np.ndarray:
         """(N, 1) position of each row's next token: its prefix's real tokens + the chunk so far."""
@@ -88,10 +97,10 @@ class PrefixCache:
         src = np.empty(int(per.sum()), np.int64)
         src[beam] = key                                         # the key each new beam copies
         if j:
-            self.prefix = [np.concatenate([p[src // s], c[src, :, :j]], axis=2) for p, c in zip(self.prefix, self.chunk)]
+            self._extend(src, j)
             self.mask = np.concatenate([self.mask[src // s], np.ones((len(src), j), np.int64)], axis=1)
         else:
-            self.prefix = [p[src] for p in self.prefix]
+            self._release([p[src] for p in self.prefix])
             self.mask = self.mask[src]
         n = len(src) * s
         if n != self.chunk_mask.shape[0]:
@@ -101,6 +110,32 @@ class PrefixCache:
             self.chunk_mask[:] = 0            # stale chunk K/V stays: masked, overwritten column by column
         self.used = 0
         return beam * s + slot % s
+
+    def _extend(self, src: np.ndarray, j: int) -> None:
+        """Prefix of new beam i := prefix of beam src[i] // s + the first j chunk tokens of row src[i],
+        written into the spare buffers. Those are allocated when too small, for `capacity` columns
+        or 4 more chunks: a fresh allocation costs page faults, up to 5x the copy itself."""
+        T, k = self.mask.shape[1], self.chunk_mask.shape[1]
+        spare, own = self._spare or [None] * len(self.prefix), []
+        for i, (p, c) in enumerate(zip(self.prefix, self.chunk)):
+            shape = (len(src), p.shape[1], T + j, p.shape[3])
+            n = int(np.prod(shape))
+            buf = spare[i]
+            if buf is None or buf.size < n:
+                cols = self.capacity if self.capacity >= T + j else T + j + 4 * k
+                buf = np.empty(len(src) * p.shape[1] * cols * p.shape[3], p.dtype)
+            new = buf[:n].reshape(shape)
+            for beam, row in enumerate(src):
+                new[beam, :, :T] = p[row // self.s]
+                new[beam, :, T:] = c[row, :, :j]
+            self.prefix[i] = new
+            own.append(buf)
+        self._spare, self._own = self._own, own
+
+    def _release(self, prefix: list[np.ndarray]) -> None:
+        """`prefix` (new arrays) replaces the pooled one, whose buffers become spare."""
+        self.prefix = prefix
+        self._spare, self._own = self._spare or self._own, None
 
     @staticmethod
     def merge(a: "PrefixCache", b: "PrefixCache") -> "PrefixCache":
@@ -116,11 +151,12 @@ class PrefixCache:
         return PrefixCache([np.concatenate([pad(a, x, 2), pad(b, y, 2)]) for x, y in zip(a.prefix, b.prefix)],
                            np.concatenate([pad(a, a.mask, 1), pad(b, b.mask, 1)]),
                            [np.concatenate([x, y]) for x, y in zip(a.chunk, b.chunk)],
-                           np.concatenate([a.chunk_mask, b.chunk_mask]), a.s)
+                           np.concatenate([a.chunk_mask, b.chunk_mask]), a.s,
+                           capacity=T + max(c.capacity - c.mask.shape[1] for c in (a, b)))
 
     @classmethod
     def prefill(cls, decoder: "PrefixDecoder", ids: np.ndarray, mask: np.ndarray, kv_heads: int, head_dim: int,
-                s: int, k: int) -> tuple[np.ndarray, "PrefixCache"]:
+                s: int, k: int, reserve: int = 0) -> tuple[np.ndarray, "PrefixCache"]:
         """Left-padded contexts (Q, T) through the decode graph one column at a time (each is a
         chunk token over an empty prefix; padding stays masked): the last logits (Q, vocab) and
         the cache with the contexts as prefixes, s rows each. T small steps instead of one
@@ -134,29 +170,41 @@ class PrefixCache:
         for t in range(T):
             logits = decoder.step(ids[:, t], pc, positions=pos[:, t:t + 1])
             pc.chunk_mask[:, t] = mask[:, t]
-        return logits, cls.start(pc.chunk, mask, s, k)
+        return logits.copy(), cls.start(pc.chunk, mask, s, k, reserve)
 
     def trim(self) -> None:
         """Drop the leading prefix columns that are padding in every beam."""
         z = int(np.argmax(self.mask.any(axis=0))) if self.mask.any() else self.mask.shape[1]
         if z:
-            self.prefix = [np.ascontiguousarray(p[:, :, z:]) for p in self.prefix]
+            self._release([np.ascontiguousarray(p[:, :, z:]) for p in self.prefix])
             self.mask = self.mask[:, z:].copy()
 
 
 class PrefixDecoder:
-    """The decode graph (`export/prefix_graph.py`) as an ONNX Runtime session, inputs bound in place."""
+    """The decode graph (`export/prefix_graph.py`) as an ONNX Runtime session, inputs bound in
+    place, outputs into buffers kept from step to step (no allocation, no copy out of ORT)."""
 
     def __init__(self, path: str | Path, provider: str = "cpu", threads: int | None = None):
         from .session import make_session
 
         self.session = make_session(Path(path), provider, threads)
         self.outputs = [o.name for o in self.session.get_outputs()]
+        self.vocab = self.session.get_outputs()[0].shape[-1]
         self.layers = (len(self.session.get_inputs()) - 4) // 4
+        self._out: list[np.ndarray] = []
+
+    def _buffers(self, cache: PrefixCache) -> list[np.ndarray]:
+        """Logits (N, vocab) and the new K/V (N, kv, 1, d) per tensor, reused while N is the same."""
+        n = cache.chunk_mask.shape[0]
+        if not self._out or self._out[0].shape[0] != n:
+            self._out = [np.empty((n, self.vocab), np.float32)] + [
+                np.empty((n, c.shape[1], 1, c.shape[3]), c.dtype) for c in cache.chunk]
+        return self._out
 
     def step(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None) -> np.ndarray:
         """Logits (N, vocab) of the next token of every row; the row's new K/V goes into `cache`.
-        `positions` (N, 1): instead of the cache's own count (prefill of left-padded contexts)."""
+        `positions` (N, 1): instead of the cache's own count (prefill of left-padded contexts).
+        The logits are a buffer the next step overwrites: copy what must outlive it."""
         io = self.session.io_binding()
         feeds = {"input_ids": np.ascontiguousarray(input_ids, np.int64).reshape(-1, 1),
                  "position_ids": cache.positions() if positions is None else positions,
@@ -166,9 +214,15 @@ class PrefixDecoder:
                           f"chunk.{i}.key": cache.chunk[2 * i], f"chunk.{i}.value": cache.chunk[2 * i + 1]})
         for name, arr in feeds.items():
             io.bind_cpu_input(name, np.ascontiguousarray(arr))
-        for name in self.outputs:
-            io.bind_output(name)
-        self.session.run_with_iobinding(io)
-        out = io.copy_outputs_to_cpu()
+        if not isinstance(self.vocab, int):            # a graph without a static vocab: ORT allocates
+            for name in self.outputs:
+                io.bind_output(name)
+            self.session.run_with_iobinding(io)
+            out = io.copy_outputs_to_cpu()
+        else:
+            out = self._buffers(cache)
+            for name, arr in zip(self.outputs, out):
+                io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+            self.session.run_with_iobinding(io)
         cache.write(out[1:])
         return out[0]

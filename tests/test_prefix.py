@@ -116,8 +116,10 @@ def test_prefix_layout_generates_the_same_text(kind, exported):
         assert [r.generated for r in a] == [r.generated for r in b]
         assert [r.found for r in a] == [r.found for r in b]
         np.testing.assert_allclose([r.perplexity for r in a], [r.perplexity for r in b], rtol=1e-4)
-        # the cache it reports: s copies of each beam's prefix on the rows, one on v2 (+ k-token chunks)
-        assert 0 < b[0].kv_cache_bytes < a[0].kv_cache_bytes
+        # the cache it reports: s copies of each beam's prefix on the rows; on v2 two buffers per
+        # beam sized for the whole generation (the boundary writes one while reading the other)
+        # plus the k-token chunks, so less from s = 4 on
+        assert 0 < b[0].kv_cache_bytes and (b[0].kv_cache_bytes < a[0].kv_cache_bytes or cfg.candidates < 4)
         for dbs in (rows, prefix):                      # staggered: a request joins after two chunks
             batch = dbs.batch(cfg)
             batch.admit([dbs.request(*reqs[0], None, 1, cfg)])
@@ -153,3 +155,39 @@ def test_a_decode_graph_over_the_protobuf_limit_keeps_its_weights_in_one_data_fi
     assert not (out / "_decode").exists()
     r = _dbs(out, "prefix").generate("It is", ["river"], seed=0)
     assert r.new_tokens > 0
+
+
+def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers():
+    """Eight chunk boundaries (the prefix buffers are reused from the third on), with repeats, a
+    trim and a regroup before any token in between: every beam's prefix is its parent's plus the
+    kept row's chunk, as a plain list of token vectors says."""
+    from dbs_fast.prefix import PrefixCache
+
+    rng = np.random.default_rng(3)
+    b, s, kv, d, k, layers = 3, 4, 2, 3, 2, 2
+    T = 3
+    past = [rng.standard_normal((b, kv, T, d)).astype(np.float32) for _ in range(2 * layers)]
+    mask = np.ones((b, T), np.int64)
+    mask[1, 0] = 0                                                  # left padding survives
+    pc = PrefixCache.start(past, mask, s, k)
+    seq = [[p[i] for p in past] for i in range(b)]                  # per beam: (kv, T, d) per tensor
+    bufs = set()
+    for boundary in range(8):
+        if boundary == 4:
+            pc.regroup(np.arange(b * s)[::-1])                      # before any token: beams reversed
+            seq = seq[::-1]
+        new = [rng.standard_normal((b * s, kv, 1, d)).astype(np.float32) for _ in range(2 * layers)]
+        for _ in range(k):
+            pc.write(new)
+        rows = rng.integers(0, b * s, b)                            # repeats allowed
+        pc.keep(rows)
+        seq = [[np.concatenate([seq[r // s][t], np.repeat(new[t][r], k, axis=1)], axis=1) for t in range(2 * layers)]
+               for r in rows]
+        bufs.update(id(o) for o in pc._own)
+        for i in range(b):
+            for t in range(2 * layers):
+                np.testing.assert_array_equal(pc.prefix[t][i], seq[i][t])
+        assert pc.mask.shape == (b, pc.prefix[0].shape[2]) and not pc.chunk_mask.any()
+    assert len(bufs) < 8 * 2 * layers                               # buffers were reused, not reallocated
+    pc.trim()
+    assert pc.prefix[0].shape[2] == pc.mask.shape[1]
