@@ -247,9 +247,9 @@ class DirectedBeamSearch:
         generated = texts[-1] if texts else ""
         found = {}
         for kw in kws:
-            span = occurrence.first_match(generated, kw)
-            tok = next((n + 1 for n, t in enumerate(texts) if occurrence.count(t, kw) > 0), None)
-            found[kw] = None if span is None else {"char": span[0], "token": tok}
+            span = occurrence.first_match(generated, kw)      # its tokens: those that complete it
+            found[kw] = None if span is None else {
+                "char": span[0], "token": next(n + 1 for n, t in enumerate(texts) if len(t) >= span[1])}
         return found
 
     def result(self, fin: Finished, cfg: DBSConfig, timings: dict, kv_bytes: int = 0) -> GenerationResult:

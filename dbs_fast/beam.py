@@ -434,13 +434,25 @@ class BeamSearch:
         """Bits of `masks` (per row) whose keyword appeared in the row's chunk so far."""
         t0 = time.perf_counter()
         seen = np.zeros(len(rows.req), np.int64)
+        final = self._final(rows)
         for i, text in zip(idx, self._chunk_texts(rows, prefix, idx)):
             kws = self.slots[rows.req[i]].request.keywords
             for b, k in bits(int(masks[i])):
-                if occurrence.count_new(prefix[i], text, kws[k]) > 0:
+                if occurrence.count_new(prefix[i], text, kws[k], self.open_end, final[i]) > 0:
                     seen[i] |= b
         self.t.add("text", t0)
         return seen
+
+    @property
+    def open_end(self) -> bool:
+        """Whether a keyword that ends at the last token waits for the next one to count: it may
+        still become part of a longer word ("pet" + "rified"). Under `guarantee` the next token
+        cannot glue onto a keyword just completed (a ban), so it counts at once."""
+        return not self.cfg.guarantee
+
+    def _final(self, rows: Rows) -> np.ndarray:
+        """Rows whose text cannot go on: ended, or at max_new_tokens."""
+        return rows.ended | (rows.n_tok >= self.cfg.max_new_tokens)
 
     def _chunk_texts(self, rows: Rows, prefix, idx) -> list[str]:
         """Text each row in `idx` added after its prefix (decoded whole: no broken boundaries)."""
@@ -461,22 +473,24 @@ class BeamSearch:
         cfg = self.cfg
         alpha = self._alphas(rows)
         rem = self._remaining(rows, 0)
+        final = self._final(rows)
         for i, text in zip(idx, texts):
             pp = math.exp(-float(lp[i, : n_new[i]].mean()))
-            credit, new = self._credit(self.slots[rows.req[i]].request.keywords, int(rem[i]), prefix[i], text)
+            credit, new = self._credit(self.slots[rows.req[i]].request.keywords, int(rem[i]), prefix[i], text,
+                                       final[i])
             rows.cum[i] += (credit if new else math.exp(-cfg.c_star)) * math.exp(-alpha[i] * pp)
             rows.found[i] |= new
         self.t.add("text", t0)
         return rows
 
-    def _credit(self, kws: list[str], rem: int, prefix: str, text: str) -> tuple[float, int]:
+    def _credit(self, kws: list[str], rem: int, prefix: str, text: str, final: bool = False) -> tuple[float, int]:
         """Q's keyword term for a chunk, sum of exp(-c) over the keywords it places (c: their
         occurrences in the chunk), and their bits. `next` places the next keyword in order (the
         paper; under `guarantee` also the ones after it, in order, which forcing can put in the
         same chunk); `any`, whichever of the remaining ones appear."""
         credit, new = 0.0, 0
         for b, k in bits(rem):
-            c = occurrence.count_new(prefix, text, kws[k])
+            c = occurrence.count_new(prefix, text, kws[k], self.open_end, final)
             if c > 0:
                 credit += math.exp(-c)
                 new |= b

@@ -29,23 +29,26 @@ def pattern(keyword: str) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(stem(w) for w in words(a)) for a in keyword.split("|"))
 
 
-def _spans(text: str, keyword: str):
+def _spans(text: str, keyword: str, open_end: bool = False):
     """(start, end) character spans of every occurrence: a position where the stems of some
-    alternative's words follow one another."""
+    alternative's words follow one another. `open_end`: the text may go on, so a match whose
+    last word runs to its very end is not one yet (the next token may make "pet" "petrified")."""
     ms = list(_WORDS.finditer(text))
     st = [stem(m.group(0)) for m in ms]
     alts = pattern(keyword)
     for i in range(len(st)):
         for a in alts:
             if a and tuple(st[i: i + len(a)]) == a:
-                yield ms[i].start(), ms[i + len(a) - 1].end()
+                end = ms[i + len(a) - 1].end()
+                if not (open_end and end == len(text)):
+                    yield ms[i].start(), end
                 break
 
 
-def count(text: str, keyword: str) -> int:
+def count(text: str, keyword: str, open_end: bool = False) -> int:
     """Occurrences of `keyword` in `text` ("Colonies." counts for "colony"; "ice creams" for
-    "ice cream"; "ran" for "run|ran")."""
-    return sum(1 for _ in _spans(text, keyword))
+    "ice cream"; "ran" for "run|ran"). `open_end`: the text is not finished (see `_spans`)."""
+    return sum(1 for _ in _spans(text, keyword, open_end))
 
 
 def _tail(prefix: str, n_words: int = 1) -> str:
@@ -63,10 +66,12 @@ def _tail(prefix: str, n_words: int = 1) -> str:
     return p[cut.start():]
 
 
-def count_new(prefix: str, chunk: str, keyword: str) -> int:
-    """Occurrences that `chunk` adds after `prefix` (words and phrases straddling the boundary included)."""
+def count_new(prefix: str, chunk: str, keyword: str, open_end: bool = False, final: bool = False) -> int:
+    """Occurrences that `chunk` adds after `prefix` (words and phrases straddling the boundary
+    included). `open_end`: matches at the very end are not counted until the text goes on without
+    extending their last word (as the prefix was counted), unless the text is `final`."""
     tail = _tail(prefix, max(len(a) for a in pattern(keyword)))
-    return count(tail + chunk, keyword) - count(tail, keyword)
+    return count(tail + chunk, keyword, open_end and not final) - count(tail, keyword, open_end)
 
 
 def first_match(text: str, keyword: str) -> tuple[int, int] | None:

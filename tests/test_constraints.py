@@ -46,7 +46,7 @@ def _search(order, guarantee=False, n_kw=3):
 
 def test_credit_next_is_the_papers_pointer_and_any_counts_whichever_appears():
     kws = ["colony", "enemy", "mouth"]
-    text = " the enemy met a colony at the mouth"
+    text = " the enemy met a colony at the mouth."
     # next: only the next keyword in order counts (c = its occurrences); later ones wait
     credit, new = _search("next")._credit(kws, 0b111, "It is", text)
     assert new == 0b001 and credit == pytest.approx(np.exp(-1))
@@ -55,11 +55,16 @@ def test_credit_next_is_the_papers_pointer_and_any_counts_whichever_appears():
     # any: every remaining keyword that appears, exp(-c) each
     credit, new = _search("any")._credit(kws, 0b111, "It is", text)
     assert new == 0b111 and credit == pytest.approx(3 * np.exp(-1))
-    credit, new = _search("any")._credit(kws, 0b110, "It is", " the colony and the mouth, the mouth")
+    credit, new = _search("any")._credit(kws, 0b110, "It is", " the colony and the mouth, the mouth.")
     assert new == 0b100 and credit == pytest.approx(np.exp(-2))      # colony already placed: not counted
     # next under guarantee: consecutive keywords in order (forcing can place two in one chunk)
     credit, new = _search("next", True)._credit(kws, 0b111, "It is", " colony enemy")
     assert new == 0b011
+    # a keyword at the very end of the chunk counts once the text goes on without gluing onto it
+    # (or ends there); under guarantee at once, as the next token cannot glue
+    assert _search("any")._credit(kws, 0b100, "It is", " the mouth", False)[1] == 0
+    assert _search("any")._credit(kws, 0b100, "It is", " the mouth", True)[1] == 0b100
+    assert _search("any", True)._credit(kws, 0b100, "It is", " the mouth", False)[1] == 0b100
 
 
 def test_merged_boost_rows_are_the_per_token_max():

@@ -28,6 +28,21 @@ def test_count_new_handles_words_split_across_chunks():
     assert occurrence.count_new("a colony", ".", "colony") == 0
 
 
+def test_a_word_at_the_end_of_an_unfinished_text_waits_for_the_next_token():
+    """"pet" at the end of a chunk is not "pet" yet: the next token may make it "petrified"."""
+    chunks = ["The cat sat by the pet", "rified dog."]
+    assert occurrence.count_new("", chunks[0], "pet", open_end=True) == 0
+    assert occurrence.count_new(chunks[0], chunks[1], "pet", open_end=True) == 0      # glued: never counted
+    assert occurrence.count_new(chunks[0], " dog.", "pet", open_end=True) == 1        # closed by the next token
+    assert occurrence.count_new(chunks[0], "s sleep.", "pet", open_end=True) == 1     # "pets": same stem
+    assert occurrence.count_new("", chunks[0], "pet", open_end=True, final=True) == 1  # the text ends there
+    assert occurrence.count_new("", "hot ice cream", "ice cream", open_end=True) == 0
+    assert occurrence.count_new("hot ice cream", "s melt", "ice cream", open_end=True) == 1
+    # counted at once (guarantee: the next token cannot glue), so not again when the text goes on
+    assert occurrence.count_new("", chunks[0], "pet") == 1
+    assert occurrence.count_new(chunks[0], " dog.", "pet") == 0
+
+
 def test_token_word():
     assert token_word("ĠColonies") == "colonies"
     assert token_word(" enemy's") == "enemy"
