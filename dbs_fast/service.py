@@ -17,10 +17,13 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from .config import OPTIONS, DBSConfig, parse_bool
 from .errors import DBSError
+
+if TYPE_CHECKING:
+    from .batcher import Job
 
 SERVE_EXTRA = "pip install 'dbs-fast[serve]'"
 
