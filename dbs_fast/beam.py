@@ -64,7 +64,7 @@ class Rows:
     n_tok: np.ndarray         # (R,) tokens that count (up to and including EOS)
     fseq: np.ndarray          # (R,) sequence being forced (index into the forced-sequence table) or -1
     fpos: np.ndarray          # (R,) next position in it
-    glue: np.ndarray          # (R,) bool: a keyword ended at the last token (guarantee: it must stay a word)
+    glue: np.ndarray          # (R,) bool: a keyword ended at the last token (it must stay a word)
     col0: np.ndarray          # (R,) column of the row's first token: its request joined the batch then
 
     def take(self, rows: np.ndarray) -> "Rows":
@@ -303,11 +303,12 @@ class BeamSearch:
             self.phrases.append([(1 << i, head, forced.add(whole)) for i, head, whole in r.phrases])
         self.seq_ptr, self.seq_tok = forced.arrays()
         # ban groups 4q + 2 * glue + eos: request q's bans, plus (guarantee) EOS while a keyword is
-        # missing, plus tokens that would glue onto a keyword just completed ("hockey" + "rink")
+        # missing, plus tokens that would glue onto a keyword just completed ("hockey" + "rink",
+        # "pet" + "rified"), so that it stays the word that was counted
         self.bans = None
-        if any(r.bans for r in requests) or self.cfg.guarantee:
+        if any(r.bans for r in requests) or self.word_piece is not None:
             eos = [(int(e),) for e in self.eos if e >= 0]
-            glue = [(int(t),) for t in np.flatnonzero(self.word_piece)] if self.cfg.guarantee else []
+            glue = [] if self.word_piece is None else [(int(t),) for t in np.flatnonzero(self.word_piece)]
             groups = [list(r.bans) + glue * g + eos * e for r in requests for g in (0, 1) for e in (0, 1)]
             seqs = [s for g in groups for s in g]
             self.bans = (np.cumsum([0] + [len(g) for g in groups]).astype(np.int64),
@@ -370,9 +371,7 @@ class BeamSearch:
     def _ban_groups(self, rows: Rows, rem: np.ndarray):
         if self.bans is None:
             return None
-        if not self.cfg.guarantee:
-            return 4 * rows.req
-        return 4 * rows.req + 2 * rows.glue + (rem != 0)
+        return 4 * rows.req + 2 * rows.glue + (self.cfg.guarantee & (rem != 0))
 
     def _uniforms(self, rows: Rows) -> np.ndarray:
         counts = np.bincount(rows.req, minlength=len(self.slots))
@@ -446,9 +445,10 @@ class BeamSearch:
     @property
     def open_end(self) -> bool:
         """Whether a keyword that ends at the last token waits for the next one to count: it may
-        still become part of a longer word ("pet" + "rified"). Under `guarantee` the next token
-        cannot glue onto a keyword just completed (a ban), so it counts at once."""
-        return not self.cfg.guarantee
+        still become part of a longer word ("pet" + "rified"). With the word-piece table (under
+        `guarantee` or `boost_word_starts`, the default) the next token cannot glue onto a keyword
+        just completed (a ban), so it counts at once and its candidate is credited in this chunk."""
+        return self.word_piece is None
 
     def _final(self, rows: Rows) -> np.ndarray:
         """Rows whose text cannot go on: ended, or at max_new_tokens."""

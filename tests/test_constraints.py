@@ -41,6 +41,7 @@ def _search(order, guarantee=False, n_kw=3):
     s.cfg = DBSConfig(order=order, guarantee=guarantee)
     s.n_kw = np.array([n_kw])
     s.full = np.array([(1 << n_kw) - 1])
+    s.word_piece = np.ones(1, bool) if guarantee else None    # with the table, glue is banned
     return s
 
 
@@ -60,8 +61,9 @@ def test_credit_next_is_the_papers_pointer_and_any_counts_whichever_appears():
     # next under guarantee: consecutive keywords in order (forcing can place two in one chunk)
     credit, new = _search("next", True)._credit(kws, 0b111, "It is", " colony enemy")
     assert new == 0b011
-    # a keyword at the very end of the chunk counts once the text goes on without gluing onto it
-    # (or ends there); under guarantee at once, as the next token cannot glue
+    # without the word-piece table, a keyword at the very end of the chunk counts once the text
+    # goes on without gluing onto it (or ends there); with it (guarantee, boost_word_starts) at
+    # once, as the next token cannot glue
     assert _search("any")._credit(kws, 0b100, "It is", " the mouth", False)[1] == 0
     assert _search("any")._credit(kws, 0b100, "It is", " the mouth", True)[1] == 0b100
     assert _search("any", True)._credit(kws, 0b100, "It is", " the mouth", False)[1] == 0b100

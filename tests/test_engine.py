@@ -151,3 +151,26 @@ def test_scorer_with_other_vocabulary_is_rejected(exported, tmp_path, capsys):
     assert cli(["generate", "--model", str(exported["gpt2"]), "--keywords", "colony", "--scorer",
                 str(tmp_path / "o"), "--max-new-tokens", "4"]) == 2
     assert "different vocabulary" in capsys.readouterr().err
+
+
+def test_a_keyword_just_completed_is_never_glued_onto(dbs, monkeypatch):
+    """Without --guarantee too: the token after a keyword that was just counted is never a word
+    piece ("pet" + "rified"), so the word the engine counted is the word in the text."""
+    from dbs_fast.backend import OnnxBackend
+
+    calls = []
+    sample = OnnxBackend.sample
+
+    def spy(*args, **kw):
+        ids, lp = sample(*args, **kw)
+        calls.append((None if kw.get("row_ban") is None else kw["row_ban"].copy(), ids.copy()))
+        return ids, lp
+
+    monkeypatch.setattr(OnnxBackend, "sample", staticmethod(spy))
+    cfg = DBSConfig(beams=3, candidates=4, chunk=3, max_new_tokens=24, stop="max")
+    for seed in range(3):
+        dbs.generate("It is", KW, seed=seed, config=cfg)
+    glued = [(g, ids) for g, ids in calls if g is not None]
+    assert len(glued) == len(calls)                                   # the glue bans are on
+    after = np.concatenate([ids[g % 4 >= 2] for g, ids in glued])     # tokens right after a keyword
+    assert len(after) > 0 and not dbs.word_piece[after].any()
