@@ -15,7 +15,12 @@ with N concurrent asyncio clients (httpx), each sending `--per-client` requests 
 - engine: in process, n small requests as one batch: seconds and model ms per step vs rows; and
   one decode step's milliseconds by rows and cache length.
 Throughput: requests/s and candidate tokens/s (the server's /metrics counter over the arm's
-wall time); latency p50/p95 per request. Writes load.json and load.png.
+wall time); latency p50/p95 per request. For the small arm, the same requests of every level are
+also sent one at a time by one client to the one-at-a-time server ("alone": no queue, no merging;
+same bodies and seeds, so the same texts), and the ratios compare latency under load with the
+same requests' latency alone: p95 over p95, and the p95 of each request's own slow-down (beside
+the older p95 over the 1-client arm's p50, which is 3 other, shorter requests).
+Writes load.json and load.png.
 """
 from __future__ import annotations
 
@@ -122,17 +127,32 @@ async def drive(url: str, work: list[dict], clients: int, deadline: float) -> li
     return out
 
 
-def arm(server: ServerProcess, kind: str, clients: int, per_client: int, max_seconds: float) -> dict:
+def arm(server: ServerProcess, kind: str, clients: int, per_client: int, max_seconds: float,
+        senders: int | None = None) -> dict:
+    """The work of `clients` clients x `per_client` requests, sent by `senders` concurrent clients
+    (default `clients`; 1 measures each of the same requests alone, one after another)."""
     work = bodies(kind, clients * per_client, seed0=1000 * clients)
     tok0, t0 = server.metric("dbs_candidate_tokens_total"), time.perf_counter()
-    res = asyncio.run(drive(server.url, work, clients, time.time() + max_seconds))
+    res = asyncio.run(drive(server.url, work, senders or clients, time.time() + max_seconds))
     wall = time.perf_counter() - t0
     lat = np.array([r["latency"] for r in res if r["status"] == 200])
-    return {"clients": clients, "requests": len(res), "ok": int((np.array([r["status"] for r in res]) == 200).sum()),
+    return {"clients": clients, "senders": senders or clients, "requests": len(res),
+            "ok": int((np.array([r["status"] for r in res]) == 200).sum()),
             "wall_s": wall, "requests_per_s": len(lat) / wall,
             "candidate_tokens_per_s": (server.metric("dbs_candidate_tokens_total") - tok0) / wall,
             "p50_s": float(np.percentile(lat, 50)) if len(lat) else None,
-            "p95_s": float(np.percentile(lat, 95)) if len(lat) else None}
+            "p95_s": float(np.percentile(lat, 95)) if len(lat) else None,
+            "latency_s": {str(r["i"]): r["latency"] for r in res if r["status"] == 200}}
+
+
+def latency_ratios(cont: dict, alone: dict) -> dict:
+    """The same requests under load and alone (same bodies and seeds, so the same texts): p95 over
+    p95, and the p95 of each request's own slow-down."""
+    both = sorted(set(cont["latency_s"]) & set(alone["latency_s"]), key=int)
+    slow = [cont["latency_s"][i] / alone["latency_s"][i] for i in both]
+    return {"alone_p50_s": alone["p50_s"], "alone_p95_s": alone["p95_s"],
+            "p95_over_alone_p95": cont["p95_s"] / alone["p95_s"],
+            "slowdown_p50": float(np.percentile(slow, 50)), "slowdown_p95": float(np.percentile(slow, 95))}
 
 
 async def join_test(url: str) -> dict:
@@ -275,6 +295,9 @@ def plot(res: dict, path: Path) -> None:
         ax[0].plot(x, [p["requests_per_s"] for p in pts], style, label=f"{mode}")
         ax[1].plot(x, [p["p50_s"] for p in pts], style, label=f"{mode} p50")
         ax[1].plot(x, [p["p95_s"] for p in pts], style, alpha=0.5, label=f"{mode} p95")
+    alone = res["small"].get("alone", [])
+    if alone:
+        ax[1].plot([p["clients"] for p in alone], [p["p95_s"] for p in alone], "k:", label="the same requests alone, p95")
     ax[0].set(xscale="log", xlabel="concurrent clients", ylabel="requests/s", title="small requests (b = s = 2)")
     ax[1].set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="latency (s)", title="latency")
     for a in ax:
@@ -321,10 +344,14 @@ def main(argv=None) -> int:
                 lv = levels if kind == "small" else [1, 4]
                 per = a.per_client if kind == "small" else 2
                 res[kind][mode] = []
+                if mode == "sequential":
+                    res[kind]["alone"] = []
                 for n in lv:
                     r = arm(srv, kind, n, per, a.max_seconds)
                     res[kind][mode].append(r)
                     print(mode, kind, json.dumps(r), flush=True)
+                    if mode == "sequential" and kind == "small":       # the same requests, each alone
+                        res[kind]["alone"].append(arm(srv, kind, n, per, a.max_seconds, senders=1))
                 if kind == "paper" and mode == "continuous" and "join" not in skip:
                     res["join"] = asyncio.run(join_test(srv.url))
                     print("join", json.dumps(res["join"]), flush=True)
@@ -334,8 +361,11 @@ def main(argv=None) -> int:
     for kind in ("small", "paper"):
         c, s = res[kind].get("continuous"), res[kind].get("sequential")
         if c and s:
+            alone = res[kind].get("alone") or [None] * len(c)
             res[kind]["ratio"] = [{"clients": x["clients"], "throughput": x["requests_per_s"] / y["requests_per_s"],
-                                   "p95_over_single": x["p95_s"] / s[0]["p50_s"]} for x, y in zip(c, s)]
+                                   "p95_over_single": x["p95_s"] / s[0]["p50_s"],
+                                   **(latency_ratios(x, z) if z and "latency_s" in x else {})}
+                                  for x, y, z in zip(c, s, alone)]
     if "soak" not in skip:
         srv = ServerProcess(a.model, 140, a.threads, out / "server-soak.log").wait_ready()
         try:

@@ -265,3 +265,14 @@ def test_shutdown_finishes_running_work_within_the_grace_period(exported):
         assert not b.submit(Job(dbs.request("It is", "colony", None, 0, cfg), cfg, send=None))   # stopped
         if want == "error":
             assert got[0][1][0] == 503
+
+
+def test_load_latency_ratios_pair_each_request_with_itself_alone():
+    from dbs_fast.benchmarks.load import latency_ratios
+
+    alone = {"p50_s": 1.0, "p95_s": 2.0, "latency_s": {"0": 0.5, "1": 1.0, "2": 2.0, "3": 4.0}}
+    loaded = {"p95_s": 5.0, "latency_s": {"0": 1.0, "1": 3.0, "2": 2.0, "3": 4.0}}     # request 1 alone took 1 s
+    r = latency_ratios(loaded, alone)
+    assert r["p95_over_alone_p95"] == 2.5
+    assert r["slowdown_p50"] == 1.5 and 2.5 < r["slowdown_p95"] <= 3.0                # slow-downs 2, 3, 1, 1
+    assert latency_ratios({**loaded, "latency_s": {"1": 3.0, "9": 1.0}}, alone)["slowdown_p95"] == 3.0
