@@ -344,13 +344,14 @@ def main(argv=None) -> int:
                 lv = levels if kind == "small" else [1, 4]
                 per = a.per_client if kind == "small" else 2
                 res[kind][mode] = []
-                if mode == "sequential":
+                alone = mode == "sequential" and kind == "small"       # also the same requests, each alone
+                if alone:
                     res[kind]["alone"] = []
                 for n in lv:
                     r = arm(srv, kind, n, per, a.max_seconds)
                     res[kind][mode].append(r)
                     print(mode, kind, json.dumps(r), flush=True)
-                    if mode == "sequential" and kind == "small":       # the same requests, each alone
+                    if alone:
                         res[kind]["alone"].append(arm(srv, kind, n, per, a.max_seconds, senders=1))
                 if kind == "paper" and mode == "continuous" and "join" not in skip:
                     res["join"] = asyncio.run(join_test(srv.url))
