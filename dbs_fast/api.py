@@ -110,7 +110,7 @@ class DirectedBeamSearch:
             from .backend import OnnxBackend
             from .session import OnnxModel
 
-            self.decoder = self._decoder(kv_layout, provider, threads)
+            self.decoder = self._decoder(self.model_dir, kv_layout, provider, threads)
             self.backend = OnnxBackend(OnnxModel(self.model_dir, provider, threads, lazy=self.decoder is not None))
         elif backend == "torch":
             from .torch_backend import TorchBackend
@@ -126,7 +126,7 @@ class DirectedBeamSearch:
         self._sentence_end = None
         self._word_piece = None
         self.scorer_name = scorer
-        self.scorer = self._make_scorer(scorer, provider, threads)
+        self.scorer = self._make_scorer(scorer, provider, threads, kv_layout)
 
     @property
     def sentence_end(self) -> np.ndarray:
@@ -149,11 +149,12 @@ class DirectedBeamSearch:
     def _subwords(self, word: str) -> list[int]:
         return self._pieces(" " + word)
 
-    def _decoder(self, kv_layout: str, provider, threads):
+    @staticmethod
+    def _decoder(model_dir: Path, kv_layout: str, provider, threads):
         """Engine v2's decode graph (decode.onnx, `export/prefix_graph.py`), or None for the row layout."""
         if kv_layout not in KV_LAYOUTS:
             raise DBSError(f"`kv_layout` must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-        path = self.model_dir / DECODE_GRAPH
+        path = model_dir / DECODE_GRAPH
         if kv_layout == "rows" or (kv_layout == "auto" and not path.is_file()):
             return None
         if not path.is_file():
@@ -162,14 +163,18 @@ class DirectedBeamSearch:
 
         return PrefixDecoder(path, provider, threads)
 
-    def _make_scorer(self, scorer: str, provider, threads):
+    def _make_scorer(self, scorer: str, provider, threads, kv_layout: str):
+        """`self`, or a second exported LM whose cache takes the same layout rule as the generator's."""
         from .scorer import OnnxScorer, SelfScorer
 
         if scorer == "self":
             return SelfScorer()
         from .session import OnnxModel
 
-        return OnnxScorer(OnnxModel(resolve_model_dir(scorer), provider, threads), self.backend.tokenizer)
+        model_dir = resolve_model_dir(scorer)
+        decoder = self._decoder(model_dir, kv_layout, provider, threads)
+        return OnnxScorer(OnnxModel(model_dir, provider, threads, lazy=decoder is not None), self.backend.tokenizer,
+                          decoder)
 
     def generate(self, context: str, keywords, seed: int = 0, config: DBSConfig | None = None,
                  progress=None, ban=None) -> GenerationResult:

@@ -46,6 +46,10 @@ class OnnxBackend:
         logits, cache = self.model.forward(tokens[:, None], cache)
         return logits[:, -1], cache
 
+    def feed(self, tokens: np.ndarray, cache: KVCache) -> tuple[np.ndarray, KVCache]:
+        """Known tokens (R, k) through the model: the logits after each (R, k, V) (one forward)."""
+        return self.model.forward(tokens, cache)
+
     def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
         return cache.select(rows, in_place=True)
 
@@ -117,6 +121,10 @@ class PrefixBackend:
         ids = np.full(lay.cache.chunk_mask.shape[0], self.base.pad_id, np.int64)
         ids[lay.live] = tokens
         return self.decoder.step(ids, lay.cache)[lay.live], lay
+
+    def feed(self, tokens: np.ndarray, lay: "Layout"):
+        """Known tokens (R, k) of this chunk, one decode step each: the logits after each (R, k, V)."""
+        return np.stack([self.step(tokens[:, t], lay)[0] for t in range(tokens.shape[1])], axis=1), lay
 
     @staticmethod
     def select(lay: "Layout", rows: np.ndarray) -> "Layout":

@@ -133,7 +133,7 @@ class BeamSearch:
 
     def __init__(self, backend, scorer, cfg: DBSConfig, requests: list[Request] = (), progress=None,
                  sentence_end: np.ndarray | None = None, word_piece: np.ndarray | None = None):
-        self.be, self.scorer, self.cfg = backend, scorer.fresh(), cfg
+        self.be, self.scorer, self.cfg = backend, scorer.fresh(cfg), cfg
         if cfg.stop == "sentence" and sentence_end is None:   # (V,) bool; the API passes a cached one
             sentence_end = occurrence.sentence_end_tokens(backend.decode_one, backend.vocab_size)
         self.sentence_end = sentence_end
@@ -256,6 +256,7 @@ class BeamSearch:
         self.slots = [self.slots[q] for q in stay]
         if not self.slots:
             self.rows = self.pending = self.cache = None
+            self.scorer = self.scorer.fresh(self.cfg)      # its rows left too (an empty select is no gather)
             return
         renum = np.full(len(gone), -1, np.int64)
         renum[stay] = np.arange(len(stay))

@@ -130,9 +130,10 @@ def _run_generate(a) -> int:
         print(json.dumps(r.to_json(), allow_nan=False))
         return 0
     print(highlight(r.text, r.keywords, sys.stdout.isatty()))
+    grader = "the generator grading itself" if a.scorer == "self" else f"scorer {a.scorer}"
     print(f"\nfound {sum(v is not None for v in r.found.values())}/{len(r.keywords)} "
           f"(success rate {r.success_rate:.2f}, success length {r.success_length}), stopped: {r.stopped}, "
-          f"perplexity {r.perplexity:.2f} [{dbs.scorer_name} scorer, the generator grading itself], {r.seconds:.1f} s, {r.tokens_per_second:.1f} tokens/s "
+          f"perplexity {r.perplexity:.2f} [{grader}], {r.seconds:.1f} s, {r.tokens_per_second:.1f} tokens/s "
           f"({r.candidate_tokens_per_second:.0f} candidate tokens/s, backend {a.backend})")
     return 0
 

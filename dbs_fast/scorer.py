@@ -1,7 +1,8 @@
 """Perplexity scorers: `self` (the generator's own unguided log-probs, free) or a separate ONNX LM.
 
-The ONNX scorer keeps its own KV cache per row, is gathered with the generator's rows, and
-runs only the k new tokens of every chunk (one multi-token forward per chunk).
+The ONNX scorer keeps its own KV cache in the generator's layout (engine v2's prefixes where its
+export has the decode graph, else one row per candidate), is gathered with the generator's rows,
+and runs only the k new tokens of every chunk.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from .session import OnnxModel
 class SelfScorer:
     name = "self"
 
-    def fresh(self):
+    def fresh(self, cfg):
         return self
 
     def admit(self, contexts, rows):
@@ -38,49 +39,53 @@ def token_logprobs(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 class OnnxScorer:
-    """A second causal LM (e.g. Distil-GPT-2 for GPT-2 large) that shares the tokenizer."""
+    """A second causal LM (e.g. Distil-GPT-2 for GPT-2 large) that shares the tokenizer.
+
+    Its cache is laid out as the generator's: with a decode graph (`decoder`, engine v2) each
+    beam's prefix is stored once and a chunk is scored by k decode steps; without one, one cache
+    row per candidate and one k-token forward per chunk."""
 
     name = "onnx"
 
-    def __init__(self, model: OnnxModel, generator_tokenizer):
+    def __init__(self, model: OnnxModel, generator_tokenizer, decoder=None):
         if model.tokenizer.get_vocab() != generator_tokenizer.get_vocab():
             raise DBSError(f"scorer {model.dir} has a different vocabulary from the generator's: the "
                            f"scorer must share the generator's tokenizer (re-tokenising is not supported)")
-        self.model = model
-        self.pad = model.eos_ids[0] if model.eos_ids else 0
+        self.model, self.decoder = model, decoder
+        self.be = None
         self.cache = None
         self.pending = None           # (R, V) logits predicting each row's next token
 
-    def fresh(self) -> "OnnxScorer":
+    def fresh(self, cfg) -> "OnnxScorer":
         """A scorer on the same model with no rows (one per batch: the rows are its state)."""
-        return OnnxScorer(self.model, self.model.tokenizer)
+        from .backend import OnnxBackend, PrefixBackend
+
+        new = OnnxScorer(self.model, self.model.tokenizer, self.decoder)
+        base = OnnxBackend(self.model)
+        new.be = base if self.decoder is None else PrefixBackend(base, self.decoder, cfg.candidates, cfg.chunk,
+                                                                 cfg.max_new_tokens)
+        return new
 
     def admit(self, contexts, rows):
         """New contexts join: prefilled, gathered to `rows` and appended to the running rows."""
-        from .backend import left_pad
-        from .session import KVCache
-
-        ids, mask = left_pad(contexts, self.pad)
-        logits, cache = self.model.forward(ids, self.model.empty_cache(len(contexts)), mask)
-        cache, pending = cache.select(rows), np.take(logits[:, -1], rows, axis=0)
-        if self.cache is None or self.cache.batch == 0:
+        logits, cache = self.be.prefill(contexts)
+        cache, pending = self.be.select(cache, rows), self.be.take(logits, rows)
+        if self.cache is None:
             self.cache, self.pending = cache, pending
         else:
-            self.cache, self.pending = KVCache.merge(self.cache, cache), np.concatenate([self.pending, pending])
+            self.cache, self.pending = self.be.merge(self.cache, cache), self.be.concat(self.pending, pending)
 
     def trim(self):
-        self.cache = self.cache.trim()
+        self.cache = self.be.trim(self.cache)
 
     def select(self, rows):
-        self.cache = self.cache.select(rows, in_place=True)
-        self.pending = np.take(self.pending, rows, axis=0)
+        self.cache = self.be.select(self.cache, rows)
+        self.pending = self.be.take(self.pending, rows)
 
     def score(self, chunk, gen_logp, last):
-        R, k = chunk.shape
-        lp = np.empty((R, k), np.float32)
+        logits, self.cache = self.be.feed(chunk, self.cache)                 # (R, k, V)
+        lp = np.empty(chunk.shape, np.float32)
         lp[:, 0] = token_logprobs(self.pending, chunk[:, 0])
-        logits, self.cache = self.model.forward(chunk, self.cache)           # (R, k, V)
-        if k > 1:
-            lp[:, 1:] = token_logprobs(logits[:, :-1], chunk[:, 1:])
-        self.pending = logits[:, -1]
+        lp[:, 1:] = token_logprobs(logits[:, :-1], chunk[:, 1:])
+        self.pending = logits[:, -1].copy()
         return lp

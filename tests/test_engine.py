@@ -70,10 +70,27 @@ def test_select_best_keeps_top_cumulative_scores_per_request():
     assert list(search._select_best(rows)) == [1, 3, 4, 6]
 
 
-def test_onnx_scorer_equals_self_scorer_on_the_same_model(exported, dbs):
+@pytest.mark.parametrize("layout", ["rows", "prefix"])
+def test_onnx_scorer_equals_self_scorer_on_the_same_model(exported, dbs, layout):
+    """A second LM as scorer, its cache in either layout (prefix: k decode steps per chunk over
+    each beam's prefix stored once), gives the generator's own log-probs when it is the same model."""
+    other = DirectedBeamSearch(exported["gpt2"], config=SMALL, scorer=str(exported["gpt2"]), kv_layout=layout)
+    assert (other.scorer.decoder is not None) == (layout == "prefix")
+    for seed in (2, 5):
+        a, b = dbs.generate("It is", KW, seed=seed), other.generate("It is", KW, seed=seed)
+        assert a.text == b.text and a.perplexity == pytest.approx(b.perplexity, rel=1e-3)
+
+
+def test_onnx_scorer_follows_a_running_batch_that_empties_and_takes_new_requests(exported, dbs):
+    """Continuous batching with a second-LM scorer: when every request has left, the next ones
+    start with a scorer holding only their rows (results as if each ran alone)."""
     other = DirectedBeamSearch(exported["gpt2"], config=SMALL, scorer=str(exported["gpt2"]))
-    a, b = dbs.generate("It is", KW, seed=2), other.generate("It is", KW, seed=2)
-    assert a.text == b.text and a.perplexity == pytest.approx(b.perplexity, rel=1e-3)
+    batch = other.batch()
+    for context, seed in (("It is", 0), ("The city", 1)):
+        batch.admit([other.request(context, KW, seed=seed)])
+        (got,) = batch.run()
+        alone = dbs.generate(context, KW, seed=seed)
+        assert got.text == alone.text and got.perplexity == pytest.approx(alone.perplexity, rel=1e-3)
 
 
 def test_batch_equals_single_requests(dbs):
