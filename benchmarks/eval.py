@@ -168,6 +168,17 @@ def judge_rows(path: Path, judge, quiet=False) -> list[dict]:
     return rows
 
 
+def reference_scores(sets, refs: list[str], context: str, judge) -> dict:
+    """The human reference sentences of `sets` under the same judge and context as the generated
+    text, and their coverage by lemma: what text a person would keep scores on this ruler."""
+    from dbs_fast.metrics import coverage
+
+    refs = refs[:len(sets)]
+    ppl = [p for i in range(0, len(refs), 16) for p in judge.perplexity([(context, r) for r in refs[i:i + 16]])]
+    return {"judge_ppl": _aggregate([{"judge_ppl": p} for p in ppl], ("judge_ppl",))["judge_ppl"],
+            "coverage": float(np.mean([coverage(r, kw) for r, kw in zip(refs, sets)]))}
+
+
 def keyword_misses(rows) -> dict:
     """Where DBS falls short: miss rate by the keyword's position in its set, and the missed words."""
     by_pos: dict[int, list[int]] = {}
@@ -206,6 +217,8 @@ def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed
         if refs is not None:
             agg["commongen"] = commongen_scores(rs, refs)
         summary[mode] = agg
+    if refs is not None and judge is not None:
+        summary["reference"] = reference_scores(sets, refs, context, judge)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     lines = [f"{len(sets)} keyword sets, context {context!r}; judge: {summary['judge']} (perplexity of the "
              f"generated text given the context, judge's own tokenizer); self ppl: the generator grading itself.", "",
@@ -227,6 +240,11 @@ def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed
         for mode in configs:
             c = summary[mode]["commongen"]
             lines.append(f"| {mode} | {c['coverage']:.3f} | {c['all_covered']:.3f} | {c['bleu4']:.1f} |")
+        if "reference" in summary:
+            ref = summary["reference"]
+            lines += ["", f"The human references of these sets (one sentence each), read by the same judge after the "
+                          f"same context: judge ppl {ref['judge_ppl']['mean']:.1f} / {ref['judge_ppl']['median']:.1f} "
+                          f"(mean / median), coverage {ref['coverage']:.3f}."]
     for mode in configs:
         miss = summary[mode]["misses"]
         lines += ["", f"{mode}: miss rate by keyword position: " + ", ".join(

@@ -185,7 +185,7 @@ def test_eval_commongen_at_toy_size(exported, tmp_path, capsys):
     out = tmp_path / "cg"
     argv = ["eval", "--model", str(exported["gpt2"]), "--sets", "commongen-dev", "--limit", "2", "--out", str(out),
             "--beams", "2", "--candidates", "2", "--chunk", "3", "--max-new-tokens", "24", "--batch", "2",
-            "--runs", "dbs,guarantee", "--judge", "none"]
+            "--runs", "dbs,guarantee", "--judge", str(exported["llama"])]
     assert cli(argv) == 0
     s = json.loads((out / "summary.json").read_text())
     from dbs_fast.cli import COMMONGEN
@@ -194,4 +194,7 @@ def test_eval_commongen_at_toy_size(exported, tmp_path, capsys):
     assert s["configs"]["dbs"]["lam"] == COMMONGEN["lam"]                # the task's defaults
     assert s["guarantee"]["commongen"]["coverage"] == 1.0             # guaranteed
     assert 0.0 <= s["dbs"]["commongen"]["bleu4"] <= 100.0
-    assert "BLEU-4" in capsys.readouterr().out
+    # the human references on the same ruler: sets 0-1's sentences use all their concepts
+    assert s["reference"]["coverage"] == 1.0 and s["reference"]["judge_ppl"]["median"] > 1.0
+    printed = capsys.readouterr().out
+    assert "BLEU-4" in printed and "human references" in printed
