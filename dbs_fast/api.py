@@ -212,10 +212,13 @@ class DirectedBeamSearch:
         if cfg.guarantee and sum(map(len, force)) > cfg.max_new_tokens:
             raise DBSError(f"--guarantee: the keywords take {sum(map(len, force))} tokens, more than "
                            f"max_new_tokens ({cfg.max_new_tokens}) can hold; raise it or give fewer keywords")
-        phrases = [(i, head, whole) for i, k in enumerate(kws) for head, whole in constraints.phrase_starts(enc, k)]
+        phrases = [(i, head, whole) for i, k in enumerate(kws)
+                   for head, whole in constraints.phrase_starts(enc, k, words=cfg.complete_words)]
         allowed = ~self.word_piece if cfg.boost_word_starts else None
         boosts = [constraints.keyword_boost(self.table, k, cfg.lam, cfg.boost_cutoff, self.subword_fallback,
-                                            lenient=cfg.guarantee, allowed=allowed) for k in kws]
+                                            lenient=cfg.guarantee, allowed=allowed,
+                                            own=constraints.first_tokens(enc, k) if cfg.complete_words else ())
+                  for k in kws]
         return Request(ids, [k.text for k in kws], int(seed), boosts, force, phrases,
                        constraints.ban_sequences(enc, bans), context)
 

@@ -13,9 +13,9 @@ BOOST_ORDERS = ("filter_then_boost", "boost_then_filter")
 STOPS = ("max", "sentence")
 ORDERS = ("next", "any")
 # The settings where the default differs from the paper (chosen by measurement, README "Quality").
-IMPROVED = {"boost_word_starts": True, "alpha_fluent": 0.02, "late_boost_first": True, "repetition_penalty": 1.0, "no_repeat_ngram_size": 3,
+IMPROVED = {"boost_word_starts": True, "complete_words": True, "alpha_fluent": 0.02, "late_boost_first": True, "repetition_penalty": 1.0, "no_repeat_ngram_size": 3,
             "stop": "sentence"}
-PAPER = {"boost_word_starts": False, "alpha_fluent": None, "late_boost_first": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+PAPER = {"boost_word_starts": False, "complete_words": False, "alpha_fluent": None, "late_boost_first": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
          "stop": "max"}
 
 
@@ -40,6 +40,8 @@ OPTIONS = (
     ("alpha_fluent", "--alpha-fluent", float, "weight of perplexity in Q while the beam is ahead of its deadline"),
     ("reserve_per_keyword", "--reserve-per-keyword", int, "tokens kept per keyword still to place (the deadline)"),
     ("late_boost_first", "--late-boost-first", parse_bool, "true/false: rows behind the deadline boost before the top-p cut"),
+    ("complete_words", "--complete-words", parse_bool, "true/false: a keyword of several tokens is boosted from its own "
+                                                       "first token and its rest forced once that is out"),
     ("c_star", "--c-star", float, "Q's penalty for a chunk without the guide word"),
     ("repetition_penalty", "--repetition-penalty", float, "> 1 discourages tokens already used (1 = off)"),
     ("no_repeat_ngram_size", "--no-repeat-ngram-size", int, "ban repeating any n-gram of this size (0 = off)"),
@@ -75,6 +77,9 @@ class DBSConfig:
     boost_word_starts: bool = IMPROVED["boost_word_starts"]  # boost only tokens that start a word (a
     #                              space or punctuation first): a boosted "rink" no longer glues onto
     #                              "hockey" ("hockeyrink", which is no word and places nothing)
+    complete_words: bool = IMPROVED["complete_words"]  # a keyword written in several tokens ("rodeo" =
+    #                              " rode" + "o"): its first token gets the keyword's full boost and,
+    #                              once out, the rest is forced (its vector alone barely boosts " rode")
     guided: bool = True          # False = the unguided baseline (no boosts)
     order: str = "next"          # "next": one keyword at a time, in the given order (the paper);
     #                              "any": guide towards every keyword still to place (per-token max)
@@ -119,6 +124,8 @@ class DBSConfig:
             raise DBSError(f"`no_repeat_ngram_size` must be an integer >= 0 (0 = off), got {v!r}")
         if self.order not in ORDERS:
             raise DBSError(f"`order` must be one of {ORDERS}, got {self.order!r}")
+        if not isinstance(self.complete_words, bool):
+            raise DBSError(f"`complete_words` must be true or false, got {self.complete_words!r}")
         if not isinstance(self.guarantee, bool):
             raise DBSError(f"`guarantee` must be true or false, got {self.guarantee!r}")
         if self.stop not in STOPS:

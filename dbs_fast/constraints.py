@@ -11,7 +11,11 @@ by the per-token max over its alternatives' boosts, and `order="any"` by the per
 the keywords still to place (merged rows, built on first use and cached).
 
 Forcing (the token sequences the scheduler may force): a keyword's tokens when its deadline
-comes under `guarantee`, and the rest of a phrase once its first word's tokens are out.
+comes under `guarantee`, and the rest of a phrase once its first word's tokens are out. With
+`complete_words` (the default) a keyword is also written from its own first token: that token
+(each case, after a space) gets the keyword's full boost, as a one-token keyword has, and once it
+is out the rest of the keyword's tokens are forced ("rodeo" = " rode" + "o": the embedding
+similarity of " rode" to "rodeo" alone would give it a boost of about 1 at lambda 8).
 
 Bans (the sequences the kernel never completes): every case and leading-space variant of a
 banned word, tokenised; a one-token variant is never drawn, a longer one's last token is never
@@ -91,12 +95,15 @@ def _dedup(seqs) -> list[tuple[int, ...]]:
 
 # -- guidance -------------------------------------------------------------------------------
 def keyword_boost(table: SimilarityTable, kw: Keyword, lam: float, cutoff: float, subword_fallback=None,
-                  lenient: bool = False, allowed: np.ndarray | None = None) -> SparseBoost:
+                  lenient: bool = False, allowed: np.ndarray | None = None, own=()) -> SparseBoost:
     """Boost of one keyword: per-token max over its alternatives; a phrase uses the mean of its
     words' unit vectors. `lenient` (guarantee): a keyword no vector covers gets its sub-word
     tokens' vectors, or no boost at all, instead of an error. `allowed`: (V,) bool, the tokens
-    that may be boosted (others are dropped)."""
+    that may be boosted (others are dropped). `own`: token ids that begin the keyword itself
+    (`first_tokens`): they get the full boost, lambda, as a one-token keyword's own token has."""
     rows = []
+    if len(own):
+        rows.append(SparseBoost(kw.text, np.array(sorted(own), np.int32), np.full(len(own), lam, np.float32)))
     for alt in kw.alternatives:
         vecs = [v for v in (table.emb.vector(w) for w in alt) if v is not None]
         if not vecs and (subword_fallback is not None or lenient):
@@ -116,6 +123,9 @@ def keyword_boost(table: SimilarityTable, kw: Keyword, lam: float, cutoff: float
             keep = allowed[b.ids]
             b = SparseBoost(b.word, b.ids[keep], b.values[keep])
         rows.append(b)
+    if allowed is not None and len(own):
+        keep = allowed[rows[0].ids]
+        rows[0] = SparseBoost(kw.text, rows[0].ids[keep], rows[0].values[keep])
     return merge_boosts(kw.text, rows)
 
 
@@ -214,9 +224,21 @@ def keyword_tokens(encode, kw: Keyword) -> list[tuple[int, ...]]:
     return sorted(_dedup(encode(" " + a) for a in kw.phrases), key=len)
 
 
-def phrase_starts(encode, kw: Keyword) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def _word_start_variants(text: str) -> list[str]:
+    """The case variants of `text` after a space (where a word starts: its first token is no word piece)."""
+    return [v for v in surface_variants(text) if v.startswith(" ")]
+
+
+def first_tokens(encode, kw: Keyword) -> set[int]:
+    """The first token of each alternative, in each case, after a space: the keyword's own start."""
+    return {int(t[0]) for a in kw.phrases for v in _word_start_variants(a) if len(t := encode(v))}
+
+
+def phrase_starts(encode, kw: Keyword, words: bool = False) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """For each multi-word alternative and surface variant: (tokens of its first word, tokens of
-    the whole phrase) when the first word's tokens are a prefix of the phrase's."""
+    the whole phrase) when the first word's tokens are a prefix of the phrase's. `words`
+    (complete_words) adds, for every alternative written in more than one token: (its first
+    token, all its tokens), after a space, in each case."""
     out = []
     for a in kw.phrases:
         if " " not in a:
@@ -228,6 +250,12 @@ def phrase_starts(encode, kw: Keyword) -> list[tuple[tuple[int, ...], tuple[int,
             head, whole = tuple(encode(lead + fw)), tuple(encode(v))
             if head and len(whole) > len(head) and whole[: len(head)] == head:
                 out.append((head, whole))
+    if words:
+        for a in kw.phrases:
+            for v in _word_start_variants(a):
+                whole = tuple(encode(v))
+                if len(whole) > 1:
+                    out.append((whole[:1], whole))
     return list(dict.fromkeys(out))
 
 
