@@ -13,7 +13,7 @@ the keywords still to place (merged rows, built on first use and cached).
 Forcing (the token sequences the scheduler may force): a keyword's tokens when its deadline
 comes under `guarantee`, and the rest of a phrase once its first word's tokens are out. With
 `complete_words` (the default) a keyword is also written from its own first token: that token
-(each case, after a space) gets the keyword's full boost, as a one-token keyword has, and once it
+(after a space, as given and in lower case) gets the keyword's full boost, as a one-token keyword has, and once it
 is out the rest of the keyword's tokens are forced ("rodeo" = " rode" + "o": the embedding
 similarity of " rode" to "rodeo" alone would give it a boost of about 1 at lambda 8).
 
@@ -225,12 +225,14 @@ def keyword_tokens(encode, kw: Keyword) -> list[tuple[int, ...]]:
 
 
 def _word_start_variants(text: str) -> list[str]:
-    """The case variants of `text` after a space (where a word starts: its first token is no word piece)."""
-    return [v for v in surface_variants(text) if v.startswith(" ")]
+    """`text` as given and in lower case, after a space (a word start: its first token is no word
+    piece). Not the capitalised or upper-case forms: a full boost on " Col" or " EN" (of "Colony",
+    "ENEMY") would put capitals mid-sentence."""
+    return list(dict.fromkeys([" " + text, " " + text.lower()]))
 
 
 def first_tokens(encode, kw: Keyword) -> set[int]:
-    """The first token of each alternative, in each case, after a space: the keyword's own start."""
+    """The first token of each alternative after a space (as given, lower case): the keyword's own start."""
     return {int(t[0]) for a in kw.phrases for v in _word_start_variants(a) if len(t := encode(v))}
 
 
@@ -238,7 +240,7 @@ def phrase_starts(encode, kw: Keyword, words: bool = False) -> list[tuple[tuple[
     """For each multi-word alternative and surface variant: (tokens of its first word, tokens of
     the whole phrase) when the first word's tokens are a prefix of the phrase's. `words`
     (complete_words) adds, for every alternative written in more than one token: (its first
-    token, all its tokens), after a space, in each case."""
+    token, all its tokens), after a space, as given and in lower case."""
     out = []
     for a in kw.phrases:
         if " " not in a:

@@ -157,7 +157,7 @@ def test_a_keyword_of_several_tokens_is_written_from_its_own_first_token(dbs):
     from dataclasses import replace
 
     word, ids = _several_token_word(dbs)
-    cfg = replace(dbs.config, max_new_tokens=12, lam=8.0)
+    cfg = replace(dbs.config, max_new_tokens=12, lam=20.0)
     on = dbs.request("It is", [word], None, 0, cfg)
     boost = dict(zip(on.boosts[0].ids.tolist(), on.boosts[0].values.tolist()))
     assert boost[ids[0]] == pytest.approx(cfg.lam)
