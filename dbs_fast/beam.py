@@ -366,8 +366,14 @@ class BeamSearch:
             toks = rows.tokens[i, rows.col0[i]:col]
             for bit, head, seq in self.phrases[rows.req[i]]:
                 if rem[i] & bit and len(head) <= len(toks) and tuple(toks[len(toks) - len(head):]) == head:
+                    if rows.glue[i] and self._glues(seq, len(head)):
+                        continue     # the head just completed another keyword ("blow" of "blower"): it stays
                     rows.fseq[i], rows.fpos[i] = seq, len(head)
                     break
+
+    def _glues(self, seq: int, pos: int) -> bool:
+        """Whether token `pos` of forced sequence `seq` continues the word before it (a word piece)."""
+        return self.word_piece is not None and bool(self.word_piece[self.seq_tok[self.seq_ptr[seq] + pos]])
 
     def _ban_groups(self, rows: Rows, rem: np.ndarray):
         if self.bans is None:
