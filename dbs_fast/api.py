@@ -250,12 +250,12 @@ class DirectedBeamSearch:
                           self.word_piece if cfg.guarantee or cfg.boost_word_starts else None)
 
     @staticmethod
-    def _found(texts: list[str], kws) -> dict:
+    def _found(texts: list[str], kws, rule: str = "stem") -> dict:
         """keyword -> first occurrence {"char", "token"} in the final text (texts: every token prefix)."""
         generated = texts[-1] if texts else ""
         found = {}
         for kw in kws:
-            span = occurrence.first_match(generated, kw)      # its tokens: those that complete it
+            span = occurrence.first_match(generated, kw, rule)  # its tokens: those that complete it
             found[kw] = None if span is None else {
                 "char": span[0], "token": next(n + 1 for n, t in enumerate(texts) if len(t) >= span[1])}
         return found
@@ -268,7 +268,7 @@ class DirectedBeamSearch:
         n_gen = int(rows.n_tok[best])
         toks = rows.tokens[best, :n_gen]
         texts = self.backend.decode_batch([toks[:n] for n in range(1, len(toks) + 1)]) or [""]
-        found = self._found(texts, kws)
+        found = self._found(texts, kws, cfg.match)
         stopped = "max"
         if rows.ended[best]:
             stopped = "eos" if n_gen and toks[-1] in self.backend.eos_ids else "sentence"

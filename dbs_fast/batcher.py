@@ -182,7 +182,7 @@ class Batcher:
             job = self.jobs[id(r)]
             job.chunks += 1
             job.send("chunk", {"chunk": job.chunks, "text": text,
-                               "found": [k for k in r.keywords if occurrence.count(text, k) > 0]})
+                               "found": [k for k in r.keywords if occurrence.count(text, k, rule=cfg.match) > 0]})
         for r, result in done:
             job = self.jobs.pop(id(r))
             self.latencies.append(time.perf_counter() - job.submitted)

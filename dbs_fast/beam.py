@@ -444,7 +444,7 @@ class BeamSearch:
         for i, text in zip(idx, self._chunk_texts(rows, prefix, idx)):
             kws = self.slots[rows.req[i]].request.keywords
             for b, k in bits(int(masks[i])):
-                if occurrence.count_new(prefix[i], text, kws[k], self.open_end, final[i]) > 0:
+                if occurrence.count_new(prefix[i], text, kws[k], self.open_end, final[i], self.cfg.match) > 0:
                     seen[i] |= b
         self.t.add("text", t0)
         return seen
@@ -497,7 +497,7 @@ class BeamSearch:
         same chunk); `any`, whichever of the remaining ones appear."""
         credit, new = 0.0, 0
         for b, k in bits(rem):
-            c = occurrence.count_new(prefix, text, kws[k], self.open_end, final)
+            c = occurrence.count_new(prefix, text, kws[k], self.open_end, final, self.cfg.match)
             if c > 0:
                 credit += math.exp(-c)
                 new |= b

@@ -12,6 +12,7 @@ from .errors import DBSError
 BOOST_ORDERS = ("filter_then_boost", "boost_then_filter")
 STOPS = ("max", "sentence")
 ORDERS = ("next", "any")
+MATCHES = ("stem", "lemma")
 # The settings where the default differs from the paper (chosen by measurement, README "Quality").
 IMPROVED = {"boost_word_starts": True, "complete_words": True, "alpha_fluent": 0.02, "late_boost_first": True, "repetition_penalty": 1.0, "no_repeat_ngram_size": 3,
             "stop": "sentence"}
@@ -49,6 +50,8 @@ OPTIONS = (
                             "max-new-tokens (the paper)"),
     ("order", "--order", str, "next: keywords one at a time in the given order (the paper); any: guide towards "
                               "all remaining keywords at once"),
+    ("match", "--match", str, "how a keyword is recognised in text: stem (equal Porter stems, the paper) or "
+                              "lemma (lemminflect lemmas meet: CommonGen's coverage rule)"),
     ("guarantee", "--guarantee", "switch", "force each keyword's tokens when the budget left is what the "
                                            "remaining keywords need: every keyword appears"),
 )
@@ -83,6 +86,9 @@ class DBSConfig:
     guided: bool = True          # False = the unguided baseline (no boosts)
     order: str = "next"          # "next": one keyword at a time, in the given order (the paper);
     #                              "any": guide towards every keyword still to place (per-token max)
+    match: str = "stem"          # how a keyword is recognised: "stem" (equal Porter stems: the paper) or
+    #                              "lemma" (lemmas meet: CommonGen's coverage; "performance" no longer
+    #                              counts for "perform", so guidance and `guarantee` go on until "perform" is in)
     guarantee: bool = False      # force each keyword's tokens when the budget left is what the
     #                              remaining keywords need (every keyword appears; K2T's deadline)
     # anti-degeneration (not in the paper; transformers semantics), and natural stopping:
@@ -124,6 +130,12 @@ class DBSConfig:
             raise DBSError(f"`no_repeat_ngram_size` must be an integer >= 0 (0 = off), got {v!r}")
         if self.order not in ORDERS:
             raise DBSError(f"`order` must be one of {ORDERS}, got {self.order!r}")
+        if self.match not in MATCHES:
+            raise DBSError(f"`match` must be one of {MATCHES}, got {self.match!r}")
+        if self.match == "lemma":
+            from importlib.util import find_spec
+            if find_spec("lemminflect") is None:
+                raise DBSError("`match` lemma needs lemminflect: pip install 'dbs-fast[bench]'")
         if not isinstance(self.complete_words, bool):
             raise DBSError(f"`complete_words` must be true or false, got {self.complete_words!r}")
         if not isinstance(self.guarantee, bool):

@@ -1,4 +1,8 @@
-"""Guide-word occurrence: whole words (split on whitespace and punctuation) with equal Porter stems.
+"""Guide-word occurrence: whole words (split on whitespace and punctuation) that match by a rule:
+- "stem" (the paper, the default): equal Porter stems ("colonies" for "colony", but also
+  "performance" for "perform");
+- "lemma" (CommonGen's coverage rule, `dbs_fast.metrics.coverage`): the word's lemmas in any part
+  of speech meet the keyword word's (lemminflect: "ran" for "run", not "performance" for "perform").
 
 A keyword in the constraint syntax (`dbs_fast.constraints`) may be a phrase, whose words must
 follow one another, or alternatives separated by `|`, any of which counts.
@@ -12,6 +16,7 @@ from nltk.stem.porter import PorterStemmer
 
 _WORDS = re.compile(r"[^\W_]+")  # runs of letters/digits: punctuation never hides a word
 _stemmer = PorterStemmer()
+RULES = ("stem", "lemma")
 
 
 @lru_cache(maxsize=200_000)
@@ -23,32 +28,46 @@ def words(text: str) -> list[str]:
     return _WORDS.findall(text.lower())
 
 
+@lru_cache(maxsize=200_000)
+def forms(word: str, rule: str = "stem") -> frozenset:
+    """What `word` matches by under `rule`: its stem, or the word and all its lemmas."""
+    if rule == "lemma":
+        from .metrics import lemmas
+        return frozenset(lemmas(word))
+    return frozenset((stem(word),))
+
+
+@lru_cache(maxsize=20_000)
+def _alternatives(keyword: str, rule: str) -> tuple[tuple[frozenset, ...], ...]:
+    return tuple(tuple(forms(w, rule) for w in words(a)) for a in keyword.split("|"))
+
+
 @lru_cache(maxsize=20_000)
 def pattern(keyword: str) -> tuple[tuple[str, ...], ...]:
     """Stems of each alternative's words: "ice cream|gelato" -> (("ice", "cream"), ("gelato",))."""
     return tuple(tuple(stem(w) for w in words(a)) for a in keyword.split("|"))
 
 
-def _spans(text: str, keyword: str, open_end: bool = False):
-    """(start, end) character spans of every occurrence: a position where the stems of some
-    alternative's words follow one another. `open_end`: the text may go on, so a match whose
+def _spans(text: str, keyword: str, open_end: bool = False, rule: str = "stem"):
+    """(start, end) character spans of every occurrence: a position where words matching some
+    alternative's words (by `rule`) follow one another. `open_end`: the text may go on, so a match whose
     last word runs to its very end is not one yet (the next token may make "pet" "petrified")."""
     ms = list(_WORDS.finditer(text))
-    st = [stem(m.group(0)) for m in ms]
-    alts = pattern(keyword)
-    for i in range(len(st)):
+    fs = [forms(m.group(0), rule) for m in ms]
+    alts = _alternatives(keyword, rule)
+    for i in range(len(fs)):
         for a in alts:
-            if a and tuple(st[i: i + len(a)]) == a:
+            if a and i + len(a) <= len(fs) and all(f & w for f, w in zip(fs[i: i + len(a)], a)):
                 end = ms[i + len(a) - 1].end()
                 if not (open_end and end == len(text)):
                     yield ms[i].start(), end
                 break
 
 
-def count(text: str, keyword: str, open_end: bool = False) -> int:
+def count(text: str, keyword: str, open_end: bool = False, rule: str = "stem") -> int:
     """Occurrences of `keyword` in `text` ("Colonies." counts for "colony"; "ice creams" for
     "ice cream"; "ran" for "run|ran"). `open_end`: the text is not finished (see `_spans`)."""
-    return sum(1 for _ in _spans(text, keyword, open_end))
+    return sum(1 for _ in _spans(text, keyword, open_end, rule))
 
 
 def _tail(prefix: str, n_words: int = 1) -> str:
@@ -66,17 +85,18 @@ def _tail(prefix: str, n_words: int = 1) -> str:
     return p[cut.start():]
 
 
-def count_new(prefix: str, chunk: str, keyword: str, open_end: bool = False, final: bool = False) -> int:
+def count_new(prefix: str, chunk: str, keyword: str, open_end: bool = False, final: bool = False,
+              rule: str = "stem") -> int:
     """Occurrences that `chunk` adds after `prefix` (words and phrases straddling the boundary
     included). `open_end`: matches at the very end are not counted until the text goes on without
     extending their last word (as the prefix was counted), unless the text is `final`."""
     tail = _tail(prefix, max(len(a) for a in pattern(keyword)))
-    return count(tail + chunk, keyword, open_end and not final) - count(tail, keyword, open_end)
+    return count(tail + chunk, keyword, open_end and not final, rule) - count(tail, keyword, open_end, rule)
 
 
-def first_match(text: str, keyword: str) -> tuple[int, int] | None:
+def first_match(text: str, keyword: str, rule: str = "stem") -> tuple[int, int] | None:
     """(start, end) character span of the first occurrence of `keyword`, or None."""
-    return next(_spans(text, keyword), None)
+    return next(_spans(text, keyword, rule=rule), None)
 
 
 _SENTENCE_END = re.compile(r"[.!?][\"')\]”’]*\s*$")
