@@ -303,6 +303,12 @@ class BeamSearch:
                 self.force_idx[q, i], self.need[q, i] = forced.add(seq), len(seq)
             self.phrases.append([(1 << i, head, forced.add(whole)) for i, head, whole in r.phrases])
         self.seq_ptr, self.seq_tok = forced.arrays()
+        if self.rows is not None and getattr(self, "forced", None) is not None:   # a request joined or
+            on = self.rows.fseq >= 0            # left: rows being forced point into the new table
+            n = len(forced.seqs)
+            self.rows.fseq[on] = [forced.add(self.forced.seqs[i]) for i in self.rows.fseq[on]]
+            assert len(forced.seqs) == n, "a row forces a sequence of no request in the batch"
+        self.forced = forced
         # ban groups 4q + 2 * glue + eos: request q's bans, plus (guarantee) EOS while a keyword is
         # missing, plus tokens that would glue onto a keyword just completed ("hockey" + "rink",
         # "pet" + "rified"), so that it stays the word that was counted

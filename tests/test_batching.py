@@ -68,6 +68,31 @@ def test_a_dropped_request_leaves_no_result_and_changes_no_other(dbs):
         assert merged[i].generated == alone[i].generated
 
 
+def test_a_request_leaving_while_another_is_forced_mid_keyword_changes_nothing(dbs):
+    """The forced-sequence table is rebuilt when a request leaves; rows forced across a chunk
+    boundary must follow their sequence into the new table (CommonGen dev sets 770-773 under
+    --guarantee: an IndexError, or another request's tokens forced)."""
+    cfg = replace(CFG, order="any", guarantee=True, max_new_tokens=16, stop="max", no_repeat_ngram_size=0)
+    first = ("It is", "colony,enemy", None, 0)            # its sequences come first in the table
+    jobs = [("A", "mouth,qwzxvbnmkj", None, 5), ("The river", "speed,qwzxvbnmkj", None, 6)]
+    bit = False
+    for job in jobs:
+        alone = _alone(dbs, cfg, job)
+        for drop_at in (1, 2, 3):
+            batch = dbs.batch(cfg)
+            reqs = [dbs.request(c, k, b, s, cfg) for c, k, b, s in (first, job)]
+            batch.admit(reqs)
+            out = {}
+            for step in range(1, 5):
+                out.update((id(r), res) for r, res in batch.step())
+                if step == drop_at:
+                    rows = batch.search.rows
+                    bit |= bool(((rows.fseq >= 0) & (rows.req == 1)).any())
+                    batch.drop([reqs[0]])
+            assert out[id(reqs[1])].generated == alone.generated, drop_at
+    assert bit            # the test bites: some drop came while the other request was mid-keyword
+
+
 def test_the_cache_keeps_only_columns_some_row_needs(dbs):
     """Once the long-context request leaves, the padding it forced on the others is cut away."""
     batch = dbs.batch(CFG)
