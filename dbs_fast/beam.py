@@ -429,7 +429,8 @@ class BeamSearch:
             check = (word >= 0) | (force >= 0)
             new = np.zeros(R, np.int64)
             if check.any():
-                new = self._seen_now(rows, prefix, np.flatnonzero(check & live), np.where(force >= 0, rem, cand))
+                new = self._seen_now(rows, prefix, np.flatnonzero(check & live), np.where(force >= 0, rem, cand),
+                                     self._unfinished(rows, force >= 0, 1))
             rows.glue = (new & ~seen) != 0
             seen |= new
             self._advance_forcing(rows, force, seen, base + j + 1)
@@ -442,15 +443,31 @@ class BeamSearch:
                 self.t.kv(self.cache)
         return rows, rows.tokens[:, base:]
 
-    def _seen_now(self, rows: Rows, prefix, idx, masks) -> np.ndarray:
-        """Bits of `masks` (per row) whose keyword appeared in the row's chunk so far."""
+    def _unfinished(self, rows: Rows, forcing: np.ndarray, ahead: int) -> np.ndarray:
+        """Rows whose forced sequence goes on with a word piece (`ahead` = 1: after the token being
+        forced now; 0: next, once forcing has moved on): the word at their end is not finished yet
+        (" sharpen" of a forced " sharpen"+"er" is not "sharpen")."""
+        more = np.zeros(len(rows.req), bool)
+        i = np.flatnonzero(forcing & (rows.fseq >= 0))
+        if self.word_piece is None or not len(i):
+            return more
+        p = self.seq_ptr[rows.fseq[i]] + rows.fpos[i] + ahead
+        go = p < self.seq_ptr[rows.fseq[i] + 1]
+        more[i[go]] = self.word_piece[self.seq_tok[p[go]]]
+        return more
+
+    def _seen_now(self, rows: Rows, prefix, idx, masks, unfinished=None) -> np.ndarray:
+        """Bits of `masks` (per row) whose keyword appeared in the row's chunk so far (`unfinished`
+        rows: not at their very end, as the next token continues the word)."""
         t0 = time.perf_counter()
         seen = np.zeros(len(rows.req), np.int64)
         final = self._final(rows)
         for i, text in zip(idx, self._chunk_texts(rows, prefix, idx)):
             kws = self.slots[rows.req[i]].request.keywords
+            cut = unfinished is not None and unfinished[i]
             for b, k in bits(int(masks[i])):
-                if occurrence.count_new(prefix[i], text, kws[k], self.open_end, final[i], self.cfg.match) > 0:
+                if occurrence.count_new(prefix[i], text, kws[k], self.open_end or cut, final[i] and not cut,
+                                        self.cfg.match) > 0:
                     seen[i] |= b
         self.t.add("text", t0)
         return seen
@@ -487,23 +504,26 @@ class BeamSearch:
         alpha = self._alphas(rows)
         rem = self._remaining(rows, 0)
         final = self._final(rows)
+        cut = self._unfinished(rows, ~rows.ended, 0)
         for i, text in zip(idx, texts):
             pp = math.exp(-float(lp[i, : n_new[i]].mean()))
             credit, new = self._credit(self.slots[rows.req[i]].request.keywords, int(rem[i]), prefix[i], text,
-                                       final[i])
+                                       final[i], cut[i])
             rows.cum[i] += (credit if new else math.exp(-cfg.c_star)) * math.exp(-alpha[i] * pp)
             rows.found[i] |= new
         self.t.add("text", t0)
         return rows
 
-    def _credit(self, kws: list[str], rem: int, prefix: str, text: str, final: bool = False) -> tuple[float, int]:
+    def _credit(self, kws: list[str], rem: int, prefix: str, text: str, final: bool = False,
+                unfinished: bool = False) -> tuple[float, int]:
         """Q's keyword term for a chunk, sum of exp(-c) over the keywords it places (c: their
         occurrences in the chunk), and their bits. `next` places the next keyword in order (the
         paper; under `guarantee` also the ones after it, in order, which forcing can put in the
         same chunk); `any`, whichever of the remaining ones appear."""
         credit, new = 0.0, 0
         for b, k in bits(rem):
-            c = occurrence.count_new(prefix, text, kws[k], self.open_end, final, self.cfg.match)
+            c = occurrence.count_new(prefix, text, kws[k], self.open_end or unfinished, final and not unfinished,
+                                     self.cfg.match)
             if c > 0:
                 credit += math.exp(-c)
                 new |= b

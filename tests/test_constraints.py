@@ -218,6 +218,28 @@ def test_a_keyword_that_begins_another_is_not_glued_into_it(dbs):
         assert r.success_rate == 1.0, r.generated
 
 
+def test_a_keyword_inside_another_forced_keyword_is_not_counted_until_the_word_ends(dbs):
+    """CommonGen set 941 ("sharpener" and "sharpen", --guarantee): the forced " sharpen" of
+    " sharpen"+"er" was counted as "sharpen" mid-word, so "sharpen" was never forced; the chunk's
+    credit then (rightly) found only "sharpener". Lambda 0 and a budget of just the two keywords'
+    tokens: everything is forced, the longer keyword first (any order forces the lowest bit)."""
+    from dataclasses import replace
+
+    pairs = [(b, a) for a, b in (("sharpen", "sharpener"), ("blow", "blower"), ("rode", "rodeo"), ("arm", "armchair"))
+             if len(dbs._pieces(" " + a)) == 1 and dbs._pieces(" " + b)[:1] == dbs._pieces(" " + a)
+             and len(dbs._pieces(" " + b)) > 1]
+    if not pairs:
+        pytest.skip("no word here that the tokenizer writes as another keyword's token + a piece")
+    long_, short = pairs[0]
+    budget = len(dbs._pieces(" " + long_)) + len(dbs._pieces(" " + short))
+    for chunk in (budget, 1):
+        cfg = replace(dbs.config, guarantee=True, order="any", chunk=chunk, max_new_tokens=budget, lam=0.0,
+                      stop="max")
+        for seed in range(2):
+            r = dbs.generate("It is", [long_, short], seed=seed, config=cfg)
+            assert r.success_rate == 1.0, (chunk, r.generated)
+
+
 def test_banned_word_never_appears_and_the_test_bites(dbs):
     from collections import Counter
     from dataclasses import replace
