@@ -148,6 +148,7 @@ class BeamSearch:
         self.chunks = 0
         self.slots: list[Slot] = []
         self.rows: Rows | None = None
+        self.forced: SequenceTable | None = None   # forced token sequences of the batch's requests
         self.pending = self.cache = None      # next-token logits (R, V) and the KV cache of the rows
         if requests:
             self.admit(list(requests))
@@ -303,7 +304,7 @@ class BeamSearch:
                 self.force_idx[q, i], self.need[q, i] = forced.add(seq), len(seq)
             self.phrases.append([(1 << i, head, forced.add(whole)) for i, head, whole in r.phrases])
         self.seq_ptr, self.seq_tok = forced.arrays()
-        if self.rows is not None and getattr(self, "forced", None) is not None:   # a request joined or
+        if self.rows is not None and self.forced is not None:   # a request joined or
             on = self.rows.fseq >= 0            # left: rows being forced point into the new table
             n = len(forced.seqs)
             self.rows.fseq[on] = [forced.add(self.forced.seqs[i]) for i in self.rows.fseq[on]]
@@ -372,14 +373,21 @@ class BeamSearch:
             toks = rows.tokens[i, rows.col0[i]:col]
             for bit, head, seq in self.phrases[rows.req[i]]:
                 if rem[i] & bit and len(head) <= len(toks) and tuple(toks[len(toks) - len(head):]) == head:
-                    if rows.glue[i] and self._glues(seq, len(head)):
+                    if rows.glue[i] and self._pieces_at(np.array([seq]), np.array([len(head)]))[0]:
                         continue     # the head just completed another keyword ("blow" of "blower"): it stays
                     rows.fseq[i], rows.fpos[i] = seq, len(head)
                     break
 
-    def _glues(self, seq: int, pos: int) -> bool:
-        """Whether token `pos` of forced sequence `seq` continues the word before it (a word piece)."""
-        return self.word_piece is not None and bool(self.word_piece[self.seq_tok[self.seq_ptr[seq] + pos]])
+    def _pieces_at(self, seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Whether token `pos` of each forced sequence `seq` continues the word before it (a word
+        piece); False past a sequence's end or without the word-piece table."""
+        out = np.zeros(len(seq), bool)
+        if self.word_piece is None:
+            return out
+        p = self.seq_ptr[seq] + pos
+        go = p < self.seq_ptr[seq + 1]
+        out[go] = self.word_piece[self.seq_tok[p[go]]]
+        return out
 
     def _ban_groups(self, rows: Rows, rem: np.ndarray):
         if self.bans is None:
@@ -449,11 +457,7 @@ class BeamSearch:
         (" sharpen" of a forced " sharpen"+"er" is not "sharpen")."""
         more = np.zeros(len(rows.req), bool)
         i = np.flatnonzero(forcing & (rows.fseq >= 0))
-        if self.word_piece is None or not len(i):
-            return more
-        p = self.seq_ptr[rows.fseq[i]] + rows.fpos[i] + ahead
-        go = p < self.seq_ptr[rows.fseq[i] + 1]
-        more[i[go]] = self.word_piece[self.seq_tok[p[go]]]
+        more[i] = self._pieces_at(rows.fseq[i], rows.fpos[i] + ahead)
         return more
 
     def _seen_now(self, rows: Rows, prefix, idx, masks, unfinished=None) -> np.ndarray:
@@ -466,8 +470,7 @@ class BeamSearch:
             kws = self.slots[rows.req[i]].request.keywords
             cut = unfinished is not None and unfinished[i]
             for b, k in bits(int(masks[i])):
-                if occurrence.count_new(prefix[i], text, kws[k], self.open_end or cut, final[i] and not cut,
-                                        self.cfg.match) > 0:
+                if self._count_new(prefix[i], text, kws[k], final[i], cut) > 0:
                     seen[i] |= b
         self.t.add("text", t0)
         return seen
@@ -514,6 +517,12 @@ class BeamSearch:
         self.t.add("text", t0)
         return rows
 
+    def _count_new(self, prefix: str, text: str, kw: str, final: bool, unfinished: bool) -> int:
+        """Occurrences of `kw` that `text` adds after `prefix`, by the config's rule; an `unfinished`
+        row's last word is still being written (a forced word piece follows)."""
+        return occurrence.count_new(prefix, text, kw, self.open_end or unfinished, final and not unfinished,
+                                    self.cfg.match)
+
     def _credit(self, kws: list[str], rem: int, prefix: str, text: str, final: bool = False,
                 unfinished: bool = False) -> tuple[float, int]:
         """Q's keyword term for a chunk, sum of exp(-c) over the keywords it places (c: their
@@ -522,8 +531,7 @@ class BeamSearch:
         same chunk); `any`, whichever of the remaining ones appear."""
         credit, new = 0.0, 0
         for b, k in bits(rem):
-            c = occurrence.count_new(prefix, text, kws[k], self.open_end or unfinished, final and not unfinished,
-                                     self.cfg.match)
+            c = self._count_new(prefix, text, kws[k], final, unfinished)
             if c > 0:
                 credit += math.exp(-c)
                 new |= b
