@@ -2,21 +2,14 @@
 (AVX2, AVX-512, VNNI, AMX), cores and memory. Every speed figure is stored next to it."""
 
 import os
-import platform
-from pathlib import Path
 
-from dbs_fast.session import cpu_flags
+from dbs_fast.session import cpu_flags, cpu_model
 
 ISA = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "VNNI", "amx_tile": "AMX"}
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                   if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     flags = cpu_flags()
     isa = [name for flag, name in ISA.items() if flag in flags]
     gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

@@ -12,34 +12,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from dbs_fast.benchmarks.host import machine
-
-
-def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2) -> dict:
-    rng = np.random.default_rng(0)
-    N, out = b * s, {}
-    for i in sess.get_inputs():
-        n, shape = i.name, i.shape
-        if n == "input_ids":
-            out[n] = np.ones((N, 1), np.int64)
-        elif n == "position_ids":
-            out[n] = np.full((N, 1), T + used, np.int64)
-        elif n == "prefix_mask":
-            out[n] = np.ones((b, T), np.int64)
-        elif n == "chunk_mask":
-            out[n] = np.zeros((N, K), np.int64)
-            out[n][:, :used] = 1
-        else:                                       # prefix.L.* (b, kv, T, d) / chunk.L.* (N, kv, K, d)
-            rows, length = (b, T) if n.startswith("prefix.") else (N, K)
-            out[n] = rng.standard_normal((rows, shape[1], length, shape[3])).astype(np.float32)
-    return out
+from dbs_fast.export.timing import feeds, median_run
 
 
 def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | None) -> dict:
@@ -56,12 +34,7 @@ def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | No
 
     plain = session(False)
     x = feeds(plain, b, s, T)
-    plain.run(None, x)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        plain.run(None, x)
-        times.append(time.perf_counter() - t)
+    step = median_run(plain, x, repeats)
     del plain
     with tempfile.TemporaryDirectory() as d:
         sess = session(True, str(Path(d) / "p"))
@@ -77,7 +50,7 @@ def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | No
     ops = [{"op": op, "ms_per_step": us / repeats / 1e3, "share": us / total, "nodes_per_step": count[op] / repeats}
            for op, us in dur.most_common()]
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "graph": str(graph),
-            "beams": b, "candidates": s, "prefix": T, "step_ms_median": 1e3 * statistics.median(times),
+            "beams": b, "candidates": s, "prefix": T, "step_ms_median": 1e3 * step,
             "profiled_ms_per_step": total / repeats / 1e3, "ops": ops}
 
 

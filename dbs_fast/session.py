@@ -18,9 +18,9 @@ from .errors import DBSError
 from .home import EXPORT_FORMAT_VERSION, MANIFEST
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
-# CPU flags of int8 dot-product instructions: without one, ORT's int8 GEMM runs at about fp32 speed
-# (issue 11: 77 vs 72 GFLOP/s on an AVX2-only AMD EPYC; 590 vs 170 on a Xeon with VNNI/AMX).
-INT8_ISA = {"avx512_vnni": "AVX-512 VNNI", "avx_vnni": "AVX-VNNI", "amx_int8": "AMX-INT8"}
+# ISA flags that decide kernel speed, as the manifest of a `--quantize auto` export records them
+ISA = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "AVX-512 VNNI", "avx_vnni": "AVX-VNNI",
+       "amx_int8": "AMX-INT8"}
 
 
 def cpu_flags() -> set[str]:
@@ -32,10 +32,21 @@ def cpu_flags() -> set[str]:
         return set()
 
 
-def int8_hardware(flags: set[str] | None = None) -> list[str]:
-    """This CPU's int8 dot-product instruction sets (names of INT8_ISA), [] if it has none."""
+def cpu_model() -> str:
+    """This CPU's model name (/proc/cpuinfo), else what the platform module says."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def cpu_signature(flags: set[str] | None = None) -> dict:
+    """The CPU a timing was taken on: model name and the ISA flags of `ISA` it has."""
     flags = cpu_flags() if flags is None else flags
-    return [name for flag, name in INT8_ISA.items() if flag in flags]
+    return {"cpu": cpu_model(), "isa": [name for flag, name in ISA.items() if flag in flags]}
 
 
 @dataclass
@@ -203,11 +214,11 @@ class OnnxModel:
         self.has_position_ids = "position_ids" in names
         self._outputs = ["logits"] + self.present_names
         self._check_against_manifest()
-        if str(m.get("dtype", "")).startswith("int8") and self.provider == "CPUExecutionProvider" \
-                and not int8_hardware():
-            warnings.warn(f"{self.dir} has int8 weights ({m['dtype']}) but this CPU has no int8 dot-product "
-                          f"instructions ({', '.join(INT8_ISA.values())}): int8 runs at about fp32 speed here; "
-                          f"an fp32 export (or `dbs-fast export --quantize auto`) is as fast and more accurate",
+        chosen_on = m.get("quantize_auto", {}).get("host")
+        if chosen_on and self.provider == "CPUExecutionProvider" and chosen_on != cpu_signature():
+            warnings.warn(f"{self.dir}: `--quantize auto` chose {m['quantize_auto']['chose']} by timing on "
+                          f"{chosen_on['cpu']} ({', '.join(chosen_on['isa']) or 'no AVX2'}), not on this CPU "
+                          f"({cpu_model()}): `dbs-fast export --quantize auto` again here to choose for it",
                           RuntimeWarning, stacklevel=3)
 
     def _check_against_manifest(self):

@@ -105,7 +105,7 @@ class ParityFailed(DBSError):
     """The exported graph does not reproduce the checkpoint's logits."""
 
 
-def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet: bool, note: dict) -> dict:
+def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet: bool) -> dict:
     """Write the whole export into `work`; returns the manifest."""
     config = load_config(src)
     check_supported(config)
@@ -178,7 +178,6 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
         "optimize": report_opt,
         "quantize": report_q,
         "tokenizer": tokenizer_note,
-        **note,
         "files": _files(work),
         "versions": _versions(),
     }
@@ -244,41 +243,84 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool) -> dict
 def export_model(model: str, out: str | os.PathLike, optimize: bool = False, quantize: str | None = None,
                  force: bool = False, quiet: bool = False) -> dict:
     out = Path(out).expanduser()
-    from dbs_fast.session import int8_hardware
-
-    from .quantize import AUTO, METHODS, plan
+    from .quantize import AUTO, METHODS
 
     if quantize is not None and quantize not in METHODS + (AUTO,):
         raise DBSError(f"`--quantize` must be one of {METHODS + (AUTO,)}, got {quantize!r}")
     if out.exists() and not force:
         raise DBSError(f"output directory {out} exists; pass --force to replace it")
     src = resolve(model)
-    isa = int8_hardware()
-    tries = plan(quantize, isa)
-    for n, q in enumerate(tries):
-        note = {} if quantize != AUTO else {"quantize_auto": {
-            "int8_hardware": isa, "tried": [t or "fp32" for t in tries[:n + 1]], "chose": q or "fp32"}}
-        if quantize == AUTO:
-            _log(f"--quantize auto: int8 hardware {isa or 'none'}; trying {q or 'fp32'}", quiet)
-        try:
-            manifest = _export_once(src, out, optimize, q, quiet, note)
-            break
-        except ParityFailed as e:
-            if n == len(tries) - 1:
-                raise
-            _log(f"{e}; trying {tries[n + 1] or 'fp32'}", quiet)
+    if quantize == AUTO:
+        manifest = _export_auto(src, out, optimize, quiet)
+    else:
+        manifest = _export_once(src, out, optimize, quantize, quiet)
     _log(f"wrote {out} ({sum(manifest['files'].values()) / 1e6:.1f} MB)", quiet)
     return manifest
 
 
-def _export_once(src: Source, out: Path, optimize: bool, quantize: str | None, quiet: bool, note: dict) -> dict:
+def _export_auto(src: Source, out: Path, optimize: bool, quiet: bool) -> dict:
+    """`--quantize auto`: fp32 and every quantisation exported beside `out` and parity-checked;
+    one decode step of each that passes is timed on this host (the graph the engine loads, at
+    the paper's b x s rows); the fastest (`quantize.choose`) is moved into place, the rest removed.
+    The manifest records the host, the times and what parity refused."""
+    from dbs_fast.session import cpu_signature
+
+    from .quantize import AUTO, MARGIN, choose, plan
+    from .timing import BEAMS, CANDIDATES, PREFIX, step_seconds
+
+    trials: dict[str | None, Path] = {}
+    seconds: dict[str | None, float] = {}
+    refused: dict[str, str] = {}
+    try:
+        for q in plan(AUTO):
+            name = q or "fp32"
+            trials[q] = d = out.parent / f".{out.name}.auto-{name}"
+            _log(f"--quantize auto: exporting {name}", quiet)
+            try:
+                _export_once(src, d, optimize, q, quiet)
+            except ParityFailed as e:
+                if q is None:                   # fp32 is the reference: its failure is the export's
+                    raise
+                refused[name] = str(e)
+                _log(f"--quantize auto: {name} refused ({e})", quiet)
+                continue
+            seconds[q] = step_seconds(d)
+            _log(f"--quantize auto: {name}: {1e3 * seconds[q]:.0f} ms per decode step at "
+                 f"{BEAMS}x{CANDIDATES} rows", quiet)
+        chosen = choose(seconds)
+        manifest = json.loads((trials[chosen] / MANIFEST).read_text())
+        manifest["quantize_auto"] = {
+            "host": cpu_signature(), "chose": chosen or "fp32",
+            "step_ms": {(q or "fp32"): round(1e3 * t, 2) for q, t in seconds.items()}, "refused": refused,
+            "setting": {"beams": BEAMS, "candidates": CANDIDATES, "prefix": PREFIX, "margin": MARGIN},
+            "rule": "the fastest decode step of the graph the engine loads; fp32 unless a quantised export "
+                    f"is faster by the margin ({MARGIN:.0%})"}
+        (trials[chosen] / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        _log(f"--quantize auto: chose {chosen or 'fp32'}", quiet)
+        _place(trials[chosen], out)
+    finally:
+        for d in trials.values():
+            shutil.rmtree(d, ignore_errors=True)
+    return manifest
+
+
+def _export_once(src: Source, out: Path, optimize: bool, quantize: str | None, quiet: bool) -> dict:
     """One export into a temporary directory beside `out`, moved into place only when it is whole."""
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     work.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary directory
     try:
-        manifest = _build(src, work, optimize, quantize, quiet, note)
-        if out.exists():  # --force: swap, then drop the old one
+        manifest = _build(src, work, optimize, quantize, quiet)
+        _place(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return manifest
+
+
+def _place(work: Path, out: Path) -> None:
+    """Move a whole export into place; with --force an existing `out` is swapped, then dropped."""
+    try:
+        if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / "x")
             os.replace(work, out)
@@ -289,9 +331,6 @@ def _export_once(src: Source, out: Path, optimize: bool, quantize: str | None, q
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DBSError(f"no space left on the device while exporting to {out}; nothing was written") from None
         raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return manifest
 
 
 def ensure_embedded(name: str = "default", quiet: bool = False) -> Path:

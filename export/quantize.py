@@ -1,14 +1,15 @@
-"""int8 weights for VNNI/AMX CPUs, two ways (ONNX Runtime's quantisation tools).
+"""int8 weights, two ways (ONNX Runtime's quantisation tools).
 
 `int8`: dynamic quantisation (`quantize_dynamic`): int8 weights per tensor, activations
 quantised to uint8 per tensor at run time, integer GEMM (DynamicQuantizeMatMul). The fastest
-(measured 590 vs 170 GFLOP/s fp32 on this machine at 70 x 1280 x 5120), and accurate on GPT-2
+(measured 590 vs 170 GFLOP/s fp32 on a Xeon with VNNI/AMX at 70 x 1280 x 5120; 354 vs 171 on
+an AVX2-only AMD EPYC), and accurate on GPT-2
 (mean KL 6e-4 nats), but per-tensor activation scales break models with activation outliers:
 SmolLM2-135M (the embedded default) gets mean KL 1.2 nats and fails parity.
 
 `int8-block`: weight-only 8-bit, symmetric, blocks of 32 along K (`MatMulNBits`,
 accuracy_level 4: activations quantised per block at run time). Mean KL 0.018 on the default;
-slower (230 GFLOP/s at the same shape). MatMul nodes only: Gemm-based graphs (GPT-2) keep
+slower (230 GFLOP/s at the same shape on the Xeon). MatMul nodes only: Gemm-based graphs (GPT-2) keep
 their Gemm layers in fp32.
 """
 from __future__ import annotations
@@ -16,16 +17,27 @@ from __future__ import annotations
 from pathlib import Path
 
 METHODS = ("int8", "int8-block")
-AUTO = "auto"   # the fastest that passes parity on this host: int8, int8-block, fp32 (see `plan`)
+AUTO = "auto"   # every quantisation that passes parity, timed on this host: the fastest is kept (`choose`)
+# a quantised export must beat fp32 by this much to be chosen: fp32 is the more accurate, and step
+# times of one run on a shared 2-core machine move by a few per cent
+MARGIN = 0.05
 
 
-def plan(method: str | None, int8_isa: list[str]) -> list[str | None]:
-    """The quantisations to try in turn (None = fp32). `auto`: with int8 dot-product hardware
-    (VNNI/AMX) dynamic int8 (fastest), then weight-only blocks if parity refuses it (the default
-    model's activation outliers), then fp32; without it, fp32 (int8 GEMMs then run at fp32 speed)."""
-    if method != AUTO:
-        return [method]
-    return ["int8", "int8-block", None] if int8_isa else [None]
+def plan(method: str | None) -> list[str | None]:
+    """The exports to make (None = fp32). `auto`: all of them; parity refuses some (dynamic int8 on
+    the default model's activation outliers), a timed decode step on this host ranks the rest.
+    Which one wins depends on the CPU, not only on its ISA flags: ORT's int8 GEMM ran at 3.5x fp32
+    on a Xeon with VNNI/AMX (590 vs 170 GFLOP/s), 2.1x on an AMD EPYC (Zen 3) with AVX2 only
+    (354 vs 171), and 1.07x on another AVX2-only EPYC (77 vs 72, issue 11)."""
+    return [None, *METHODS] if method == AUTO else [method]
+
+
+def choose(step_seconds: dict[str | None, float], margin: float = MARGIN) -> str | None:
+    """The fastest of the timed exports; fp32 (None) unless a quantised one is faster by `margin`."""
+    best = min(step_seconds, key=step_seconds.get)
+    if None in step_seconds and step_seconds[best] > (1 - margin) * step_seconds[None]:
+        return None
+    return best
 
 
 def quantize_int8(src: Path, dst: Path) -> dict:

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -49,46 +50,72 @@ def test_quantized_and_optimized_export(checkpoints, tmp_path):
     assert lo["optimize"]["applied"] is False and "reason" in lo["optimize"]  # fallback reported
 
 
-def test_int8_hardware_and_quantize_plan():
-    from dbs_fast.export.quantize import plan
-    from dbs_fast.session import int8_hardware
+def test_quantize_plan_and_choice():
+    from dbs_fast.export.quantize import choose, plan
+    from dbs_fast.session import cpu_signature
 
-    assert int8_hardware({"avx2", "fma"}) == []
-    assert int8_hardware({"avx2", "avx512f", "avx512_vnni", "amx_int8"}) == ["AVX-512 VNNI", "AMX-INT8"]
-    assert plan("auto", []) == [None]                                    # no VNNI/AMX: fp32
-    assert plan("auto", ["AVX-VNNI"]) == ["int8", "int8-block", None]    # fastest first, parity decides
-    assert plan("int8-block", []) == ["int8-block"] and plan(None, ["AMX-INT8"]) == [None]
+    assert plan("auto") == [None, "int8", "int8-block"] and plan("int8-block") == ["int8-block"]
+    assert plan(None) == [None]
+    assert choose({None: 1.0, "int8": 0.5, "int8-block": 0.8}) == "int8"          # the fastest
+    assert choose({None: 1.0, "int8-block": 0.97}) is None                        # within the margin: fp32
+    assert choose({None: 1.0, "int8-block": 0.94}) == "int8-block"
+    assert choose({None: 0.6, "int8": 0.9}) is None
+    assert cpu_signature({"avx2", "fma"})["isa"] == ["AVX2"]
+    assert cpu_signature({"avx2", "avx512f", "avx512_vnni", "amx_int8"})["isa"] == \
+        ["AVX2", "AVX-512", "AVX-512 VNNI", "AMX-INT8"]
 
 
-def test_quantize_auto_follows_the_host(checkpoints, tmp_path, monkeypatch):
-    """`--quantize auto`: fp32 on a CPU without int8 hardware; with it, dynamic int8 unless parity
-    refuses it (forced here), then weight-only blocks. Loading int8 weights on a CPU without int8
-    hardware warns."""
+def test_step_feeds_fit_both_graphs(exported):
+    """The timer's random inputs run on engine v2's graph and on the row layout's."""
+    from dbs_fast.export.timing import engine_graph, feeds, step_seconds
+    from dbs_fast.session import make_session
+
+    for name in ("decode.onnx", "model.onnx"):
+        sess = make_session(exported["llama"] / name)
+        logits = sess.run(["logits"], feeds(sess, 2, 3, 6))[0]
+        assert logits.shape[0] == 6 and np.isfinite(logits).all()
+    assert engine_graph(exported["llama"]).name == "decode.onnx"
+    assert step_seconds(exported["llama"], 2, 3, 6, repeats=2) > 0
+
+
+def test_quantize_auto_keeps_the_fastest_on_this_host(checkpoints, tmp_path, monkeypatch):
+    """`--quantize auto` exports fp32, int8 and int8-block, times each that passes parity and keeps
+    the fastest; the manifest says on which CPU, with which times and what was refused. The timer
+    is replaced here (a tiny model's times say nothing); loading the export on another CPU warns."""
     import dbs_fast.session as session
-    from dbs_fast.export import convert
+    from dbs_fast.export import convert, timing
     from dbs_fast.session import OnnxModel
 
-    monkeypatch.setattr(session, "int8_hardware", lambda flags=None: [])
+    fake = {"fp32": 1.0, "int8": 0.9, "int8-block": 0.5}
+    monkeypatch.setattr(timing, "step_seconds", lambda d, *a, **k: fake[Path(d).name.rsplit(".auto-", 1)[1]])
     m = convert.export_model(str(checkpoints["llama"]), tmp_path / "a", quantize="auto", quiet=True)
-    assert m["dtype"] == "float32" and m["quantize_auto"] == {"int8_hardware": [], "tried": ["fp32"], "chose": "fp32"}
-    assert json.loads((tmp_path / "a" / MANIFEST).read_text())["quantize_auto"]["chose"] == "fp32"
+    qa = m["quantize_auto"]
+    assert m["dtype"] == "int8-block" and qa["chose"] == "int8-block" and qa["refused"] == {}
+    assert qa["step_ms"] == {"fp32": 1000.0, "int8": 900.0, "int8-block": 500.0}
+    assert qa["host"] == session.cpu_signature() and qa["setting"]["beams"] * qa["setting"]["candidates"] == 70
+    assert json.loads((tmp_path / "a" / MANIFEST).read_text())["quantize_auto"] == qa
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]     # no trial dir left
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OnnxModel(tmp_path / "a")                                                  # same CPU: quiet
 
     build = convert._build
 
-    def refuse_dynamic(src, work, optimize, quantize, quiet, note):
-        if quantize == "int8":
+    def refuse_block(src, work, optimize, quantize, quiet):
+        if quantize == "int8-block":
             raise convert.ParityFailed("parity check failed (forced by the test)")
-        return build(src, work, optimize, quantize, quiet, note)
+        return build(src, work, optimize, quantize, quiet)
 
-    monkeypatch.setattr(session, "int8_hardware", lambda flags=None: ["AMX-INT8"])
-    monkeypatch.setattr(convert, "_build", refuse_dynamic)
+    monkeypatch.setattr(convert, "_build", refuse_block)
+    fake["int8"] = 0.97                                                            # within the margin
     m = convert.export_model(str(checkpoints["llama"]), tmp_path / "b", quantize="auto", quiet=True)
-    assert m["dtype"] == "int8-block" and m["quantize_auto"]["tried"] == ["int8", "int8-block"]
-    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]     # no temporary dir left
+    assert m["dtype"] == "float32" and m["quantize_auto"]["chose"] == "fp32"
+    assert list(m["quantize_auto"]["refused"]) == ["int8-block"] and "int8-block" not in m["quantize_auto"]["step_ms"]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
 
-    monkeypatch.setattr(session, "int8_hardware", lambda flags=None: [])
-    with pytest.warns(RuntimeWarning, match="no int8 dot-product"):
-        OnnxModel(tmp_path / "b")
+    monkeypatch.setattr(session, "cpu_signature", lambda flags=None: {"cpu": "Another CPU", "isa": ["AVX2"]})
+    with pytest.warns(RuntimeWarning, match="not on this CPU"):
+        OnnxModel(tmp_path / "a")
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])

@@ -1,0 +1,75 @@
+"""One decode step of an export, timed on this host: what `--quantize auto` compares.
+
+The graph timed is the one the engine loads (`decode.onnx`, engine v2's prefix-shared cache,
+where the export wrote it; else `model.onnx` with one cache row per candidate), at the paper's
+setting by default: b = 7 beams x s = 10 candidates, a prefix of 47 tokens (the middle of a
+90-token run after a 2-token context), 2 tokens into the chunk. Inputs are random: the cost of a
+step does not depend on the values. Also used by `benchmarks/profile.py`.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dbs_fast.home import MANIFEST
+from dbs_fast.prefix import DECODE_GRAPH
+
+BEAMS, CANDIDATES, PREFIX = 7, 10, 47
+
+
+def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2) -> dict:
+    """Random inputs for one step of `sess` at b x s rows: engine v2's graph (prefix.L.* of b rows
+    and length T, chunk.L.* of b*s rows and length K, `used` of them filled) or the row layout's
+    (past_key_values.L.* of b*s rows and length T + used)."""
+    rng = np.random.default_rng(0)
+    N, out = b * s, {}
+    past = T + used                                     # the row layout's cache length
+    for i in sess.get_inputs():
+        n, shape = i.name, i.shape
+        if n == "input_ids":
+            out[n] = np.ones((N, 1), np.int64)
+        elif n == "position_ids":
+            out[n] = np.full((N, 1), T + used, np.int64)
+        elif n == "attention_mask":
+            out[n] = np.ones((N, past + 1), np.int64)
+        elif n == "prefix_mask":
+            out[n] = np.ones((b, T), np.int64)
+        elif n == "chunk_mask":
+            out[n] = np.zeros((N, K), np.int64)
+            out[n][:, :used] = 1
+        else:                                           # prefix.L.* / chunk.L.* / past_key_values.L.*
+            rows, length = (b, T) if n.startswith("prefix.") else (N, K) if n.startswith("chunk.") else (N, past)
+            out[n] = rng.standard_normal((rows, shape[1], length, shape[3])).astype(np.float32)
+    return out
+
+
+def engine_graph(model_dir: Path) -> Path:
+    """The graph the engine loads from this export (kv_layout auto)."""
+    d = Path(model_dir)
+    m = json.loads((d / MANIFEST).read_text())
+    return d / DECODE_GRAPH if (d / DECODE_GRAPH).is_file() else d / m["onnx"]
+
+
+def step_seconds(model_dir: Path, b: int = BEAMS, s: int = CANDIDATES, T: int = PREFIX, repeats: int = 5,
+                 threads: int | None = None) -> float:
+    """Median seconds of one decode step of the engine's graph at b x s rows (after one warm run),
+    with the engine's session options (ORT workers spin inside a run, as in generation)."""
+    from dbs_fast.session import make_session
+
+    sess = make_session(engine_graph(model_dir), "cpu", threads)
+    return median_run(sess, feeds(sess, b, s, T), repeats)
+
+
+def median_run(sess, x: dict, repeats: int) -> float:
+    """Median seconds of `sess.run` on `x`, after one warm run."""
+    sess.run(None, x)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sess.run(None, x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
