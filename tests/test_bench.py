@@ -58,3 +58,20 @@ def test_bench_bad_input_exits_2(args, msg, tmp_path, capsys):
     code = cli(["bench", "--no-default", "--tokenizer", str(tmp_path / "none"), "--workdir", str(tmp_path),
                 "--out", str(tmp_path / "o"), *args])
     assert code == 2 and msg in capsys.readouterr().err
+
+
+def test_attention_probe_arms_compute_the_same_attention(tmp_path):
+    """`benchmarks/attention.py` at toy size: ORT's DecoderMaskedMultiHeadAttention (cache
+    indirection, shared past/present buffer) and MultiHeadAttention (row layout) give engine v2's
+    attention on the same data, so the probe compares like with like."""
+    from dbs_fast.benchmarks.attention import main as probe
+
+    out = tmp_path / "a.json"
+    assert probe(["--layers", "2", "--heads", "4", "--head-dim", "8", "--beams", "2", "--candidates", "3",
+                  "--prefix", "5", "--max-len", "12", "--repeats", "1", "--out", str(out)]) == 0
+    arms = json.loads(out.read_text())["arms"]
+    assert set(arms) == {"v2", "dmmha", "mha"}
+    for name in ("dmmha", "mha"):
+        assert arms[name]["max_abs_diff_vs_v2"] < 1e-4 and arms[name]["ms"] > 0
+    # one cache row per candidate up to max_len, against one prefix per beam + the chunks
+    assert arms["dmmha"]["kv_bytes"] > arms["v2"]["kv_bytes"]

@@ -1,0 +1,209 @@
+"""Engine v2's attention against ONNX Runtime's own decode attention ops, one decode step of all
+layers at the paper setting (issue 11 asked to check these before writing our own).
+
+Arms, each one ONNX graph of L attention layers (distinct K/V per layer, so the caches are as
+cold as in a real step), the projections left out (the same in every arm):
+  v2     `export/prefix_graph.attend` (what decode.onnx runs): each beam's prefix once,
+         (b, kv, T, d), and each row's chunk, (N, kv, K, d); plain ONNX ops
+  dmmha  com.microsoft.DecoderMaskedMultiHeadAttention with cache_indirection: one cache row per
+         candidate, (N, H, max_len, d), written in place (past and present share one buffer
+         through IO binding), each row reading its ancestors' positions through the indirection
+         table; one batch of N beams so that any candidate can read any row
+  mha    com.microsoft.MultiHeadAttention on the row layout (what `export/fuse.py` gives
+         model.onnx): past (N, H, T + used, d) in, past + new out, a new buffer every step
+
+Before timing, the dmmha arm is checked against v2 on the same data (the indirection points
+each row's prefix positions at the row that holds its beam's prefix): the outputs must agree.
+
+    python -m dbs_fast.benchmarks.attention [--layers 36 --heads 20 --head-dim 64 --beams 7
+        --candidates 10 --prefix 47 --max-len 92] [--out FILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dbs_fast.benchmarks.host import machine
+from dbs_fast.export.timing import median_run
+
+K_CHUNK, USED = 5, 2        # chunk length k and the tokens of it already decoded
+
+
+def _data(L, H, d, b, s, T, seed=0):
+    rng = np.random.default_rng(seed)
+    N = b * s
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)   # noqa: E731
+    return {"q": f(N, H, d), "k": f(N, H, d), "v": f(N, H, d),
+            "pk": [f(b, H, T, d) for _ in range(L)], "pv": [f(b, H, T, d) for _ in range(L)],
+            "ck": [f(N, H, K_CHUNK, d) for _ in range(L)], "cv": [f(N, H, K_CHUNK, d) for _ in range(L)]}
+
+
+def v2_session(x, path: Path, threads):
+    import torch
+
+    from dbs_fast.export.prefix_graph import attend
+    from dbs_fast.session import make_session
+
+    L = len(x["pk"])
+    scale = 1.0 / np.sqrt(x["q"].shape[-1])
+
+    class Layers(torch.nn.Module):
+        def forward(self, q, k, v, pbias, cbias, *kv):
+            return tuple(attend(q, k, v, *kv[4 * i:4 * i + 4], pbias, cbias, float(scale)) for i in range(L))
+
+    b, T = x["pk"][0].shape[0], x["pk"][0].shape[2]
+    N = x["q"].shape[0]
+    cbias = np.full((N, K_CHUNK), -1e4, np.float32)
+    cbias[:, :USED] = 0
+    feed = {"q": x["q"], "k": x["k"], "v": x["v"], "pbias": np.zeros((b, T), np.float32), "cbias": cbias}
+    for i in range(L):
+        feed.update({f"pk{i}": x["pk"][i], f"pv{i}": x["pv"][i], f"ck{i}": x["ck"][i], f"cv{i}": x["cv"][i]})
+    names = list(feed)
+    with torch.no_grad():
+        torch.onnx.export(Layers(), tuple(torch.from_numpy(feed[n]) for n in names), str(path), input_names=names,
+                          output_names=[f"o{i}" for i in range(L)], opset_version=17, dynamo=False)
+    return make_session(path, "cpu", threads), feed
+
+
+def _contrib_graph(op: str, L: int, H: int, path: Path, **attrs):
+    import onnx
+    from onnx import TensorProto, helper
+
+    F, I32 = TensorProto.FLOAT, TensorProto.INT32
+    ins = [helper.make_tensor_value_info(n, F, None) for n in ("q", "k", "v")]
+    nodes, outs = [], []
+    if op == "DecoderMaskedMultiHeadAttention":
+        ins += [helper.make_tensor_value_info(n, I32, None) for n in ("past_len", "beam_width", "indir")]
+    else:
+        ins += [helper.make_tensor_value_info("mask", I32, None)]
+    for i in range(L):
+        ins += [helper.make_tensor_value_info(f"pk{i}", F, None), helper.make_tensor_value_info(f"pv{i}", F, None)]
+        o = [f"o{i}", f"presk{i}", f"presv{i}"]
+        if op == "DecoderMaskedMultiHeadAttention":
+            inputs = ["q", "k", "v", "", "", f"pk{i}", f"pv{i}", "past_len", "beam_width", "indir"]
+        else:
+            inputs = ["q", "k", "v", "", "mask", "", f"pk{i}", f"pv{i}"]
+        nodes.append(helper.make_node(op, inputs, o, domain="com.microsoft", num_heads=H, **attrs))
+        outs += [helper.make_tensor_value_info(n, F, None) for n in o]
+    g = helper.make_graph(nodes, op, ins, outs)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                                ir_version=8), str(path))
+
+
+def dmmha_run(x, path: Path, threads, max_len: int):
+    """Session + a run function over IO binding: past and present bound to the same buffers."""
+    import onnxruntime as ort
+
+    from dbs_fast.session import make_session
+
+    L, (b, H, T, d) = len(x["pk"]), x["pk"][0].shape
+    N = x["q"].shape[0]
+    s = N // b
+    _contrib_graph("DecoderMaskedMultiHeadAttention", L, H, path, past_present_share_buffer=1)
+    sess = make_session(path, "cpu", threads)
+    # row r holds its own chunk at positions T..T+USED-1; row (r // s) * s also holds beam r // s's
+    # prefix at 0..T-1; the indirection sends every row's prefix positions to that row
+    indir = np.zeros((1, N, max_len), np.int32)
+    indir[0, :, :T] = (np.arange(N) // s * s)[:, None]
+    indir[0, :, T:] = np.arange(N)[:, None]
+    bufs = []
+    for i in range(L):
+        for pre, ch in ((x["pk"][i], x["ck"][i]), (x["pv"][i], x["cv"][i])):
+            buf = np.zeros((N, H, max_len, d), np.float32)
+            buf[::s, :, :T] = pre
+            buf[:, :, T:T + USED] = ch[:, :, :USED]
+            bufs.append(ort.OrtValue.ortvalue_from_numpy(buf))
+    io = sess.io_binding()
+    flat = lambda a: np.ascontiguousarray(a.reshape(N, 1, H * d))       # noqa: E731
+    for n in ("q", "k", "v"):
+        io.bind_cpu_input(n, flat(x[n]))
+    io.bind_cpu_input("past_len", np.array([T + USED], np.int32))
+    io.bind_cpu_input("beam_width", np.array([N], np.int32))
+    io.bind_cpu_input("indir", indir)
+    for i in range(L):
+        for j, kind in enumerate("kv"):
+            v = bufs[2 * i + j]
+            io.bind_ortvalue_input(f"p{kind}{i}", v)
+            io.bind_ortvalue_output(f"pres{kind}{i}", v)
+        io.bind_output(f"o{i}")
+
+    def run():
+        sess.run_with_iobinding(io)
+        return io.copy_outputs_to_cpu()[2::3]          # bound per layer: present k, present v, o
+    return run, sum(v.numpy().nbytes for v in bufs)
+
+
+def mha_session(x, path: Path, threads):
+    from dbs_fast.session import make_session
+
+    L, (b, H, T, d) = len(x["pk"]), x["pk"][0].shape
+    N = x["q"].shape[0]
+    s = N // b
+    _contrib_graph("MultiHeadAttention", L, H, path)
+    feed = {n: np.ascontiguousarray(x[n].reshape(N, 1, H * d)) for n in ("q", "k", "v")}
+    feed["mask"] = np.ones((N, T + USED + 1), np.int32)
+    for i in range(L):
+        for kind, pre, ch in (("k", x["pk"][i], x["ck"][i]), ("v", x["pv"][i], x["cv"][i])):
+            feed[f"p{kind}{i}"] = np.concatenate([np.repeat(pre, s, axis=0), ch[:, :, :USED]], axis=2)
+    return make_session(path, "cpu", threads), feed
+
+
+def run(layers=36, heads=20, head_dim=64, beams=7, candidates=10, prefix=47, max_len=92, repeats=10,
+        threads=None) -> dict:
+    x = _data(layers, heads, head_dim, beams, candidates, prefix)
+    N = beams * candidates
+    out = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+           "shape": {"layers": layers, "heads": heads, "head_dim": head_dim, "beams": beams,
+                     "candidates": candidates, "prefix": prefix, "chunk": K_CHUNK, "chunk_used": USED,
+                     "max_len": max_len}, "arms": {}}
+    with tempfile.TemporaryDirectory() as d:
+        sess, feed = v2_session(x, Path(d) / "v2.onnx", threads)
+        ref = sess.run(None, feed)
+        out["arms"]["v2"] = {"ms": 1e3 * median_run(sess, feed, repeats),
+                             "kv_bytes": sum(a.nbytes for k in ("pk", "pv", "ck", "cv") for a in x[k])}
+        del sess
+        dm, nbytes = dmmha_run(x, Path(d) / "dmmha.onnx", threads, max_len)
+        got = dm()
+        diff = max(float(np.abs(got[i].reshape(N, -1) - ref[i].reshape(N, -1)).max()) for i in range(layers))
+        dm()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dm()
+            ts.append(time.perf_counter() - t0)
+        out["arms"]["dmmha"] = {"ms": 1e3 * float(np.median(ts)), "kv_bytes": nbytes,
+                                "max_abs_diff_vs_v2": diff}
+        sess, feed = mha_session(x, Path(d) / "mha.onnx", threads)
+        got = sess.run([f"o{i}" for i in range(layers)], feed)
+        out["arms"]["mha"] = {"ms": 1e3 * median_run(sess, feed, repeats),
+                              "kv_bytes": sum(feed[f"p{k}{i}"].nbytes for k in "kv" for i in range(layers)),
+                              "max_abs_diff_vs_v2": max(float(np.abs(got[i].reshape(N, -1) - ref[i].reshape(N, -1)).max())
+                                                        for i in range(layers))}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in (("layers", 36), ("heads", 20), ("head-dim", 64), ("beams", 7), ("candidates", 10),
+                          ("prefix", 47), ("max-len", 92), ("repeats", 10), ("threads", None)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    r = run(a.layers, a.heads, a.head_dim, a.beams, a.candidates, a.prefix, a.max_len, a.repeats, a.threads)
+    print(f"{r['machine']}, {r['date']}: one decode step's attention, {a.layers} layers, "
+          f"{a.beams}x{a.candidates} rows, prefix {a.prefix}")
+    for name, arm in r["arms"].items():
+        extra = f", max |diff| vs v2 {arm['max_abs_diff_vs_v2']:.1e}" if "max_abs_diff_vs_v2" in arm else ""
+        print(f"  {name:6s} {arm['ms']:7.1f} ms   KV held {arm['kv_bytes'] / 1e6:7.1f} MB{extra}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(r, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
