@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from dbs_fast.benchmarks.host import machine
-from dbs_fast.export.timing import median_run
+from dbs_fast.export.timing import median_run, median_seconds
 
 K_CHUNK, USED = 5, 2        # chunk length k and the tokens of it already decoded
 
@@ -170,13 +170,7 @@ def run(layers=36, heads=20, head_dim=64, beams=7, candidates=10, prefix=47, max
         dm, nbytes = dmmha_run(x, Path(d) / "dmmha.onnx", threads, max_len)
         got = dm()
         diff = max(float(np.abs(got[i].reshape(N, -1) - ref[i].reshape(N, -1)).max()) for i in range(layers))
-        dm()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            dm()
-            ts.append(time.perf_counter() - t0)
-        out["arms"]["dmmha"] = {"ms": 1e3 * float(np.median(ts)), "kv_bytes": nbytes,
+        out["arms"]["dmmha"] = {"ms": 1e3 * median_seconds(dm, repeats), "kv_bytes": nbytes,
                                 "max_abs_diff_vs_v2": diff}
         sess, feed = mha_session(x, Path(d) / "mha.onnx", threads)
         got = sess.run([f"o{i}" for i in range(layers)], feed)

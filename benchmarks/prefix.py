@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from dbs_fast.benchmarks.host import machine
+from dbs_fast.export.timing import median_seconds
 
 
 def export_decoder(model: str, model_dir: Path, out: Path) -> Path:
@@ -42,16 +42,6 @@ def export_decoder(model: str, model_dir: Path, out: Path) -> Path:
         torch_model, _ = load_torch_model(resolve(model))
         export_prefix_decoder(torch_model, path)
     return path
-
-
-def _median(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def measure(full, dec, b: int, s: int, k: int, T: int, repeats: int, seed: int = 0) -> dict:
@@ -95,8 +85,8 @@ def measure(full, dec, b: int, s: int, k: int, T: int, repeats: int, seed: int =
         c.keep(keep)
 
     res = {"T": T, "rows": N, "max_abs_logit_diff": diff,
-           "old_step_s": _median(old_step, repeats), "new_step_s": _median(new_step, repeats),
-           "old_boundary_s": _median(old_boundary, repeats), "new_boundary_s": _median(new_boundary, repeats),
+           "old_step_s": median_seconds(old_step, repeats), "new_step_s": median_seconds(new_step, repeats),
+           "old_boundary_s": median_seconds(old_boundary, repeats), "new_boundary_s": median_seconds(new_boundary, repeats),
            "old_cache_bytes": int(sum(t.nbytes for t in old.tensors)),
            "new_cache_bytes": int(sum(t.nbytes for t in new.prefix) + sum(t.nbytes for t in new.chunk))}
     res["old_per_step_s"] = res["old_step_s"] + res["old_boundary_s"] / k

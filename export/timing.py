@@ -66,10 +66,15 @@ def step_seconds(model_dir: Path, b: int = BEAMS, s: int = CANDIDATES, T: int = 
 
 def median_run(sess, x: dict, repeats: int) -> float:
     """Median seconds of `sess.run` on `x`, after one warm run."""
-    sess.run(None, x)
+    return median_seconds(lambda: sess.run(None, x), repeats)
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median seconds of `fn()`, after one warm call."""
+    fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        sess.run(None, x)
+        fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
