@@ -19,8 +19,9 @@ query heads of a kv head are extra query rows of one batched matmul over the bea
 (b, kv, s*g, d) x (b, kv, d, T); the row's chunk and its own new key are scored separately;
 one softmax over [prefix | chunk | self]; the weighted sums are added. RoPE (Llama family) is
 applied before anything is cached, so cached keys are position-final, as in Hugging Face's
-cache. Plain ONNX ops (MatMul, Softmax, ...), no contrib ops: see the README of issue 11's note
-for why.
+cache. Plain ONNX ops (MatMul, Softmax, ...), no contrib ops: `benchmarks/attention.py` measured
+ORT's DecoderMaskedMultiHeadAttention (cache indirection) at 11.8x and MultiHeadAttention on the
+row layout at 3.4x this attention's time, with 9.5x and 5x its cache (README, Speed).
 """
 from __future__ import annotations
 
