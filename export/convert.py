@@ -6,6 +6,7 @@ that a later load would accept.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -295,9 +296,10 @@ def _export_auto(src: Source, out: Path, optimize: bool, quiet: bool) -> dict:
             "setting": {"beams": BEAMS, "candidates": CANDIDATES, "prefix": PREFIX, "margin": MARGIN},
             "rule": "the fastest decode step of the graph the engine loads; fp32 unless a quantised export "
                     f"is faster by the margin ({MARGIN:.0%})"}
-        (trials[chosen] / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        with _disk_full_is_clear(out):
+            (trials[chosen] / MANIFEST).write_text(json.dumps(manifest, indent=2))
+            _place(trials[chosen], out)
         _log(f"--quantize auto: chose {chosen or 'fp32'}", quiet)
-        _place(trials[chosen], out)
     finally:
         for d in trials.values():
             shutil.rmtree(d, ignore_errors=True)
@@ -310,8 +312,9 @@ def _export_once(src: Source, out: Path, optimize: bool, quantize: str | None, q
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     work.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary directory
     try:
-        manifest = _build(src, work, optimize, quantize, quiet)
-        _place(work, out)
+        with _disk_full_is_clear(out):
+            manifest = _build(src, work, optimize, quantize, quiet)
+            _place(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return manifest
@@ -319,14 +322,20 @@ def _export_once(src: Source, out: Path, optimize: bool, quantize: str | None, q
 
 def _place(work: Path, out: Path) -> None:
     """Move a whole export into place; with --force an existing `out` is swapped, then dropped."""
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / "x")
+        os.replace(work, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(work, out)
+
+
+@contextlib.contextmanager
+def _disk_full_is_clear(out: Path):
+    """A full disk anywhere in an export: a clear error (the temporary directories go with it)."""
     try:
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / "x")
-            os.replace(work, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(work, out)
+        yield
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DBSError(f"no space left on the device while exporting to {out}; nothing was written") from None

@@ -75,3 +75,13 @@ def test_attention_probe_arms_compute_the_same_attention(tmp_path):
         assert arms[name]["max_abs_diff_vs_v2"] < 1e-4 and arms[name]["ms"] > 0
     # one cache row per candidate up to max_len, against one prefix per beam + the chunks
     assert arms["dmmha"]["kv_bytes"] > arms["v2"]["kv_bytes"]
+
+
+def test_layouts_probe_times_both_graphs(exported, tmp_path):
+    from dbs_fast.benchmarks.layouts import main as probe
+
+    out = tmp_path / "l.json"
+    assert probe(["--model", str(exported["llama"]), "--rounds", "1", "--beams", "2", "--candidates", "3",
+                  "--prefix", "5", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["step_ms_median"]) == {"v2", "rows"} and all(v > 0 for v in r["step_ms_median"].values())
