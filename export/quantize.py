@@ -2,8 +2,8 @@
 
 `int8`: dynamic quantisation (`quantize_dynamic`): int8 weights per tensor, activations
 quantised to uint8 per tensor at run time, integer GEMM (DynamicQuantizeMatMul). The fastest
-(measured 590 vs 170 GFLOP/s fp32 on a Xeon with VNNI/AMX at 70 x 1280 x 5120; 354 vs 171 on
-an AVX2-only AMD EPYC), and accurate on GPT-2
+(measured 590 vs 170 GFLOP/s fp32 on a Xeon with VNNI/AMX at 70 x 1280 x 5120; 255 vs 133 in
+the bench's roofline on an AVX2-only AMD EPYC), and accurate on GPT-2
 (mean KL 6e-4 nats), but per-tensor activation scales break models with activation outliers:
 SmolLM2-135M (the embedded default) gets mean KL 1.2 nats and fails parity.
 
@@ -27,8 +27,9 @@ def plan(method: str | None) -> list[str | None]:
     """The exports to make (None = fp32). `auto`: all of them; parity refuses some (dynamic int8 on
     the default model's activation outliers), a timed decode step on this host ranks the rest.
     Which one wins depends on the CPU, not only on its ISA flags: ORT's int8 GEMM ran at 3.5x fp32
-    on a Xeon with VNNI/AMX (590 vs 170 GFLOP/s), 2.1x on an AMD EPYC (Zen 3) with AVX2 only
-    (354 vs 171), and 1.07x on another AVX2-only EPYC (77 vs 72, issue 11)."""
+    on a Xeon with VNNI/AMX (590 vs 170 GFLOP/s), 1.9x on an AMD EPYC (Zen 3) with AVX2 only
+    (255 vs 133, `dbs-fast bench`'s roofline), and 1.07x on another AVX2-only EPYC (77 vs 72,
+    issue 11)."""
     return [None, *METHODS] if method == AUTO else [method]
 
 
