@@ -297,3 +297,25 @@ def test_eval_commongen_at_toy_size(exported, tmp_path, capsys):
     assert s["reference"]["coverage"] == 1.0 and s["reference"]["judge_ppl"]["median"] > 1.0
     printed = capsys.readouterr().out
     assert "BLEU-4" in printed and "human references" in printed
+
+
+def test_ban_table_groups_are_bans_then_glue_then_eos_per_request():
+    """The ban groups of a batch (rebuilt with NumPy whenever a request joins or leaves) are the
+    plain construction: per request, group 4q + 2 * glue + eos = its own bans, then (glue) every
+    word-piece token, then (eos) every EOS token, each a sequence of its own."""
+    from types import SimpleNamespace
+
+    word_piece = np.zeros(50, bool)
+    word_piece[[3, 17, 41]] = True
+    search = SimpleNamespace(eos=np.array([7, -1]), word_piece=word_piece)
+    requests = [SimpleNamespace(bans=[(5,), (9, 10)]), SimpleNamespace(bans=[]), SimpleNamespace(bans=[(1, 2, 3)])]
+    got = BeamSearch._ban_table(search, requests)
+
+    glue, eos = [(3,), (17,), (41,)], [(7,)]
+    groups = [list(r.bans) + glue * g + eos * e for r in requests for g in (0, 1) for e in (0, 1)]
+    seqs = [s for grp in groups for s in grp]
+    want = (np.cumsum([0] + [len(grp) for grp in groups]), np.cumsum([0] + [len(s) for s in seqs]),
+            [t for s in seqs for t in s])
+    for g, w, dtype in zip(got, want, (np.int64, np.int64, np.int32)):
+        assert g.dtype == dtype and np.array_equal(g, w)
+    assert len(got[0]) == 4 * len(requests) + 1
