@@ -62,13 +62,15 @@ class PrefixCache:
         return np.repeat(self.mask.sum(1), self.s)[:, None] + self.used
 
     def write(self, new: list[np.ndarray]) -> None:
-        """The new token's K/V (N, kv, 1, d) per tensor into column `used` of the chunk."""
-        if self.used == self.chunk_mask.shape[1]:
-            raise DBSError(f"the chunk buffer holds {self.used} tokens; call keep() first")
+        """The new tokens' K/V (N, kv, L, d) per tensor into columns `used`.. of the chunk."""
+        L = new[0].shape[2]
+        if self.used + L > self.chunk_mask.shape[1]:
+            raise DBSError(f"the chunk buffer holds {self.chunk_mask.shape[1]} tokens, {self.used} used; "
+                           f"call keep() first")
         for buf, t in zip(self.chunk, new):
-            buf[:, :, self.used] = t[:, :, 0]
-        self.chunk_mask[:, self.used] = 1
-        self.used += 1
+            buf[:, :, self.used:self.used + L] = t
+        self.chunk_mask[:, self.used:self.used + L] = 1
+        self.used += L
 
     def keep(self, rows) -> None:
         """The next beams are the candidates `rows` (indices into N): each one's parent prefix +
@@ -157,19 +159,20 @@ class PrefixCache:
     @classmethod
     def prefill(cls, decoder: "PrefixDecoder", ids: np.ndarray, mask: np.ndarray, kv_heads: int, head_dim: int,
                 s: int, k: int, reserve: int = 0) -> tuple[np.ndarray, "PrefixCache"]:
-        """Left-padded contexts (Q, T) through the decode graph one column at a time (each is a
-        chunk token over an empty prefix; padding stays masked): the last logits (Q, vocab) and
-        the cache with the contexts as prefixes, s rows each. T small steps instead of one
-        prefill call, but no second graph and no second copy of the weights."""
+        """Left-padded contexts (Q, T) through the decode graph as T new tokens over an empty
+        prefix (padding stays masked): the last logits (Q, vocab) and the cache with the contexts
+        as prefixes, s rows each. One call, no second graph and no second copy of the weights; a
+        graph exported before multi-token steps takes the T columns one call each."""
         Q, T = ids.shape
         empty = np.zeros((Q, kv_heads, 1, head_dim), np.float32)          # one masked column
         pc = cls([empty] * (2 * decoder.layers), np.zeros((Q, 1), np.int64),
                  [np.zeros((Q, kv_heads, T, head_dim), np.float32) for _ in range(2 * decoder.layers)],
                  np.zeros((Q, T), np.int64), 1)
         pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-        for t in range(T):
-            logits = decoder.step(ids[:, t], pc, positions=pos[:, t:t + 1])
-            pc.chunk_mask[:, t] = mask[:, t]
+        steps = [slice(0, T)] if decoder.multi_token else [slice(t, t + 1) for t in range(T)]
+        for cols in steps:
+            logits = decoder.step(ids[:, cols], pc, positions=pos[:, cols], new_mask=mask[:, cols])
+            pc.chunk_mask[:, cols] = mask[:, cols]                        # padding stays masked
         return logits.copy(), cls.start(pc.chunk, mask, s, k, reserve)
 
     def trim(self) -> None:
@@ -190,25 +193,37 @@ class PrefixDecoder:
         self.session = make_session(Path(path), provider, threads)
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.vocab = self.session.get_outputs()[0].shape[-1]
-        self.layers = (len(self.session.get_inputs()) - 4) // 4
+        names = [i.name for i in self.session.get_inputs()]
+        self.layers = sum(n.startswith("prefix.") for n in names) // 2
+        # several new tokens per row in one call (a prefill); exports before it take one
+        self.multi_token = self.has_new_mask = "new_mask" in names
         self._out: list[np.ndarray] = []
 
-    def _buffers(self, cache: PrefixCache) -> list[np.ndarray]:
-        """Logits (N, vocab) and the new K/V (N, kv, 1, d) per tensor, reused while N is the same."""
+    def _buffers(self, cache: PrefixCache, L: int) -> list[np.ndarray]:
+        """Logits (N, vocab) and the new K/V (N, kv, L, d) per tensor, reused while N, L are the same."""
         n = cache.chunk_mask.shape[0]
-        if not self._out or self._out[0].shape[0] != n:
+        if not self._out or self._out[0].shape[0] != n or self._out[1].shape[2] != L:
             self._out = [np.empty((n, self.vocab), np.float32)] + [
-                np.empty((n, c.shape[1], 1, c.shape[3]), c.dtype) for c in cache.chunk]
+                np.empty((n, c.shape[1], L, c.shape[3]), c.dtype) for c in cache.chunk]
         return self._out
 
-    def step(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None) -> np.ndarray:
-        """Logits (N, vocab) of the next token of every row; the row's new K/V goes into `cache`.
-        `positions` (N, 1): instead of the cache's own count (prefill of left-padded contexts).
-        The logits are a buffer the next step overwrites: copy what must outlive it."""
+    def step(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None,
+             new_mask: np.ndarray | None = None) -> np.ndarray:
+        """Logits (N, vocab) of the next token of every row; the rows' new K/V go into `cache`.
+        `input_ids` (N,) or (N, L): L new tokens per row (L > 1: a prefill); `positions` (N, L):
+        instead of the cache's own count (prefill of left-padded contexts); `new_mask` (N, L):
+        0 = padding. The logits are a buffer the next step overwrites: copy what must outlive it."""
+        ids = np.ascontiguousarray(input_ids, np.int64).reshape(len(input_ids), -1)
+        L = ids.shape[1]
+        if L > 1 and not self.multi_token:
+            raise DBSError("this decode graph takes one new token per row; re-export the model for "
+                           "multi-token steps")
         io = self.session.io_binding()
-        feeds = {"input_ids": np.ascontiguousarray(input_ids, np.int64).reshape(-1, 1),
+        feeds = {"input_ids": ids,
                  "position_ids": cache.positions() if positions is None else positions,
                  "prefix_mask": cache.mask, "chunk_mask": cache.chunk_mask}
+        if self.has_new_mask:
+            feeds["new_mask"] = np.ones(ids.shape, np.int64) if new_mask is None else new_mask.astype(np.int64)
         for i in range(self.layers):
             feeds.update({f"prefix.{i}.key": cache.prefix[2 * i], f"prefix.{i}.value": cache.prefix[2 * i + 1],
                           f"chunk.{i}.key": cache.chunk[2 * i], f"chunk.{i}.value": cache.chunk[2 * i + 1]})
@@ -220,7 +235,7 @@ class PrefixDecoder:
             self.session.run_with_iobinding(io)
             out = io.copy_outputs_to_cpu()
         else:
-            out = self._buffers(cache)
+            out = self._buffers(cache, L)
             for name, arr in zip(self.outputs, out):
                 io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
             self.session.run_with_iobinding(io)

@@ -3,21 +3,23 @@
 Today's graph takes one past per row, so the s candidates of a beam carry s copies of the same
 prefix, gathered every chunk and re-copied (past + new -> present) every step. This graph takes
 
-    input_ids, position_ids   (N, 1)          N = b * s rows, row r a candidate of beam r // s
+    input_ids, position_ids   (N, L)          N = b * s rows, row r a candidate of beam r // s
     prefix_mask               (b, T)  int64   0 = left padding
     chunk_mask                (N, K)  int64   1 = a token of this chunk already decoded
+    new_mask                  (N, L)  int64   0 = left padding among the new tokens
     prefix.L.key/value        (b, kv_heads, T, head_dim)   shared by the s candidates of a beam
     chunk.L.key/value         (N, kv_heads, K, head_dim)   the row's own chunk so far
 
-and returns `logits` (N, vocab) and only the new token's `new.L.key/value` (N, kv_heads, 1,
-head_dim): the host writes those into its preallocated chunk buffer and appends the kept rows'
-chunks to the prefixes once per chunk (`dbs_fast.prefix.PrefixCache`). Nothing per step copies
-the prefix.
+and returns `logits` (N, vocab) of each row's last new token and only the new tokens'
+`new.L.key/value` (N, kv_heads, L, head_dim): the host writes those into its preallocated chunk
+buffer and appends the kept rows' chunks to the prefixes once per chunk
+(`dbs_fast.prefix.PrefixCache`). Nothing per step copies the prefix. A decode step has L = 1; a
+prefill runs a whole (left-padded) context as L new tokens over an empty prefix, in one call.
 
-Attention of a decode step (Hydragen's decomposition): the s candidates of a beam and the g
+Attention (Hydragen's decomposition): the s candidates of a beam, their L new tokens and the g
 query heads of a kv head are extra query rows of one batched matmul over the beam's prefix,
-(b, kv, s*g, d) x (b, kv, d, T); the row's chunk and its own new key are scored separately;
-one softmax over [prefix | chunk | self]; the weighted sums are added. RoPE (Llama family) is
+(b, kv, s*L*g, d) x (b, kv, d, T); the row's chunk and its own new keys (causal, by position)
+are scored separately; one softmax over [prefix | chunk | new]; the weighted sums are added. RoPE (Llama family) is
 applied before anything is cached, so cached keys are position-final, as in Hugging Face's
 cache. Plain ONNX ops (MatMul, Softmax, ...), no contrib ops: `benchmarks/attention.py` measured
 ORT's DecoderMaskedMultiHeadAttention (cache indirection) at 11.8x and MultiHeadAttention on the
@@ -41,29 +43,37 @@ def family(config) -> str:
                      f"(supported: gpt2, {', '.join(LLAMA_FAMILY)})")
 
 
-def attend(q, k, v, pk, pv, ck, cv, prefix_bias, chunk_bias, scale: float):
-    """One decode step's attention. q (N, H, d); k, v (N, kv, d): the new token's; pk, pv
-    (b, kv, T, d); ck, cv (N, kv, K, d); prefix_bias (b, T), chunk_bias (N, K) additive.
-    Returns (N, H * d)."""
+def attend(q, k, v, pk, pv, ck, cv, prefix_bias, chunk_bias, scale: float, new_bias=None):
+    """Attention of L new tokens per row. q (N, L, H, d); k, v (N, L, kv, d): the new tokens';
+    pk, pv (b, kv, T, d); ck, cv (N, kv, K, d); prefix_bias (b, T), chunk_bias (N, K) and
+    new_bias (N, L, L) (query i, key j among the new tokens) additive. Returns (N, L, H * d).
+    One decode step (q (N, H, d); k, v (N, kv, d); no new_bias) returns (N, H * d)."""
     import torch
 
-    N, H, d = q.shape
+    if q.dim() == 3:
+        N = q.shape[0]
+        zero = torch.zeros(N, 1, 1, dtype=q.dtype)
+        return attend(q[:, None], k[:, None], v[:, None], pk, pv, ck, cv, prefix_bias, chunk_bias, scale,
+                      zero).reshape(N, -1)
+    N, L, H, d = q.shape
     b, kv = pk.shape[0], pk.shape[1]
     g = H // kv
-    qg = q.reshape(b, -1, kv, g, d).permute(0, 2, 1, 3, 4).reshape(b, kv, -1, d)        # (b, kv, s*g, d)
-    sp = torch.matmul(qg, pk.transpose(2, 3)) * scale + prefix_bias[:, None, None, :]   # (b, kv, s*g, T)
+    # query rows (b, kv, s*L*g, d) of a beam's prefix; (N, kv, L*g, d) of a row's own keys
+    qg = q.reshape(b, -1, L, kv, g, d).permute(0, 3, 1, 2, 4, 5).reshape(b, kv, -1, d)
+    qr = q.reshape(N, L, kv, g, d).permute(0, 2, 1, 3, 4).reshape(N, kv, -1, d)
+    sp = torch.matmul(qg, pk.transpose(2, 3)) * scale + prefix_bias[:, None, None, :]   # (b, kv, s*L*g, T)
     T = sp.shape[-1]
-    sp = sp.reshape(b, kv, -1, g, T).permute(0, 2, 1, 3, 4).reshape(N, kv, g, T)
-    qc = q.reshape(N, kv, g, d)
-    sc = torch.matmul(qc, ck.transpose(2, 3)) * scale + chunk_bias[:, None, None, :]   # (N, kv, g, K)
-    ss = (qc * k[:, :, None, :]).sum(-1, keepdim=True) * scale                          # (N, kv, g, 1)
-    w = torch.softmax(torch.cat([sp, sc, ss], dim=-1), dim=-1)
+    sp = sp.reshape(b, kv, -1, L * g, T).permute(0, 2, 1, 3, 4).reshape(N, kv, -1, T)
+    sc = torch.matmul(qr, ck.transpose(2, 3)) * scale + chunk_bias[:, None, None, :]   # (N, kv, L*g, K)
+    kn, vn = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)                                # (N, kv, L, d)
+    sn = torch.matmul(qr, kn.transpose(2, 3)) * scale                                   # (N, kv, L*g, L)
+    sn = (sn.reshape(N, kv, L, g, L) + new_bias[:, None, :, None, :]).reshape(N, kv, -1, L)
+    w = torch.softmax(torch.cat([sp, sc, sn], dim=-1), dim=-1)
     K = sc.shape[-1]
-    wp = w[..., :T].reshape(b, -1, kv, g, T).permute(0, 2, 1, 3, 4).reshape(b, kv, -1, T)
-    op = torch.matmul(wp, pv).reshape(b, kv, -1, g, d).permute(0, 2, 1, 3, 4).reshape(N, kv, g, d)
-    oc = torch.matmul(w[..., T:T + K], cv)
-    os_ = w[..., T + K:] * v[:, :, None, :]
-    return (op + oc + os_).reshape(N, H * d)
+    wp = w[..., :T].reshape(b, -1, kv, L * g, T).permute(0, 2, 1, 3, 4).reshape(b, kv, -1, T)
+    op = torch.matmul(wp, pv).reshape(b, kv, -1, L * g, d).permute(0, 2, 1, 3, 4).reshape(N, kv, -1, d)
+    o = op + torch.matmul(w[..., T:T + K], cv) + torch.matmul(w[..., T + K:], vn)       # (N, kv, L*g, d)
+    return o.reshape(N, kv, L, g, d).permute(0, 2, 1, 3, 4).reshape(N, L, H * d)
 
 
 def _decoder(model):
@@ -76,57 +86,60 @@ def _decoder(model):
             super().__init__()
             self.model = model
 
-        def forward(self, input_ids, position_ids, prefix_mask, chunk_mask, *kv):
+        def forward(self, input_ids, position_ids, prefix_mask, chunk_mask, new_mask, *kv):
             pbias = (1.0 - prefix_mask.to(torch.float32)) * MASKED
             cbias = (1.0 - chunk_mask.to(torch.float32)) * MASKED
-            return (_gpt2 if fam == "gpt2" else _llama)(self.model, input_ids, position_ids, pbias, cbias, kv)
+            # new key j is seen by new query i when it is a token (not padding) at or before i
+            seen = (position_ids[:, None, :] <= position_ids[:, :, None]) & (new_mask[:, None, :] > 0)
+            nbias = (1.0 - seen.to(torch.float32)) * MASKED                           # (N, L, L)
+            return (_gpt2 if fam == "gpt2" else _llama)(self.model, input_ids, position_ids, pbias, cbias, nbias, kv)
 
     return PrefixDecoder().eval()
 
 
-def _llama(model, ids, pos, pbias, cbias, kv):
+def _llama(model, ids, pos, pbias, cbias, nbias, kv):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     m, cfg = model.model, model.config
-    N = ids.shape[0]
+    N, L = ids.shape
     H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    h = m.embed_tokens(ids)                                            # (N, 1, D)
+    h = m.embed_tokens(ids)                                            # (N, L, D)
     cos, sin = m.rotary_emb(h, pos)
     new = []
     for i, layer in enumerate(m.layers):
         x = layer.input_layernorm(h)
         a = layer.self_attn
-        q = a.q_proj(x).reshape(N, 1, H, d).transpose(1, 2)            # (N, H, 1, d)
-        k = a.k_proj(x).reshape(N, 1, KV, d).transpose(1, 2)
-        v = a.v_proj(x).reshape(N, KV, d)
+        q = a.q_proj(x).reshape(N, L, H, d).transpose(1, 2)            # (N, H, L, d)
+        k = a.k_proj(x).reshape(N, L, KV, d).transpose(1, 2)
+        v = a.v_proj(x).reshape(N, L, KV, d)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        k = k.reshape(N, KV, d)
-        o = attend(q.reshape(N, H, d), k, v, *kv[4 * i:4 * i + 4], pbias, cbias, a.scaling)
-        h = h + a.o_proj(o[:, None, :])
+        k = k.transpose(1, 2)                                          # (N, L, KV, d)
+        o = attend(q.transpose(1, 2), k, v, *kv[4 * i:4 * i + 4], pbias, cbias, a.scaling, nbias)
+        h = h + a.o_proj(o)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-        new += [k[:, :, None, :], v[:, :, None, :]]
+        new += [k.transpose(1, 2), v.transpose(1, 2)]                  # (N, KV, L, d)
     return (_logits(model, m.norm(h)), *new)
 
 
-def _gpt2(model, ids, pos, pbias, cbias, kv):
+def _gpt2(model, ids, pos, pbias, cbias, nbias, kv):
     t, cfg = model.transformer, model.config
-    N, H = ids.shape[0], cfg.n_head
+    (N, L), H = ids.shape, cfg.n_head
     d = cfg.n_embd // H
     h = t.wte(ids) + t.wpe(pos)
     new = []
     for i, block in enumerate(t.h):
         q, k, v = block.attn.c_attn(block.ln_1(h)).split(cfg.n_embd, dim=2)
-        q, k, v = (x.reshape(N, H, d) for x in (q, k, v))
-        o = attend(q, k, v, *kv[4 * i:4 * i + 4], pbias, cbias, 1.0 / math.sqrt(d))
-        h = h + block.attn.c_proj(o[:, None, :])
+        q, k, v = (x.reshape(N, L, H, d) for x in (q, k, v))
+        o = attend(q, k, v, *kv[4 * i:4 * i + 4], pbias, cbias, 1.0 / math.sqrt(d), nbias)
+        h = h + block.attn.c_proj(o)
         h = h + block.mlp(block.ln_2(h))
-        new += [k[:, :, None, :], v[:, :, None, :]]
+        new += [k.transpose(1, 2), v.transpose(1, 2)]                  # (N, H, L, d)
     return (_logits(model, t.ln_f(h)), *new)
 
 
 def _logits(model, h):
-    """(N, vocab) from the last hidden states (N, 1, D)."""
+    """(N, vocab) from the hidden states (N, L, D): the last new token's."""
     import torch
 
     head = model.lm_head
@@ -173,7 +186,7 @@ LARGE = 1_800_000_000   # bytes of weights above which a graph keeps them in an 
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    ins = ["input_ids", "position_ids", "prefix_mask", "chunk_mask"]
+    ins = ["input_ids", "position_ids", "prefix_mask", "chunk_mask", "new_mask"]
     outs = ["logits"]
     for i in range(num_layers):
         ins += [f"prefix.{i}.key", f"prefix.{i}.value", f"chunk.{i}.key", f"chunk.{i}.value"]
@@ -191,32 +204,35 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
     H = cfg.num_attention_heads
     KV = getattr(cfg, "num_key_value_heads", None) or H
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    b, s, T, K = 2, 3, 5, 4
+    b, s, T, K, L = 2, 3, 5, 4, 2
     N = b * s
-    args = [torch.zeros(N, 1, dtype=torch.int64), torch.full((N, 1), T, dtype=torch.int64),
-            torch.ones(b, T, dtype=torch.int64), torch.zeros(N, K, dtype=torch.int64)]
+    args = [torch.zeros(N, L, dtype=torch.int64), T + torch.arange(L).repeat(N, 1),
+            torch.ones(b, T, dtype=torch.int64), torch.zeros(N, K, dtype=torch.int64), torch.ones(N, L, dtype=torch.int64)]
     for _ in range(L):
         args += [torch.zeros(b, KV, T, d), torch.zeros(b, KV, T, d), torch.zeros(N, KV, K, d), torch.zeros(N, KV, K, d)]
     ins, outs = io_names(L)
-    axes = {"input_ids": {0: "rows"}, "position_ids": {0: "rows"}, "prefix_mask": {0: "beams", 1: "prefix"},
-            "chunk_mask": {0: "rows", 1: "chunk"}, "logits": {0: "rows"}}
+    axes = {"input_ids": {0: "rows", 1: "new"}, "position_ids": {0: "rows", 1: "new"},
+            "prefix_mask": {0: "beams", 1: "prefix"}, "chunk_mask": {0: "rows", 1: "chunk"},
+            "new_mask": {0: "rows", 1: "new"}, "logits": {0: "rows"}}
     for i in range(L):
         axes.update({f"prefix.{i}.key": {0: "beams", 2: "prefix"}, f"prefix.{i}.value": {0: "beams", 2: "prefix"},
                      f"chunk.{i}.key": {0: "rows", 2: "chunk"}, f"chunk.{i}.value": {0: "rows", 2: "chunk"},
-                     f"new.{i}.key": {0: "rows"}, f"new.{i}.value": {0: "rows"}})
+                     f"new.{i}.key": {0: "rows", 2: "new"}, f"new.{i}.value": {0: "rows", 2: "new"}})
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         torch.onnx.export(dec, tuple(args), str(path), input_names=ins, output_names=outs, dynamic_axes=axes,
                           opset_version=opset, dynamo=False, do_constant_folding=True)
     saved = share_tied_head(path)
     return {"graph": path.name, "family": family(cfg), "layers": L, "opset": opset,
-            "inputs": "input_ids, position_ids, prefix_mask, chunk_mask, prefix.L.key/value, chunk.L.key/value",
-            "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved}
+            "inputs": "input_ids, position_ids, prefix_mask, chunk_mask, new_mask, prefix.L.key/value, "
+                      "chunk.L.key/value", "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved,
+            "prefill": "one call (L new tokens per row)"}
 
 
 def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0) -> dict:
-    """decode.onnx against model.onnx of the same export: two left-padded contexts, 2 beams x s
-    candidates, two chunks of k random tokens with a keep between them; max |logit diff|."""
+    """decode.onnx against model.onnx of the same export: two left-padded contexts prefilled in
+    one call of each, then 2 beams x s candidates, two chunks of k random tokens with a keep
+    between them; max |logit diff| and mean KL over the prefill and every step."""
     import numpy as np
 
     from dbs_fast.prefix import DECODE_GRAPH, PrefixCache, PrefixDecoder
@@ -226,9 +242,10 @@ def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     V = full.vocab_size
     ctx, mask = rng.integers(1, V, (2, 4)), np.array([[1, 1, 1, 1], [0, 0, 1, 1]])
-    _, past = full.forward(ctx, full.empty_cache(2), mask)
+    ref, past = full.forward(ctx, full.empty_cache(2), mask)
+    got, _ = PrefixCache.prefill(dec, ctx, mask, full.kv_heads, full.head_dim, s, k)
+    diff, kls = float(np.abs(ref[:, -1] - got).max()), [_kl(ref[:, -1], got)]
     pc, rows = PrefixCache.start(past.tensors, past.mask, s, k), past.repeat(s)
-    diff, kls = 0.0, []
     for chunk in range(2):
         for _ in range(k):
             tok = rng.integers(1, V, 2 * s)

@@ -38,6 +38,8 @@ def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2) -> dict:
             out[n] = np.ones((N, past + 1), np.int64)
         elif n == "prefix_mask":
             out[n] = np.ones((b, T), np.int64)
+        elif n == "new_mask":
+            out[n] = np.ones((N, 1), np.int64)
         elif n == "chunk_mask":
             out[n] = np.zeros((N, K), np.int64)
             out[n][:, :used] = 1

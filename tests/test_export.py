@@ -305,7 +305,7 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
     def fake_export(name, out, force=False, quiet=False):
         calls.append(name)
         Path(out).mkdir(parents=True, exist_ok=force)
-        (Path(out) / MANIFEST).write_text('{"prefix_decode": {"written": true}}')
+        (Path(out) / MANIFEST).write_text('{"prefix_decode": {"written": true, "prefill": "one call"}}')
 
     monkeypatch.setattr(convert, "export_model", fake_export)
     d = resolve_model_dir("default")
@@ -314,3 +314,7 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
     (d / MANIFEST).write_text("{}")            # an export made before engine v2: exported again, once
     assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
     assert calls == ["default", "default"]
+    # a decode graph of one token per row (before one-call prefill): exported again, once
+    (d / MANIFEST).write_text('{"prefix_decode": {"written": true}}')
+    assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
+    assert calls == ["default"] * 3

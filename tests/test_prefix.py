@@ -35,6 +35,40 @@ def test_attend_equals_full_attention_over_the_concatenation():
         np.testing.assert_allclose(got[r], attention_ref(q[r], keys, values, mask), rtol=1e-5, atol=1e-5)
 
 
+def test_attend_of_several_new_tokens_is_causal_full_attention():
+    """L new tokens per row (a prefill): token i attends to the beam's prefix, the row's chunk and
+    the new tokens up to i that are not padding, as plain attention over the concatenation."""
+    from dbs_fast.export.prefix_graph import MASKED, attend
+
+    rng = np.random.default_rng(2)
+    b, s, L, H, kv, d, T, K = 2, 3, 4, 6, 3, 8, 5, 3
+    N = b * s
+    q = rng.standard_normal((N, L, H, d)).astype(np.float32)
+    k, v = (rng.standard_normal((N, L, kv, d)).astype(np.float32) for _ in range(2))
+    pk, pv = (rng.standard_normal((b, kv, T, d)).astype(np.float32) for _ in range(2))
+    ck, cv = (rng.standard_normal((N, kv, K, d)).astype(np.float32) for _ in range(2))
+    pmask = np.ones((b, T), bool)
+    pmask[1, :2] = False
+    cmask = np.zeros((N, K), bool)
+    cmask[:, 0] = True
+    nmask = np.ones((N, L), bool)
+    nmask[4, :2] = False                       # a left-padded row of new tokens
+    seen = np.tril(np.ones((L, L), bool))[None] & nmask[:, None, :]               # (N, L, L)
+    t = torch.from_numpy
+    bias = lambda m: t((~m) * np.float32(MASKED))                                 # noqa: E731
+    got = attend(t(q), t(k), t(v), t(pk), t(pv), t(ck), t(cv), bias(pmask), bias(cmask), 1 / np.sqrt(d),
+                 bias(seen)).numpy()
+    assert got.shape == (N, L, H * d)
+    for r in range(N):
+        keys = np.concatenate([pk[r // s], ck[r], k[r].transpose(1, 0, 2)], axis=1)
+        values = np.concatenate([pv[r // s], cv[r], v[r].transpose(1, 0, 2)], axis=1)
+        for i in range(L):
+            if not nmask[r, i]:
+                continue                       # a padding query: its output is never used
+            mask = np.concatenate([pmask[r // s], cmask[r], seen[r, i]])
+            np.testing.assert_allclose(got[r, i], attention_ref(q[r, i], keys, values, mask), rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def decoders(checkpoints, exported, tmp_path_factory):
     from transformers import AutoModelForCausalLM
@@ -80,6 +114,32 @@ def test_prefix_decode_equals_full_recompute(kind, decoders, exported):
         cache.keep(keep)
         seqs = [list(seqs[keep[r // s]]) for r in range(len(keep) * s)]
     assert cache.mask.shape == (2, 5 + 3 * k) and cache.used == 0 and not cache.chunk_mask.any()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_one_call_prefill_equals_column_by_column_and_the_full_model(kind, decoders, exported):
+    """Left-padded contexts of different lengths prefilled in one call of the decode graph give
+    the full model's last logits and the same cache as the graph run one column per call (the
+    path of exports made before multi-token steps); decoding on from either agrees."""
+    from dbs_fast.prefix import PrefixCache, PrefixDecoder
+    from dbs_fast.session import OnnxModel
+
+    full = OnnxModel(exported[kind])
+    one, per = PrefixDecoder(decoders[kind]), PrefixDecoder(decoders[kind])
+    assert one.multi_token
+    per.multi_token = False
+    ctx = np.array([[0, 0, 0, 0, 31, 32], [41, 42, 43, 44, 45, 46], [0, 0, 0, 0, 0, 51]])
+    mask = (np.arange(6)[None] >= np.array([4, 0, 5])[:, None]).astype(np.int64)
+    ref, _ = full.forward(ctx, full.empty_cache(3), mask)
+    a = PrefixCache.prefill(one, ctx, mask, full.kv_heads, full.head_dim, s=2, k=3)
+    b = PrefixCache.prefill(per, ctx, mask, full.kv_heads, full.head_dim, s=2, k=3)
+    np.testing.assert_allclose(a[0], ref[:, -1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(a[0], b[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(a[1].mask, mask)
+    for x, y in zip(a[1].prefix, b[1].prefix):
+        np.testing.assert_allclose(x * mask[:, None, :, None], y * mask[:, None, :, None], rtol=1e-4, atol=1e-5)
+    tok = np.arange(6) + 7
+    np.testing.assert_allclose(one.step(tok, a[1]), per.step(tok, b[1]), rtol=1e-4, atol=1e-4)
 
 
 def _dbs(model_dir, layout):
