@@ -204,10 +204,10 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
     H = cfg.num_attention_heads
     KV = getattr(cfg, "num_key_value_heads", None) or H
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    b, s, T, K, L = 2, 3, 5, 4, 2
+    b, s, T, K, n = 2, 3, 5, 4, 2          # n new tokens per row (dynamic, like the rest)
     N = b * s
-    args = [torch.zeros(N, L, dtype=torch.int64), T + torch.arange(L).repeat(N, 1),
-            torch.ones(b, T, dtype=torch.int64), torch.zeros(N, K, dtype=torch.int64), torch.ones(N, L, dtype=torch.int64)]
+    args = [torch.zeros(N, n, dtype=torch.int64), T + torch.arange(n).repeat(N, 1),
+            torch.ones(b, T, dtype=torch.int64), torch.zeros(N, K, dtype=torch.int64), torch.ones(N, n, dtype=torch.int64)]
     for _ in range(L):
         args += [torch.zeros(b, KV, T, d), torch.zeros(b, KV, T, d), torch.zeros(N, KV, K, d), torch.zeros(N, KV, K, d)]
     ins, outs = io_names(L)
