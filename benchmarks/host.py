@@ -11,3 +11,15 @@ def machine() -> str:
     sig = cpu_signature()
     gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{sig['cpu']} ({', '.join(sig['isa']) or 'no AVX2'}), {os.cpu_count()} cpus, {gib:.0f} GiB"
+
+
+def decode_graph_export(ap, model: str):
+    """The export dir of `--model`, or an argparse error when it has no decode.onnx."""
+    from pathlib import Path
+
+    from dbs_fast.prefix import DECODE_GRAPH
+
+    d = Path(model)
+    if not (d / DECODE_GRAPH).is_file():
+        ap.error(f"{d / DECODE_GRAPH} not found: export the model with this version (`dbs-fast export`)")
+    return d

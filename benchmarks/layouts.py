@@ -14,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-from dbs_fast.benchmarks.host import machine
+from dbs_fast.benchmarks.host import decode_graph_export, machine
 from dbs_fast.export.timing import feeds, median_run
 from dbs_fast.prefix import DECODE_GRAPH
 
@@ -42,9 +42,7 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    model = Path(a.model)
-    if not (model / DECODE_GRAPH).is_file():
-        ap.error(f"{model / DECODE_GRAPH} not found: export the model with this version (`dbs-fast export`)")
+    model = decode_graph_export(ap, a.model)
     r = run(model, a.rounds, a.beams, a.candidates, a.prefix, a.threads)
     print(f"{r['machine']}, {r['date']}, {model}: step ms per round {r['step_ms_per_round']}; "
           f"rows / v2 = {r['rows_over_v2']:.2f}")

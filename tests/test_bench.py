@@ -77,6 +77,17 @@ def test_attention_probe_arms_compute_the_same_attention(tmp_path):
     assert arms["dmmha"]["kv_bytes"] > arms["v2"]["kv_bytes"]
 
 
+def test_prefill_probe_times_both_paths_and_they_agree(exported, tmp_path):
+    from dbs_fast.benchmarks.prefill import main as probe
+
+    out = tmp_path / "p.json"
+    assert probe(["--model", str(exported["gpt2"]), "--lengths", "2,7", "--rows", "2", "--rounds", "1",
+                  "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["prefill"]
+    assert [p["tokens"] for p in r] == [2, 7]
+    assert all(p["max_abs_logit_diff"] < 1e-3 and min(p["ms_median"].values()) > 0 for p in r)
+
+
 def test_layouts_probe_times_both_graphs(exported, tmp_path):
     from dbs_fast.benchmarks.layouts import main as probe
 
