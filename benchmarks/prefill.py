@@ -1,6 +1,6 @@
 """Prefill of engine v2, alternated on one export: a context of T tokens through `decode.onnx` in
-one call (L = T new tokens per row) against one call per context column (how exports made before
-multi-token steps prefill). Random context tokens (the cost does not depend on their values); the
+one call (L = T new tokens per row; one call per `PREFILL_SLICE` = 256 columns beyond that)
+against one call per context column (how exports made before multi-token steps prefill). Random context tokens (the cost does not depend on their values); the
 two paths' last logits are compared before anything is timed.
 
     python -m dbs_fast.benchmarks.prefill --model DIR [--lengths 3,16,66,200 --rows 1 --rounds 3]
@@ -46,8 +46,10 @@ def run(model_dir: Path, lengths: list[int], rows: int = 1, rounds: int = 3, thr
         med = {k: statistics.median(v) for k, v in ms.items()}
         out.append({"tokens": T, "rows": rows, "ms_per_round": ms, "ms_median": med,
                     "per_column_over_one_call": med["per_column"] / med["one_call"], "max_abs_logit_diff": diff})
+    from dbs_fast.prefix import PREFILL_SLICE
+
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "model": str(model_dir),
-            "prefill": out}
+            "prefill_slice": PREFILL_SLICE, "prefill": out}
 
 
 def main(argv=None) -> int:

@@ -21,6 +21,9 @@ DECODE_GRAPH = "decode.onnx"      # beside model.onnx in an exported model dir
 # auto: this layout where the export has its decode graph, else rows (one cache row per candidate,
 # exports made before it, the PyTorch baseline)
 KV_LAYOUTS = ("auto", "rows", "prefix")
+# context columns per prefill call: the attention scores of a call are (rows, heads, slice, slice +
+# columns before it), so slices keep a long context's transient memory linear in its length
+PREFILL_SLICE = 256
 
 
 @dataclass
@@ -161,7 +164,8 @@ class PrefixCache:
                 s: int, k: int, reserve: int = 0) -> tuple[np.ndarray, "PrefixCache"]:
         """Left-padded contexts (Q, T) through the decode graph as T new tokens over an empty
         prefix (padding stays masked): the last logits (Q, vocab) and the cache with the contexts
-        as prefixes, s rows each. One call, no second graph and no second copy of the weights; a
+        as prefixes, s rows each. One call per `PREFILL_SLICE` columns (each slice attends to the
+        ones before it as chunk tokens), no second graph and no second copy of the weights; a
         graph exported before multi-token steps takes the T columns one call each."""
         Q, T = ids.shape
         empty = np.zeros((Q, kv_heads, 1, head_dim), np.float32)          # one masked column
@@ -169,7 +173,8 @@ class PrefixCache:
                  [np.zeros((Q, kv_heads, T, head_dim), np.float32) for _ in range(2 * decoder.layers)],
                  np.zeros((Q, T), np.int64), 1)
         pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-        steps = [slice(0, T)] if decoder.multi_token else [slice(t, t + 1) for t in range(T)]
+        n = PREFILL_SLICE if decoder.multi_token else 1
+        steps = [slice(t, min(t + n, T)) for t in range(0, T, n)]
         for cols in steps:
             logits = decoder.step(ids[:, cols], pc, positions=pos[:, cols], new_mask=mask[:, cols])
             pc.chunk_mask[:, cols] = mask[:, cols]                        # padding stays masked

@@ -117,10 +117,12 @@ def test_prefix_decode_equals_full_recompute(kind, decoders, exported):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_one_call_prefill_equals_column_by_column_and_the_full_model(kind, decoders, exported):
+def test_one_call_prefill_equals_column_by_column_and_the_full_model(kind, decoders, exported, monkeypatch):
     """Left-padded contexts of different lengths prefilled in one call of the decode graph give
     the full model's last logits and the same cache as the graph run one column per call (the
-    path of exports made before multi-token steps); decoding on from either agrees."""
+    path of exports made before multi-token steps); decoding on from either agrees; so does a
+    prefill in slices (a long context), each slice over the ones before it."""
+    from dbs_fast import prefix
     from dbs_fast.prefix import PrefixCache, PrefixDecoder
     from dbs_fast.session import OnnxModel
 
@@ -140,6 +142,11 @@ def test_one_call_prefill_equals_column_by_column_and_the_full_model(kind, decod
         np.testing.assert_allclose(x * mask[:, None, :, None], y * mask[:, None, :, None], rtol=1e-4, atol=1e-5)
     tok = np.arange(6) + 7
     np.testing.assert_allclose(one.step(tok, a[1]), per.step(tok, b[1]), rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(prefix, "PREFILL_SLICE", 4)    # a long context in slices: 4 columns, then 2
+    c = PrefixCache.prefill(one, ctx, mask, full.kv_heads, full.head_dim, s=2, k=3)
+    np.testing.assert_allclose(c[0], ref[:, -1], rtol=1e-4, atol=1e-4)
+    for x, y in zip(c[1].prefix, b[1].prefix):
+        np.testing.assert_allclose(x * mask[:, None, :, None], y * mask[:, None, :, None], rtol=1e-4, atol=1e-5)
 
 
 def _dbs(model_dir, layout):
