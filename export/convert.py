@@ -182,28 +182,63 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
         "files": _files(work),
         "versions": _versions(),
     }
-    (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    _log("parity check: ONNX vs PyTorch (prefill + 3 cached decode steps)", quiet)
-    from dbs_fast.session import OnnxModel
-
-    result = parity_mod.run_parity(model, OnnxModel(work))
     mode = "int8" if quantize else ("optimize" if "optimize" in steps else "fp32")
-    ok, why = parity_mod.judge(result, mode)
-    manifest["parity"] = dict(result, mode=mode, passed=ok, criterion=why)
-    manifest["export_seconds"] = round(time.perf_counter() - t0, 1)
-    (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    _log(f"parity: {why} -> {'ok' if ok else 'FAILED'}", quiet)
-    if not ok:
-        raise ParityFailed(f"parity check failed for {src.name} ({mode}): {why}")
+    _check_parity(model, work, manifest, mode, src.name, t0, quiet)
     manifest["prefix_decode"] = _prefix_decode(model, work, quantize, quiet)
     manifest["files"] = _files(work)
     (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
 
 
-def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool) -> dict:
+def _check_parity(model, work: Path, manifest: dict, mode: str, name: str, t0: float, quiet: bool) -> None:
+    """model.onnx in `work` against the PyTorch model; the result goes into the manifest (written),
+    ParityFailed when it does not hold."""
+    from dbs_fast.session import OnnxModel
+
+    (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    _log("parity check: ONNX vs PyTorch (prefill + 3 cached decode steps)", quiet)
+    result = parity_mod.run_parity(model, OnnxModel(work))
+    ok, why = parity_mod.judge(result, mode)
+    manifest["parity"] = dict(result, mode=mode, passed=ok, criterion=why)
+    manifest["export_seconds"] = round(time.perf_counter() - t0, 1)
+    (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    _log(f"parity: {why} -> {'ok' if ok else 'FAILED'}", quiet)
+    if not ok:
+        raise ParityFailed(f"parity check failed for {name} ({mode}): {why}")
+
+
+def _quantised_from(fp32: Path, work: Path, method: str, model, quiet: bool) -> dict:
+    """A quantised export written into `work` from a finished fp32 export `fp32` of the same model
+    (`--quantize auto`): its graphs quantised as `_build` would quantise them, the rest copied,
+    the same parity checks; no second export from PyTorch."""
+    from dbs_fast.prefix import DECODE_GRAPH
+
+    from .quantize import quantize as run_quantize
+
+    t0 = time.perf_counter()
+    base = json.loads((fp32 / MANIFEST).read_text())
+    graphs = ("model.onnx", DECODE_GRAPH)
+    for f in fp32.iterdir():                # tokenizer and config files
+        if f.is_file() and f.name != MANIFEST and not f.name.startswith(graphs):
+            shutil.copy2(f, work / f.name)
+    _log(f"quantising weights ({method}) from the fp32 export", quiet)
+    report_q = run_quantize(fp32 / "model.onnx", work / "model.onnx", method)
+    manifest = {k: v for k, v in base.items() if k not in ("parity", "prefix_decode", "quantize_auto")}
+    manifest.update(dtype={"int8": "int8-dynamic", "int8-block": "int8-block"}[method],
+                    steps=base["steps"] + ["quantize"], quantize=report_q, files=_files(work))
+    _check_parity(model, work, manifest, "int8", base["source"], t0, quiet)
+    fp32_decode = fp32 / DECODE_GRAPH if base.get("prefix_decode", {}).get("written") else None
+    manifest["prefix_decode"] = (_prefix_decode(model, work, method, quiet, fp32_graph=fp32_decode) if fp32_decode
+                                 else base.get("prefix_decode"))
+    manifest["files"] = _files(work)
+    (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_graph: Path | None = None) -> dict:
     """Engine v2's decode graph (export/prefix_graph.py) beside model.onnx, checked against it;
-    optional: a model it cannot serve keeps the row layout, and the manifest says why."""
+    optional: a model it cannot serve keeps the row layout, and the manifest says why.
+    `fp32_graph`: quantise that decode graph (of an fp32 export of the model) instead of exporting one."""
     from dbs_fast.prefix import DECODE_GRAPH
 
     from . import prefix_graph
@@ -215,8 +250,13 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool) -> dict
     _log("prefix-shared decode graph (engine v2) + parity against model.onnx", quiet)
     try:
         # in a folder of its own: over 2 GB, torch writes one file per tensor beside the graph
-        fp32 = work / "_decode" / DECODE_GRAPH
-        info = prefix_graph.export_prefix_decoder(model, fp32)
+        if fp32_graph is None:
+            fp32 = work / "_decode" / DECODE_GRAPH
+            info = prefix_graph.export_prefix_decoder(model, fp32)
+        else:
+            fp32 = fp32_graph
+            info = {k: v for k, v in json.loads((fp32.parent / MANIFEST).read_text())["prefix_decode"].items()
+                    if k not in ("written", "criterion", "max_abs_logit_diff", "mean_kl", "quantize")}
         if quantize:                        # the same quantisation as model.onnx
             from .quantize import quantize as run_quantize
 
@@ -260,7 +300,8 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
 
 
 def _export_auto(src: Source, out: Path, optimize: bool, quiet: bool) -> dict:
-    """`--quantize auto`: fp32 and every quantisation exported beside `out` and parity-checked;
+    """`--quantize auto`: fp32 exported beside `out`, every quantisation made from it (its graphs
+    quantised, no second export from PyTorch), each parity-checked;
     one decode step of each that passes is timed on this host (the graph the engine loads, at
     the paper's b x s rows); the fastest (`quantize.choose`) is moved into place, the rest removed.
     The manifest records the host, the times and what parity refused."""
@@ -272,13 +313,18 @@ def _export_auto(src: Source, out: Path, optimize: bool, quiet: bool) -> dict:
     trials: dict[str | None, Path] = {}
     seconds: dict[str | None, float] = {}
     refused: dict[str, str] = {}
+    model = None
     try:
         for q in plan(AUTO):
             name = q or "fp32"
             trials[q] = d = out.parent / f".{out.name}.auto-{name}"
             _log(f"--quantize auto: exporting {name}", quiet)
             try:
-                _export_once(src, d, optimize, q, quiet)
+                if q is None:
+                    _export_once(src, d, optimize, q, quiet)
+                else:                           # from the fp32 trial: one export from PyTorch in all
+                    model = model or load_torch_model(src)[0]
+                    _derive_once(trials[None], d, q, model, quiet)
             except ParityFailed as e:
                 if q is None:                   # fp32 is the reference: its failure is the export's
                     raise
@@ -308,12 +354,22 @@ def _export_auto(src: Source, out: Path, optimize: bool, quiet: bool) -> dict:
 
 def _export_once(src: Source, out: Path, optimize: bool, quantize: str | None, quiet: bool) -> dict:
     """One export into a temporary directory beside `out`, moved into place only when it is whole."""
+    return _whole(out, lambda work: _build(src, work, optimize, quantize, quiet))
+
+
+def _derive_once(fp32: Path, out: Path, method: str, model, quiet: bool) -> dict:
+    """`_quantised_from` the fp32 export, moved into place at `out` only when it is whole."""
+    return _whole(out, lambda work: _quantised_from(fp32, work, method, model, quiet))
+
+
+def _whole(out: Path, write) -> dict:
+    """`write(work)` into a temporary directory beside `out`, then moved into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     work.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary directory
     try:
         with _disk_full_is_clear(out):
-            manifest = _build(src, work, optimize, quantize, quiet)
+            manifest = write(work)
             _place(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -88,7 +88,16 @@ def test_quantize_auto_keeps_the_fastest_on_this_host(checkpoints, tmp_path, mon
 
     fake = {"fp32": 1.0, "int8": 0.9, "int8-block": 0.5}
     monkeypatch.setattr(timing, "step_seconds", lambda d, *a, **k: fake[Path(d).name.rsplit(".auto-", 1)[1]])
+    exports, onnx_export = [], convert._onnx_export
+    monkeypatch.setattr(convert, "_onnx_export", lambda *a: exports.append(a) or onnx_export(*a))
     m = convert.export_model(str(checkpoints["llama"]), tmp_path / "a", quantize="auto", quiet=True)
+    assert len(exports) == 1                   # the quantised trials are made from the fp32 one
+    direct = convert.export_model(str(checkpoints["llama"]), tmp_path / "direct", quantize="int8-block", quiet=True)
+    for key in ("dtype", "steps", "quantize", "num_layers", "vocab_size", "eos_token_ids", "files"):
+        assert m[key] == direct[key], key
+    assert m["parity"]["passed"] and m["prefix_decode"]["written"] and m["prefix_decode"]["quantize"]
+    assert m["prefix_decode"]["prefill"] == direct["prefix_decode"]["prefill"]
+    shutil.rmtree(tmp_path / "direct")
     qa = m["quantize_auto"]
     assert m["dtype"] == "int8-block" and qa["chose"] == "int8-block" and qa["refused"] == {}
     assert qa["step_ms"] == {"fp32": 1000.0, "int8": 900.0, "int8-block": 500.0}
@@ -99,14 +108,14 @@ def test_quantize_auto_keeps_the_fastest_on_this_host(checkpoints, tmp_path, mon
         warnings.simplefilter("error")
         OnnxModel(tmp_path / "a")                                                  # same CPU: quiet
 
-    build = convert._build
+    derive = convert._quantised_from
 
-    def refuse_block(src, work, optimize, quantize, quiet):
-        if quantize == "int8-block":
+    def refuse_block(fp32, work, method, model, quiet):
+        if method == "int8-block":
             raise convert.ParityFailed("parity check failed (forced by the test)")
-        return build(src, work, optimize, quantize, quiet)
+        return derive(fp32, work, method, model, quiet)
 
-    monkeypatch.setattr(convert, "_build", refuse_block)
+    monkeypatch.setattr(convert, "_quantised_from", refuse_block)
     fake["int8"] = 0.97                                                            # within the margin
     m = convert.export_model(str(checkpoints["llama"]), tmp_path / "b", quantize="auto", quiet=True)
     assert m["dtype"] == "float32" and m["quantize_auto"]["chose"] == "fp32"
