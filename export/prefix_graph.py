@@ -256,7 +256,7 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
     return {"graph": path.name, "family": family(cfg), "layers": L, "opset": opset,
             "inputs": "input_ids, position_ids, prefix_mask, chunk_mask, new_mask, prefix.L.key/value, "
                       "chunk.L.key/value", "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved,
-            "prefill": "one call (L new tokens per row)"}
+            "prefill": "one call (L new tokens per row)", "shapes": "one copy for all layers (Dims)"}
 
 
 def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0) -> dict:

@@ -314,7 +314,7 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
     def fake_export(name, out, force=False, quiet=False):
         calls.append(name)
         Path(out).mkdir(parents=True, exist_ok=force)
-        (Path(out) / MANIFEST).write_text('{"prefix_decode": {"written": true, "prefill": "one call"}}')
+        (Path(out) / MANIFEST).write_text('{"prefix_decode": {"written": true, "prefill": "one call", "shapes": "once"}}')
 
     monkeypatch.setattr(convert, "export_model", fake_export)
     d = resolve_model_dir("default")
@@ -327,3 +327,7 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
     (d / MANIFEST).write_text('{"prefix_decode": {"written": true}}')
     assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
     assert calls == ["default"] * 3
+    # one-call prefill, but the shape arithmetic once per layer (before Dims): exported again, once
+    (d / MANIFEST).write_text('{"prefix_decode": {"written": true, "prefill": "one call"}}')
+    assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
+    assert calls == ["default"] * 4
