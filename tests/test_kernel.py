@@ -223,3 +223,20 @@ def test_banned_token_never_drawn_though_it_has_all_the_mass():
     ids, _ = sample(logits, u, history=hist, bans=bans, row_ban=np.array([0, 1, 1, -1]))
     assert ids[0] != 9 and ids[2] != 9                          # always / after 5
     assert ids[1] == 9 and ids[3] == 9                          # 4 then 9 is allowed; no bans: 9
+
+
+def test_vectorised_exp_is_as_accurate_as_float32_exp():
+    """The kernel's branch-free exp (pass 2) against float64 exp over the whole range it sees,
+    s - top in [-87, 0]; below that, and for a banned token's -inf, exactly 0 (never drawn)."""
+    from dbs_fast.kernels import _exp_below
+
+    top = np.float32(12.375)
+    y = np.concatenate([np.linspace(-87, 0, 400001), [-np.inf, -87.01, -1000.0]])
+    s = (top + y).astype(np.float32)
+    e = np.empty_like(s)
+    _exp_below(s, top, e, np.empty(len(s), np.int32))
+    d = (s - top).astype(np.float64)                    # the kernel's own float32 difference
+    ok = d >= -87
+    want = np.exp(d[ok])
+    assert (np.abs(e[ok] - want) / want).max() < 3e-7  # np.exp in float32: 1.9e-7
+    assert (e[~ok] == 0).all()
