@@ -6,6 +6,13 @@ an installed package cannot import) and a torch sort-based top-p (the PyTorch ba
 
 The same run also times the kernel with the anti-repetition options on (repetition_penalty
 1.2, no_repeat_ngram_size 3, a 100-token history per row), so the two times are comparable.
+
+`--against FILE` also times this kernel against another version of it, alternated call by call
+on the same workload in one process (the machine's load hits both alike), after checking that
+both draw the same ids:
+
+    git show REV:dbs_fast/kernels.py > /tmp/kernels_rev.py
+    python -m dbs_fast.benchmarks.kernel --against /tmp/kernels_rev.py
 """
 from __future__ import annotations
 
@@ -101,14 +108,50 @@ def run(rows: int = 70, vocab: int = 50257, repeats: int = 20, threads: int | No
     return res
 
 
+def against(path: str, rows: int = 70, vocab: int = 50257, rounds: int = 40) -> dict:
+    """This kernel against the `sample` of another kernels.py (loaded as a module of this package,
+    so its relative imports resolve), alternated call by call; plain and anti-repetition."""
+    import importlib.util
+
+    from dbs_fast import kernels
+
+    spec = importlib.util.spec_from_file_location("dbs_fast._kernels_against", path)
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    logits, u, row_word, (ptr, bids, bvals) = _workload(rows, vocab)
+    hist = np.random.default_rng(1).integers(0, vocab, (rows, 100)).astype(np.int32)
+    hist[:, 50:] = hist[:, :50]
+    out = {"against": str(path), "rounds": rounds}
+    for kind, kw in (("plain", {}), ("anti_repetition", {"history": hist, "repetition_penalty": 1.2,
+                                                         "no_repeat_ngram_size": 3})):
+        def call(m):
+            return m.sample(logits, u, top_p=0.9, row_word=row_word, boost_ptr=ptr, boost_ids=bids,
+                            boost_vals=bvals, **kw)
+        a, b = call(kernels), call(other)
+        ts = {"this": [], "against": []}
+        for _ in range(rounds):
+            for name, m in (("this", kernels), ("against", other)):
+                t0 = time.perf_counter()
+                call(m)
+                ts[name].append(time.perf_counter() - t0)
+        med = {k: 1e3 * statistics.median(v) for k, v in ts.items()}
+        out[kind] = {"same_ids": bool(np.array_equal(a[0], b[0])), "max_logp_diff": float(np.abs(a[1] - b[1]).max()),
+                     "ms_median": med, "against_over_this": med["against"] / med["this"]}
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=70)
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--against", default=None, help="another kernels.py to time against, alternated")
     a = ap.parse_args(argv)
-    print(json.dumps(run(a.rows, a.vocab, a.repeats, a.threads), indent=2))
+    res = run(a.rows, a.vocab, a.repeats, a.threads)
+    if a.against:
+        res["against"] = against(a.against, a.rows, a.vocab)
+    print(json.dumps(res, indent=2))
 
 
 if __name__ == "__main__":

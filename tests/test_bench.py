@@ -96,3 +96,19 @@ def test_layouts_probe_times_both_graphs(exported, tmp_path):
                   "--prefix", "5", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert set(r["step_ms_median"]) == {"v2", "rows"} and all(v > 0 for v in r["step_ms_median"].values())
+
+
+def test_kernel_against_another_version_times_both_and_compares_draws(tmp_path):
+    """`benchmarks/kernel.py --against FILE`: a copy of the kernel module loads beside this one,
+    both are timed alternately, and the same kernel draws the same ids (log-probs equal)."""
+    from pathlib import Path
+
+    import dbs_fast.kernels
+    from dbs_fast.benchmarks.kernel import against
+
+    copy = tmp_path / "kernels_copy.py"
+    copy.write_text(Path(dbs_fast.kernels.__file__).read_text())
+    r = against(str(copy), rows=4, vocab=300, rounds=2)
+    for kind in ("plain", "anti_repetition"):
+        assert r[kind]["same_ids"] and r[kind]["max_logp_diff"] == 0.0
+        assert r[kind]["ms_median"]["this"] > 0 and r[kind]["ms_median"]["against"] > 0
