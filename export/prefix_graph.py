@@ -97,9 +97,7 @@ def _decoder(model):
     import torch
 
     fam = family(model.config)
-    cfg = model.config
-    H = cfg.num_attention_heads
-    heads = (H, getattr(cfg, "num_key_value_heads", None) or H, getattr(cfg, "head_dim", None) or cfg.hidden_size // H)
+    heads = _heads(model.config)
 
     class PrefixDecoder(torch.nn.Module):
         def __init__(self):
@@ -117,6 +115,12 @@ def _decoder(model):
                                                         kv, dims)
 
     return PrefixDecoder().eval()
+
+
+def _heads(cfg) -> tuple[int, int, int]:
+    """(query heads, kv heads, head dim) of a transformers config."""
+    H = cfg.num_attention_heads
+    return H, getattr(cfg, "num_key_value_heads", None) or H, getattr(cfg, "head_dim", None) or cfg.hidden_size // H
 
 
 # The hidden states are (N * L, D) throughout, so every weight matmul is one 2-D Gemm/MatMul with
@@ -231,9 +235,7 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
     cfg = model.config
     dec = _decoder(model)
     L = cfg.num_hidden_layers
-    H = cfg.num_attention_heads
-    KV = getattr(cfg, "num_key_value_heads", None) or H
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    H, KV, d = _heads(cfg)
     b, s, T, K, n = 2, 3, 5, 4, 2          # n new tokens per row (dynamic, like the rest)
     N = b * s
     args = [torch.zeros(N, n, dtype=torch.int64), T + torch.arange(n).repeat(N, 1),
