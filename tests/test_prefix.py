@@ -165,6 +165,11 @@ def test_export_writes_the_decode_graph(kind, exported):
     assert m["prefix_decode"]["written"] and m["prefix_decode"]["max_abs_logit_diff"] < 1e-3
     assert "decode.onnx" in m["files"]
     assert m["prefix_decode"]["tied_head_bytes_shared"] > 0     # the tied head reads the embeddings, no copy
+    if kind == "llama":      # RoPE as ORT's contrib op (angles from a table), within the parity above
+        import onnx
+
+        ops = {n.op_type for n in onnx.load(str(exported[kind] / "decode.onnx"), load_external_data=False).graph.node}
+        assert m["prefix_decode"]["rope"] == "contrib" and "RotaryEmbedding" in ops and "Neg" not in ops
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
