@@ -40,6 +40,7 @@ import numpy as np
 
 from dbs_fast.benchmarks.eval import builtin_sets
 from dbs_fast.benchmarks.host import machine
+from dbs_fast.service import ServiceOptions
 
 SMALL = {"beams": 2, "candidates": 2, "order": "any", "max_new_tokens": 32, "context": "A"}
 PAPER = {"paper": True, "beams": 7, "candidates": 10, "chunk": 5, "max_new_tokens": 90, "context": "It is"}
@@ -55,11 +56,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, max_rows: int, threads: int | None, log: Path):
+    def __init__(self, model: str, max_rows: int, threads: int | None, log: Path, admit_wait: float | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "dbs_fast.cli", "serve", "--model", model, "--port", str(self.port),
-               "--max-rows", str(max_rows), "--max-queue", "1024"] + (["--threads", str(threads)] if threads else [])
+               "--max-rows", str(max_rows), "--max-queue", "1024"] + (["--threads", str(threads)] if threads else []) + (
+                   ["--admit-wait", str(admit_wait)] if admit_wait is not None else [])
         env = {**os.environ, "PYTHONSAFEPATH": "1"}       # a checkout's dbs_fast/ must not shadow the package
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -132,14 +134,18 @@ def arm(server: ServerProcess, kind: str, clients: int, per_client: int, max_sec
     """The work of `clients` clients x `per_client` requests, sent by `senders` concurrent clients
     (default `clients`; 1 measures each of the same requests alone, one after another)."""
     work = bodies(kind, clients * per_client, seed0=1000 * clients)
+    chunks0 = server.metric("dbs_chunk_seconds_count")
     tok0, t0 = server.metric("dbs_candidate_tokens_total"), time.perf_counter()
     res = asyncio.run(drive(server.url, work, senders or clients, time.time() + max_seconds))
     wall = time.perf_counter() - t0
+    tokens, chunks = server.metric("dbs_candidate_tokens_total") - tok0, server.metric("dbs_chunk_seconds_count") - chunks0
     lat = np.array([r["latency"] for r in res if r["status"] == 200])
     return {"clients": clients, "senders": senders or clients, "requests": len(res),
             "ok": int((np.array([r["status"] for r in res]) == 200).sum()),
             "wall_s": wall, "requests_per_s": len(lat) / wall,
-            "candidate_tokens_per_s": (server.metric("dbs_candidate_tokens_total") - tok0) / wall,
+            "candidate_tokens_per_s": tokens / wall,
+            # how full the merged batch ran: candidate tokens per chunk (a request's first chunk has b rows, then b*s)
+            "candidate_tokens_per_chunk": tokens / chunks if chunks else None,
             "p50_s": float(np.percentile(lat, 50)) if len(lat) else None,
             "p95_s": float(np.percentile(lat, 95)) if len(lat) else None,
             "latency_s": {str(r["i"]): r["latency"] for r in res if r["status"] == 200}}
@@ -317,6 +323,8 @@ def main(argv=None) -> int:
     ap.add_argument("--soak", type=int, default=500)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip", default="", help="comma-separated: engine, small, paper, join, soak")
+    ap.add_argument("--admit-wait", type=float, default=None,
+                    help="the servers' --admit-wait (seconds; default: the server's default)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -326,7 +334,8 @@ def main(argv=None) -> int:
     if (out / "load.json").is_file():            # arms not run this time keep their earlier results
         res = json.loads((out / "load.json").read_text())
     res.update({"machine": {"cpu": machine(), "python": platform.python_version()},
-                "model": a.model, "small_request": SMALL, "paper_request": PAPER})
+                "model": a.model, "small_request": SMALL, "paper_request": PAPER,
+                "admit_wait": a.admit_wait if a.admit_wait is not None else ServiceOptions().admit_wait})
     res.setdefault("dates", {})
     for arm_name in {"engine", "small", "paper", "join", "soak"} - skip:
         res["dates"][arm_name] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -339,7 +348,8 @@ def main(argv=None) -> int:
         for kind in ("small", "paper"):
             if kind in skip:
                 continue
-            srv = ServerProcess(a.model, rows[kind], a.threads, out / f"server-{mode}-{kind}.log").wait_ready()
+            srv = ServerProcess(a.model, rows[kind], a.threads, out / f"server-{mode}-{kind}.log",
+                                a.admit_wait).wait_ready()
             try:
                 lv = levels if kind == "small" else [1, 4]
                 per = a.per_client if kind == "small" else 2
@@ -368,7 +378,7 @@ def main(argv=None) -> int:
                                    **(latency_ratios(x, z) if z and "latency_s" in x else {})}
                                   for x, y, z in zip(c, s, alone)]
     if "soak" not in skip:
-        srv = ServerProcess(a.model, 140, a.threads, out / "server-soak.log").wait_ready()
+        srv = ServerProcess(a.model, 140, a.threads, out / "server-soak.log", a.admit_wait).wait_ready()
         try:
             rss0 = srv.rss()
             res["soak"] = asyncio.run(soak(srv.url, a.soak, 8, srv.rss))

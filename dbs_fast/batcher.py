@@ -2,7 +2,8 @@
 
 Jobs wait in a bounded queue; between chunks the loop drops cancelled and timed-out jobs,
 admits queued ones while the row budget allows (first come, first served), and decodes one
-chunk of every running batch (one batch per config: all requests of a batch share it, so
+chunk of every running batch. At a boundary where requests have just ended it first waits up
+to `admit_wait` seconds for their clients' next requests (see `_await_returns`) (one batch per config: all requests of a batch share it, so
 requests with other settings take turns chunk by chunk). A job leaves with its result when
 its request ends. Events go back to the asyncio side through `Job.send`; the loop never blocks
 on a client. The HTTP layer is `dbs_fast.service`; this module knows nothing of HTTP.
@@ -39,8 +40,8 @@ class Job:
 class Batcher:
     """Continuous batching at chunk boundaries over one `DirectedBeamSearch`."""
 
-    def __init__(self, dbs: DirectedBeamSearch, max_rows: int, max_queue: int, metrics=None):
-        self.dbs, self.max_rows, self.max_queue = dbs, max_rows, max_queue
+    def __init__(self, dbs: DirectedBeamSearch, max_rows: int, max_queue: int, metrics=None, admit_wait: float = 0.0):
+        self.dbs, self.max_rows, self.max_queue, self.admit_wait = dbs, max_rows, max_queue, admit_wait
         self.metrics = metrics
         self.queue: deque[Job] = deque()
         self.batches: dict[DBSConfig, Batch] = {}
@@ -98,18 +99,33 @@ class Batcher:
 
     # -- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:
+        ended = 0                                   # requests that ended at the last boundary
         while True:
             with self.cond:
                 while not (self.queue or self.batches or self.stopping):
                     self.cond.wait()
+                self._await_returns(ended)
                 if self.stopping and not self.batches and not self.queue:
                     return
                 admit = self._take_admissible()
             self._drop_cancelled()
             self._admit(admit)
-            for cfg in list(self.batches):
-                self._step(cfg)
+            ended = sum(self._step(cfg) for cfg in list(self.batches))
             self._gauges()
+
+    def _await_returns(self, ended: int) -> None:
+        """A client that waits for its result before it sends its next request (a pipeline, a
+        worker pool: a closed loop) sends it a few ms after its request ends, which is just after
+        the loop has started the next chunk, so its rows would stay empty for a whole chunk. At a
+        boundary where `ended` requests ended, wait up to `admit_wait` seconds for as many to be
+        queued (the batching delay of Triton's `max_queue_delay`, Ray Serve's
+        `batch_wait_timeout_s`); return as soon as they are there. Called holding `cond`."""
+        end = time.perf_counter() + self.admit_wait
+        while ended and len(self.queue) < ended and not self.stopping:
+            left = end - time.perf_counter()
+            if left <= 0:
+                return
+            self.cond.wait(left)
 
     def _take_admissible(self) -> list[Job]:
         """Queued jobs that fit the row budget, in order (the first that does not fit waits, and
@@ -165,7 +181,8 @@ class Batcher:
             if not batch.requests:
                 del self.batches[cfg]
 
-    def _step(self, cfg: DBSConfig) -> None:
+    def _step(self, cfg: DBSConfig) -> int:
+        """One chunk of the batch of `cfg`; returns how many of its requests ended."""
         batch = self.batches[cfg]
         before, t0 = batch.candidate_tokens, time.perf_counter()
         try:
@@ -175,7 +192,7 @@ class Batcher:
             for r in batch.requests:
                 self._finish(self.jobs.pop(id(r)), "error", (500, f"generation failed: {type(e).__name__}: {e}"))
             del self.batches[cfg]
-            return
+            return 0
         if self.metrics:
             self.metrics.chunk(time.perf_counter() - t0, batch.candidate_tokens - before)
         for r, text in partial:
@@ -189,6 +206,7 @@ class Batcher:
             self._finish(job, "result", result.to_json())
         if not batch.requests:
             del self.batches[cfg]
+        return len(done)
 
     def _finish(self, job: Job, kind: str, payload) -> None:
         job.send(kind, payload)

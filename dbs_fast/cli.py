@@ -348,6 +348,9 @@ def _add_serve(sub):
     _add_kv_layout(p)
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds per request (at most)")
     p.add_argument("--grace", type=float, default=d.grace, help="seconds to finish running requests at shutdown")
+    p.add_argument("--admit-wait", type=float, default=d.admit_wait,
+                   help=f"seconds to wait at a chunk boundary where requests ended for their clients' next requests "
+                        f"(default {d.admit_wait}; 0: never wait)")
     p.add_argument("--ray-replicas", type=int, default=None,
                    help="serve N replicas on Ray Serve instead (each its own engine; needs the ray extra)")
     p.add_argument("--ray-address", default=None, help="a running Ray cluster (`auto`), else a local Ray is started")
@@ -363,7 +366,7 @@ def _run_serve(a) -> int:
 
     opts = ServiceOptions(model=a.model, embeddings=a.embeddings, max_rows=a.max_rows, max_queue=a.max_queue,
                           threads=a.threads, provider=a.provider, timeout=a.timeout, grace=a.grace,
-                          kv_layout=a.kv_layout)
+                          kv_layout=a.kv_layout, admit_wait=a.admit_wait)
     if not 0 < a.port < 65536:
         raise DBSError(f"`--port` must be in 1..65535, got {a.port}")
     if a.model not in EMBEDDED_DIRS:          # a wrong directory fails here, not in the background

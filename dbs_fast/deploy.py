@@ -53,7 +53,7 @@ def build(args: dict):
     unknown = set(args) - set(names)
     if unknown:
         raise DBSError(f"unknown option(s) {sorted(unknown)}; known: replicas, cpus, {', '.join(names)}")
-    conv = {"max_rows": int, "max_queue": int, "threads": int, "timeout": float, "grace": float}
+    conv = {"max_rows": int, "max_queue": int, "threads": int, "timeout": float, "grace": float, "admit_wait": float}
     return application(ServiceOptions(**{k: conv.get(k, str)(v) for k, v in args.items()}), replicas, cpus)
 
 

@@ -40,6 +40,8 @@ class ServiceOptions:
     kv_layout: str = "auto"        # engine v2's cache where the export has it (see DirectedBeamSearch)
     timeout: float = 300.0         # per request, seconds (a request may ask for less)
     grace: float = 30.0            # at shutdown: seconds to finish running requests before cancelling them
+    admit_wait: float = 0.05       # at a boundary where requests ended: seconds to wait for their clients' next
+    #                                ones (closed-loop clients), so that they join this chunk, not the next
 
     def __post_init__(self):
         for name in ("max_rows", "max_queue"):
@@ -50,6 +52,8 @@ class ServiceOptions:
             raise DBSError(f"`--threads` must be >= 1, got {self.threads}")
         if not self.timeout > 0:
             raise DBSError(f"`--timeout` must be > 0 seconds, got {self.timeout}")
+        if not 0 <= self.admit_wait <= 1:
+            raise DBSError(f"`--admit-wait` must be in 0..1 seconds, got {self.admit_wait}")
         from .prefix import KV_LAYOUTS
 
         if self.kv_layout not in KV_LAYOUTS:
@@ -155,7 +159,7 @@ class Service:
                                                         kv_layout=self.opts.kv_layout)
             dbs.word_piece, dbs.sentence_end                           # built once, before the first request
             dbs.generate("It is", "day", config=DBSConfig(beams=1, candidates=1, max_new_tokens=8, stop="max"))  # warm-up
-            self.batcher = Batcher(dbs, self.opts.max_rows, self.opts.max_queue, self.metrics)
+            self.batcher = Batcher(dbs, self.opts.max_rows, self.opts.max_queue, self.metrics, self.opts.admit_wait)
             self.dbs = dbs
         except Exception as e:   # noqa: BLE001 -- reported by /health, the server stays up
             self.error = f"{type(e).__name__}: {e}"

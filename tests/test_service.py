@@ -276,3 +276,50 @@ def test_load_latency_ratios_pair_each_request_with_itself_alone():
     assert r["p95_over_alone_p95"] == 2.5
     assert r["slowdown_p50"] == 1.5 and 2.5 < r["slowdown_p95"] <= 3.0                # slow-downs 2, 3, 1, 1
     assert latency_ratios({**loaded, "latency_s": {"1": 3.0, "9": 1.0}}, alone)["slowdown_p95"] == 3.0
+
+
+def test_a_closed_loop_clients_next_request_joins_the_boundary_where_its_last_one_ended(dbs):
+    """Request A ends while C runs; A's client sends B 30 ms after A's result (mid-chunk: a chunk
+    takes >= 4 x 50 ms here). With admit_wait the loop waits at that boundary and B's first chunk is
+    C's next one (B's only chunk: it ends with it); without, B waits for the chunk that has already
+    started."""
+    from dbs_fast.batcher import Batcher, Job
+
+    short = replace(DBSConfig(), **{**SMALL, "max_new_tokens": 4, "stop": "max"})       # one chunk
+    long = replace(DBSConfig(), **{**SMALL, "max_new_tokens": 64, "stop": "max"})       # 16 chunks
+    model = dbs.decoder or dbs.backend
+    step = model.step
+    model.step = lambda *a, **kw: (time.sleep(0.05), step(*a, **kw))[1]
+    try:
+        for wait, between in ((1.0, [1]), (0.0, [2, 3])):
+            events, done = [], threading.Event()
+            b = Batcher(dbs, max_rows=24, max_queue=8, admit_wait=wait)
+
+            def send_b():
+                time.sleep(0.03)
+                b.submit(Job(dbs.request("It is", "river", None, 2, short), short,
+                             send=lambda k, p: (events.append(("B", k)), k == "result" and done.set())))
+
+            def on_a(kind, payload):
+                events.append(("A", kind))
+                if kind == "result":
+                    threading.Thread(target=send_b).start()
+
+            b.submit(Job(dbs.request("It is", "colony", None, 0, long), long, stream=True,
+                         send=lambda k, p: events.append(("C", k))))
+            _wait(lambda: b.rows > 0)
+            b.submit(Job(dbs.request("It is", "dog", None, 1, short), short, send=on_a))
+            assert done.wait(60)
+            b.stop(0.0)
+            a_end, b_end = events.index(("A", "result")), events.index(("B", "result"))
+            assert events[a_end:b_end].count(("C", "chunk")) in between, (wait, events)
+    finally:
+        model.step = step
+
+
+@pytest.mark.parametrize("flag, value", [("--admit-wait", "-0.1"), ("--admit-wait", "5"), ("--max-rows", "0")])
+def test_serve_refuses_bad_options_with_exit_2_before_starting(flag, value, capsys):
+    from dbs_fast.cli import main
+
+    assert main(["serve", flag, value]) == 2
+    assert f"`{flag}` must be" in capsys.readouterr().err
