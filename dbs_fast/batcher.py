@@ -2,10 +2,10 @@
 
 Jobs wait in a bounded queue; between chunks the loop drops cancelled and timed-out jobs,
 admits queued ones while the row budget allows (first come, first served), and decodes one
-chunk of every running batch. At a boundary where requests have just ended it first waits up
-to `admit_wait` seconds for their clients' next requests (see `_await_returns`) (one batch per config: all requests of a batch share it, so
-requests with other settings take turns chunk by chunk). A job leaves with its result when
-its request ends. Events go back to the asyncio side through `Job.send`; the loop never blocks
+chunk of every running batch (one batch per config: all requests of a batch share it, so
+requests with other settings take turns chunk by chunk). At a boundary where requests have
+just ended, it first waits up to `admit_wait` seconds for their clients' next requests
+(`_await_returns`). A job leaves with its result when its request ends. Events go back to the asyncio side through `Job.send`; the loop never blocks
 on a client. The HTTP layer is `dbs_fast.service`; this module knows nothing of HTTP.
 """
 from __future__ import annotations
