@@ -190,8 +190,9 @@ def _rotary(model, h, pos, dims: Dims):
 
         @staticmethod
         def symbolic(g, y, p, table_cos, table_sin, heads):
-            return g.op("com.microsoft::RotaryEmbedding", y, p, table_cos, table_sin, num_heads_i=heads,
-                        interleaved_i=0)
+            out = g.op("com.microsoft::RotaryEmbedding", y, p, table_cos, table_sin, num_heads_i=heads,
+                       interleaved_i=0)
+            return out.setType(y.type())                     # same shape and type as y (no exporter warning)
 
     return lambda y, heads: Rotary.apply(y.reshape(N, L, -1), pos, tc, ts, heads).reshape(N, L, heads, d)
 
