@@ -240,6 +240,19 @@ def linear_shapes(model_dir: Path) -> list[tuple[int, int, int]]:
 def _matmul_seconds(rows: int, k: int, n: int, int8: bool, threads: int | None, repeats: int = 7) -> float:
     """ORT's best time for one (rows x k) @ (k x n) MatMul: several independent copies (distinct
     weights, so no cache reuse) in one graph amortise the per-run overhead; spinning allowed."""
+    sess, x, copies = matmul_session(rows, k, n, int8, threads)
+    sess.run(None, x)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sess.run(None, x)
+        ts.append(time.perf_counter() - t0)
+    return min(ts) / copies                          # the machine's best: a roofline is a bound
+
+
+def matmul_session(rows: int, k: int, n: int, int8: bool, threads: int | None):
+    """(session, feeds, copies): the roofline's graph of `copies` independent (rows x k) @ (k x n)
+    MatMuls (fp32, or int8 by ORT's dynamic quantisation)."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -252,10 +265,9 @@ def _matmul_seconds(rows: int, k: int, n: int, int8: bool, threads: int | None, 
                           [helper.make_tensor_value_info("X", TensorProto.FLOAT, [rows, k])],
                           [helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, [rows, n])
                            for i in range(copies)], ws)
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads:
-        so.intra_op_num_threads = threads
+    from dbs_fast.session import session_options
+
+    so = session_options(threads)     # the engine's: spinning stops when a run ends (several sessions may live)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "mm.onnx"
         onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
@@ -265,14 +277,7 @@ def _matmul_seconds(rows: int, k: int, n: int, int8: bool, threads: int | None, 
             quantize_dynamic(str(path), str(Path(d) / "q.onnx"), weight_type=QuantType.QInt8)
             path = Path(d) / "q.onnx"
         sess = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
-    x = rng.standard_normal((rows, k)).astype(np.float32)
-    sess.run(None, {"X": x})
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        sess.run(None, {"X": x})
-        ts.append(time.perf_counter() - t0)
-    return min(ts) / copies                          # the machine's best: a roofline is a bound
+    return sess, {"X": rng.standard_normal((rows, k)).astype(np.float32)}, copies
 
 
 def memory_bandwidth(nbytes: int = 512 * 2**20) -> float:

@@ -98,6 +98,24 @@ def test_layouts_probe_times_both_graphs(exported, tmp_path):
     assert set(r["step_ms_median"]) == {"v2", "rows"} and all(v > 0 for v in r["step_ms_median"].values())
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_overhead_probe_times_the_step_and_its_matmuls_in_turn(exported, tmp_path, int8):
+    from dbs_fast.benchmarks.bench import linear_shapes
+    from dbs_fast.benchmarks.overhead import main as probe
+
+    out = tmp_path / "o.json"
+    assert probe(["--model", str(exported["llama"]), "--rounds", "2", "--beams", "2", "--candidates", "3",
+                  "--prefix", "5", "--out", str(out)] + (["--int8"] if int8 else [])) == 0
+    r = json.loads(out.read_text())
+    assert r["matmuls"] == ("int8 (dynamic)" if int8 else "fp32")
+    assert [tuple(x) for x in r["shapes_in_out_count"]] == linear_shapes(exported["llama"])
+    assert len(r["step_ms_per_round"]) == len(r["matmul_ms_per_round"]) == 2
+    assert all(a > 0 and m > 0 for a, m in zip(r["step_ms_per_round"], r["matmul_ms_per_round"]))
+    ratios = [a / m for a, m in zip(r["step_ms_per_round"], r["matmul_ms_per_round"])]
+    assert r["step_over_matmuls_per_round"] == pytest.approx(ratios)
+    assert r["step_over_matmuls"] == pytest.approx(sum(ratios) / 2)        # the median of two rounds
+
+
 def test_kernel_against_another_version_times_both_and_compares_draws(tmp_path):
     """`benchmarks/kernel.py --against FILE`: a copy of the kernel module loads beside this one,
     both are timed alternately, and the same kernel draws the same ids (log-probs equal)."""
