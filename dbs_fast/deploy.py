@@ -17,6 +17,7 @@ node exports on first use).
 from __future__ import annotations
 
 from dataclasses import asdict, fields
+from typing import get_args
 
 from .errors import DBSError
 from .service import ServiceOptions, create_app
@@ -46,15 +47,20 @@ def application(opts: ServiceOptions, replicas: int = 1, cpus: float | None = No
 
 def build(args: dict):
     """Application builder for Ray's CLI: `serve run dbs_fast.deploy:build replicas=4 model=DIR`."""
-    names = {f.name: f.type for f in fields(ServiceOptions)}
+    names = {f.name: _parse(f.type) for f in fields(ServiceOptions)}     # option -> str parser, from its type
     args = dict(args)
     replicas = int(args.pop("replicas", 1))
     cpus = float(args.pop("cpus")) if "cpus" in args else None
     unknown = set(args) - set(names)
     if unknown:
         raise DBSError(f"unknown option(s) {sorted(unknown)}; known: replicas, cpus, {', '.join(names)}")
-    conv = {"max_rows": int, "max_queue": int, "threads": int, "timeout": float, "grace": float, "admit_wait": float}
-    return application(ServiceOptions(**{k: conv.get(k, str)(v) for k, v in args.items()}), replicas, cpus)
+    return application(ServiceOptions(**{k: names[k](v) for k, v in args.items()}), replicas, cpus)
+
+
+def _parse(t):
+    """A ServiceOptions field's type as a parser of its command-line string (Optional[int] -> int)."""
+    inner = [a for a in get_args(t) if a is not type(None)]
+    return inner[0] if inner else t
 
 
 def run(opts: ServiceOptions, replicas: int, host: str, port: int, address: str | None = None,
