@@ -240,3 +240,20 @@ def test_vectorised_exp_is_as_accurate_as_float32_exp():
     want = np.exp(d[ok])
     assert (np.abs(e[ok] - want) / want).max() < 3e-7  # np.exp in float32: 1.9e-7
     assert (e[~ok] == 0).all()
+
+
+@pytest.mark.parametrize("scale,ties", [(0.05, False), (0.3, False), (0.3, True)])
+def test_flat_rows_with_ties_match_reference_exactly(scale, ties):
+    """Flat rows (an untrained model, a high temperature) put thousands of tokens into the bucket
+    that straddles top_p, and the cut is found in a finer bucket of it; with the logits rounded
+    to a few hundred distinct values, ties straddle the cut too."""
+    rng, logits, boosts, row_word, dense = _case(7, R=16, V=20000, scale=scale)
+    if ties:
+        logits = np.round(logits * 200) / 200
+    ptr, ids, vals = csr_boosts(boosts)
+    for top_p in (0.9, 0.5):
+        u = rng.random(len(logits))
+        got, glp = sample(logits, u, top_p=top_p, row_word=row_word, boost_ptr=ptr, boost_ids=ids, boost_vals=vals)
+        want, wlp = sample_ref(logits, u, 1.0, top_p, dense, False)
+        assert np.array_equal(got, want)
+        np.testing.assert_allclose(glp, wlp, atol=1e-4)
