@@ -4,7 +4,7 @@ layers at the paper setting (issue 11 asked to check these before writing our ow
 Arms, each one ONNX graph of L attention layers (distinct K/V per layer, so the caches are as
 cold as in a real step), the projections left out (the same in every arm):
   v2     `export/prefix_graph.attend` (what decode.onnx runs): each beam's prefix once,
-         (b, kv, T, d), and each row's chunk, (N, kv, K, d); plain ONNX ops
+         (b, kv, T, d), and each row's chunk, beam-major (b, kv, s, K, d); plain ONNX ops
   dmmha  com.microsoft.DecoderMaskedMultiHeadAttention with cache_indirection: one cache row per
          candidate, (N, H, max_len, d), written in place (past and present share one buffer
          through IO binding), each row reading its ancestors' positions through the indirection
@@ -46,23 +46,30 @@ def _data(L, H, d, b, s, T, seed=0):
 def v2_session(x, path: Path, threads):
     import torch
 
-    from dbs_fast.export.prefix_graph import attend
+    from dbs_fast.export.prefix_graph import Dims, attend, block_biases
     from dbs_fast.session import make_session
 
     L = len(x["pk"])
     scale = 1.0 / np.sqrt(x["q"].shape[-1])
 
-    class Layers(torch.nn.Module):
-        def forward(self, q, k, v, pbias, cbias, *kv):
-            return tuple(attend(q, k, v, *kv[4 * i:4 * i + 4], pbias, cbias, float(scale)) for i in range(L))
+    (b, H, T, d), N = x["pk"][0].shape, x["q"].shape[0]
+    dims = Dims(N, 1, b, N // b, T, K_CHUNK, H, H, d)
 
-    b, T = x["pk"][0].shape[0], x["pk"][0].shape[2]
-    N = x["q"].shape[0]
-    cbias = np.full((N, K_CHUNK), -1e4, np.float32)
-    cbias[:, :USED] = 0
-    feed = {"q": x["q"], "k": x["k"], "v": x["v"], "pbias": np.zeros((b, T), np.float32), "cbias": cbias}
+    class Layers(torch.nn.Module):
+        def forward(self, q, k, v, pbias, cbias, nbias, *kv):
+            q, k, v = q[:, None], k[:, None], v[:, None]
+            return tuple(attend(q, k, v, *kv[4 * i:4 * i + 4], pbias, cbias, nbias, float(scale), dims)[0]
+                         for i in range(L))
+
+    cmask = np.zeros((N, K_CHUNK), np.int64)
+    cmask[:, :USED] = 1
+    cbias, nbias = (t.numpy() for t in block_biases(torch.from_numpy(cmask), torch.ones(N, 1, 1, dtype=torch.bool), dims))
+    feed = {"q": x["q"], "k": x["k"], "v": x["v"], "pbias": np.zeros((b, T), np.float32), "cbias": cbias,
+            "nbias": nbias}
+    beam_major = lambda c: np.ascontiguousarray(c.reshape(b, -1, *c.shape[1:]).transpose(0, 2, 1, 3, 4))  # noqa: E731
     for i in range(L):
-        feed.update({f"pk{i}": x["pk"][i], f"pv{i}": x["pv"][i], f"ck{i}": x["ck"][i], f"cv{i}": x["cv"][i]})
+        feed.update({f"pk{i}": x["pk"][i], f"pv{i}": x["pv"][i], f"ck{i}": beam_major(x["ck"][i]),
+                     f"cv{i}": beam_major(x["cv"][i])})
     names = list(feed)
     with torch.no_grad():
         torch.onnx.export(Layers(), tuple(torch.from_numpy(feed[n]) for n in names), str(path), input_names=names,

@@ -31,6 +31,7 @@ def predates_v2(model_dir: Path) -> bool:
     `prefix_decode` (written, or why not), or its decode graph takes one new token per row (made
     before one-call prefill: it still runs, but prefills a context one call per token), or it
     computes its shapes once per layer (made before f2ee9ce: it runs, 11% slower at
-    4 rows on the default)."""
+    4 rows on the default), or takes its chunks row-major (N, kv, K, d) (it runs, through a copy
+    of every chunk each step)."""
     pd = json.loads((Path(model_dir) / MANIFEST).read_text()).get("prefix_decode")
-    return pd is None or bool(pd.get("written") and not {"prefill", "shapes"} <= pd.keys())
+    return pd is None or bool(pd.get("written") and not {"prefill", "shapes", "chunk"} <= pd.keys())

@@ -1,7 +1,8 @@
 """Engine v2's KV cache: each beam's prefix stored once, each candidate's chunk in its own buffer.
 
-`PrefixCache` holds b prefixes (b, kv_heads, T, head_dim) per layer and N = b * s preallocated
-chunk buffers (N, kv_heads, k, head_dim); row r is candidate r % s of beam r // s. A decode step
+`PrefixCache` holds b prefixes (b, kv_heads, T, head_dim) per layer and the N = b * s rows'
+preallocated chunks, beam-major (b, kv_heads, s, k, head_dim); row r is candidate r % s of beam
+r // s. A decode step
 (`PrefixDecoder.step`, the graph of `export/prefix_graph.py`) reads them in place and returns
 only the new token's K/V, which `write` puts at the chunk's next column. At the chunk boundary
 `keep(rows)` builds the next prefixes from the kept candidates: their parent beam's prefix plus
@@ -30,7 +31,7 @@ PREFILL_SLICE = 256
 class PrefixCache:
     prefix: list[np.ndarray]   # [k0, v0, k1, v1, ...], (b, kv, T, d) each
     mask: np.ndarray           # (b, T) int64, 0 = left padding
-    chunk: list[np.ndarray]    # [k0, v0, ...], (N, kv, K, d) each, N = b * s
+    chunk: list[np.ndarray]    # [k0, v0, ...], (b, kv, s, K, d) each: row r = candidate r % s of beam r // s
     chunk_mask: np.ndarray     # (N, K) int64, 1 = decoded in this chunk
     s: int
     used: int = 0              # tokens decoded in this chunk
@@ -46,7 +47,7 @@ class PrefixCache:
         """From a prefill's present K/V (one row per beam) with s candidates per beam, room for k
         tokens per chunk and `reserve` more prefix columns (max_new_tokens) in its buffers."""
         b, T = mask.shape
-        chunk = [np.zeros((b * s, t.shape[1], k, t.shape[3]), t.dtype) for t in past]
+        chunk = [np.zeros((b, t.shape[1], s, k, t.shape[3]), t.dtype) for t in past]
         return cls([np.ascontiguousarray(t) for t in past], np.asarray(mask, np.int64), chunk,
                    np.zeros((b * s, k), np.int64), s, capacity=T + reserve)
 
@@ -65,13 +66,13 @@ class PrefixCache:
         return np.repeat(self.mask.sum(1), self.s)[:, None] + self.used
 
     def write(self, new: list[np.ndarray]) -> None:
-        """The new tokens' K/V (N, kv, L, d) per tensor into columns `used`.. of the chunk."""
-        L = new[0].shape[2]
+        """The new tokens' K/V (b, kv, s, L, d) per tensor into columns `used`.. of the chunk."""
+        L = new[0].shape[3]
         if self.used + L > self.chunk_mask.shape[1]:
             raise DBSError(f"the chunk buffer holds {self.chunk_mask.shape[1]} tokens, {self.used} used; "
                            f"call keep() first")
         for buf, t in zip(self.chunk, new):
-            buf[:, :, self.used:self.used + L] = t
+            buf[:, :, :, self.used:self.used + L] = t
         self.chunk_mask[:, self.used:self.used + L] = 1
         self.used += L
 
@@ -109,7 +110,7 @@ class PrefixCache:
             self.mask = self.mask[src]
         n = len(src) * s
         if n != self.chunk_mask.shape[0]:
-            self.chunk = [np.zeros((n,) + c.shape[1:], c.dtype) for c in self.chunk]
+            self.chunk = [np.zeros((len(src),) + c.shape[1:], c.dtype) for c in self.chunk]
             self.chunk_mask = np.zeros((n, self.chunk_mask.shape[1]), np.int64)
         else:
             self.chunk_mask[:] = 0            # stale chunk K/V stays: masked, overwritten column by column
@@ -132,7 +133,7 @@ class PrefixCache:
             new = buf[:n].reshape(shape)
             for beam, row in enumerate(src):
                 new[beam, :, :T] = p[row // self.s]
-                new[beam, :, T:] = c[row, :, :j]
+                new[beam, :, T:] = c[row // self.s, :, row % self.s, :j]
             self.prefix[i] = new
             own.append(buf)
         self._spare, self._own = self._own, own
@@ -170,7 +171,7 @@ class PrefixCache:
         Q, T = ids.shape
         empty = np.zeros((Q, kv_heads, 1, head_dim), np.float32)          # one masked column
         pc = cls([empty] * (2 * decoder.layers), np.zeros((Q, 1), np.int64),
-                 [np.zeros((Q, kv_heads, T, head_dim), np.float32) for _ in range(2 * decoder.layers)],
+                 [np.zeros((Q, kv_heads, 1, T, head_dim), np.float32) for _ in range(2 * decoder.layers)],
                  np.zeros((Q, T), np.int64), 1)
         pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
         n = PREFILL_SLICE if decoder.multi_token else 1
@@ -178,7 +179,7 @@ class PrefixCache:
         for cols in steps:
             logits = decoder.step(ids[:, cols], pc, positions=pos[:, cols], new_mask=mask[:, cols])
             pc.chunk_mask[:, cols] = mask[:, cols]                        # padding stays masked
-        return logits.copy(), cls.start(pc.chunk, mask, s, k, reserve)
+        return logits.copy(), cls.start([c[:, :, 0] for c in pc.chunk], mask, s, k, reserve)
 
     def trim(self) -> None:
         """Drop the leading prefix columns that are padding in every beam."""
@@ -202,15 +203,27 @@ class PrefixDecoder:
         self.layers = sum(n.startswith("prefix.") for n in names) // 2
         # several new tokens per row in one call (a prefill); exports before it take one
         self.multi_token = self.has_new_mask = "new_mask" in names
+        # chunks beam-major (b, kv, s, K, d); exports before it take them row-major (N, kv, K, d):
+        # those still run, through a copy of every chunk each step (`_row_major`)
+        self.beam_major = len(self.session.get_inputs()[names.index("chunk.0.key")].shape) == 5
         self._out: list[np.ndarray] = []
 
     def _buffers(self, cache: PrefixCache, L: int) -> list[np.ndarray]:
-        """Logits (N, vocab) and the new K/V (N, kv, L, d) per tensor, reused while N, L are the same."""
+        """Logits (N, vocab) and the new K/V (b, kv, s, L, d) per tensor, reused while the shapes are
+        the same."""
         n = cache.chunk_mask.shape[0]
-        if not self._out or self._out[0].shape[0] != n or self._out[1].shape[2] != L:
-            self._out = [np.empty((n, self.vocab), np.float32)] + [
-                np.empty((n, c.shape[1], L, c.shape[3]), c.dtype) for c in cache.chunk]
+        shapes = [(n, self.vocab)] + [c.shape[:3] + (L, c.shape[4]) for c in cache.chunk]
+        if not self.beam_major:
+            shapes[1:] = [(n, sh[1], L, sh[4]) for sh in shapes[1:]]
+        if [o.shape for o in self._out] != shapes:
+            self._out = [np.empty(sh, np.float32) for sh in shapes]
         return self._out
+
+    @staticmethod
+    def _row_major(t: np.ndarray) -> np.ndarray:
+        """(b, kv, s, K, d) -> (N, kv, K, d) as an export before beam-major chunks takes it (a copy)."""
+        b, kv, s, K, d = t.shape
+        return t.transpose(0, 2, 1, 3, 4).reshape(b * s, kv, K, d)
 
     def step(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None,
              new_mask: np.ndarray | None = None) -> np.ndarray:
@@ -229,9 +242,10 @@ class PrefixDecoder:
                  "prefix_mask": cache.mask, "chunk_mask": cache.chunk_mask}
         if self.has_new_mask:
             feeds["new_mask"] = np.ones(ids.shape, np.int64) if new_mask is None else new_mask.astype(np.int64)
+        chunk = cache.chunk if self.beam_major else [self._row_major(c) for c in cache.chunk]
         for i in range(self.layers):
             feeds.update({f"prefix.{i}.key": cache.prefix[2 * i], f"prefix.{i}.value": cache.prefix[2 * i + 1],
-                          f"chunk.{i}.key": cache.chunk[2 * i], f"chunk.{i}.value": cache.chunk[2 * i + 1]})
+                          f"chunk.{i}.key": chunk[2 * i], f"chunk.{i}.value": chunk[2 * i + 1]})
         for name, arr in feeds.items():
             io.bind_cpu_input(name, np.ascontiguousarray(arr))
         if not isinstance(self.vocab, int):            # a graph without a static vocab: ORT allocates
@@ -244,5 +258,8 @@ class PrefixDecoder:
             for name, arr in zip(self.outputs, out):
                 io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
             self.session.run_with_iobinding(io)
-        cache.write(out[1:])
+        new = out[1:]
+        if not self.beam_major:                        # (N, kv, L, d) -> (b, kv, s, L, d), a view
+            new = [t.reshape(-1, cache.s, *t.shape[1:]).transpose(0, 2, 1, 3, 4) for t in new]
+        cache.write(new)
         return out[0]

@@ -43,7 +43,9 @@ def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2) -> dict:
         elif n == "chunk_mask":
             out[n] = np.zeros((N, K), np.int64)
             out[n][:, :used] = 1
-        else:                                           # prefix.L.* / chunk.L.* / past_key_values.L.*
+        elif n.startswith("chunk.") and len(shape) == 5:  # beam-major chunks (b, kv, s, K, d)
+            out[n] = rng.standard_normal((b, shape[1], s, K, shape[4])).astype(np.float32)
+        else:                                           # prefix.L.* / chunk.L.* (row-major) / past_key_values.L.*
             rows, length = (b, T) if n.startswith("prefix.") else (N, K) if n.startswith("chunk.") else (N, past)
             out[n] = rng.standard_normal((rows, shape[1], length, shape[3])).astype(np.float32)
     return out

@@ -314,7 +314,8 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
     def fake_export(name, out, force=False, quiet=False):
         calls.append(name)
         Path(out).mkdir(parents=True, exist_ok=force)
-        (Path(out) / MANIFEST).write_text('{"prefix_decode": {"written": true, "prefill": "one call", "shapes": "once"}}')
+        (Path(out) / MANIFEST).write_text('{"prefix_decode": {"written": true, "prefill": "one call", "shapes": "once", '
+                                          '"chunk": "beam-major"}}')
 
     monkeypatch.setattr(convert, "export_model", fake_export)
     d = resolve_model_dir("default")
@@ -331,3 +332,7 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
     (d / MANIFEST).write_text('{"prefix_decode": {"written": true, "prefill": "one call"}}')
     assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
     assert calls == ["default"] * 4
+    # chunks row-major (before beam-major chunks): exported again, once
+    (d / MANIFEST).write_text('{"prefix_decode": {"written": true, "prefill": "one call", "shapes": "once"}}')
+    assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
+    assert calls == ["default"] * 5

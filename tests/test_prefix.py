@@ -10,9 +10,27 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("optimum.exporters.onnx")
 
 
-def test_attend_equals_full_attention_over_the_concatenation():
-    from dbs_fast.export.prefix_graph import MASKED, attend
+def _beam_major(x, b):
+    """(N, kv, K, d) rows -> (b, kv, s, K, d), the chunk layout of the decode graph."""
+    return np.ascontiguousarray(x.reshape(b, -1, *x.shape[1:]).transpose(0, 2, 1, 3, 4))
 
+
+def _attend(q, k, v, pk, pv, ck, cv, pmask, cmask, seen, scale):
+    """`attend` on NumPy inputs with the chunks given row-major and the masks as booleans."""
+    from dbs_fast.export.prefix_graph import MASKED, Dims, attend, block_biases
+
+    t = torch.from_numpy
+    (N, L, H, d), (b, kv, T, _), K = q.shape, pk.shape, ck.shape[2]
+    dims = Dims(N, L, b, N // b, T, K, H, kv, d)
+    cbias, nbias = block_biases(t(cmask.astype(np.int64)), t(seen), dims)
+    o, kn, vn = attend(t(q), t(k), t(v), t(pk), t(pv), t(_beam_major(ck, b)), t(_beam_major(cv, b)),
+                       t((~pmask) * np.float32(MASKED)), cbias, nbias, scale, dims)
+    for new, x in ((kn, k), (vn, v)):         # the new K/V come back beam-major, (b, kv, s, L, d)
+        np.testing.assert_array_equal(new.numpy(), _beam_major(x.transpose(0, 2, 1, 3), b))
+    return o.numpy()
+
+
+def test_attend_equals_full_attention_over_the_concatenation():
     rng = np.random.default_rng(0)
     b, s, H, kv, d, T, K = 3, 4, 6, 2, 8, 7, 5
     N = b * s
@@ -25,9 +43,8 @@ def test_attend_equals_full_attention_over_the_concatenation():
     cmask = np.zeros((N, K), bool)
     cmask[:, :2] = True                       # two chunk tokens decoded so far
     cmask[5, 2] = True
-    t = torch.from_numpy
-    got = attend(t(q), t(k), t(v), t(pk), t(pv), t(ck), t(cv), t((~pmask) * np.float32(MASKED)),
-                 t((~cmask) * np.float32(MASKED)), 1 / np.sqrt(d)).numpy()
+    got = _attend(q[:, None], k[:, None], v[:, None], pk, pv, ck, cv, pmask, cmask, np.ones((N, 1, 1), bool),
+                  1 / np.sqrt(d))[:, 0]
     for r in range(N):
         keys = np.concatenate([pk[r // s], ck[r], k[r][:, None]], axis=1)
         values = np.concatenate([pv[r // s], cv[r], v[r][:, None]], axis=1)
@@ -38,8 +55,6 @@ def test_attend_equals_full_attention_over_the_concatenation():
 def test_attend_of_several_new_tokens_is_causal_full_attention():
     """L new tokens per row (a prefill): token i attends to the beam's prefix, the row's chunk and
     the new tokens up to i that are not padding, as plain attention over the concatenation."""
-    from dbs_fast.export.prefix_graph import MASKED, attend
-
     rng = np.random.default_rng(2)
     b, s, L, H, kv, d, T, K = 2, 3, 4, 6, 3, 8, 5, 3
     N = b * s
@@ -51,13 +66,11 @@ def test_attend_of_several_new_tokens_is_causal_full_attention():
     pmask[1, :2] = False
     cmask = np.zeros((N, K), bool)
     cmask[:, 0] = True
+    cmask[4, 1] = True
     nmask = np.ones((N, L), bool)
     nmask[4, :2] = False                       # a left-padded row of new tokens
     seen = np.tril(np.ones((L, L), bool))[None] & nmask[:, None, :]               # (N, L, L)
-    t = torch.from_numpy
-    bias = lambda m: t((~m) * np.float32(MASKED))                                 # noqa: E731
-    got = attend(t(q), t(k), t(v), t(pk), t(pv), t(ck), t(cv), bias(pmask), bias(cmask), 1 / np.sqrt(d),
-                 bias(seen)).numpy()
+    got = _attend(q, k, v, pk, pv, ck, cv, pmask, cmask, seen, 1 / np.sqrt(d))
     assert got.shape == (N, L, H * d)
     for r in range(N):
         keys = np.concatenate([pk[r // s], ck[r], k[r].transpose(1, 0, 2)], axis=1)
@@ -250,7 +263,7 @@ def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers(
             seq = seq[::-1]
         new = [rng.standard_normal((b * s, kv, 1, d)).astype(np.float32) for _ in range(2 * layers)]
         for _ in range(k):
-            pc.write(new)
+            pc.write([_beam_major(x, b) for x in new])
         rows = rng.integers(0, b * s, b)                            # repeats allowed
         pc.keep(rows)
         seq = [[np.concatenate([seq[r // s][t], np.repeat(new[t][r], k, axis=1)], axis=1) for t in range(2 * layers)]
