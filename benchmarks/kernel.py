@@ -110,7 +110,8 @@ def run(rows: int = 70, vocab: int = 50257, repeats: int = 20, threads: int | No
 
 def against(path: str, rows: int = 70, vocab: int = 50257, rounds: int = 40) -> dict:
     """This kernel against the `sample` of another kernels.py (loaded as a module of this package,
-    so its relative imports resolve), alternated call by call; plain and anti-repetition."""
+    so its relative imports resolve), alternated call by call; plain (peaked logits), flat
+    logits, and plain with anti-repetition."""
     import importlib.util
 
     from dbs_fast import kernels
@@ -121,11 +122,14 @@ def against(path: str, rows: int = 70, vocab: int = 50257, rounds: int = 40) -> 
     logits, u, row_word, (ptr, bids, bvals) = _workload(rows, vocab)
     hist = np.random.default_rng(1).integers(0, vocab, (rows, 100)).astype(np.int32)
     hist[:, 50:] = hist[:, :50]
+    # flat: an untrained model's (or a high temperature's) logits, thousands of tokens per bucket
+    flat = (np.random.default_rng(2).standard_normal(logits.shape) * 0.5).astype(np.float32)
     out = {"against": str(path), "rounds": rounds}
-    for kind, kw in (("plain", {}), ("anti_repetition", {"history": hist, "repetition_penalty": 1.2,
-                                                         "no_repeat_ngram_size": 3})):
+    for kind, x, kw in (("plain", logits, {}), ("flat", flat, {}),
+                        ("anti_repetition", logits, {"history": hist, "repetition_penalty": 1.2,
+                                                     "no_repeat_ngram_size": 3})):
         def call(m):
-            return m.sample(logits, u, top_p=0.9, row_word=row_word, boost_ptr=ptr, boost_ids=bids,
+            return m.sample(x, u, top_p=0.9, row_word=row_word, boost_ptr=ptr, boost_ids=bids,
                             boost_vals=bvals, **kw)
         a, b = call(kernels), call(other)
         ts = {"this": [], "against": []}

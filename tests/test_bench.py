@@ -127,6 +127,6 @@ def test_kernel_against_another_version_times_both_and_compares_draws(tmp_path):
     copy = tmp_path / "kernels_copy.py"
     copy.write_text(Path(dbs_fast.kernels.__file__).read_text())
     r = against(str(copy), rows=4, vocab=300, rounds=2)
-    for kind in ("plain", "anti_repetition"):
+    for kind in ("plain", "flat", "anti_repetition"):
         assert r[kind]["same_ids"] and r[kind]["max_logp_diff"] == 0.0
         assert r[kind]["ms_median"]["this"] > 0 and r[kind]["ms_median"]["against"] > 0
