@@ -104,7 +104,7 @@ class DirectedBeamSearch:
                  quiet: bool = True, kv_layout: str = "auto"):
         self.config = config or DBSConfig()
         self.model_dir = resolve_model_dir(model, quiet)
-        kernels.set_threads(threads)
+        kernels.set_threads(threads, sleep_when_idle=backend != "torch")
         self.decoder = None
         if backend == "onnx":
             from .backend import OnnxBackend

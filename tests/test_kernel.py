@@ -257,3 +257,25 @@ def test_flat_rows_with_ties_match_reference_exactly(scale, ties):
         want, wlp = sample_ref(logits, u, 1.0, top_p, dense, False)
         assert np.array_equal(got, want)
         np.testing.assert_allclose(glp, wlp, atol=1e-4)
+
+
+@pytest.mark.parametrize("sleep", [True, False])
+def test_numba_threads_sleep_when_idle_unless_asked_not_to(sleep):
+    """`kernels.start_threads`: Numba's OpenMP workers load with OMP_WAIT_POLICY=PASSIVE (no spin
+    after the kernel, while ORT's next step wants the cores), the variable is not left set, and
+    `sleep_when_idle=False` (the PyTorch baseline) keeps libgomp's default spinning."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os\nfrom dbs_fast import kernels\nkernels.start_threads(%s)\n"
+            "print('left', 'OMP_WAIT_POLICY' in os.environ)" % sleep)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**env, "OMP_DISPLAY_ENV": "VERBOSE"})
+    assert out.returncode == 0, out.stderr
+    text = out.stdout + out.stderr
+    if "GOMP_SPINCOUNT" not in text:
+        pytest.skip("Numba's threading layer here is not GNU OpenMP")
+    assert "left False" in text
+    assert ("GOMP_SPINCOUNT = '0'" in text) == sleep
