@@ -1,11 +1,12 @@
-"""Numba's OpenMP workers sleeping or spinning when idle, A/B on whole generations
+"""Numba's OpenMP workers spinning or sleeping when idle, A/B/C on whole generations
 (`kernels.start_threads`).
 
 libgomp reads its wait policy once, when it loads, so each arm is its own process, kept alive
-for the whole run; the parent lets them generate in turns (one process runs while the other
-waits on its pipe), so both see the same machine load:
-  spin    libgomp's default: workers spin for a while after each parallel region (before)
-  sleep   OMP_WAIT_POLICY=PASSIVE at load: workers sleep when idle (the engine's default)
+for the whole run; the parent lets them generate in turns (one process runs while the others
+wait on their pipes), so all see the same machine load:
+  spin     libgomp's default: workers spin 300000 times after each parallel region (before)
+  passive  OMP_WAIT_POLICY=PASSIVE at load: workers sleep at once
+  brief    GOMP_SPINCOUNT=20000 at load: a brief spin, then sleep (the engine's default)
 
     python -m dbs_fast.benchmarks.idle_wait --model DIR [--generations 3] [--out FILE]
 
@@ -19,15 +20,18 @@ import json
 import multiprocessing as mp
 import statistics
 
-ARMS = {"spin": False, "sleep": True}
+ARMS = {"spin": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "brief": None}   # None: the engine's own
 NEW_TOKENS = 90
 
 
-def _worker(model: str, sleep: bool, new_tokens: int, conn) -> None:
+def _worker(model: str, env: dict | None, new_tokens: int, conn) -> None:
+    import os
+
     from dbs_fast import DBSConfig, DirectedBeamSearch, kernels
     from dbs_fast.benchmarks.bench import CONTEXT, KEYWORD_SETS
 
-    kernels.start_threads(sleep)                      # before the engine's own call, which is then a no-op
+    os.environ.update(env or {})
+    kernels.start_threads(env is None)                # before the engine's own call, which is then a no-op
     dbs = DirectedBeamSearch(model, config=DBSConfig.paper(max_new_tokens=new_tokens))
     dbs.generate(CONTEXT, KEYWORD_SETS[0], seed=0)    # warm-up
     conn.send("ready")
@@ -42,9 +46,9 @@ def run(model: str, generations: int = 3, new_tokens: int = NEW_TOKENS) -> dict:
 
     ctx = mp.get_context("spawn")
     procs, pipes = {}, {}
-    for arm, sleep in ARMS.items():                   # started one at a time: loads do not overlap
+    for arm, env in ARMS.items():                     # started one at a time: loads do not overlap
         pipes[arm], child = ctx.Pipe()
-        procs[arm] = ctx.Process(target=_worker, args=(str(model), sleep, new_tokens, child), daemon=True)
+        procs[arm] = ctx.Process(target=_worker, args=(str(model), env, new_tokens, child), daemon=True)
         procs[arm].start()
         assert pipes[arm].recv() == "ready"
     res = {arm: [] for arm in ARMS}
@@ -61,7 +65,8 @@ def run(model: str, generations: int = 3, new_tokens: int = NEW_TOKENS) -> dict:
            "arms": res}
     for arm, rs in res.items():
         out[arm] = {k: statistics.median(r[k] for r in rs) for k in ("seconds", "model_ms", "kernel_ms")}
-    out["spin_over_sleep"] = out["spin"]["seconds"] / out["sleep"]["seconds"]
+    for arm in ARMS:
+        out[f"spin_over_{arm}"] = out["spin"]["seconds"] / out[arm]["seconds"]
     return out
 
 
@@ -74,9 +79,10 @@ def main(argv=None):
     res = run(a.model, a.generations)
     for arm in ARMS:
         r = res[arm]
-        print(f"{arm:6s} {r['seconds']:.2f} s per generation, model {r['model_ms']:.1f} ms, kernel "
+        print(f"{arm:7s} {r['seconds']:.2f} s per generation, model {r['model_ms']:.1f} ms, kernel "
               f"{r['kernel_ms']:.1f} ms per step")
-    print(f"spin / sleep = {res['spin_over_sleep']:.3f} ({res['machine']})")
+    print(f"spin / passive = {res['spin_over_passive']:.3f}, spin / brief = {res['spin_over_brief']:.3f} "
+          f"({res['machine']})")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=2)

@@ -261,15 +261,16 @@ def test_flat_rows_with_ties_match_reference_exactly(scale, ties):
 
 @pytest.mark.parametrize("sleep", [True, False])
 def test_numba_threads_sleep_when_idle_unless_asked_not_to(sleep):
-    """`kernels.start_threads`: Numba's OpenMP workers load with OMP_WAIT_POLICY=PASSIVE (no spin
-    after the kernel, while ORT's next step wants the cores), the variable is not left set, and
-    `sleep_when_idle=False` (the PyTorch baseline) keeps libgomp's default spinning."""
+    """`kernels.start_threads`: Numba's OpenMP workers load with a brief spin (GOMP_SPINCOUNT=20000:
+    they sleep soon after the kernel, while ORT's next step wants the cores), the variable is not
+    left set, and `sleep_when_idle=False` (the PyTorch baseline) keeps libgomp's default
+    spinning (300000)."""
     import os
     import subprocess
     import sys
 
     code = ("import os\nfrom dbs_fast import kernels\nkernels.start_threads(%s)\n"
-            "print('left', 'OMP_WAIT_POLICY' in os.environ)" % sleep)
+            "print('left', 'GOMP_SPINCOUNT' in os.environ)" % sleep)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**env, "OMP_DISPLAY_ENV": "VERBOSE"})
@@ -278,4 +279,5 @@ def test_numba_threads_sleep_when_idle_unless_asked_not_to(sleep):
     if "GOMP_SPINCOUNT" not in text:
         pytest.skip("Numba's threading layer here is not GNU OpenMP")
     assert "left False" in text
-    assert ("GOMP_SPINCOUNT = '0'" in text) == sleep
+    assert ("GOMP_SPINCOUNT = '20000'" in text) == sleep
+    assert ("GOMP_SPINCOUNT = '300000'" in text) == (not sleep)
