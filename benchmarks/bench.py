@@ -14,7 +14,10 @@ Contenders, each in its own process (peak memory and cold start are its own):
               one chunk of one beam at the middle of a generation, extrapolated (see JSON).
 Also: the kernel on 70 x vocab rows (`benchmarks/kernel.py`) and this machine's roofline for
 the model (ONNX Runtime matmul throughput at the batch's shapes, fp32 and int8, plus the KV
-cache read at the measured memory bandwidth).
+cache read at the measured memory bandwidth). This machine is shared and its speed moves with
+the load, so each ONNX contender also times the step's matmuls again right after each of its
+generations, in its own process: "x same-load roofline" sets each generation against those
+(the peak RSS is read before them and reset after them).
 
     dbs-fast bench --out bench_out            # full (~1 h on 2 cores with the exports)
     dbs-fast bench --quick --out bench_quick  # a few minutes
@@ -110,6 +113,16 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _reset_peak_rss() -> bool:
+    """Lower this process's VmHWM to its present RSS (Linux >= 4.0: "5" to /proc/self/clear_refs),
+    so that what runs next (the same-load roofline) does not count in the next peak."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 def _stage_ms(r, steps: int) -> dict:
     t = dict(r.timings)
     per = {s: 1e3 * t.get(s, 0.0) / steps for s in STAGES if s != "python"}
@@ -130,7 +143,22 @@ def worker_engine(spec: dict) -> dict:
     init = time.perf_counter() - t0
     sets = spec["keyword_sets"]
     first = dbs.generate(CONTEXT, sets[0], seed=0)
-    runs = [dbs.generate(CONTEXT, sets[i % len(sets)], seed=i) for i in range(spec["repeats"])]
+    # The same-load roofline: the step's weight matmuls timed (best of 7, as the run's roofline)
+    # right after each generation, in this process, so that a slow spell of the machine slows both.
+    # Its graphs are not counted in the peak RSS: the peak is read before and reset after them; where
+    # the reset is refused, they run once, after the last generation's peak was read.
+    same_load = backend == "onnx" and spec.get("same_load", True)
+    peaks, matmul_s = [_peak_rss()], []
+    resets = same_load and _reset_peak_rss()
+    runs = []
+    for i in range(spec["repeats"]):
+        runs.append(dbs.generate(CONTEXT, sets[i % len(sets)], seed=i))
+        peaks.append(_peak_rss())
+        if same_load and (resets or i == spec["repeats"] - 1):
+            matmul_s.append(matmul_step_seconds(Path(spec["model_dir"]), cfg.beams * cfg.candidates,
+                                                "int8" in spec["contender"], spec.get("threads")))
+            if resets:
+                _reset_peak_rss()
     secs = [r.seconds for r in runs]
     steps = cfg.max_new_tokens
     stages = {s: statistics.median(_stage_ms(r, steps)[s] for r in runs) for s in (*STAGES, "prefill_total")}
@@ -144,6 +172,9 @@ def worker_engine(spec: dict) -> dict:
         "step_ms": 1e3 * statistics.median((r.seconds - r.timings.get("prefill", 0.0)) / steps for r in runs),
         "decode_seconds": statistics.median(r.seconds - r.timings.get("prefill", 0.0) for r in runs),
         "candidate_tokens": statistics.median(r.candidate_tokens_per_second * r.seconds for r in runs),
+        "decode_seconds_all": [r.seconds - r.timings.get("prefill", 0.0) for r in runs],
+        "candidate_tokens_all": [r.candidate_tokens_per_second * r.seconds for r in runs],
+        "same_load_matmul_seconds": matmul_s,
         "stage_ms_per_step": stages,
         "cold_start_seconds": init + first.seconds, "session_seconds": init,
         "first_generation_seconds": first.seconds,
@@ -157,7 +188,7 @@ def worker_engine(spec: dict) -> dict:
         sweep.append({"beams": b, "candidates": s, "rows": b * s, "seconds": r.seconds,
                       "kv_cache_bytes": r.kv_cache_bytes})
     out["sweep"] = sweep
-    out["peak_rss_bytes"] = _peak_rss()
+    out["peak_rss_bytes"] = max(peaks + [_peak_rss()])
     return out
 
 
@@ -237,6 +268,11 @@ def linear_shapes(model_dir: Path) -> list[tuple[int, int, int]]:
     return [(k, n, cnt) for (k, n), cnt in shapes.items()]
 
 
+def matmul_step_seconds(model_dir: Path, rows: int, int8: bool, threads: int | None) -> float:
+    """The roofline's matmul time of one step at `rows` rows: every weight matmul at ORT's best."""
+    return sum(c * _matmul_seconds(rows, k, n, int8, threads) for k, n, c in linear_shapes(model_dir))
+
+
 def _matmul_seconds(rows: int, k: int, n: int, int8: bool, threads: int | None, repeats: int = 7) -> float:
     """ORT's best time for one (rows x k) @ (k x n) MatMul: several independent copies (distinct
     weights, so no cache reuse) in one graph amortise the per-run overhead; spinning allowed."""
@@ -300,7 +336,7 @@ def roofline(model_dir: Path, cfg: DBSConfig, context_tokens: int, threads: int 
     flops = sum(2 * rows * k * n * c for k, n, c in shapes)
     out = {"rows": rows, "matmul_gflop_per_step": flops / 1e9}
     for kind, int8 in (("fp32", False), ("int8", True)):
-        sec = sum(c * _matmul_seconds(rows, k, n, int8, threads) for k, n, c in shapes)
+        sec = matmul_step_seconds(model_dir, rows, int8, threads)
         out[f"{kind}_matmul_seconds_per_step"] = sec
         out[f"{kind}_gflops"] = flops / sec / 1e9
     bw = memory_bandwidth()
@@ -429,6 +465,13 @@ def _ratios(res: dict, cfg: DBSConfig) -> None:
             v2 = "_prefix" if c[k].get("kv_layout") == "prefix" else ""
             base = roof[("int8" if "int8" in k else "fp32") + "_step_seconds" + v2]
             r[f"{k}_step_vs_roofline"] = c[k]["decode_seconds"] / (c[k]["candidate_tokens"] * base / roof["rows"])
+            mm = c[k].get("same_load_matmul_seconds")
+            if mm:                          # each generation against the matmuls timed right after it
+                kv = base - roof[("int8" if "int8" in k else "fp32") + "_matmul_seconds_per_step"]
+                mm = mm if len(mm) == len(c[k]["decode_seconds_all"]) else mm * len(c[k]["decode_seconds_all"])
+                r[f"{k}_step_vs_roofline_same_load"] = statistics.median(
+                    d / (n * (m + kv) / roof["rows"])
+                    for d, n, m in zip(c[k]["decode_seconds_all"], c[k]["candidate_tokens_all"], mm))
             st = c[k]["stage_ms_per_step"]
             r[f"{k}_scheduling_share"] = (st["kv_gather"] + st["python"] + st["text"]) / c[k]["step_ms"]
             r[f"{k}_peak_vs_budget"] = c[k]["peak_rss_bytes"] / res["memory_budget_bytes"][k]
@@ -455,17 +498,17 @@ def markdown(report: dict) -> str:
                   f"{roof['fp32_step_seconds_prefix'] * 1e3:.0f} / {roof['int8_step_seconds_prefix'] * 1e3:.0f} ms "
                   f"on engine v2's (it reads b prefixes, not b*s).", "",
                   "| contender | KV layout | s/generation (median, min-max) | candidate tok/s | step ms | x roofline | "
-                  "model | kernel | kv gather | scorer | text | python | KV cache MB | peak RSS GB (budget) | "
-                  "cold start s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "x same-load roofline | model | kernel | kv gather | scorer | text | python | KV cache MB | "
+                  "peak RSS GB (budget) | cold start s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         ratios = res.get("ratios", {})
         for c, r in res["contenders"].items():
             if "error" in r:
-                lines.append(f"| {c} | failed: {r['error'].splitlines()[0][:80]} |" + " |" * 13)
+                lines.append(f"| {c} | failed: {r['error'].splitlines()[0][:80]} |" + " |" * 14)
             elif c == "reference":
                 lines.append(f"| reference (batch 1, no cache) | none | {r['extrapolated_seconds_per_generation']:.0f} "
                              f"(extrapolated) | {1 / r['seconds_per_candidate_token']:.2f} | "
-                             f"{r['seconds_per_candidate_token'] * 1e3:.0f} per token | | | | | | | | | "
+                             f"{r['seconds_per_candidate_token'] * 1e3:.0f} per token | | | | | | | | | | "
                              f"{r['peak_rss_bytes'] / 1e9:.2f} | {r['cold_start_seconds']:.1f} |")
             else:
                 st = r["stage_ms_per_step"]
@@ -474,6 +517,7 @@ def markdown(report: dict) -> str:
                     f"({r['seconds_min']:.1f}-{r['seconds_max']:.1f}) | "
                     f"{r['candidate_tokens_per_second']:.0f} | {r['step_ms']:.0f} | "
                     f"{ratios.get(c + '_step_vs_roofline', float('nan')):.2f} | "
+                    f"{ratios.get(c + '_step_vs_roofline_same_load', float('nan')):.2f} | "
                     + " | ".join(f"{st[s]:.0f}" for s in STAGES)
                     + f" | {r.get('kv_cache_bytes', 0) / 1e6:.0f} | {r['peak_rss_bytes'] / 1e9:.2f} "
                       f"({res['memory_budget_bytes'][c] / 1e9:.2f}) | "

@@ -39,7 +39,11 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
         assert 0.0 <= r["success_rate"] <= 1.0 and all(isinstance(t, str) and t for t in r["texts"])
         if c.startswith("onnx"):          # the sweep: time and KV bytes per layout
             assert [p["rows"] for p in r["sweep"]] == [2] and r["sweep"][0]["kv_cache_bytes"] > 0
+            assert len(r["same_load_matmul_seconds"]) == 1 and r["same_load_matmul_seconds"][0] > 0
+            assert point["ratios"][f"{c}_step_vs_roofline_same_load"] > 0
             assert r["kv_layout"] == ("rows" if c.endswith("-rows") else "prefix")
+        else:
+            assert not r.get("same_load_matmul_seconds")
     fp32, rows = point["contenders"]["onnx-fp32"], point["contenders"]["onnx-fp32-rows"]
     assert fp32["texts"] == rows["texts"] and fp32["kv_cache_bytes"] > 0 and rows["kv_cache_bytes"] > 0
     # same seeds and keywords: the fp32 engine and the PyTorch baseline write the same text
@@ -50,6 +54,21 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
         assert ratios[key] > 0
     assert "| onnx-int8 | prefix |" in (out / "bench.md").read_text()
     assert "| onnx-int8-rows | rows |" in (out / "bench.md").read_text()
+
+
+def test_peak_rss_reset_drops_what_ran_before():
+    """The same-load roofline runs between a contender's generations; its graphs must not count in
+    the contender's peak RSS, so the peak is reset to the present RSS after them."""
+    import numpy as np
+
+    from dbs_fast.benchmarks.bench import _peak_rss, _reset_peak_rss
+
+    a = np.ones(300 * 2**20 // 8)                 # 300 MB, touched
+    high = _peak_rss()
+    del a
+    if not _reset_peak_rss():
+        pytest.skip("/proc/self/clear_refs is not writable here")
+    assert _peak_rss() < high - 200 * 2**20
 
 
 @pytest.mark.parametrize("args,msg", [(["--sweep", "7by10"], "--sweep"), (["--contenders", "tensorflow"], "unknown"),
