@@ -16,8 +16,7 @@ Also: the kernel on 70 x vocab rows (`benchmarks/kernel.py`) and this machine's 
 the model (ONNX Runtime matmul throughput at the batch's shapes, fp32 and int8, plus the KV
 cache read at the measured memory bandwidth). This machine is shared and its speed moves with
 the load, so each ONNX contender also times the step's matmuls again right after each of its
-generations, in its own process: "x same-load roofline" sets each generation against those
-(the peak RSS is read before them and reset after them).
+generations, in a child process: "x same-load roofline" sets each generation against those.
 
     dbs-fast bench --out bench_out            # full (~1 h on 2 cores with the exports)
     dbs-fast bench --quick --out bench_quick  # a few minutes
@@ -113,14 +112,17 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _reset_peak_rss() -> bool:
-    """Lower this process's VmHWM to its present RSS (Linux >= 4.0: "5" to /proc/self/clear_refs),
-    so that what runs next (the same-load roofline) does not count in the next peak."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
+def _matmul_step_in_child(model_dir: str, rows: int, int8: bool, threads: int | None) -> float:
+    """`matmul_step_seconds` in a child process: its graphs (up to 256 MB of weights each) must
+    not count in the contender's peak RSS, and a process cannot lower its own high-water mark
+    reliably (clear_refs resets it to the present RSS, which freed-but-kept memory still holds)."""
+    code = ("import sys; from pathlib import Path; from dbs_fast.benchmarks.bench import matmul_step_seconds; "
+            f"print(matmul_step_seconds(Path(sys.argv[1]), {int(rows)}, {bool(int8)}, {threads!r}))")
+    proc = subprocess.run([sys.executable, "-c", code, str(model_dir)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"the same-load roofline failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return float(proc.stdout.strip().splitlines()[-1])
 
 
 def _stage_ms(r, steps: int) -> dict:
@@ -144,21 +146,15 @@ def worker_engine(spec: dict) -> dict:
     sets = spec["keyword_sets"]
     first = dbs.generate(CONTEXT, sets[0], seed=0)
     # The same-load roofline: the step's weight matmuls timed (best of 7, as the run's roofline)
-    # right after each generation, in this process, so that a slow spell of the machine slows both.
-    # Its graphs are not counted in the peak RSS: the peak is read before and reset after them; where
-    # the reset is refused, they run once, after the last generation's peak was read.
+    # right after each generation, in a child process (not counted in this one's peak RSS), so that
+    # a slow spell of the machine slows both.
     same_load = backend == "onnx" and spec.get("same_load", True)
-    peaks, matmul_s = [_peak_rss()], []
-    resets = same_load and _reset_peak_rss()
-    runs = []
+    runs, matmul_s = [], []
     for i in range(spec["repeats"]):
         runs.append(dbs.generate(CONTEXT, sets[i % len(sets)], seed=i))
-        peaks.append(_peak_rss())
-        if same_load and (resets or i == spec["repeats"] - 1):
-            matmul_s.append(matmul_step_seconds(Path(spec["model_dir"]), cfg.beams * cfg.candidates,
-                                                "int8" in spec["contender"], spec.get("threads")))
-            if resets:
-                _reset_peak_rss()
+        if same_load:
+            matmul_s.append(_matmul_step_in_child(spec["model_dir"], cfg.beams * cfg.candidates,
+                                                  "int8" in spec["contender"], spec.get("threads")))
     secs = [r.seconds for r in runs]
     steps = cfg.max_new_tokens
     stages = {s: statistics.median(_stage_ms(r, steps)[s] for r in runs) for s in (*STAGES, "prefill_total")}
@@ -188,7 +184,7 @@ def worker_engine(spec: dict) -> dict:
         sweep.append({"beams": b, "candidates": s, "rows": b * s, "seconds": r.seconds,
                       "kv_cache_bytes": r.kv_cache_bytes})
     out["sweep"] = sweep
-    out["peak_rss_bytes"] = max(peaks + [_peak_rss()])
+    out["peak_rss_bytes"] = _peak_rss()
     return out
 
 
@@ -468,7 +464,6 @@ def _ratios(res: dict, cfg: DBSConfig) -> None:
             mm = c[k].get("same_load_matmul_seconds")
             if mm:                          # each generation against the matmuls timed right after it
                 kv = base - roof[("int8" if "int8" in k else "fp32") + "_matmul_seconds_per_step"]
-                mm = mm if len(mm) == len(c[k]["decode_seconds_all"]) else mm * len(c[k]["decode_seconds_all"])
                 r[f"{k}_step_vs_roofline_same_load"] = statistics.median(
                     d / (n * (m + kv) / roof["rows"])
                     for d, n, m in zip(c[k]["decode_seconds_all"], c[k]["candidate_tokens_all"], mm))

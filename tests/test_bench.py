@@ -56,21 +56,6 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
     assert "| onnx-int8-rows | rows |" in (out / "bench.md").read_text()
 
 
-def test_peak_rss_reset_drops_what_ran_before():
-    """The same-load roofline runs between a contender's generations; its graphs must not count in
-    the contender's peak RSS, so the peak is reset to the present RSS after them."""
-    import numpy as np
-
-    from dbs_fast.benchmarks.bench import _peak_rss, _reset_peak_rss
-
-    a = np.ones(300 * 2**20 // 8)                 # 300 MB, touched
-    high = _peak_rss()
-    del a
-    if not _reset_peak_rss():
-        pytest.skip("/proc/self/clear_refs is not writable here")
-    assert _peak_rss() < high - 200 * 2**20
-
-
 @pytest.mark.parametrize("args,msg", [(["--sweep", "7by10"], "--sweep"), (["--contenders", "tensorflow"], "unknown"),
                                       (["--repeats", "0"], ">= 1")])
 def test_bench_bad_input_exits_2(args, msg, tmp_path, capsys):
