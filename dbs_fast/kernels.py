@@ -42,27 +42,25 @@ N_BUCKETS = BUCKETS_PER_NAT * SPAN_NATS
 SUB_BUCKETS = 256     # finer buckets of the bucket that straddles top_p (`_nucleus_cut`)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _bucket(top, v):
-    d = (top - v) * BUCKETS_PER_NAT             # compared before the int cast: -inf (banned) is safe
-    return int(d) if d < N_BUCKETS else N_BUCKETS - 1
-
-
 LOG2E = np.float32(1.4426950408889634)
 LN2_HI, LN2_LO = np.float32(0.693145751953125), np.float32(1.428606765330187e-06)   # Cody-Waite split of ln 2
 EXP_FLOOR = np.float32(-87.0)      # exp below this is under float32's smallest normal: taken as 0
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _exp_below(s, top, e, bits):
-    """e[i] = exp(s[i] - top) in float32 for all i, with no call and no branch in the loop so that
-    LLVM vectorises it (Numba's np.exp is one scalar libm call per element here: no SVML).
+def _exp_below(s, top, e, bits, bk):
+    """e[i] = exp(s[i] - top) in float32 for all i, and bk[i] = the histogram bucket of s[i]:
+    int((top - s[i]) * BUCKETS_PER_NAT), the last bucket for anything further below (and for -inf,
+    a ban). No call and no branch in the loop, so that LLVM vectorises it (Numba's np.exp is one
+    scalar libm call per element here: no SVML); the histogram and the nucleus cut then read the
+    buckets instead of computing them again in their own scalar loops.
     Cody-Waite reduction y = n ln2 + f, |f| <= ln2 / 2, a degree-6 Taylor polynomial for e^f, and
     2^n written into the exponent bits (`bits`, int32 scratch, viewed as float32). Relative error
     under 3e-7 of float64 exp (tests/test_kernel.py); below EXP_FLOOR, and for -inf (a ban), 0."""
     V = s.shape[0]
     for i in range(V):
         y = s[i] - top
+        bk[i] = np.int16(min(-y * np.float32(BUCKETS_PER_NAT), np.float32(N_BUCKETS - 1)))    # y <= 0: -y*16 is exact
         keep = y >= EXP_FLOOR
         y = max(y, EXP_FLOOR)
         n = np.floor(y * LOG2E + np.float32(0.5))
@@ -77,24 +75,24 @@ def _exp_below(s, top, e, bits):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _mass_histogram(s, e, top, hist):
-    """The weights' sum and their histogram over `_bucket`, four interleaved partial histograms
-    and sums so that consecutive elements do not wait on the same memory cell."""
-    V = s.shape[0]
+def _mass_histogram(bk, e, hist):
+    """The weights' sum and their histogram over the buckets `bk`, four interleaved partial
+    histograms and sums so that consecutive elements do not wait on the same memory cell."""
+    V = bk.shape[0]
     part = np.zeros(4 * N_BUCKETS, np.float64)
     t0, t1, t2, t3 = 0.0, 0.0, 0.0, 0.0
     V4 = V - V % 4
     for i in range(0, V4, 4):
-        part[_bucket(top, s[i])] += e[i]
-        part[N_BUCKETS + _bucket(top, s[i + 1])] += e[i + 1]
-        part[2 * N_BUCKETS + _bucket(top, s[i + 2])] += e[i + 2]
-        part[3 * N_BUCKETS + _bucket(top, s[i + 3])] += e[i + 3]
+        part[bk[i]] += e[i]
+        part[N_BUCKETS + bk[i + 1]] += e[i + 1]
+        part[2 * N_BUCKETS + bk[i + 2]] += e[i + 2]
+        part[3 * N_BUCKETS + bk[i + 3]] += e[i + 3]
         t0 += e[i]
         t1 += e[i + 1]
         t2 += e[i + 2]
         t3 += e[i + 3]
     for i in range(V4, V):
-        part[_bucket(top, s[i])] += e[i]
+        part[bk[i]] += e[i]
         t0 += e[i]
     for b in range(N_BUCKETS):
         hist[b] = part[b] + part[N_BUCKETS + b] + part[2 * N_BUCKETS + b] + part[3 * N_BUCKETS + b]
@@ -181,8 +179,9 @@ def _sub_bucket(top, v, bb):
 
 
 @njit(cache=True, nogil=True)
-def _nucleus_cut(s, e, top, hist, target):
-    """(smallest kept value, kept mass) for top-p over values s, weights e, and their histogram.
+def _nucleus_cut(s, e, top, hist, target, bk):
+    """(smallest kept value, kept mass) for top-p over values s, weights e, their buckets bk and
+    histogram.
 
     Buckets above the boundary bucket are wholly kept. The boundary bucket's members are
     collected (one compare pass) into SUB_BUCKETS finer buckets, and only the members of the
@@ -199,7 +198,7 @@ def _nucleus_cut(s, e, top, hist, target):
     n = 0
     idx = np.empty(V, np.int32)
     for i in range(V):
-        if _bucket(top, s[i]) == bb:
+        if bk[i] == bb:
             idx[n] = i
             n += 1
     if n == 0:
@@ -273,8 +272,9 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
                 s[t] += boost_vals[j]
                 top = max(top, s[t])
         hist = np.empty(N_BUCKETS, np.float64)
-        _exp_below(s, top, e, np.empty(V, np.int32))     # pass 2: weights (vectorised),
-        total = _mass_histogram(s, e, top, hist)         # their sum and histogram
+        bk = np.empty(V, np.int16)           # histogram bucket of each token
+        _exp_below(s, top, e, np.empty(V, np.int32), bk)     # pass 2: weights and buckets (vectorised),
+        total = _mass_histogram(bk, e, hist)                 # their sum and histogram
         unguided = total                     # the log-prob returned is the unguided one:
         if shaped or n_banned > 0:           # undo the penalties, bans and (boost_first) boosts
             hs = np.sort(np.concatenate((hseq[r, hstart[r]:hend] if shaped else hseq[r, 0:0], banned[:n_banned])))
@@ -290,7 +290,7 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
             out_logp[r] = x[force[r]] * inv_temp - logz
             continue
         if top_p < 1.0:                      # pass 3 (boundary bucket only) + a sort of it
-            cut, mass = _nucleus_cut(s, e, top, hist, top_p * total)
+            cut, mass = _nucleus_cut(s, e, top, hist, top_p * total, bk)
         else:
             cut, mass = np.float32(-np.inf), total
         if not bf:

@@ -227,19 +227,24 @@ def test_banned_token_never_drawn_though_it_has_all_the_mass():
 
 def test_vectorised_exp_is_as_accurate_as_float32_exp():
     """The kernel's branch-free exp (pass 2) against float64 exp over the whole range it sees,
-    s - top in [-87, 0]; below that, and for a banned token's -inf, exactly 0 (never drawn)."""
-    from dbs_fast.kernels import _exp_below
+    s - top in [-87, 0]; below that, and for a banned token's -inf, exactly 0 (never drawn).
+    The same pass writes each token's histogram bucket: the floor of (top - s) * BUCKETS_PER_NAT
+    in float64, the last bucket for anything further down (a ban's -inf included)."""
+    from dbs_fast.kernels import BUCKETS_PER_NAT, N_BUCKETS, _exp_below
 
     top = np.float32(12.375)
-    y = np.concatenate([np.linspace(-87, 0, 400001), [-np.inf, -87.01, -1000.0]])
+    y = np.concatenate([np.linspace(-87, 0, 400001), [-np.inf, -87.01, -1000.0, -63.99, -64.0, -64.01]])
     s = (top + y).astype(np.float32)
     e = np.empty_like(s)
-    _exp_below(s, top, e, np.empty(len(s), np.int32))
+    bk = np.empty(len(s), np.int16)
+    _exp_below(s, top, e, np.empty(len(s), np.int32), bk)
     d = (s - top).astype(np.float64)                    # the kernel's own float32 difference
     ok = d >= -87
     want = np.exp(d[ok])
     assert (np.abs(e[ok] - want) / want).max() < 3e-7  # np.exp in float32: 1.9e-7
     assert (e[~ok] == 0).all()
+    np.testing.assert_array_equal(bk, np.minimum(np.floor(-d * BUCKETS_PER_NAT), N_BUCKETS - 1))
+    assert bk[len(y) - 6] == N_BUCKETS - 1 and bk.min() == 0
 
 
 @pytest.mark.parametrize("scale,ties", [(0.05, False), (0.3, False), (0.3, True)])
