@@ -12,7 +12,8 @@ logit of the token at which the cumulative mass, in descending order, first reac
 Tokens tied with that one are all kept (transformers' TopPLogitsWarper keeps them in sort
 order); otherwise it is the same set.
 
-The draw is an inverse CDF over kept tokens in id order. The returned log-probability is the
+The draw is an inverse CDF over kept tokens in id order (block sums, then one block token by
+token: `_draw`). The returned log-probability is the
 unguided, untruncated log softmax(logits / T) of the drawn token: the `self` scorer uses it.
 
 Anti-repetition (transformers semantics, applied to the raw logits before temperature, as its
@@ -40,6 +41,7 @@ BUCKETS_PER_NAT = 16
 SPAN_NATS = 64          # tokens further below the max than this share the last bucket
 N_BUCKETS = BUCKETS_PER_NAT * SPAN_NATS
 SUB_BUCKETS = 256     # finer buckets of the bucket that straddles top_p (`_nucleus_cut`)
+DRAW_BLOCK = 256      # tokens per block of the draw's kept-mass sums (`_draw`)
 
 
 LOG2E = np.float32(1.4426950408889634)
@@ -240,6 +242,51 @@ def _nucleus_cut(s, e, top, hist, target, bk):
     return cut, mass
 
 
+@njit(cache=True, nogil=True, fastmath={"reassoc", "nsz", "contract"})
+def _block_masses(s, e, cut, out):
+    """out[b] = the kept weight (s >= cut) of tokens b*DRAW_BLOCK up to the next block, in float64.
+    Branch-free and reassociated, so that LLVM vectorises it: its own function, for its fastmath."""
+    V = s.shape[0]
+    for b in range(out.shape[0]):
+        acc = 0.0
+        for i in range(b * DRAW_BLOCK, min(V, (b + 1) * DRAW_BLOCK)):
+            acc += np.float64(e[i]) * np.float64(s[i] >= cut)
+        out[b] = acc
+
+
+@njit(cache=True, nogil=True)
+def _draw(s, e, cut, u):
+    """The first kept token (s >= cut, e > 0; a ban's weight is 0) in id order at which the
+    cumulative kept weight exceeds u, or the last kept token if none does (rounding).
+
+    Block sums first, then a walk of one block: a flat row keeps a random ~70% of the vocabulary,
+    and a token-by-token walk mispredicted its branch on each and waited on one float64 chain of
+    adds (105 us per 50257-token row against 10 us this way; a peaked row, 9.5 us either way).
+    The block sums round differently from a token-by-token sum, so a draw can differ from it only
+    when u lies within float64 rounding of a token's boundary."""
+    V = s.shape[0]
+    nb = (V + DRAW_BLOCK - 1) // DRAW_BLOCK
+    bs = np.empty(nb, np.float64)
+    _block_masses(s, e, cut, bs)
+    cum = 0.0
+    b = 0
+    while b < nb - 1 and cum + bs[b] <= u:
+        cum += bs[b]
+        b += 1
+    chosen = -1
+    for i in range(b * DRAW_BLOCK, V):
+        if s[i] >= cut and e[i] > 0.0:
+            cum += e[i]
+            chosen = i
+            if cum > u:
+                return chosen
+    if chosen < 0:                          # nothing kept from block b on: the last kept before it
+        for i in range(b * DRAW_BLOCK - 1, -1, -1):
+            if s[i] >= cut and e[i] > 0.0:
+                return i
+    return chosen
+
+
 @njit(parallel=True, cache=True)
 def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_vals, boost_first,
                  hseq, hstart, hend, penalty, ngram, row_ban, ban_ptr, seq_ptr, seq_tok, force, uniforms,
@@ -300,15 +347,7 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
                     new = np.exp(s[t] + boost_vals[j] - top)
                     mass += new - e[t]
                     e[t] = new
-        u = uniforms[r] * mass
-        cum = 0.0
-        chosen = -1
-        for i in range(V):                   # pass 4: inverse CDF, stops at the draw
-            if s[i] >= cut and e[i] > 0.0:   # (a banned token has weight 0: never drawn)
-                cum += e[i]
-                chosen = i
-                if cum > u:
-                    break
+        chosen = _draw(s, e, cut, uniforms[r] * mass)     # pass 4: inverse CDF
         out_ids[r] = chosen
         out_logp[r] = x[chosen] * inv_temp - logz
 

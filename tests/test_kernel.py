@@ -247,6 +247,27 @@ def test_vectorised_exp_is_as_accurate_as_float32_exp():
     assert bk[len(y) - 6] == N_BUCKETS - 1 and bk.min() == 0
 
 
+def test_draw_picks_the_token_where_the_kept_mass_passes_u():
+    """The draw (block sums, then one block) against NumPy's cumulative sum over the kept tokens
+    in id order: flat and peaked rows, banned tokens (weight 0), u at 0, inside, and past the
+    kept mass (rounding: the last kept token), a row whose kept tokens all lie in its first block."""
+    from dbs_fast.kernels import DRAW_BLOCK, _draw
+
+    rng = np.random.default_rng(5)
+    V = 5 * DRAW_BLOCK + 37
+    for x in (rng.standard_normal(V) * 0.7, rng.gumbel(size=V) * 2.5, np.r_[np.zeros(9), np.full(V - 9, -50.0)]):
+        s = x.astype(np.float32)
+        e = np.exp(s - s.max()).astype(np.float32)
+        e[rng.choice(V, 20, replace=False)] = 0.0                       # bans
+        cut = np.float32(np.quantile(s, 0.3)) if x[-1] != -50.0 else np.float32(-1.0)
+        kept = (s >= cut) & (e > 0)
+        csum = np.cumsum(np.where(kept, e.astype(np.float64), 0.0))
+        for u in np.r_[0.0, rng.random(50) * csum[-1], csum[-1] * 1.5]:
+            want = int(np.searchsorted(csum, u, side="right")) if u < csum[-1] else int(np.flatnonzero(kept)[-1])
+            assert kept[want]
+            assert _draw(s, e, cut, u) == want
+
+
 @pytest.mark.parametrize("scale,ties", [(0.05, False), (0.3, False), (0.3, True)])
 def test_flat_rows_with_ties_match_reference_exactly(scale, ties):
     """Flat rows (an untrained model, a high temperature) put thousands of tokens into the bucket
