@@ -23,3 +23,18 @@ def decode_graph_export(ap, model: str):
     if not (d / DECODE_GRAPH).is_file():
         ap.error(f"{d / DECODE_GRAPH} not found: export the model with this version (`dbs-fast export`)")
     return d
+
+
+def report_arms(res: dict, arms, summary: str, out: str | None) -> None:
+    """Print each arm's medians (seconds per generation, model and kernel ms per step) and the
+    summary line of a whole-generation A/B, and write `res` to `out` as JSON if given."""
+    import json
+
+    for arm in arms:
+        r = res[arm]
+        print(f"{arm:8s} {r['seconds']:.2f} s per generation, model {r['model_ms']:.1f} ms, kernel "
+              f"{r['kernel_ms']:.1f} ms per step")
+    print(f"{summary} ({res['machine']})")
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=2)

@@ -16,7 +16,6 @@ model / kernel milliseconds per step of each arm.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import statistics
 
@@ -76,16 +75,11 @@ def main(argv=None):
     ap.add_argument("--generations", type=int, default=3)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    from dbs_fast.benchmarks.host import report_arms
+
     res = run(a.model, a.generations)
-    for arm in ARMS:
-        r = res[arm]
-        print(f"{arm:7s} {r['seconds']:.2f} s per generation, model {r['model_ms']:.1f} ms, kernel "
-              f"{r['kernel_ms']:.1f} ms per step")
-    print(f"spin / passive = {res['spin_over_passive']:.3f}, spin / brief = {res['spin_over_brief']:.3f} "
-          f"({res['machine']})")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=2)
+    report_arms(res, ARMS, f"spin / passive = {res['spin_over_passive']:.3f}, spin / brief = "
+                f"{res['spin_over_brief']:.3f}", a.out)
     return 0
 
 

@@ -109,23 +109,29 @@ def run(rows: int = 70, vocab: int = 50257, repeats: int = 20, threads: int | No
     return res
 
 
-def against(path: str, rows: int = 70, vocab: int = 50257, rounds: int = 40) -> dict:
-    """This kernel against the `sample` of another kernels.py (loaded as a module of this package,
-    so its relative imports resolve), alternated call by call; plain (peaked logits), flat
-    logits, and plain with anti-repetition."""
+def load_other(path: str):
+    """Another kernels.py, loaded as a module of this package (so its relative imports resolve)
+    and compiled afresh, not cached: Numba's cache of a module loaded this way fails to load again
+    on the next run ("No module named '<dynamic>'")."""
     import importlib.util
     import tempfile
 
-    from dbs_fast import kernels
-
-    # compiled afresh, not cached: Numba's cache of a module loaded this way fails to load again
-    # on the next run ("No module named '<dynamic>'")
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernels_against.py"
         src.write_text(Path(path).read_text().replace("cache=True", "cache=False"))
         spec = importlib.util.spec_from_file_location("dbs_fast._kernels_against", src)
         other = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(other)
+    return other
+
+
+def against(path: str, rows: int = 70, vocab: int = 50257, rounds: int = 40) -> dict:
+    """This kernel against the `sample` of another kernels.py (loaded as a module of this package,
+    so its relative imports resolve), alternated call by call; plain (peaked logits), flat
+    logits, and plain with anti-repetition."""
+    from dbs_fast import kernels
+
+    other = load_other(path)
     logits, u, row_word, (ptr, bids, bvals) = _workload(rows, vocab)
     hist = np.random.default_rng(1).integers(0, vocab, (rows, 100)).astype(np.int32)
     hist[:, 50:] = hist[:, :50]

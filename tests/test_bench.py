@@ -147,3 +147,23 @@ def test_idle_wait_ab_runs_every_arm_in_turn_in_its_own_process(exported):
         assert r[arm]["seconds"] == pytest.approx(sorted(g["seconds"] for g in r["arms"][arm])[0] / 2
                                                   + sorted(g["seconds"] for g in r["arms"][arm])[1] / 2)
         assert r[f"spin_over_{arm}"] == pytest.approx(r["spin"]["seconds"] / r[arm]["seconds"])
+
+
+def test_kernel_generation_ab_alternates_the_two_kernels_and_restores_this_one(exported, tmp_path):
+    """`benchmarks/kernel_generation.py`: whole generations alternate between this kernel and
+    another kernels.py (here a copy of this one: the same texts); `kernels.sample` is this one
+    again afterwards."""
+    from pathlib import Path
+
+    import dbs_fast.kernels
+    from dbs_fast.benchmarks.kernel_generation import run
+
+    this = dbs_fast.kernels.sample
+    copy = tmp_path / "kernels_copy.py"
+    copy.write_text(Path(dbs_fast.kernels.__file__).read_text())
+    r = run(exported["llama"], str(copy), generations=2, new_tokens=4)
+    assert dbs_fast.kernels.sample is this
+    assert r["same_texts"] == [True, True]
+    for arm in ("this", "against"):
+        assert len(r["arms"][arm]) == 2 and all(g["seconds"] > 0 and g["kernel_ms"] > 0 for g in r["arms"][arm])
+    assert r["against_over_this"] == pytest.approx(r["against"]["seconds"] / r["this"]["seconds"])
