@@ -16,7 +16,7 @@ Before timing, the dmmha arm is checked against v2 on the same data (the indirec
 each row's prefix positions at the row that holds its beam's prefix): the outputs must agree.
 
     python -m dbs_fast.benchmarks.attention [--layers 36 --heads 20 --head-dim 64 --beams 7
-        --candidates 10 --prefix 47 --max-len 92] [--out FILE.json]
+        --candidates 10 --prefix 47 --max-len 92 --chunk 5 --used 2] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -189,12 +189,18 @@ def run(layers=36, heads=20, head_dim=64, beams=7, candidates=10, prefix=47, max
 
 
 def main(argv=None) -> int:
+    global K_CHUNK, USED
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("layers", 36), ("heads", 20), ("head-dim", 64), ("beams", 7), ("candidates", 10),
                           ("prefix", 47), ("max-len", 92), ("repeats", 10), ("threads", None)):
         ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--chunk", type=int, default=K_CHUNK, help="chunk slots K in the v2 graph's input")
+    ap.add_argument("--used", type=int, default=USED, help="of them, tokens already decoded")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if not 0 < a.used < a.chunk:
+        ap.error("need 0 < --used < --chunk")
+    K_CHUNK, USED = a.chunk, a.used
     r = run(a.layers, a.heads, a.head_dim, a.beams, a.candidates, a.prefix, a.max_len, a.repeats, a.threads)
     print(f"{r['machine']}, {r['date']}: one decode step's attention, {a.layers} layers, "
           f"{a.beams}x{a.candidates} rows, prefix {a.prefix}")
