@@ -34,13 +34,13 @@ from dbs_fast.export.timing import median_run, median_seconds
 K_CHUNK, USED = 5, 2        # chunk length k and the tokens of it already decoded
 
 
-def _data(L, H, d, b, s, T, seed=0):
+def _data(L, H, d, b, s, T, K=K_CHUNK, used=USED, seed=0):
     rng = np.random.default_rng(seed)
     N = b * s
     f = lambda *shape: rng.standard_normal(shape).astype(np.float32)   # noqa: E731
     return {"q": f(N, H, d), "k": f(N, H, d), "v": f(N, H, d),
             "pk": [f(b, H, T, d) for _ in range(L)], "pv": [f(b, H, T, d) for _ in range(L)],
-            "ck": [f(N, H, K_CHUNK, d) for _ in range(L)], "cv": [f(N, H, K_CHUNK, d) for _ in range(L)]}
+            "ck": [f(N, H, K, d) for _ in range(L)], "cv": [f(N, H, K, d) for _ in range(L)], "used": used}
 
 
 def v2_session(x, path: Path, threads):
@@ -52,8 +52,8 @@ def v2_session(x, path: Path, threads):
     L = len(x["pk"])
     scale = 1.0 / np.sqrt(x["q"].shape[-1])
 
-    (b, H, T, d), N = x["pk"][0].shape, x["q"].shape[0]
-    dims = Dims(N, 1, b, N // b, T, K_CHUNK, H, H, d)
+    (b, H, T, d), N, K = x["pk"][0].shape, x["q"].shape[0], x["ck"][0].shape[2]
+    dims = Dims(N, 1, b, N // b, T, K, H, H, d)
 
     class Layers(torch.nn.Module):
         def forward(self, q, k, v, pbias, cbias, nbias, *kv):
@@ -61,8 +61,8 @@ def v2_session(x, path: Path, threads):
             return tuple(attend(q, k, v, *kv[4 * i:4 * i + 4], pbias, cbias, nbias, float(scale), dims)[0]
                          for i in range(L))
 
-    cmask = np.zeros((N, K_CHUNK), np.int64)
-    cmask[:, :USED] = 1
+    cmask = np.zeros((N, K), np.int64)
+    cmask[:, :x["used"]] = 1
     cbias, nbias = (t.numpy() for t in block_biases(torch.from_numpy(cmask), torch.ones(N, 1, 1, dtype=torch.bool), dims))
     feed = {"q": x["q"], "k": x["k"], "v": x["v"], "pbias": np.zeros((b, T), np.float32), "cbias": cbias,
             "nbias": nbias}
@@ -110,10 +110,10 @@ def dmmha_run(x, path: Path, threads, max_len: int):
 
     L, (b, H, T, d) = len(x["pk"]), x["pk"][0].shape
     N = x["q"].shape[0]
-    s = N // b
+    s, used = N // b, x["used"]
     _contrib_graph("DecoderMaskedMultiHeadAttention", L, H, path, past_present_share_buffer=1)
     sess = make_session(path, "cpu", threads)
-    # row r holds its own chunk at positions T..T+USED-1; row (r // s) * s also holds beam r // s's
+    # row r holds its own chunk at positions T..T+used-1; row (r // s) * s also holds beam r // s's
     # prefix at 0..T-1; the indirection sends every row's prefix positions to that row
     indir = np.zeros((1, N, max_len), np.int32)
     indir[0, :, :T] = (np.arange(N) // s * s)[:, None]
@@ -123,13 +123,13 @@ def dmmha_run(x, path: Path, threads, max_len: int):
         for pre, ch in ((x["pk"][i], x["ck"][i]), (x["pv"][i], x["cv"][i])):
             buf = np.zeros((N, H, max_len, d), np.float32)
             buf[::s, :, :T] = pre
-            buf[:, :, T:T + USED] = ch[:, :, :USED]
+            buf[:, :, T:T + used] = ch[:, :, :used]
             bufs.append(ort.OrtValue.ortvalue_from_numpy(buf))
     io = sess.io_binding()
     flat = lambda a: np.ascontiguousarray(a.reshape(N, 1, H * d))       # noqa: E731
     for n in ("q", "k", "v"):
         io.bind_cpu_input(n, flat(x[n]))
-    io.bind_cpu_input("past_len", np.array([T + USED], np.int32))
+    io.bind_cpu_input("past_len", np.array([T + used], np.int32))
     io.bind_cpu_input("beam_width", np.array([N], np.int32))
     io.bind_cpu_input("indir", indir)
     for i in range(L):
@@ -150,23 +150,23 @@ def mha_session(x, path: Path, threads):
 
     L, (b, H, T, d) = len(x["pk"]), x["pk"][0].shape
     N = x["q"].shape[0]
-    s = N // b
+    s, used = N // b, x["used"]
     _contrib_graph("MultiHeadAttention", L, H, path)
     feed = {n: np.ascontiguousarray(x[n].reshape(N, 1, H * d)) for n in ("q", "k", "v")}
-    feed["mask"] = np.ones((N, T + USED + 1), np.int32)
+    feed["mask"] = np.ones((N, T + used + 1), np.int32)
     for i in range(L):
         for kind, pre, ch in (("k", x["pk"][i], x["ck"][i]), ("v", x["pv"][i], x["cv"][i])):
-            feed[f"p{kind}{i}"] = np.concatenate([np.repeat(pre, s, axis=0), ch[:, :, :USED]], axis=2)
+            feed[f"p{kind}{i}"] = np.concatenate([np.repeat(pre, s, axis=0), ch[:, :, :used]], axis=2)
     return make_session(path, "cpu", threads), feed
 
 
 def run(layers=36, heads=20, head_dim=64, beams=7, candidates=10, prefix=47, max_len=92, repeats=10,
-        threads=None) -> dict:
-    x = _data(layers, heads, head_dim, beams, candidates, prefix)
+        threads=None, chunk=K_CHUNK, used=USED) -> dict:
+    x = _data(layers, heads, head_dim, beams, candidates, prefix, chunk, used)
     N = beams * candidates
     out = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
            "shape": {"layers": layers, "heads": heads, "head_dim": head_dim, "beams": beams,
-                     "candidates": candidates, "prefix": prefix, "chunk": K_CHUNK, "chunk_used": USED,
+                     "candidates": candidates, "prefix": prefix, "chunk": chunk, "chunk_used": used,
                      "max_len": max_len}, "arms": {}}
     with tempfile.TemporaryDirectory() as d:
         sess, feed = v2_session(x, Path(d) / "v2.onnx", threads)
@@ -189,7 +189,6 @@ def run(layers=36, heads=20, head_dim=64, beams=7, candidates=10, prefix=47, max
 
 
 def main(argv=None) -> int:
-    global K_CHUNK, USED
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("layers", 36), ("heads", 20), ("head-dim", 64), ("beams", 7), ("candidates", 10),
                           ("prefix", 47), ("max-len", 92), ("repeats", 10), ("threads", None)):
@@ -200,8 +199,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not 0 < a.used < a.chunk:
         ap.error("need 0 < --used < --chunk")
-    K_CHUNK, USED = a.chunk, a.used
-    r = run(a.layers, a.heads, a.head_dim, a.beams, a.candidates, a.prefix, a.max_len, a.repeats, a.threads)
+    r = run(a.layers, a.heads, a.head_dim, a.beams, a.candidates, a.prefix, a.max_len, a.repeats, a.threads,
+            a.chunk, a.used)
     print(f"{r['machine']}, {r['date']}: one decode step's attention, {a.layers} layers, "
           f"{a.beams}x{a.candidates} rows, prefix {a.prefix}")
     for name, arm in r["arms"].items():

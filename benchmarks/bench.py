@@ -158,6 +158,8 @@ def worker_engine(spec: dict) -> dict:
     secs = [r.seconds for r in runs]
     steps = cfg.max_new_tokens
     stages = {s: statistics.median(_stage_ms(r, steps)[s] for r in runs) for s in (*STAGES, "prefill_total")}
+    decode = [r.seconds - r.timings.get("prefill", 0.0) for r in runs]
+    tokens = [r.candidate_tokens_per_second * r.seconds for r in runs]
     out = {
         "contender": spec["contender"], "model_dir": spec["model_dir"],
         "kv_layout": "prefix" if dbs.decoder is not None else "rows",
@@ -165,11 +167,9 @@ def worker_engine(spec: dict) -> dict:
         "seconds_median": statistics.median(secs), "seconds_min": min(secs), "seconds_max": max(secs),
         "seconds_all": secs, "repeats": len(runs),
         "candidate_tokens_per_second": statistics.median(r.candidate_tokens_per_second for r in runs),
-        "step_ms": 1e3 * statistics.median((r.seconds - r.timings.get("prefill", 0.0)) / steps for r in runs),
-        "decode_seconds": statistics.median(r.seconds - r.timings.get("prefill", 0.0) for r in runs),
-        "candidate_tokens": statistics.median(r.candidate_tokens_per_second * r.seconds for r in runs),
-        "decode_seconds_all": [r.seconds - r.timings.get("prefill", 0.0) for r in runs],
-        "candidate_tokens_all": [r.candidate_tokens_per_second * r.seconds for r in runs],
+        "step_ms": 1e3 * statistics.median(decode) / steps,
+        "decode_seconds": statistics.median(decode), "candidate_tokens": statistics.median(tokens),
+        "decode_seconds_all": decode, "candidate_tokens_all": tokens,
         "same_load_matmul_seconds": matmul_s,
         "stage_ms_per_step": stages,
         "cold_start_seconds": init + first.seconds, "session_seconds": init,
@@ -459,11 +459,12 @@ def _ratios(res: dict, cfg: DBSConfig) -> None:
     for k in ENGINES:
         if k in c:
             v2 = "_prefix" if c[k].get("kv_layout") == "prefix" else ""
-            base = roof[("int8" if "int8" in k else "fp32") + "_step_seconds" + v2]
+            q = "int8" if "int8" in k else "fp32"
+            base = roof[q + "_step_seconds" + v2]
             r[f"{k}_step_vs_roofline"] = c[k]["decode_seconds"] / (c[k]["candidate_tokens"] * base / roof["rows"])
             mm = c[k].get("same_load_matmul_seconds")
             if mm:                          # each generation against the matmuls timed right after it
-                kv = base - roof[("int8" if "int8" in k else "fp32") + "_matmul_seconds_per_step"]
+                kv = base - roof[q + "_matmul_seconds_per_step"]
                 r[f"{k}_step_vs_roofline_same_load"] = statistics.median(
                     d / (n * (m + kv) / roof["rows"])
                     for d, n, m in zip(c[k]["decode_seconds_all"], c[k]["candidate_tokens_all"], mm))
