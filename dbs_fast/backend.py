@@ -126,6 +126,10 @@ class PrefixBackend:
         """Known tokens (R, k) of this chunk, one decode step each: the logits after each (R, k, V)."""
         return np.stack([self.step(tokens[:, t], lay)[0] for t in range(tokens.shape[1])], axis=1), lay
 
+    def release(self) -> None:
+        """The batch is empty: the decoder lets go of the last cache's arrays."""
+        self.decoder.release()
+
     @staticmethod
     def select(lay: "Layout", rows: np.ndarray) -> "Layout":
         return Layout(lay.cache, lay.cache.regroup(lay.live[rows]))

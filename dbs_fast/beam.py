@@ -257,6 +257,8 @@ class BeamSearch:
         self.slots = [self.slots[q] for q in stay]
         if not self.slots:
             self.rows = self.pending = self.cache = None
+            if hasattr(self.be, "release"):                # engine v2's decoder binds the cache's arrays
+                self.be.release()
             self.scorer = self.scorer.fresh(self.cfg)      # its rows left too (an empty select is no gather)
             return
         renum = np.full(len(gone), -1, np.int64)

@@ -424,6 +424,30 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
     return out_ids, out_logp
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def _write_chunk(buf, new, col):
+    b, kv, s, _, d = buf.shape
+    L = new.shape[3]
+    for q in prange(b * kv):
+        x, h = q // kv, q % kv
+        for c in range(s):
+            for t in range(L):
+                for i in range(d):
+                    buf[x, h, c, col + t, i] = new[x, h, c, t, i]
+
+
+def write_chunk(buf: np.ndarray, new: np.ndarray, col: int) -> None:
+    """buf[:, :, :, col:col + L] = new: a decode step's new K/V (b, kv, s, L, d) into engine v2's
+    chunk buffer (b, kv, s, K, d), in parallel over (beam, kv head). The slot is 1400 strided
+    runs of 256 bytes per tensor on GPT-2 large at the paper setting, 72 tensors a step: NumPy's
+    single-threaded copy took 4.1 ms a step, this 2.5 (AMD EPYC, AVX2)."""
+    if new.dtype != buf.dtype or buf.ndim != 5 or new.shape[:3] != buf.shape[:3] or new.shape[4] != buf.shape[4]:
+        buf[:, :, :, col:col + new.shape[3]] = new
+        return
+    start_threads()
+    _write_chunk(buf, new, col)
+
+
 def _dense_boost_exp(row_word, ptr, ids, vals, V: int) -> tuple[np.ndarray, np.ndarray]:
     """exp(boost) per token, 1.0 where none, for each guide word the rows use: (words, V) float32
     (lambda <= 80, so exp fits), and each row's index into it (-1: unguided). Built per call,

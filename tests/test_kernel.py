@@ -356,3 +356,23 @@ def test_dense_boost_tables_match_reference_exactly(scale):
         want, wlp = sample_ref(logits, u, 1.0, top_p, dense, False)
         assert np.array_equal(got, want)
         np.testing.assert_allclose(glp, wlp, atol=1e-4)
+
+
+@pytest.mark.parametrize("L,col", [(1, 0), (1, 4), (3, 2)])
+def test_write_chunk_equals_numpy_slice_assignment(L, col):
+    """`write_chunk` (engine v2's per-step write of the new K/V into the chunk buffer) against
+    NumPy's slice assignment, from a contiguous and from a transposed (strided) source; the other
+    slots untouched."""
+    from dbs_fast.kernels import write_chunk
+
+    rng = np.random.default_rng(13)
+    b, kv, s, K, d = 3, 4, 5, 6, 8
+    for contiguous in (True, False):
+        buf = rng.standard_normal((b, kv, s, K, d)).astype(np.float32)
+        want = buf.copy()
+        new = rng.standard_normal((b, kv, s, L, d)).astype(np.float32)
+        if not contiguous:
+            new = np.ascontiguousarray(new.transpose(0, 2, 1, 3, 4)).transpose(0, 2, 1, 3, 4)
+        want[:, :, :, col:col + L] = new
+        write_chunk(buf, new, col)
+        np.testing.assert_array_equal(buf, want)

@@ -217,6 +217,8 @@ def test_prefix_layout_generates_the_same_text(kind, exported):
                 want = texts
         assert texts == want
     assert prefix.backend.model._session is None          # model.onnx never opened: weights loaded once
+    # the decoder binds its inputs once for all steps; once its batch is empty it lets the cache go
+    assert prefix.decoder._bound and set(prefix.decoder._bound) <= set(prefix.decoder.outputs)
     assert _dbs(exported[kind], "auto").decoder is not None
 
 
