@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DBSError
-from .kernels import write_chunk
+from .kernels import extend_prefix, write_chunk
 
 DECODE_GRAPH = "decode.onnx"      # beside model.onnx in an exported model dir
 # auto: this layout where the export has its decode graph, else rows (one cache row per candidate,
@@ -132,9 +132,7 @@ class PrefixCache:
                 cols = self.capacity if self.capacity >= T + j else T + j + 4 * k
                 buf = np.empty(len(src) * p.shape[1] * cols * p.shape[3], p.dtype)
             new = buf[:n].reshape(shape)
-            for beam, row in enumerate(src):
-                new[beam, :, :T] = p[row // self.s]
-                new[beam, :, T:] = c[row // self.s, :, row % self.s, :j]
+            extend_prefix(new, p, c, src, self.s, j)
             self.prefix[i] = new
             own.append(buf)
         self._spare, self._own = self._own, own

@@ -376,3 +376,19 @@ def test_write_chunk_equals_numpy_slice_assignment(L, col):
         want[:, :, :, col:col + L] = new
         write_chunk(buf, new, col)
         np.testing.assert_array_equal(buf, want)
+
+
+def test_extend_prefix_equals_numpy_gather():
+    """`extend_prefix` (engine v2's chunk boundary: each new beam's parent prefix plus its row's
+    first j chunk tokens) against NumPy indexing, with repeated and reordered sources."""
+    from dbs_fast.kernels import extend_prefix
+
+    rng = np.random.default_rng(14)
+    b, kv, T, s, K, d, j = 3, 2, 7, 4, 5, 8, 3
+    prefix = rng.standard_normal((b, kv, T, d)).astype(np.float32)
+    chunk = rng.standard_normal((b, kv, s, K, d)).astype(np.float32)
+    src = np.array([9, 0, 9, 5, 11])                       # rows: beam = row // s, candidate = row % s
+    want = np.concatenate([prefix[src // s], chunk[src // s, :, src % s, :j]], axis=2)
+    got = np.full((len(src), kv, T + j, d), np.nan, np.float32)
+    extend_prefix(got, prefix, chunk, src, s, j)
+    np.testing.assert_array_equal(got, want)
