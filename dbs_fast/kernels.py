@@ -450,7 +450,7 @@ def write_chunk(buf: np.ndarray, new: np.ndarray, col: int) -> None:
 
 @njit(parallel=True, cache=True, nogil=True)
 def _extend_prefix(new, prefix, chunk, src, s, j):
-    b, kv, T, d = prefix.shape[0], prefix.shape[1], prefix.shape[2], prefix.shape[3]
+    kv, T, d = prefix.shape[1], prefix.shape[2], prefix.shape[3]
     for q in prange(new.shape[0] * kv):
         beam, h = q // kv, q % kv
         parent, row = src[beam] // s, src[beam] % s

@@ -208,7 +208,8 @@ class PrefixDecoder:
         self._out: list[np.ndarray] = []
         # one IO binding for all steps: an input is bound again only when its array is not the one
         # bound (the cache's buffers are written in place between steps, so most are not rebound:
-        # binding GPT-2 large's 149 inputs took ~1 ms a step)
+        # binding GPT-2 large's 149 inputs took ~1 ms a step). One thread drives a decoder, as one
+        # scheduler loop drives a batch (the service's Batcher thread owns the model).
         self._io = self.session.io_binding()
         self._bound: dict[str, np.ndarray] = {}
 
