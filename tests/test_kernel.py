@@ -335,10 +335,12 @@ def test_boost_kept_multiplies_only_kept_boosted_weights():
     assert added == pytest.approx(float(want.astype(np.float64).sum() - e.astype(np.float64).sum()), rel=1e-9)
 
 
+@pytest.mark.parametrize("boost_first", [False, True])
 @pytest.mark.parametrize("scale", [0.5, 3.0])
-def test_dense_boost_tables_match_reference_exactly(scale):
+def test_dense_boost_tables_match_reference_exactly(scale, boost_first):
     """A real guide word boosts most of the vocabulary (GloVe similarity > 0 for ~60% of GPT-2's
-    tokens, most of them slightly): filter-then-boost over such tables, flat and peaked rows."""
+    tokens, most of them slightly): both boost orders over such tables, flat and peaked rows, and
+    the returned log-prob is the unguided one."""
     rng = np.random.default_rng(12)
     R, V = 16, 20000
     logits = (rng.standard_normal((R, V)) * scale).astype(np.float32)
@@ -352,8 +354,9 @@ def test_dense_boost_tables_match_reference_exactly(scale):
     ptr, ids, vals = csr_boosts(boosts)
     for top_p in (0.9, 0.5, 1.0):
         u = rng.random(R)
-        got, glp = sample(logits, u, top_p=top_p, row_word=row_word, boost_ptr=ptr, boost_ids=ids, boost_vals=vals)
-        want, wlp = sample_ref(logits, u, 1.0, top_p, dense, False)
+        got, glp = sample(logits, u, top_p=top_p, row_word=row_word, boost_ptr=ptr, boost_ids=ids, boost_vals=vals,
+                          boost_first=boost_first)
+        want, wlp = sample_ref(logits, u, 1.0, top_p, dense, boost_first)
         assert np.array_equal(got, want)
         np.testing.assert_allclose(glp, wlp, atol=1e-4)
 
