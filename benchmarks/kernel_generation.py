@@ -13,9 +13,15 @@ Prints seconds per generation and the model / kernel milliseconds per step of ea
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import statistics
 
 NEW_TOKENS = 90
+
+
+def _without_boost_exp(sample, *args, boost_exp=None, **kw):
+    return sample(*args, **kw)
 
 
 def run(model: str, against: str, generations: int = 4, new_tokens: int = NEW_TOKENS) -> dict:
@@ -25,7 +31,10 @@ def run(model: str, against: str, generations: int = 4, new_tokens: int = NEW_TO
 
     from dbs_fast import DBSConfig, DirectedBeamSearch, kernels
 
-    arms = {"this": kernels.sample, "against": load_other(against).sample}
+    other = load_other(against).sample
+    if "boost_exp" not in inspect.signature(other).parameters:      # a kernel from before the backend kept it
+        other = functools.partial(_without_boost_exp, other)
+    arms = {"this": kernels.sample, "against": other}
     dbs = DirectedBeamSearch(model, config=DBSConfig.paper(max_new_tokens=new_tokens))
     res = {arm: [] for arm in arms}
     try:

@@ -8,7 +8,7 @@ uniform per row, drawn by the caller from a seeded generator, so a fixed stream 
 result, and the NumPy reference (`tests/naive.py`) must pick the same token. Boosts come as a
 CSR table per guide word: boost-first adds them to the logits token by token (and takes its
 unguided mass back out densely); filter-then-boost (the default) multiplies the kept weights by
-exp(boost), read densely (`_dense_boost_exp`).
+exp(boost), read densely (`dense_boost_exp`).
 
 Kept set: every token whose (temperature-scaled, for boost_first also boosted) logit is >= the
 logit of the token at which the cumulative mass, in descending order, first reaches top_p.
@@ -382,7 +382,7 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
            boost_first=False, history: np.ndarray | None = None,
            history_start: np.ndarray | None = None, repetition_penalty: float = 1.0,
            no_repeat_ngram_size: int = 0, bans=None, row_ban: np.ndarray | None = None,
-           force: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+           force: np.ndarray | None = None, boost_exp: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Draw one token per row of `logits` (R, V) float32; returns (ids (R,) int64, logp (R,) float32).
 
     `row_word[r]` indexes the CSR boost table (`boost_ptr`, `boost_ids` ascending per word,
@@ -397,6 +397,8 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
     the row's group or -1. A banned one-token sequence is never drawn; a longer one's last token
     is never drawn when the history ends with the rest. `force[r]` >= 0 makes the row emit that
     token (its returned log-prob is still the model's own); the row's uniform is then unused.
+    `boost_exp`: `dense_boost_exp` of the whole table, if the caller keeps one (else built per call
+    for the words the rows use).
     """
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     R = logits.shape[0]
@@ -420,12 +422,19 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
         history_start = np.zeros(R, np.int32)
     force = np.full(R, -1, np.int64) if force is None else np.asarray(force, np.int64)
     boost_vals = np.asarray(boost_vals, np.float32)
+    if boost_exp is None:                    # only the words these rows use
+        words, row_dense = np.unique(row_word, return_inverse=True)
+        row_dense = row_dense.reshape(-1).astype(np.int32)
+        if len(words) and words[0] < 0:
+            words, row_dense = words[1:], row_dense - 1
+        boost_exp = dense_boost_exp(boost_ptr, boost_ids, boost_vals, logits.shape[1], words)
+    else:
+        row_dense = np.asarray(row_word, np.int32)
     start_threads()
     out_ids = np.empty(R, np.int64)
     out_logp = np.empty(R, np.float32)
     _sample_rows(logits, np.float32(1.0 / temperature), float(top_p), row_word.astype(np.int32),
-                 boost_ptr.astype(np.int64), boost_ids.astype(np.int32), boost_vals, *_dense_boost_exp(
-                     row_word, boost_ptr, boost_ids, boost_vals, logits.shape[1]),
+                 boost_ptr.astype(np.int64), boost_ids.astype(np.int32), boost_vals, boost_exp, row_dense,
                  np.broadcast_to(np.asarray(boost_first, bool), (R,)).copy(), np.ascontiguousarray(history, dtype=np.int32),
                  np.asarray(history_start, dtype=np.int32), int(history.shape[1]),
                  np.float32(repetition_penalty), int(no_repeat_ngram_size),
@@ -481,19 +490,16 @@ def extend_prefix(new: np.ndarray, prefix: np.ndarray, chunk: np.ndarray, src: n
     _extend_prefix(new, prefix, chunk, np.asarray(src, np.int64), s, j)
 
 
-def _dense_boost_exp(row_word, ptr, ids, vals, V: int) -> tuple[np.ndarray, np.ndarray]:
-    """exp(boost) per token, 1.0 where none, for each guide word the rows use: (words, V) float32
-    (lambda <= 80, so exp fits), and each row's index into it (-1: unguided). Built per call,
-    ~50 us per word: the kernel's filter-then-boost pass (`_boost_kept`) and its boost-first rows'
-    unguided mass (`_unboosted_mass`) read it densely."""
-    words, row_dense = np.unique(row_word, return_inverse=True)
-    row_dense = row_dense.reshape(-1).astype(np.int32)
-    if len(words) and words[0] < 0:
-        words, row_dense = words[1:], row_dense - 1
+def dense_boost_exp(ptr, ids, vals, V: int, words=None) -> np.ndarray:
+    """exp(boost) per token, 1.0 where none, (len(words), V) float32 for the guide words `words` of
+    the CSR table (all of them if None; lambda <= 80, so exp fits). The kernel's filter-then-boost
+    pass (`_boost_kept`) and its boost-first rows' unguided mass (`_unboosted_mass`) read it
+    densely; ~50 us per word to build, so a caller with a fixed table builds it once."""
+    words = range(len(ptr) - 1) if words is None else words
     dense = np.ones((len(words), V), np.float32)
     for k, w in enumerate(words):
         dense[k, ids[ptr[w]:ptr[w + 1]]] = np.exp(vals[ptr[w]:ptr[w + 1]])
-    return dense, row_dense
+    return dense
 
 
 _threads_started = False

@@ -183,7 +183,7 @@ def test_a_keyword_just_completed_is_never_glued_onto(dbs, monkeypatch):
         calls.append((None if kw.get("row_ban") is None else kw["row_ban"].copy(), ids.copy()))
         return ids, lp
 
-    monkeypatch.setattr(OnnxBackend, "sample", staticmethod(spy))
+    monkeypatch.setattr(OnnxBackend, "sample", spy)                   # a method now: self passes through
     cfg = DBSConfig(beams=3, candidates=4, chunk=3, max_new_tokens=24, stop="max")
     for seed in range(3):
         dbs.generate("It is", KW, seed=seed, config=cfg)

@@ -312,7 +312,7 @@ def test_numba_threads_sleep_when_idle_unless_asked_not_to(sleep):
 def test_boost_kept_multiplies_only_kept_boosted_weights():
     """`_boost_kept` against NumPy: kept tokens' weights times exp(boost) (1.0 where none), the
     others untouched, and the weight it returns is what it added (bans' -inf never kept)."""
-    from dbs_fast.kernels import _boost_kept, _dense_boost_exp
+    from dbs_fast.kernels import _boost_kept, dense_boost_exp
 
     rng = np.random.default_rng(11)
     V = 5000
@@ -322,8 +322,8 @@ def test_boost_kept_multiplies_only_kept_boosted_weights():
     boosts = [SparseBoost(str(w), np.sort(rng.choice(V, 3000, replace=False)).astype(np.int32),
                           (20 * rng.beta(1, 3, 3000) ** 2).astype(np.float32)) for w in range(3)]
     ptr, ids, vals = csr_boosts(boosts)
-    dense, row_dense = _dense_boost_exp(np.array([2, -1, 0, 2], np.int32), ptr, ids, vals, V)
-    assert dense.shape == (2, V) and row_dense.tolist() == [1, -1, 0, 1]
+    dense = dense_boost_exp(ptr, ids, vals, V, [0, 2])
+    assert dense.shape == (2, V) and dense_boost_exp(ptr, ids, vals, V).shape == (3, V)
     want_f = np.ones(V, np.float32)
     want_f[boosts[2].ids] = np.exp(boosts[2].values)
     np.testing.assert_array_equal(dense[1], want_f)
@@ -341,6 +341,8 @@ def test_dense_boost_tables_match_reference_exactly(scale, boost_first):
     """A real guide word boosts most of the vocabulary (GloVe similarity > 0 for ~60% of GPT-2's
     tokens, most of them slightly): both boost orders over such tables, flat and peaked rows, and
     the returned log-prob is the unguided one."""
+    from dbs_fast.kernels import dense_boost_exp
+
     rng = np.random.default_rng(12)
     R, V = 16, 20000
     logits = (rng.standard_normal((R, V)) * scale).astype(np.float32)
@@ -359,6 +361,9 @@ def test_dense_boost_tables_match_reference_exactly(scale, boost_first):
         want, wlp = sample_ref(logits, u, 1.0, top_p, dense, boost_first)
         assert np.array_equal(got, want)
         np.testing.assert_allclose(glp, wlp, atol=1e-4)
+        kept, klp = sample(logits, u, top_p=top_p, row_word=row_word, boost_ptr=ptr, boost_ids=ids, boost_vals=vals,
+                           boost_first=boost_first, boost_exp=dense_boost_exp(ptr, ids, vals, V))
+        assert np.array_equal(kept, got) and np.array_equal(klp, glp)   # the whole table, built by the caller
 
 
 @pytest.mark.parametrize("L,col", [(1, 0), (1, 4), (3, 2)])
