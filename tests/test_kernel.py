@@ -7,13 +7,13 @@ from dbs_fast.kernels import csr_boosts, sample
 from naive import banned_ngram_tokens, banned_tokens, sample_ref, shape_logits
 
 
-def _case(seed, R=24, V=3000, scale=3.0):
+def _case(seed, R=24, V=3000, scale=3.0, n_boost=200, values=lambda rng, n: rng.random(n) * 20):
     rng = np.random.default_rng(seed)
     logits = (rng.standard_normal((R, V)) * scale).astype(np.float32)
     boosts = []
     for w in range(3):
-        ids = np.sort(rng.choice(V, 200, replace=False)).astype(np.int32)
-        boosts.append(SparseBoost(str(w), ids, (rng.random(200) * 20).astype(np.float32)))
+        ids = np.sort(rng.choice(V, n_boost, replace=False)).astype(np.int32)
+        boosts.append(SparseBoost(str(w), ids, values(rng, n_boost).astype(np.float32)))
     row_word = rng.integers(-1, 3, R).astype(np.int32)
     dense = []
     for r in range(R):
@@ -343,16 +343,9 @@ def test_dense_boost_tables_match_reference_exactly(scale, boost_first):
     the returned log-prob is the unguided one."""
     from dbs_fast.kernels import dense_boost_exp
 
-    rng = np.random.default_rng(12)
     R, V = 16, 20000
-    logits = (rng.standard_normal((R, V)) * scale).astype(np.float32)
-    boosts = [SparseBoost(str(w), np.sort(rng.choice(V, 12000, replace=False)).astype(np.int32),
-                          (20 * rng.beta(1, 3, 12000) ** 2).astype(np.float32)) for w in range(3)]
-    row_word = rng.integers(-1, 3, R).astype(np.int32)
-    dense = [None if w < 0 else np.zeros(V) for w in row_word]
-    for r, w in enumerate(row_word):
-        if w >= 0:
-            dense[r][boosts[w].ids] = boosts[w].values
+    rng, logits, boosts, row_word, dense = _case(12, R, V, scale, n_boost=12000,
+                                                 values=lambda rng, n: 20 * rng.beta(1, 3, n) ** 2)
     ptr, ids, vals = csr_boosts(boosts)
     for top_p in (0.9, 0.5, 1.0):
         u = rng.random(R)
