@@ -4,7 +4,8 @@ layers at the paper setting (issue 11 asked to check these before writing our ow
 Arms, each one ONNX graph of L attention layers (distinct K/V per layer, so the caches are as
 cold as in a real step), the projections left out (the same in every arm):
   v2     `export/prefix_graph.attend` (what decode.onnx runs): each beam's prefix once,
-         (b, kv, T, d), and each row's chunk, beam-major (b, kv, s, K, d); plain ONNX ops
+         (b, kv, T, d), and each row's chunk, slot-major, its `used` decoded slots bound
+         (used, b, kv, s, d); plain ONNX ops
   dmmha  com.microsoft.DecoderMaskedMultiHeadAttention with cache_indirection: one cache row per
          candidate, (N, H, max_len, d), written in place (past and present share one buffer
          through IO binding), each row reading its ancestors' positions through the indirection
@@ -52,8 +53,8 @@ def v2_session(x, path: Path, threads):
     L = len(x["pk"])
     scale = 1.0 / np.sqrt(x["q"].shape[-1])
 
-    (b, H, T, d), N, K = x["pk"][0].shape, x["q"].shape[0], x["ck"][0].shape[2]
-    dims = Dims(N, 1, b, N // b, T, K, H, H, d)
+    (b, H, T, d), N, U = x["pk"][0].shape, x["q"].shape[0], x["used"]
+    dims = Dims(N, 1, b, N // b, T, U, H, H, d)
 
     class Layers(torch.nn.Module):
         def forward(self, q, k, v, pbias, cbias, nbias, *kv):
@@ -61,15 +62,14 @@ def v2_session(x, path: Path, threads):
             return tuple(attend(q, k, v, *kv[4 * i:4 * i + 4], pbias, cbias, nbias, float(scale), dims)[0]
                          for i in range(L))
 
-    cmask = np.zeros((N, K), np.int64)
-    cmask[:, :x["used"]] = 1
+    cmask = np.ones((N, U), np.int64)                 # the decoded slots, as a step binds them
     cbias, nbias = (t.numpy() for t in block_biases(torch.from_numpy(cmask), torch.ones(N, 1, 1, dtype=torch.bool), dims))
     feed = {"q": x["q"], "k": x["k"], "v": x["v"], "pbias": np.zeros((b, T), np.float32), "cbias": cbias,
             "nbias": nbias}
-    beam_major = lambda c: np.ascontiguousarray(c.reshape(b, -1, *c.shape[1:]).transpose(0, 2, 1, 3, 4))  # noqa: E731
+    slots = lambda c: np.ascontiguousarray(c[:, :, :U].reshape(b, -1, H, U, d).transpose(3, 0, 2, 1, 4))  # noqa: E731
     for i in range(L):
-        feed.update({f"pk{i}": x["pk"][i], f"pv{i}": x["pv"][i], f"ck{i}": beam_major(x["ck"][i]),
-                     f"cv{i}": beam_major(x["cv"][i])})
+        feed.update({f"pk{i}": x["pk"][i], f"pv{i}": x["pv"][i], f"ck{i}": slots(x["ck"][i]),
+                     f"cv{i}": slots(x["cv"][i])})
     names = list(feed)
     with torch.no_grad():
         torch.onnx.export(Layers(), tuple(torch.from_numpy(feed[n]) for n in names), str(path), input_names=names,

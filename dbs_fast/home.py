@@ -8,6 +8,8 @@ from platformdirs import user_cache_dir
 DEFAULT_MODEL = "default"
 MANIFEST = "dbs_fast_model.json"
 EXPORT_FORMAT_VERSION = 1
+# the decode graph's chunk inputs as its manifest names them (an export with other ones predates v2)
+CHUNK_LAYOUT = "slot-major (slots, b, kv_heads, s, head_dim)"
 
 
 def home() -> Path:
@@ -31,7 +33,9 @@ def predates_v2(model_dir: Path) -> bool:
     `prefix_decode` (written, or why not), or its decode graph takes one new token per row (made
     before one-call prefill: it still runs, but prefills a context one call per token), or it
     computes its shapes once per layer (made before f2ee9ce: it runs, 11% slower at
-    4 rows on the default), or takes its chunks row-major (N, kv, K, d) (it runs, through a copy
-    of every chunk each step)."""
+    4 rows on the default), or takes its chunks row-major (N, kv, K, d) or beam-major
+    (b, kv, s, K, d) (made before the slot-major chunk: it runs, through a copy of every chunk
+    each step)."""
     pd = json.loads((Path(model_dir) / MANIFEST).read_text()).get("prefix_decode")
-    return pd is None or bool(pd.get("written") and not {"prefill", "shapes", "chunk"} <= pd.keys())
+    return pd is None or bool(pd.get("written") and not ({"prefill", "shapes"} <= pd.keys()
+                                                         and pd.get("chunk") == CHUNK_LAYOUT))

@@ -444,30 +444,6 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _write_chunk(buf, new, col):
-    b, kv, s, _, d = buf.shape
-    L = new.shape[3]
-    for q in prange(b * kv):
-        x, h = q // kv, q % kv
-        for c in range(s):
-            for t in range(L):
-                for i in range(d):
-                    buf[x, h, c, col + t, i] = new[x, h, c, t, i]
-
-
-def write_chunk(buf: np.ndarray, new: np.ndarray, col: int) -> None:
-    """buf[:, :, :, col:col + L] = new: a decode step's new K/V (b, kv, s, L, d) into engine v2's
-    chunk buffer (b, kv, s, K, d), in parallel over (beam, kv head). The slot is 1400 strided
-    runs of 256 bytes per tensor on GPT-2 large at the paper setting, 72 tensors a step: NumPy's
-    single-threaded copy took 4.1 ms a step, this 2.5 (AMD EPYC, AVX2)."""
-    if new.dtype != buf.dtype or buf.ndim != 5 or new.shape[:3] != buf.shape[:3] or new.shape[4] != buf.shape[4]:
-        buf[:, :, :, col:col + new.shape[3]] = new
-        return
-    start_threads()
-    _write_chunk(buf, new, col)
-
-
-@njit(parallel=True, cache=True, nogil=True)
 def _extend_prefix(new, prefix, chunk, src, s, j):
     kv, T, d = prefix.shape[1], prefix.shape[2], prefix.shape[3]
     for q in prange(new.shape[0] * kv):
@@ -478,14 +454,14 @@ def _extend_prefix(new, prefix, chunk, src, s, j):
                 new[beam, h, t, i] = prefix[parent, h, t, i]
         for t in range(j):
             for i in range(d):
-                new[beam, h, T + t, i] = chunk[parent, h, row, t, i]
+                new[beam, h, T + t, i] = chunk[t, parent, h, row, i]
 
 
 def extend_prefix(new: np.ndarray, prefix: np.ndarray, chunk: np.ndarray, src: np.ndarray, s: int, j: int) -> None:
-    """new[i] = prefix[src[i] // s] followed by the first j chunk tokens of row src[i] (chunk[src[i]
-    // s, :, src[i] % s, :j]): engine v2's chunk boundary, new (B, kv, T + j, d) from prefix (b, kv,
-    T, d) and chunk (b, kv, s, K, d), in parallel over (new beam, kv head). GPT-2 large at the paper
-    setting copies ~130 MB a chunk this way (72 tensors)."""
+    """new[i] = prefix[src[i] // s] followed by the first j chunk tokens of row src[i] (chunk[:j,
+    src[i] // s, :, src[i] % s]): engine v2's chunk boundary, new (B, kv, T + j, d) from prefix (b,
+    kv, T, d) and the slot-major chunk (K, b, kv, s, d), in parallel over (new beam, kv head).
+    GPT-2 large at the paper setting copies ~130 MB a chunk this way (72 tensors)."""
     start_threads()
     _extend_prefix(new, prefix, chunk, np.asarray(src, np.int64), s, j)
 

@@ -1,10 +1,11 @@
 """Engine v2's KV cache: each beam's prefix stored once, each candidate's chunk in its own buffer.
 
 `PrefixCache` holds b prefixes (b, kv_heads, T, head_dim) per layer and the N = b * s rows'
-preallocated chunks, beam-major (b, kv_heads, s, k, head_dim); row r is candidate r % s of beam
-r // s. A decode step
-(`PrefixDecoder.step`, the graph of `export/prefix_graph.py`) reads them in place and returns
-only the new token's K/V, which `write` puts at the chunk's next column. At the chunk boundary
+preallocated chunks, slot-major (k, b, kv_heads, s, head_dim); row r is candidate r % s of beam
+r // s. A decode step (`PrefixDecoder.step`, the graph of `export/prefix_graph.py`) reads the
+prefixes and the chunk's decoded slots in place (the first slots of the buffer: a contiguous
+view) and writes the new token's K/V straight into the chunk's next slot (its output is bound
+there), so a step copies nothing on the host. At the chunk boundary
 `keep(rows)` builds the next prefixes from the kept candidates: their parent beam's prefix plus
 their own chunk (a gather of b prefixes and b chunks of <= k tokens), and empties the chunks.
 The s candidates of a kept beam are then the s rows that follow it, with no copy at all.
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DBSError
-from .kernels import extend_prefix, write_chunk
+from .kernels import extend_prefix
 
 DECODE_GRAPH = "decode.onnx"      # beside model.onnx in an exported model dir
 # auto: this layout where the export has its decode graph, else rows (one cache row per candidate,
@@ -26,13 +27,14 @@ KV_LAYOUTS = ("auto", "rows", "prefix")
 # context columns per prefill call: the attention scores of a call are (rows, heads, slice, slice +
 # columns before it), so slices keep a long context's transient memory linear in its length
 PREFILL_SLICE = 256
+CHUNK_LAYOUTS = ("slot", "beam", "row")   # the decode graph's chunk inputs: today's, then older exports
 
 
 @dataclass
 class PrefixCache:
     prefix: list[np.ndarray]   # [k0, v0, k1, v1, ...], (b, kv, T, d) each
     mask: np.ndarray           # (b, T) int64, 0 = left padding
-    chunk: list[np.ndarray]    # [k0, v0, ...], (b, kv, s, K, d) each: row r = candidate r % s of beam r // s
+    chunk: list[np.ndarray]    # [k0, v0, ...], (K, b, kv, s, d) each: row r = candidate r % s of beam r // s
     chunk_mask: np.ndarray     # (N, K) int64, 1 = decoded in this chunk
     s: int
     used: int = 0              # tokens decoded in this chunk
@@ -48,7 +50,7 @@ class PrefixCache:
         """From a prefill's present K/V (one row per beam) with s candidates per beam, room for k
         tokens per chunk and `reserve` more prefix columns (max_new_tokens) in its buffers."""
         b, T = mask.shape
-        chunk = [np.zeros((b, t.shape[1], s, k, t.shape[3]), t.dtype) for t in past]
+        chunk = [np.zeros((k, b, t.shape[1], s, t.shape[3]), t.dtype) for t in past]
         return cls([np.ascontiguousarray(t) for t in past], np.asarray(mask, np.int64), chunk,
                    np.zeros((b * s, k), np.int64), s, capacity=T + reserve)
 
@@ -66,16 +68,38 @@ class PrefixCache:
         """(N, 1) position of each row's next token: its prefix's real tokens + the chunk so far."""
         return np.repeat(self.mask.sum(1), self.s)[:, None] + self.used
 
+    def slots(self) -> tuple[list[np.ndarray], np.ndarray]:
+        """The chunk as a decode step reads it: each tensor's first U = max(1, used) slots (a
+        contiguous view) and their mask (N, U). With none decoded, slot 0 is bound masked while the
+        step writes its new K/V there: whichever values the graph reads, finite, get weight 0."""
+        U = max(1, self.used)
+        return [c[:U] for c in self.chunk], np.ascontiguousarray(self.chunk_mask[:, :U])
+
+    def next_slot(self) -> list[np.ndarray]:
+        """Where a decode step's new K/V go: the chunk's slot `used`, (b, kv, s, 1, d) per tensor (a
+        view a decode graph writes in place; `advance` then counts it)."""
+        if self.used >= self.chunk_mask.shape[1]:
+            raise DBSError(f"the chunk buffer holds {self.chunk_mask.shape[1]} tokens, all used; call keep() first")
+        return [c[self.used][:, :, :, None] for c in self.chunk]
+
+    def advance(self, L: int = 1) -> None:
+        """Count L new tokens written at slots `used`.. of the chunk."""
+        if self.used + L > self.chunk_mask.shape[1]:
+            raise DBSError(f"the chunk buffer holds {self.chunk_mask.shape[1]} tokens, {self.used} used; "
+                           f"call keep() first")
+        self.chunk_mask[:, self.used:self.used + L] = 1
+        self.used += L
+
     def write(self, new: list[np.ndarray]) -> None:
-        """The new tokens' K/V (b, kv, s, L, d) per tensor into columns `used`.. of the chunk."""
+        """The new tokens' K/V (b, kv, s, L, d) per tensor into slots `used`.. of the chunk (a copy:
+        decode graphs that do not write in place)."""
         L = new[0].shape[3]
         if self.used + L > self.chunk_mask.shape[1]:
             raise DBSError(f"the chunk buffer holds {self.chunk_mask.shape[1]} tokens, {self.used} used; "
                            f"call keep() first")
         for buf, t in zip(self.chunk, new):
-            write_chunk(buf, t, self.used)
-        self.chunk_mask[:, self.used:self.used + L] = 1
-        self.used += L
+            np.copyto(buf[self.used:self.used + L], t.transpose(3, 0, 1, 2, 4))
+        self.advance(L)
 
     def keep(self, rows) -> None:
         """The next beams are the candidates `rows` (indices into N): each one's parent prefix +
@@ -111,7 +135,7 @@ class PrefixCache:
             self.mask = self.mask[src]
         n = len(src) * s
         if n != self.chunk_mask.shape[0]:
-            self.chunk = [np.zeros((len(src),) + c.shape[1:], c.dtype) for c in self.chunk]
+            self.chunk = [np.zeros((c.shape[0], len(src)) + c.shape[2:], c.dtype) for c in self.chunk]
             self.chunk_mask = np.zeros((n, self.chunk_mask.shape[1]), np.int64)
         else:
             self.chunk_mask[:] = 0            # stale chunk K/V stays: masked, overwritten column by column
@@ -155,30 +179,31 @@ class PrefixCache:
 
         return PrefixCache([np.concatenate([pad(a, x, 2), pad(b, y, 2)]) for x, y in zip(a.prefix, b.prefix)],
                            np.concatenate([pad(a, a.mask, 1), pad(b, b.mask, 1)]),
-                           [np.concatenate([x, y]) for x, y in zip(a.chunk, b.chunk)],
+                           [np.concatenate([x, y], axis=1) for x, y in zip(a.chunk, b.chunk)],
                            np.concatenate([a.chunk_mask, b.chunk_mask]), a.s,
                            capacity=T + max(c.capacity - c.mask.shape[1] for c in (a, b)))
 
     @classmethod
     def prefill(cls, decoder: "PrefixDecoder", ids: np.ndarray, mask: np.ndarray, kv_heads: int, head_dim: int,
                 s: int, k: int, reserve: int = 0) -> tuple[np.ndarray, "PrefixCache"]:
-        """Left-padded contexts (Q, T) through the decode graph as T new tokens over an empty
-        prefix (padding stays masked): the last logits (Q, vocab) and the cache with the contexts
-        as prefixes, s rows each. One call per `PREFILL_SLICE` columns (each slice attends to the
-        ones before it as chunk tokens), no second graph and no second copy of the weights; a
-        graph exported before multi-token steps takes the T columns one call each."""
+        """Left-padded contexts (Q, T) through the decode graph as new tokens: the last logits (Q,
+        vocab) and the cache with the contexts as prefixes, s rows each. One call per
+        `PREFILL_SLICE` columns, each over the columns before it as the prefix (padding stays
+        masked), no second graph and no second copy of the weights; a graph exported before
+        multi-token steps takes the T columns one call each."""
         Q, T = ids.shape
         empty = np.zeros((Q, kv_heads, 1, head_dim), np.float32)          # one masked column
         pc = cls([empty] * (2 * decoder.layers), np.zeros((Q, 1), np.int64),
-                 [np.zeros((Q, kv_heads, 1, T, head_dim), np.float32) for _ in range(2 * decoder.layers)],
-                 np.zeros((Q, T), np.int64), 1)
+                 [np.zeros((1, Q, kv_heads, 1, head_dim), np.float32) for _ in range(2 * decoder.layers)],
+                 np.zeros((Q, 1), np.int64), 1)
         pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
         n = PREFILL_SLICE if decoder.multi_token else 1
-        steps = [slice(t, min(t + n, T)) for t in range(0, T, n)]
-        for cols in steps:
-            logits = decoder.step(ids[:, cols], pc, positions=pos[:, cols], new_mask=mask[:, cols])
-            pc.chunk_mask[:, cols] = mask[:, cols]                        # padding stays masked
-        return logits.copy(), cls.start([c[:, :, 0] for c in pc.chunk], mask, s, k, reserve)
+        for t in range(0, T, n):
+            cols = slice(t, min(t + n, T))
+            logits, new = decoder.run(ids[:, cols], pc, positions=pos[:, cols], new_mask=mask[:, cols])
+            pc.prefix = [np.concatenate([p, x[:, :, 0]], axis=2) for p, x in zip(pc.prefix, new)]
+            pc.mask = np.concatenate([pc.mask, mask[:, cols]], axis=1)
+        return logits.copy(), cls.start([p[:, :, 1:] for p in pc.prefix], mask, s, k, reserve)
 
     def trim(self) -> None:
         """Drop the leading prefix columns that are padding in every beam."""
@@ -202,9 +227,11 @@ class PrefixDecoder:
         self.layers = sum(n.startswith("prefix.") for n in names) // 2
         # several new tokens per row in one call (a prefill); exports before it take one
         self.multi_token = self.has_new_mask = "new_mask" in names
-        # chunks beam-major (b, kv, s, K, d); exports before it take them row-major (N, kv, K, d):
-        # those still run, through a copy of every chunk each step (`_row_major`)
-        self.beam_major = len(self.session.get_inputs()[names.index("chunk.0.key")].shape) == 5
+        # chunks slot-major (U, b, kv, s, d), the new K/V written in place; exports before it take
+        # them beam-major (b, kv, s, K, d) or row-major (N, kv, K, d): those still run, through a
+        # copy of every chunk each step (`_chunk_as`) and of the new K/V (`PrefixCache.write`)
+        shape = self.session.get_inputs()[names.index("chunk.0.key")].shape
+        self.chunk_layout = "row" if len(shape) == 4 else "slot" if shape[0] == "slots" else "beam"
         self._out: list[np.ndarray] = []
         # one IO binding for all steps: an input is bound again only when its array is not the one
         # bound (the cache's buffers are written in place between steps, so most are not rebound:
@@ -214,12 +241,12 @@ class PrefixDecoder:
         self._bound: dict[str, np.ndarray] = {}
 
     def _buffers(self, cache: PrefixCache, L: int) -> list[np.ndarray]:
-        """Logits (N, vocab) and the new K/V (b, kv, s, L, d) per tensor, reused while the shapes are
-        the same."""
+        """Logits (N, vocab) and the new K/V (b, kv, s, L, d) per tensor (row-major graphs: (N, kv,
+        L, d)), reused while the shapes are the same."""
         n = cache.chunk_mask.shape[0]
-        shapes = [(n, self.vocab)] + [c.shape[:3] + (L, c.shape[4]) for c in cache.chunk]
-        if not self.beam_major:
-            shapes[1:] = [(n, sh[1], L, sh[4]) for sh in shapes[1:]]
+        _, b, kv, s, d = cache.chunk[0].shape
+        shapes = [(n, self.vocab)] + [(b, kv, s, L, d) if self.chunk_layout != "row" else (n, kv, L, d)
+                                      for _ in cache.chunk]
         if [o.shape for o in self._out] != shapes:
             self._out = [np.empty(sh, np.float32) for sh in shapes]
         return self._out
@@ -236,35 +263,55 @@ class PrefixDecoder:
         self._bound[name] = arr
 
     def release(self) -> None:
-        """Unbind the inputs (the binding holds the last cache's arrays, so that they would stay
-        alive after their batch)."""
+        """Unbind the inputs and outputs (the binding holds the last cache's arrays, and the outputs
+        of an in-place step are its chunk slots, so that they would stay alive after their batch)."""
         self._io.clear_binding_inputs()
-        self._bound = {n: a for n, a in self._bound.items() if n in self.outputs}
+        self._io.clear_binding_outputs()
+        self._bound = {}
 
-    @staticmethod
-    def _row_major(t: np.ndarray) -> np.ndarray:
-        """(b, kv, s, K, d) -> (N, kv, K, d) as an export before beam-major chunks takes it (a copy)."""
-        b, kv, s, K, d = t.shape
-        return t.transpose(0, 2, 1, 3, 4).reshape(b * s, kv, K, d)
+    def _chunk_as(self, t: np.ndarray) -> np.ndarray:
+        """The slot-major chunk (K, b, kv, s, d) as an export before it takes it (a copy): beam-major
+        (b, kv, s, K, d) or row-major (N, kv, K, d)."""
+        K, b, kv, s, d = t.shape
+        if self.chunk_layout == "beam":
+            return t.transpose(1, 2, 3, 0, 4)
+        return t.transpose(1, 3, 2, 0, 4).reshape(b * s, kv, K, d)
 
     def step(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None,
              new_mask: np.ndarray | None = None) -> np.ndarray:
-        """Logits (N, vocab) of the next token of every row; the rows' new K/V go into `cache`.
-        `input_ids` (N,) or (N, L): L new tokens per row (L > 1: a prefill); `positions` (N, L):
-        instead of the cache's own count (prefill of left-padded contexts); `new_mask` (N, L):
-        0 = padding. The logits are a buffer the next step overwrites: copy what must outlive it."""
+        """Logits (N, vocab) of the next token of every row; the rows' new K/V go into `cache`'s
+        chunk. `input_ids` (N,) or (N, L): L new tokens per row; `positions` (N, L): instead of the
+        cache's own count; `new_mask` (N, L): 0 = padding. The logits are a buffer the next step
+        overwrites: copy what must outlive it."""
+        logits, new = self.run(input_ids, cache, positions, new_mask, in_place=True)
+        if new is None:
+            cache.advance()                            # written in place, into the chunk's next slot
+        else:
+            cache.write(new)
+        return logits
+
+    def run(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None,
+            new_mask: np.ndarray | None = None, in_place: bool = False) -> tuple[np.ndarray, list | None]:
+        """One call of the graph: logits (N, vocab) and the new K/V (b, kv, s, L, d) per tensor, both
+        buffers of this decoder; the cache is not changed. `in_place` (one new token per row, a
+        slot-major graph): the new K/V are written into the cache's next chunk slot instead, and
+        None comes back for them (`PrefixCache.advance` counts them)."""
         ids = np.ascontiguousarray(input_ids, np.int64).reshape(len(input_ids), -1)
         L = ids.shape[1]
         if L > 1 and not self.multi_token:
             raise DBSError("this decode graph takes one new token per row; re-export the model for "
                            "multi-token steps")
+        in_place = in_place and L == 1 and self.chunk_layout == "slot" and isinstance(self.vocab, int)
         io = self._io
+        if self.chunk_layout == "slot":
+            chunk, chunk_mask = cache.slots()
+        else:
+            chunk, chunk_mask = [self._chunk_as(c) for c in cache.chunk], cache.chunk_mask
         feeds = {"input_ids": ids,
                  "position_ids": cache.positions() if positions is None else positions,
-                 "prefix_mask": cache.mask, "chunk_mask": cache.chunk_mask}
+                 "prefix_mask": cache.mask, "chunk_mask": chunk_mask}
         if self.has_new_mask:
             feeds["new_mask"] = np.ones(ids.shape, np.int64) if new_mask is None else new_mask.astype(np.int64)
-        chunk = cache.chunk if self.beam_major else [self._row_major(c) for c in cache.chunk]
         for i in range(self.layers):
             feeds.update({f"prefix.{i}.key": cache.prefix[2 * i], f"prefix.{i}.value": cache.prefix[2 * i + 1],
                           f"chunk.{i}.key": chunk[2 * i], f"chunk.{i}.value": chunk[2 * i + 1]})
@@ -277,11 +324,14 @@ class PrefixDecoder:
             out = io.copy_outputs_to_cpu()
         else:
             out = self._buffers(cache, L)
+            if in_place:
+                out = out[:1] + cache.next_slot()
             for name, arr in zip(self.outputs, out):
                 self._bind(name, arr, output=True)
             self.session.run_with_iobinding(io)
+        if in_place:
+            return out[0], None
         new = out[1:]
-        if not self.beam_major:                        # (N, kv, L, d) -> (b, kv, s, L, d), a view
+        if self.chunk_layout == "row":                 # (N, kv, L, d) -> (b, kv, s, L, d), a view
             new = [t.reshape(-1, cache.s, *t.shape[1:]).transpose(0, 2, 1, 3, 4) for t in new]
-        cache.write(new)
-        return out[0]
+        return out[0], new

@@ -5,23 +5,26 @@ prefix, gathered every chunk and re-copied (past + new -> present) every step. T
 
     input_ids, position_ids   (N, L)          N = b * s rows, row r a candidate of beam r // s
     prefix_mask               (b, T)  int64   0 = left padding
-    chunk_mask                (N, K)  int64   1 = a token of this chunk already decoded
+    chunk_mask                (N, U)  int64   1 = a token of this chunk already decoded
     new_mask                  (N, L)  int64   0 = left padding among the new tokens
     prefix.L.key/value        (b, kv_heads, T, head_dim)   shared by the s candidates of a beam
-    chunk.L.key/value         (b, kv_heads, s, K, head_dim)   each row's own chunk so far, beam-major
+    chunk.L.key/value         (U, b, kv_heads, s, head_dim)   each row's own chunk so far, slot-major:
+                                                              the first U slots of the (K, ...) buffer
 
 and returns `logits` (N, vocab) of each row's last new token and only the new tokens'
-`new.L.key/value` (b, kv_heads, s, L, head_dim): the host writes those into its preallocated chunk
-buffer and appends the kept rows' chunks to the prefixes once per chunk
-(`dbs_fast.prefix.PrefixCache`). Nothing per step copies the prefix. A decode step has L = 1; a
-prefill runs a whole (left-padded) context as L new tokens over an empty prefix, in one call.
+`new.L.key/value` (b, kv_heads, s, L, head_dim): with L = 1 that is one slot of the chunk buffer,
+and the host binds it there, so the graph writes the new K/V in place; the kept rows' chunks are
+appended to the prefixes once per chunk (`dbs_fast.prefix.PrefixCache`). Nothing per step copies
+the prefix, and the chunk is bound only as far as it is decoded (U = max(1, slots used), a
+contiguous view of the slot-major buffer). A decode step has L = 1; a prefill runs a
+(left-padded) context as L new tokens per call over the columns before them as prefix.
 
 Attention (Hydragen's decomposition): the s candidates of a beam, their L new tokens and the g
 query heads of a kv head are extra query rows of one batched matmul over the beam's prefix,
-(b, kv, s*L*g, d) x (b, kv, d, T); the same rows are scored against the beam's s chunks and s
-rows of new keys, block-diagonal by their biases (a row sees its own chunk and its own new
-tokens, causal by position); one softmax over [prefix | chunks | new]; the weighted sums are
-added (`attend`). RoPE (Llama family) is
+(b, kv, s*L*g, d) x (b, kv, d, T); the same rows are scored against the beam's s rows of new
+keys, block-diagonal by their bias (a row sees its own new tokens, causal by position), and each
+row against its own chunk slots elementwise; one softmax over [prefix | chunk | new]; the
+weighted sums are added (`attend`). RoPE (Llama family) is
 applied before anything is cached, so cached keys are position-final, as in Hugging Face's
 cache, by ORT's contrib `RotaryEmbedding` (CPU and CUDA kernels; `_rotary`). The attention is
 plain ONNX ops (MatMul, Softmax, ...), no contrib ops: `benchmarks/attention.py` measured
@@ -33,6 +36,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from typing import NamedTuple
+
+from dbs_fast.home import CHUNK_LAYOUT
 
 MASKED = -1e4     # additive bias of a masked key (finite, see export/fuse.py)
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
@@ -66,56 +71,59 @@ class Dims(NamedTuple):
 
 def block_biases(chunk_mask, seen, dims: Dims):
     """The additive biases of the beam-major attention, built once per step for all layers: chunk
-    (b, 1, s*L*g, s*K) and new (b, 1, s*L*g, s*L), query rows ordered (candidate, new token, query
-    head of the kv head) and keys (candidate, column). Block-diagonal: a row sees only its own
-    chunk tokens (`chunk_mask` (N, K), 1 = decoded) and its own new tokens (`seen` (N, L, L) bool:
-    new query i sees new key j)."""
+    (b, 1, s*L*g, U), each query row against its own row's U chunk slots (`chunk_mask` (N, U), 1 =
+    decoded), and new (b, 1, s*L*g, s*L), block-diagonal: a row sees only its own new tokens
+    (`seen` (N, L, L) bool: new query i sees new key j). Query rows are ordered (candidate, new
+    token, query head of the kv head), new keys (candidate, column)."""
     import torch
 
     _, L, b, s, _, _, H, kv, _ = dims
     g = H // kv
     col = torch.arange(s)
     own = (col[:, None] == col[None, :])[None, :, None, None, :, None]               # (1, s_q, 1, 1, s_k, 1)
-    sees_chunk = own & (chunk_mask.reshape(b, 1, 1, 1, s, -1) > 0)                    # (b, s, 1, 1, s, K)
     sees_new = own & seen.reshape(b, s, L, 1, 1, L)                                   # (b, s, L, 1, s, L)
+    sees_new = sees_new.expand(b, s, L, g, s, L).reshape(b, 1, s * L * g, -1)
+    sees_chunk = (chunk_mask.reshape(b, s, 1, 1, -1) > 0).expand(b, s, L, g, chunk_mask.shape[1])
 
     def bias(m):
-        m = m.expand(b, s, L, g, s, m.shape[-1])
-        return ((1.0 - m.to(torch.float32)) * MASKED).reshape(b, 1, s * L * g, -1)
+        return (1.0 - m.to(torch.float32)) * MASKED
 
-    return bias(sees_chunk), bias(sees_new)
+    return bias(sees_chunk).reshape(b, 1, s * L * g, -1), bias(sees_new)
 
 
 def attend(q, k, v, pk, pv, ck, cv, prefix_bias, chunk_bias, new_bias, scale: float, dims: Dims | None = None):
     """Attention of L new tokens per row, row r = candidate r % s of beam r // s. q (N, L, H, d);
-    k, v (N, L, kv, d): the new tokens'; pk, pv (b, kv, T, d); ck, cv (b, kv, s, K, d): the
-    chunks, beam-major; prefix_bias (b, T); chunk_bias, new_bias from `block_biases`. Returns the
-    output (N, L, H * d) and the new keys and values (b, kv, s, L, d), the chunk's layout.
+    k, v (N, L, kv, d): the new tokens'; pk, pv (b, kv, T, d); ck, cv (U, b, kv, s, d): the
+    chunks' first U slots, slot-major; prefix_bias (b, T); chunk_bias, new_bias from
+    `block_biases`. Returns the output (N, L, H * d) and the new keys and values (b, kv, s, L, d),
+    one chunk slot's layout when L = 1.
 
     Every query of a beam (its s candidates x L new tokens x g query heads per kv head) is a row
-    of one batched matmul per part: against the beam's prefix, (b, kv, s*L*g, d) x (b, kv, d, T),
-    against its s chunks and against its s rows of new keys, the last two block-diagonal by
-    their biases (s times the scores needed, but those are s*K and s*L columns, not T). So only q,
-    the new K/V and the output are transposed, once each, and no score tensor is: on the shapes
-    of GPT-2 large at the paper setting the 36 layers' attention takes 42 ms instead of 61 with
-    the chunks row-major (N, kv, K, d), which needed each part's scores regrouped between
-    beam-major and row-major (probe, AVX2 EPYC)."""
+    of one batched matmul against the beam's prefix, (b, kv, s*L*g, d) x (b, kv, d, T), and of
+    one against its s rows of new keys, block-diagonal by its bias (s*L columns, not T). Each
+    row scores its own chunk slots elementwise (a product and a sum over d per slot): only the
+    U slots bound, not all K, and not the s*K columns of a block-diagonal matmul over the beam's
+    chunks, which took ~40% of the attention at the paper setting (GPT-2 large, AVX2 EPYC:
+    `python -m dbs_fast.benchmarks.attention --variants`). So q, the new K/V and the output are
+    transposed, once each, and no score tensor is but the small chunk part."""
     import torch
 
     if dims is None:
-        dims = Dims(*q.shape[:2], pk.shape[0], ck.shape[2], pk.shape[2], ck.shape[3], q.shape[2], pk.shape[1],
+        dims = Dims(*q.shape[:2], pk.shape[0], ck.shape[3], pk.shape[2], ck.shape[0], q.shape[2], pk.shape[1],
                     q.shape[3])
-    N, L, b, s, T, K, H, kv, d = dims
+    N, L, b, s, T, U, H, kv, d = dims
     g = H // kv
-    qg = q.reshape(b, s, L, kv, g, d).permute(0, 3, 1, 2, 4, 5).reshape(b, kv, -1, d)   # (b, kv, s*L*g, d)
+    q6 = q.reshape(b, s, L, kv, g, d).permute(0, 3, 1, 2, 4, 5)                          # (b, kv, s, L, g, d)
+    qg = q6.reshape(b, kv, -1, d)                                                        # (b, kv, s*L*g, d)
     kn, vn = (x.reshape(b, s, L, kv, d).permute(0, 3, 1, 2, 4) for x in (k, v))          # (b, kv, s, L, d)
     sp = torch.matmul(qg, pk.transpose(2, 3)) * scale + prefix_bias[:, None, None, :]    # (b, kv, s*L*g, T)
-    sc = torch.matmul(qg, ck.reshape(b, kv, -1, d).transpose(2, 3)) * scale + chunk_bias  # (.., s*K)
+    sc = (q6.reshape(b, kv, s, L * g, d)[None] * ck[:, :, :, :, None, :]).sum(-1)        # (U, b, kv, s, L*g)
+    sc = sc.permute(1, 2, 3, 4, 0).reshape(b, kv, s * L * g, U) * scale + chunk_bias
     sn = torch.matmul(qg, kn.reshape(b, kv, -1, d).transpose(2, 3)) * scale + new_bias   # (.., s*L)
     w = torch.softmax(torch.cat([sp, sc, sn], dim=-1), dim=-1)
-    C = T + s * K
-    o = (torch.matmul(w[..., :T], pv) + torch.matmul(w[..., T:C], cv.reshape(b, kv, -1, d))
-         + torch.matmul(w[..., C:], vn.reshape(b, kv, -1, d)))                            # (b, kv, s*L*g, d)
+    wc = w[..., T:T + U].reshape(b, kv, s, L * g, U).permute(4, 0, 1, 2, 3)[..., None]  # (U, b, kv, s, L*g, 1)
+    oc = (wc * cv[:, :, :, :, None, :]).sum(0).reshape(b, kv, s * L * g, d)
+    o = torch.matmul(w[..., :T], pv) + oc + torch.matmul(w[..., T + U:], vn.reshape(b, kv, -1, d))
     return o.reshape(b, kv, s, L, g, d).permute(0, 2, 3, 1, 4, 5).reshape(N, L, H * d), kn, vn
 
 
@@ -134,7 +142,7 @@ def _decoder(model):
             pbias = (1.0 - prefix_mask.to(torch.float32)) * MASKED
             # new key j is seen by new query i when it is a token (not padding) at or before i
             seen = (position_ids[:, None, :] <= position_ids[:, :, None]) & (new_mask[:, None, :] > 0)
-            dims = Dims(*input_ids.shape, prefix_mask.shape[0], kv[2].shape[2], prefix_mask.shape[1],
+            dims = Dims(*input_ids.shape, prefix_mask.shape[0], kv[2].shape[3], prefix_mask.shape[1],
                         chunk_mask.shape[1], *heads)
             cbias, nbias = block_biases(chunk_mask, seen, dims)
             return (_gpt2 if fam == "gpt2" else _llama)(self.model, input_ids, position_ids, pbias, cbias, nbias,
@@ -310,16 +318,16 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
     args = [torch.zeros(N, n, dtype=torch.int64), T + torch.arange(n).repeat(N, 1),
             torch.ones(b, T, dtype=torch.int64), torch.zeros(N, K, dtype=torch.int64), torch.ones(N, n, dtype=torch.int64)]
     for _ in range(L):
-        args += [torch.zeros(b, KV, T, d), torch.zeros(b, KV, T, d), torch.zeros(b, KV, s, K, d),
-                 torch.zeros(b, KV, s, K, d)]
+        args += [torch.zeros(b, KV, T, d), torch.zeros(b, KV, T, d), torch.zeros(K, b, KV, s, d),
+                 torch.zeros(K, b, KV, s, d)]
     ins, outs = io_names(L)
     axes = {"input_ids": {0: "rows", 1: "new"}, "position_ids": {0: "rows", 1: "new"},
-            "prefix_mask": {0: "beams", 1: "prefix"}, "chunk_mask": {0: "rows", 1: "chunk"},
+            "prefix_mask": {0: "beams", 1: "prefix"}, "chunk_mask": {0: "rows", 1: "slots"},
             "new_mask": {0: "rows", 1: "new"}, "logits": {0: "rows"}}
     for i in range(L):
         axes.update({f"prefix.{i}.key": {0: "beams", 2: "prefix"}, f"prefix.{i}.value": {0: "beams", 2: "prefix"},
-                     **{f"{p}.{i}.{t}": {0: "beams", 2: "candidates", 3: "chunk" if p == "chunk" else "new"}
-                        for p in ("chunk", "new") for t in ("key", "value")}})
+                     **{f"chunk.{i}.{t}": {0: "slots", 1: "beams", 3: "candidates"} for t in ("key", "value")},
+                     **{f"new.{i}.{t}": {0: "beams", 2: "candidates", 3: "new"} for t in ("key", "value")}})
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         torch.onnx.export(dec, tuple(args), str(path), input_names=ins, output_names=outs, dynamic_axes=axes,
@@ -330,7 +338,7 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
             "inputs": "input_ids, position_ids, prefix_mask, chunk_mask, new_mask, prefix.L.key/value, "
                       "chunk.L.key/value", "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved,
             "prefill": "one call (L new tokens per row)", "shapes": "one copy for all layers (Dims)",
-            "chunk": "beam-major (b, kv_heads, s, K, head_dim)"}
+            "chunk": CHUNK_LAYOUT}
 
 
 def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0) -> dict:

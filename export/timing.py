@@ -23,11 +23,14 @@ BEAMS, CANDIDATES, PREFIX = 7, 10, 47
 
 def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2) -> dict:
     """Random inputs for one step of `sess` at b x s rows: engine v2's graph (prefix.L.* of b rows
-    and length T, chunk.L.* of b*s rows and length K, `used` of them filled) or the row layout's
-    (past_key_values.L.* of b*s rows and length T + used)."""
+    and length T, chunk.L.* of b*s rows, `used` of K slots decoded: the engine binds only those
+    to a slot-major graph, all K to older ones) or the row layout's (past_key_values.L.* of b*s
+    rows and length T + used)."""
     rng = np.random.default_rng(0)
     N, out = b * s, {}
     past = T + used                                     # the row layout's cache length
+    slot_major = any(i.name == "chunk.0.key" and i.shape[0] == "slots" for i in sess.get_inputs())
+    U = max(1, used) if slot_major else K
     for i in sess.get_inputs():
         n, shape = i.name, i.shape
         if n == "input_ids":
@@ -41,8 +44,10 @@ def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2) -> dict:
         elif n == "new_mask":
             out[n] = np.ones((N, 1), np.int64)
         elif n == "chunk_mask":
-            out[n] = np.zeros((N, K), np.int64)
+            out[n] = np.zeros((N, U), np.int64)
             out[n][:, :used] = 1
+        elif n.startswith("chunk.") and slot_major:       # the decoded slots (U, b, kv, s, d)
+            out[n] = rng.standard_normal((U, b, shape[2], s, shape[4])).astype(np.float32)
         elif n.startswith("chunk.") and len(shape) == 5:  # beam-major chunks (b, kv, s, K, d)
             out[n] = rng.standard_normal((b, shape[1], s, K, shape[4])).astype(np.float32)
         else:                                           # prefix.L.* / chunk.L.* (row-major) / past_key_values.L.*

@@ -306,7 +306,7 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
     export already under DBS_FAST_HOME is reused, a missing one is exported there."""
     from dbs_fast.api import resolve_model_dir
     from dbs_fast.export import convert
-    from dbs_fast.home import embedded_model_dir
+    from dbs_fast.home import CHUNK_LAYOUT, embedded_model_dir
 
     monkeypatch.setenv("DBS_FAST_HOME", str(tmp_path))
     calls = []
@@ -314,8 +314,8 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
     def fake_export(name, out, force=False, quiet=False):
         calls.append(name)
         Path(out).mkdir(parents=True, exist_ok=force)
-        (Path(out) / MANIFEST).write_text('{"prefix_decode": {"written": true, "prefill": "one call", "shapes": "once", '
-                                          '"chunk": "beam-major"}}')
+        (Path(out) / MANIFEST).write_text(json.dumps({"prefix_decode": {"written": True, "prefill": "one call",
+                                                                        "shapes": "once", "chunk": CHUNK_LAYOUT}}))
 
     monkeypatch.setattr(convert, "export_model", fake_export)
     d = resolve_model_dir("default")
@@ -336,3 +336,8 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
     (d / MANIFEST).write_text('{"prefix_decode": {"written": true, "prefill": "one call", "shapes": "once"}}')
     assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
     assert calls == ["default"] * 5
+    # chunks beam-major (before slot-major chunks): exported again, once
+    (d / MANIFEST).write_text('{"prefix_decode": {"written": true, "prefill": "one call", "shapes": "once", '
+                              '"chunk": "beam-major (b, kv_heads, s, K, head_dim)"}}')
+    assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
+    assert calls == ["default"] * 6

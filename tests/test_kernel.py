@@ -359,26 +359,6 @@ def test_dense_boost_tables_match_reference_exactly(scale, boost_first):
         assert np.array_equal(kept, got) and np.array_equal(klp, glp)   # the whole table, built by the caller
 
 
-@pytest.mark.parametrize("L,col", [(1, 0), (1, 4), (3, 2)])
-def test_write_chunk_equals_numpy_slice_assignment(L, col):
-    """`write_chunk` (engine v2's per-step write of the new K/V into the chunk buffer) against
-    NumPy's slice assignment, from a contiguous and from a transposed (strided) source; the other
-    slots untouched."""
-    from dbs_fast.kernels import write_chunk
-
-    rng = np.random.default_rng(13)
-    b, kv, s, K, d = 3, 4, 5, 6, 8
-    for contiguous in (True, False):
-        buf = rng.standard_normal((b, kv, s, K, d)).astype(np.float32)
-        want = buf.copy()
-        new = rng.standard_normal((b, kv, s, L, d)).astype(np.float32)
-        if not contiguous:
-            new = np.ascontiguousarray(new.transpose(0, 2, 1, 3, 4)).transpose(0, 2, 1, 3, 4)
-        want[:, :, :, col:col + L] = new
-        write_chunk(buf, new, col)
-        np.testing.assert_array_equal(buf, want)
-
-
 def test_extend_prefix_equals_numpy_gather():
     """`extend_prefix` (engine v2's chunk boundary: each new beam's parent prefix plus its row's
     first j chunk tokens) against NumPy indexing, with repeated and reordered sources."""
@@ -387,9 +367,9 @@ def test_extend_prefix_equals_numpy_gather():
     rng = np.random.default_rng(14)
     b, kv, T, s, K, d, j = 3, 2, 7, 4, 5, 8, 3
     prefix = rng.standard_normal((b, kv, T, d)).astype(np.float32)
-    chunk = rng.standard_normal((b, kv, s, K, d)).astype(np.float32)
+    chunk = rng.standard_normal((K, b, kv, s, d)).astype(np.float32)      # slot-major
     src = np.array([9, 0, 9, 5, 11])                       # rows: beam = row // s, candidate = row % s
-    want = np.concatenate([prefix[src // s], chunk[src // s, :, src % s, :j]], axis=2)
+    want = np.concatenate([prefix[src // s], chunk[:j, src // s, :, src % s].transpose(0, 2, 1, 3)], axis=2)
     got = np.full((len(src), kv, T + j, d), np.nan, np.float32)
     extend_prefix(got, prefix, chunk, src, s, j)
     np.testing.assert_array_equal(got, want)

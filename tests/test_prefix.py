@@ -11,8 +11,13 @@ pytest.importorskip("optimum.exporters.onnx")
 
 
 def _beam_major(x, b):
-    """(N, kv, K, d) rows -> (b, kv, s, K, d), the chunk layout of the decode graph."""
+    """(N, kv, L, d) rows -> (b, kv, s, L, d), the layout of the decode graph's new K/V."""
     return np.ascontiguousarray(x.reshape(b, -1, *x.shape[1:]).transpose(0, 2, 1, 3, 4))
+
+
+def _slot_major(x, b):
+    """(N, kv, K, d) rows -> (K, b, kv, s, d), the chunk layout of the decode graph."""
+    return np.ascontiguousarray(x.reshape(b, -1, *x.shape[1:]).transpose(3, 0, 2, 1, 4))
 
 
 def _attend(q, k, v, pk, pv, ck, cv, pmask, cmask, seen, scale):
@@ -23,7 +28,7 @@ def _attend(q, k, v, pk, pv, ck, cv, pmask, cmask, seen, scale):
     (N, L, H, d), (b, kv, T, _), K = q.shape, pk.shape, ck.shape[2]
     dims = Dims(N, L, b, N // b, T, K, H, kv, d)
     cbias, nbias = block_biases(t(cmask.astype(np.int64)), t(seen), dims)
-    o, kn, vn = attend(t(q), t(k), t(v), t(pk), t(pv), t(_beam_major(ck, b)), t(_beam_major(cv, b)),
+    o, kn, vn = attend(t(q), t(k), t(v), t(pk), t(pv), t(_slot_major(ck, b)), t(_slot_major(cv, b)),
                        t((~pmask) * np.float32(MASKED)), cbias, nbias, scale, dims)
     for new, x in ((kn, k), (vn, v)):         # the new K/V come back beam-major, (b, kv, s, L, d)
         np.testing.assert_array_equal(new.numpy(), _beam_major(x.transpose(0, 2, 1, 3), b))
@@ -217,8 +222,9 @@ def test_prefix_layout_generates_the_same_text(kind, exported):
                 want = texts
         assert texts == want
     assert prefix.backend.model._session is None          # model.onnx never opened: weights loaded once
-    # the decoder binds its inputs once for all steps; once its batch is empty it lets the cache go
-    assert prefix.decoder._bound and set(prefix.decoder._bound) <= set(prefix.decoder.outputs)
+    # once its batch is empty the decoder lets the cache go: nothing bound (an in-place step's
+    # outputs are the cache's chunk slots)
+    assert prefix.decoder._bound == {} and prefix.decoder.chunk_layout == "slot"
     assert _dbs(exported[kind], "auto").decoder is not None
 
 
@@ -278,3 +284,33 @@ def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers(
     assert len(bufs) < 8 * 2 * layers                               # buffers were reused, not reallocated
     pc.trim()
     assert pc.prefix[0].shape[2] == pc.mask.shape[1]
+
+
+def test_decode_graphs_before_slot_major_chunks_get_their_layout_by_copy():
+    """A decode graph exported before the slot-major chunk still runs: the cache hands it its chunk
+    beam-major (b, kv, s, K, d) or row-major (N, kv, K, d), and `write` copies the new K/V (b, kv,
+    s, L, d) it returns into the chunk's next slots; the in-place path's `next_slot` is slot `used`."""
+    from types import SimpleNamespace
+
+    from dbs_fast.prefix import PrefixCache, PrefixDecoder
+
+    rng = np.random.default_rng(5)
+    b, s, kv, d, k, T = 2, 3, 2, 4, 4, 3
+    past = [rng.standard_normal((b, kv, T, d)).astype(np.float32) for _ in range(2)]
+    pc = PrefixCache.start(past, np.ones((b, T), np.int64), s, k)
+    new = [rng.standard_normal((b, kv, s, 2, d)).astype(np.float32) for _ in range(2)]
+    pc.write(new)
+    slot = pc.next_slot()
+    assert pc.used == 2 and slot[0].shape == (b, kv, s, 1, d) and np.shares_memory(slot[0], pc.chunk[0][2])
+    for t in range(2):
+        np.testing.assert_array_equal(pc.chunk[t][:2], new[t].transpose(3, 0, 1, 2, 4))
+    assert not pc.chunk[0][2:].any() and pc.chunk_mask[:, :2].all() and not pc.chunk_mask[:, 2:].any()
+    chunks, mask = pc.slots()
+    assert chunks[0].shape == (2, b, kv, s, d) and chunks[0].flags.c_contiguous and mask.shape == (b * s, 2)
+    c = pc.chunk[0]
+    beam = PrefixDecoder._chunk_as(SimpleNamespace(chunk_layout="beam"), c)
+    row = PrefixDecoder._chunk_as(SimpleNamespace(chunk_layout="row"), c)
+    for x in range(b):
+        for r in range(s):
+            np.testing.assert_array_equal(beam[x, :, r], c[:, x, :, r].transpose(1, 0, 2))   # (kv, K, d)
+            np.testing.assert_array_equal(row[x * s + r], c[:, x, :, r].transpose(1, 0, 2))
