@@ -167,3 +167,23 @@ def test_kernel_generation_ab_alternates_the_two_kernels_and_restores_this_one(e
     for arm in ("this", "against"):
         assert len(r["arms"][arm]) == 2 and all(g["seconds"] > 0 and g["kernel_ms"] > 0 for g in r["arms"][arm])
     assert r["against_over_this"] == pytest.approx(r["against"]["seconds"] / r["this"]["seconds"])
+
+
+def test_checkouts_ab_runs_each_arm_on_its_own_code_and_export(exported, tmp_path):
+    """`benchmarks/checkouts.py`: the arms take turns in their own processes, the other one on a
+    checkout's code (here a copy of this checkout: the same texts) and its own export."""
+    import shutil
+    from pathlib import Path
+
+    from dbs_fast.benchmarks.checkouts import run
+
+    root = Path(__file__).resolve().parents[1]
+    other = tmp_path / "other"
+    for pkg in ("dbs_fast", "export", "benchmarks"):
+        shutil.copytree(root / pkg, other / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    r = run(str(exported["gpt2"]), str(other), str(exported["gpt2"]), rounds=2, generations=1, new_tokens=3)
+    assert r["against_root"] == str(other.resolve()) and r["same_texts"] == [True, True]
+    for arm in ("this", "against"):
+        assert [g["seed"] for g in r["arms"][arm]] == [0, 1]          # the same sets and seeds in both arms
+        assert all(g["seconds"] > 0 and g["model_ms"] > 0 for g in r["arms"][arm])
+    assert r["against_over_this"] == pytest.approx(r["against"]["seconds"] / r["this"]["seconds"])
