@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -80,7 +81,10 @@ def run(model: str, against: str, against_model: str, rounds: int = 3, generatio
             root, m = arms[arm]
             out = subprocess.run([sys.executable, "-m", "dbs_fast.benchmarks.checkouts", "--child", root, m,
                                   str(generations), str(r * generations), str(new_tokens)],
-                                 capture_output=True, text=True, check=False)
+                                 capture_output=True, text=True, check=False,
+                                 # not the working directory's dbs_fast/ (a source tree, whose
+                                 # benchmarks/ and export/ are mapped only by the install)
+                                 env={**os.environ, "PYTHONSAFEPATH": "1"})
             lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
             if out.returncode or len(lines) != generations:
                 raise RuntimeError(f"arm {arm} failed: {out.stderr.strip().splitlines()[-1:]}")
