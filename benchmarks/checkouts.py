@@ -33,9 +33,10 @@ def _child(root: str, model: str, generations: int, first: int, new_tokens: int)
     (`THIS`: the installed dbs_fast)."""
     if root != THIS:
         _import_from(root)
+    from dbs_fast.benchmarks.bench import CONTEXT, KEYWORD_SETS
+
     import dbs_fast
     from dbs_fast import DBSConfig, DirectedBeamSearch
-    from dbs_fast.benchmarks.bench import CONTEXT, KEYWORD_SETS
 
     assert root == THIS or Path(dbs_fast.__file__).resolve().is_relative_to(Path(root).resolve()), dbs_fast.__file__
     dbs = DirectedBeamSearch(model, config=DBSConfig.paper(max_new_tokens=new_tokens))
