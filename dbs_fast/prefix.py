@@ -27,7 +27,16 @@ KV_LAYOUTS = ("auto", "rows", "prefix")
 # context columns per prefill call: the attention scores of a call are (rows, heads, slice, slice +
 # columns before it), so slices keep a long context's transient memory linear in its length
 PREFILL_SLICE = 256
-CHUNK_LAYOUTS = ("slot", "beam", "row")   # the decode graph's chunk inputs: today's, then older exports
+
+
+def chunk_layout(session) -> str | None:
+    """How a decode graph (an ORT session) takes its chunk inputs: "slot" (U, b, kv, s, d), today's;
+    "beam" (b, kv, s, K, d) or "row" (N, kv, K, d), exports before it; None: no chunk inputs (the
+    row layout's model.onnx)."""
+    shape = next((i.shape for i in session.get_inputs() if i.name == "chunk.0.key"), None)
+    if shape is None:
+        return None
+    return "row" if len(shape) == 4 else "slot" if shape[0] == "slots" else "beam"
 
 
 @dataclass
@@ -78,15 +87,12 @@ class PrefixCache:
     def next_slot(self) -> list[np.ndarray]:
         """Where a decode step's new K/V go: the chunk's slot `used`, (b, kv, s, 1, d) per tensor (a
         view a decode graph writes in place; `advance` then counts it)."""
-        if self.used >= self.chunk_mask.shape[1]:
-            raise DBSError(f"the chunk buffer holds {self.chunk_mask.shape[1]} tokens, all used; call keep() first")
+        self._room(1)
         return [c[self.used][:, :, :, None] for c in self.chunk]
 
     def advance(self, L: int = 1) -> None:
         """Count L new tokens written at slots `used`.. of the chunk."""
-        if self.used + L > self.chunk_mask.shape[1]:
-            raise DBSError(f"the chunk buffer holds {self.chunk_mask.shape[1]} tokens, {self.used} used; "
-                           f"call keep() first")
+        self._room(L)
         self.chunk_mask[:, self.used:self.used + L] = 1
         self.used += L
 
@@ -94,12 +100,16 @@ class PrefixCache:
         """The new tokens' K/V (b, kv, s, L, d) per tensor into slots `used`.. of the chunk (a copy:
         decode graphs that do not write in place)."""
         L = new[0].shape[3]
-        if self.used + L > self.chunk_mask.shape[1]:
-            raise DBSError(f"the chunk buffer holds {self.chunk_mask.shape[1]} tokens, {self.used} used; "
-                           f"call keep() first")
+        self._room(L)
         for buf, t in zip(self.chunk, new):
             np.copyto(buf[self.used:self.used + L], t.transpose(3, 0, 1, 2, 4))
         self.advance(L)
+
+    def _room(self, L: int) -> None:
+        """Raise unless L more tokens fit in the chunk."""
+        if self.used + L > self.chunk_mask.shape[1]:
+            raise DBSError(f"the chunk buffer holds {self.chunk_mask.shape[1]} tokens, {self.used} used; "
+                           f"call keep() first")
 
     def keep(self, rows) -> None:
         """The next beams are the candidates `rows` (indices into N): each one's parent prefix +
@@ -230,8 +240,7 @@ class PrefixDecoder:
         # chunks slot-major (U, b, kv, s, d), the new K/V written in place; exports before it take
         # them beam-major (b, kv, s, K, d) or row-major (N, kv, K, d): those still run, through a
         # copy of every chunk each step (`_chunk_as`) and of the new K/V (`PrefixCache.write`)
-        shape = self.session.get_inputs()[names.index("chunk.0.key")].shape
-        self.chunk_layout = "row" if len(shape) == 4 else "slot" if shape[0] == "slots" else "beam"
+        self.chunk_layout = chunk_layout(self.session)
         self._out: list[np.ndarray] = []
         # one IO binding for all steps: an input is bound again only when its array is not the one
         # bound (the cache's buffers are written in place between steps, so most are not rebound:
@@ -240,13 +249,13 @@ class PrefixDecoder:
         self._io = self.session.io_binding()
         self._bound: dict[str, np.ndarray] = {}
 
-    def _buffers(self, cache: PrefixCache, L: int) -> list[np.ndarray]:
-        """Logits (N, vocab) and the new K/V (b, kv, s, L, d) per tensor (row-major graphs: (N, kv,
-        L, d)), reused while the shapes are the same."""
+    def _buffers(self, cache: PrefixCache, L: int, new: bool = True) -> list[np.ndarray]:
+        """Logits (N, vocab) and, with `new`, the new K/V (b, kv, s, L, d) per tensor (row-major
+        graphs: (N, kv, L, d)), reused while the shapes are the same."""
         n = cache.chunk_mask.shape[0]
         _, b, kv, s, d = cache.chunk[0].shape
         shapes = [(n, self.vocab)] + [(b, kv, s, L, d) if self.chunk_layout != "row" else (n, kv, L, d)
-                                      for _ in cache.chunk]
+                                      for _ in cache.chunk if new]
         if [o.shape for o in self._out] != shapes:
             self._out = [np.empty(sh, np.float32) for sh in shapes]
         return self._out
@@ -323,9 +332,9 @@ class PrefixDecoder:
             self.session.run_with_iobinding(io)
             out = io.copy_outputs_to_cpu()
         else:
-            out = self._buffers(cache, L)
+            out = self._buffers(cache, L, new=not in_place)
             if in_place:
-                out = out[:1] + cache.next_slot()
+                out = out + cache.next_slot()
             for name, arr in zip(self.outputs, out):
                 self._bind(name, arr, output=True)
             self.session.run_with_iobinding(io)

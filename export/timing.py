@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from dbs_fast.home import MANIFEST
-from dbs_fast.prefix import DECODE_GRAPH
+from dbs_fast.prefix import DECODE_GRAPH, chunk_layout
 
 BEAMS, CANDIDATES, PREFIX = 7, 10, 47
 
@@ -29,7 +29,7 @@ def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2) -> dict:
     rng = np.random.default_rng(0)
     N, out = b * s, {}
     past = T + used                                     # the row layout's cache length
-    slot_major = any(i.name == "chunk.0.key" and i.shape[0] == "slots" for i in sess.get_inputs())
+    slot_major = chunk_layout(sess) == "slot"
     U = max(1, used) if slot_major else K
     for i in sess.get_inputs():
         n, shape = i.name, i.shape
