@@ -102,6 +102,25 @@ def test_layouts_probe_times_both_graphs(exported, tmp_path):
     assert set(r["step_ms_median"]) == {"v2", "rows"} and all(v > 0 for v in r["step_ms_median"].values())
 
 
+def test_profile_counts_the_warm_runs_only(exported, tmp_path):
+    from dbs_fast.benchmarks.profile import by_operator, main as probe
+
+    def node(op, ts, dur):
+        return {"cat": "Node", "name": f"{op}_kernel_time", "ts": ts, "dur": dur, "args": {"op_name": op}}
+    runs = [{"name": "model_run", "ts": t, "dur": 100} for t in (0, 200, 400)]
+    events = runs + [node("Gemm", 10, 90), node("Gemm", 210, 40), node("Add", 250, 5), node("Gemm", 410, 50)]
+    dur, count = by_operator(events, skip=1)                # the cold first run (ts 0-100) left out
+    assert dur == {"Gemm": 90, "Add": 5} and count == {"Gemm": 2, "Add": 1}
+
+    out = tmp_path / "p.json"
+    assert probe(["--model", str(exported["gpt2"]), "--beams", "2", "--candidates", "3", "--prefix", "5",
+                  "--repeats", "2", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["step_ms_median"] > 0 and r["profiled_ms_per_step"] > 0
+    assert sum(o["share"] for o in r["ops"]) == pytest.approx(1.0)
+    assert {"MatMul", "Softmax"} <= {o["op"] for o in r["ops"]}
+
+
 @pytest.mark.parametrize("int8", [False, True])
 def test_overhead_probe_times_the_step_and_its_matmuls_in_turn(exported, tmp_path, int8):
     from dbs_fast.benchmarks.bench import linear_shapes
