@@ -103,7 +103,8 @@ def test_layouts_probe_times_both_graphs(exported, tmp_path):
 
 
 def test_profile_counts_the_warm_runs_only(exported, tmp_path):
-    from dbs_fast.benchmarks.profile import by_operator, main as probe
+    from dbs_fast.benchmarks.profile import by_operator
+    from dbs_fast.benchmarks.profile import main as probe
 
     def node(op, ts, dur):
         return {"cat": "Node", "name": f"{op}_kernel_time", "ts": ts, "dur": dur, "args": {"op_name": op}}
