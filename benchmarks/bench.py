@@ -18,6 +18,10 @@ cache read at the measured memory bandwidth). This machine is shared and its spe
 the load, so each ONNX contender also times the step's matmuls again right after each of its
 generations, in a child process: "x same-load roofline" sets each generation against those.
 
+The engine-v2 contenders and the PyTorch baseline stay loaded side by side and take turns, one
+generation each per round (`run_in_turns`; `--one-by-one` runs each contender on its own, as
+before), so that the ratios between them are measured under the same load.
+
     dbs-fast bench --out bench_out            # full (~1 h on 2 cores with the exports)
     dbs-fast bench --quick --out bench_quick  # a few minutes
 
@@ -133,7 +137,9 @@ def _stage_ms(r, steps: int) -> dict:
     return per
 
 
-def worker_engine(spec: dict) -> dict:
+def worker_engine(spec: dict, order=None) -> dict:
+    """One contender's generations: a cold one, then `order` (the generation indices, default
+    0..repeats-1; a driven worker gets them from the driver one at a time, `_driven`)."""
     from dbs_fast import DirectedBeamSearch
 
     cfg = DBSConfig(**spec["config"])
@@ -149,8 +155,9 @@ def worker_engine(spec: dict) -> dict:
     # right after each generation, in a child process (not counted in this one's peak RSS), so that
     # a slow spell of the machine slows both.
     same_load = backend == "onnx" and spec.get("same_load", True)
-    runs, matmul_s = [], []
-    for i in range(spec["repeats"]):
+    runs, matmul_s, started = [], [], []
+    for i in (range(spec["repeats"]) if order is None else order):
+        started.append(time.time())
         runs.append(dbs.generate(CONTEXT, sets[i % len(sets)], seed=i))
         if same_load:
             matmul_s.append(_matmul_step_in_child(spec["model_dir"], cfg.beams * cfg.candidates,
@@ -165,7 +172,7 @@ def worker_engine(spec: dict) -> dict:
         "kv_layout": "prefix" if dbs.decoder is not None else "rows",
         "kv_cache_bytes": statistics.median(r.kv_cache_bytes for r in runs),
         "seconds_median": statistics.median(secs), "seconds_min": min(secs), "seconds_max": max(secs),
-        "seconds_all": secs, "repeats": len(runs),
+        "seconds_all": secs, "repeats": len(runs), "started_unix": started,
         "candidate_tokens_per_second": statistics.median(r.candidate_tokens_per_second for r in runs),
         "step_ms": 1e3 * statistics.median(decode) / steps,
         "decode_seconds": statistics.median(decode), "candidate_tokens": statistics.median(tokens),
@@ -356,23 +363,80 @@ def roofline(model_dir: Path, cfg: DBSConfig, context_tokens: int, threads: int 
 
 
 # -- driver ------------------------------------------------------------------------------------
-def _spawn(spec: dict, workdir: Path) -> dict:
+def _worker_cmd(spec: dict, workdir: Path) -> tuple[list[str], Path, Path]:
     with tempfile.NamedTemporaryFile("w", suffix=".json", dir=workdir, delete=False) as f:
         json.dump(spec, f)
     out = Path(f.name).with_suffix(".out.json")
-    cmd = [sys.executable, "-m", "dbs_fast.benchmarks.bench", "--worker", f.name, str(out)]
-    print(f"[bench] {spec['point']}: {spec['contender']} ...", flush=True)
-    # PYTHONSAFEPATH: `-m` must not put the cwd first on sys.path, where a checkout's dbs_fast/
-    # folder (without export/ and benchmarks/ mapped in) would shadow the installed package
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env={**os.environ, "PYTHONSAFEPATH": "1"})
-    Path(f.name).unlink(missing_ok=True)
-    if proc.returncode != 0 or not out.is_file():
-        tail = "\n".join(proc.stdout.splitlines()[-15:])
-        return {"contender": spec["contender"], "error": f"worker exited {proc.returncode}: {tail}"}
+    return [sys.executable, "-m", "dbs_fast.benchmarks.bench", "--worker", f.name, str(out)], Path(f.name), out
+
+
+# PYTHONSAFEPATH: `-m` must not put the cwd first on sys.path, where a checkout's dbs_fast/ folder
+# (without export/ and benchmarks/ mapped in) would shadow the installed package
+WORKER_ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
+
+
+def _result(spec: dict, spec_file: Path, out: Path, returncode: int, log: list[str]) -> dict:
+    spec_file.unlink(missing_ok=True)
+    if returncode != 0 or not out.is_file():
+        tail = "\n".join(log[-15:])
+        return {"contender": spec["contender"], "error": f"worker exited {returncode}: {tail}"}
     res = json.loads(out.read_text())
     out.unlink()
     return res
+
+
+def _spawn(spec: dict, workdir: Path) -> dict:
+    cmd, spec_file, out = _worker_cmd(spec, workdir)
+    print(f"[bench] {spec['point']}: {spec['contender']} ...", flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=WORKER_ENV)
+    return _result(spec, spec_file, out, proc.returncode, proc.stdout.splitlines())
+
+
+class DrivenWorker:
+    """A contender's worker that stays loaded and runs one generation when told (`generate`), so
+    that the contenders of a point take turns: a slow spell of this shared machine then falls on
+    all of them alike, where one contender after another let it fall on whichever ran then."""
+
+    def __init__(self, spec: dict, workdir: Path):
+        self.spec = {**spec, "driven": True}
+        cmd, self.spec_file, self.out = _worker_cmd(self.spec, workdir)
+        print(f"[bench] {spec['point']}: {spec['contender']} loading ...", flush=True)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=WORKER_ENV)
+        self.log: list[str] = []
+        self.alive = self._until(READY)
+
+    def _until(self, marker: str) -> bool:
+        """Read the worker's output up to `marker`; False when it ended first."""
+        for line in self.proc.stdout:
+            if line.startswith(marker):
+                return True
+            self.log.append(line.rstrip("\n"))
+        return False
+
+    def generate(self, i: int) -> None:
+        if self.alive:
+            print(f"[bench]   {self.spec['contender']}: generation {i}", flush=True)
+            self.proc.stdin.write(f"{i}\n")
+            self.proc.stdin.flush()
+            self.alive = self._until(DONE)
+
+    def finish(self) -> dict:
+        if self.alive:
+            self.proc.stdin.write(FINISH + "\n")
+            self.proc.stdin.close()
+            self._until("\0")                          # the rest of its output, to the end
+        return _result(self.spec, self.spec_file, self.out, self.proc.wait(), self.log)
+
+
+def run_in_turns(specs: list[dict], workdir: Path, repeats: int) -> dict:
+    """Each spec's worker loaded in turn, then `repeats` rounds in which every contender runs one
+    generation, in ABC CBA order; results by contender."""
+    workers = [DrivenWorker(spec, workdir) for spec in specs]
+    for i in range(repeats):
+        for w in (workers if i % 2 == 0 else workers[::-1]):
+            w.generate(i)
+    return {w.spec["contender"]: w.finish() for w in workers}
 
 
 def _budget(model_dir: str, kv_layout: str) -> int:
@@ -386,7 +450,11 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
               max_new_tokens: int | None = None, contenders=CONTENDERS, tokenizer: Path | None = None,
               checkpoint: Path | None = None, shape: str = "gpt2-large", with_default: bool = True,
               threads: int | None = None, sweep=None, reference_candidates: int | None = None,
-              kernel_repeats: int = 20) -> dict:
+              kernel_repeats: int = 20, in_turns: bool = True) -> dict:
+    """`in_turns`: the engine-v2 contenders (onnx-fp32, onnx-int8) and the PyTorch baseline of a
+    point stay loaded together and take turns generation by generation (`run_in_turns`); the
+    row-layout ones (their caches take ~10 GB on GPT-2 large) and the reference run after them,
+    one after another. False: every contender on its own, one after another."""
     out.mkdir(parents=True, exist_ok=True)
     workdir.mkdir(parents=True, exist_ok=True)
     bad = [c for c in contenders if c not in CONTENDERS]
@@ -411,15 +479,18 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
         ctx_tokens = len(_encode(p["onnx-fp32"], CONTEXT))
         res = {"models": p, "roofline": roofline(Path(p["onnx-fp32"]), cfg, ctx_tokens, threads),
                "memory_budget_bytes": {}, "contenders": {}}
-        for c in contenders:
-            if c == "reference" and p["checkpoint"] is None:
-                continue                              # the default is a GGUF: reference on the GPT-2 point
-            spec = {"point": name, "contender": c, "config": cfg.to_dict(), "keyword_sets": KEYWORD_SETS,
-                    "repeats": repeats, "threads": threads,
-                    "model_dir": p["onnx-int8" if "int8" in c else "onnx-fp32"],
-                    "checkpoint": p["checkpoint"], "reference_candidates": ref_cands,
-                    "sweep": sweep if c.startswith("onnx") and name == next(iter(points)) else []}
-            res["contenders"][c] = r = _spawn(spec, workdir)
+        specs = {c: {"point": name, "contender": c, "config": cfg.to_dict(), "keyword_sets": KEYWORD_SETS,
+                     "repeats": repeats, "threads": threads,
+                     "model_dir": p["onnx-int8" if "int8" in c else "onnx-fp32"],
+                     "checkpoint": p["checkpoint"], "reference_candidates": ref_cands,
+                     "sweep": sweep if c.startswith("onnx") and name == next(iter(points)) else []}
+                 for c in contenders if c != "reference" or p["checkpoint"] is not None}
+        # (the default is a GGUF: the reference runs on the GPT-2 point only)
+        turns = [c for c in specs if in_turns and c != "reference" and not c.endswith("-rows")]
+        done = run_in_turns([specs[c] for c in turns], workdir, repeats) if len(turns) > 1 else {}
+        res["in_turns"] = list(done)
+        for c, spec in specs.items():
+            res["contenders"][c] = r = done[c] if c in done else _spawn(spec, workdir)
             if "error" in r:
                 print(f"[bench]   failed: {r['error']}", flush=True)
             elif c != "reference":
@@ -492,7 +563,9 @@ def markdown(report: dict) -> str:
                   f"{roof['memory_bandwidth_gbs']:.1f} GB/s; min step {roof['fp32_step_seconds'] * 1e3:.0f} ms fp32, "
                   f"{roof['int8_step_seconds'] * 1e3:.0f} ms int8 on the row layout, "
                   f"{roof['fp32_step_seconds_prefix'] * 1e3:.0f} / {roof['int8_step_seconds_prefix'] * 1e3:.0f} ms "
-                  f"on engine v2's (it reads b prefixes, not b*s).", "",
+                  f"on engine v2's (it reads b prefixes, not b*s)."
+                  + (f" {', '.join(res['in_turns'])} took turns, one generation each per round (ABC CBA ...); "
+                     f"the others ran one after another." if res.get("in_turns") else ""), "",
                   "| contender | KV layout | s/generation (median, min-max) | candidate tok/s | step ms | x roofline | "
                   "x same-load roofline | model | kernel | kv gather | scorer | text | python | KV cache MB | "
                   "peak RSS GB (budget) | cold start s |",
@@ -571,8 +644,25 @@ def plots(report: dict, out: Path) -> None:
 
 def worker_main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    res = reference_loop(spec) if spec["contender"] == "reference" else worker_engine(spec)
+    if spec["contender"] == "reference":
+        res = reference_loop(spec)
+    else:
+        res = worker_engine(spec, _driven() if spec.get("driven") else None)
     Path(out_path).write_text(json.dumps(res))
+
+
+READY, DONE, FINISH = "@@bench-worker ready", "@@bench-worker done", "finish"
+
+
+def _driven():
+    """The generation indices a driven worker runs, read from stdin one at a time: it says READY
+    (loaded and warm), then DONE after each generation, and stops at FINISH."""
+    print(READY, flush=True)
+    for line in sys.stdin:
+        if line.strip() == FINISH:
+            return
+        yield int(line)
+        print(DONE, flush=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
     from dbs_fast.benchmarks.bench import CONTENDERS, STAGES, run_bench
 
     out = tmp_path / "out"
-    rep = run_bench(out, tmp_path / "work", max_new_tokens=5, repeats=1, checkpoint=checkpoints["gpt2"],
+    rep = run_bench(out, tmp_path / "work", max_new_tokens=5, repeats=2, checkpoint=checkpoints["gpt2"],
                     with_default=False, sweep=[(1, 2)], reference_candidates=1, kernel_repeats=1)
     on_disk = json.loads((out / "bench.json").read_text())
     assert on_disk["points"].keys() == rep["points"].keys() == {"gpt2"}
@@ -34,16 +34,23 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
             assert r["measured_tokens"] == 5 and r["seconds_per_candidate_token"] > 0
             assert r["extrapolated_seconds_per_generation"] > r["measured_seconds"]
             continue
-        assert r["seconds_min"] <= r["seconds_median"] <= r["seconds_max"] and r["repeats"] == 1
+        assert r["seconds_min"] <= r["seconds_median"] <= r["seconds_max"] and r["repeats"] == 2
         assert set(STAGES) <= set(r["stage_ms_per_step"]) and r["candidate_tokens_per_second"] > 0
         assert 0.0 <= r["success_rate"] <= 1.0 and all(isinstance(t, str) and t for t in r["texts"])
         if c.startswith("onnx"):          # the sweep: time and KV bytes per layout
             assert [p["rows"] for p in r["sweep"]] == [2] and r["sweep"][0]["kv_cache_bytes"] > 0
-            assert len(r["same_load_matmul_seconds"]) == 1 and r["same_load_matmul_seconds"][0] > 0
+            assert len(r["same_load_matmul_seconds"]) == 2 and min(r["same_load_matmul_seconds"]) > 0
             assert point["ratios"][f"{c}_step_vs_roofline_same_load"] > 0
             assert r["kv_layout"] == ("rows" if c.endswith("-rows") else "prefix")
         else:
             assert not r.get("same_load_matmul_seconds")
+    # the engine-v2 contenders and PyTorch took turns (ABC CBA), loaded together; the row layouts after
+    turns = point["in_turns"]
+    assert turns == ["onnx-fp32", "onnx-int8", "torch-fp32"]
+    started = sorted((t, c, i) for c in turns for i, t in enumerate(point["contenders"][c]["started_unix"]))
+    assert [(c, i) for _, c, i in started] == [(c, 0) for c in turns] + [(c, 1) for c in turns[::-1]]
+    last = max(t for t, _, _ in started)
+    assert all(min(point["contenders"][c]["started_unix"]) > last for c in ("onnx-fp32-rows", "onnx-int8-rows"))
     fp32, rows = point["contenders"]["onnx-fp32"], point["contenders"]["onnx-fp32-rows"]
     assert fp32["texts"] == rows["texts"] and fp32["kv_cache_bytes"] > 0 and rows["kv_cache_bytes"] > 0
     # same seeds and keywords: the fp32 engine and the PyTorch baseline write the same text
@@ -54,6 +61,18 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
         assert ratios[key] > 0
     assert "| onnx-int8 | prefix |" in (out / "bench.md").read_text()
     assert "| onnx-int8-rows | rows |" in (out / "bench.md").read_text()
+
+
+def test_a_driven_worker_that_fails_to_load_reports_its_error(tmp_path):
+    from dbs_fast.benchmarks.bench import KEYWORD_SETS, run_in_turns
+
+    from dbs_fast.config import DBSConfig
+
+    spec = {"point": "p", "contender": "onnx-fp32", "config": DBSConfig.paper().to_dict(), "keyword_sets": KEYWORD_SETS,
+            "repeats": 1, "threads": 1, "model_dir": str(tmp_path / "missing"), "checkpoint": None, "sweep": []}
+    r = run_in_turns([spec], tmp_path, repeats=1)["onnx-fp32"]
+    assert r["contender"] == "onnx-fp32" and "worker exited 1" in r["error"] and "missing" in r["error"]
+    assert list(tmp_path.iterdir()) == []                  # spec file removed, no half-written result
 
 
 @pytest.mark.parametrize("args,msg", [(["--sweep", "7by10"], "--sweep"), (["--contenders", "tensorflow"], "unknown"),
@@ -145,8 +164,9 @@ def test_kernel_against_another_version_times_both_and_compares_draws(tmp_path):
     both are timed alternately, and the same kernel draws the same ids (log-probs equal)."""
     from pathlib import Path
 
-    import dbs_fast.kernels
     from dbs_fast.benchmarks.kernel import against
+
+    import dbs_fast.kernels
 
     copy = tmp_path / "kernels_copy.py"
     copy.write_text(Path(dbs_fast.kernels.__file__).read_text())
@@ -175,8 +195,9 @@ def test_kernel_generation_ab_alternates_the_two_kernels_and_restores_this_one(e
     again afterwards."""
     from pathlib import Path
 
-    import dbs_fast.kernels
     from dbs_fast.benchmarks.kernel_generation import run
+
+    import dbs_fast.kernels
 
     this = dbs_fast.kernels.sample
     copy = tmp_path / "kernels_copy.py"
