@@ -121,6 +121,20 @@ def test_layouts_probe_times_both_graphs(exported, tmp_path):
     assert set(r["step_ms_median"]) == {"v2", "rows"} and all(v > 0 for v in r["step_ms_median"].values())
 
 
+def test_in_generation_probe_repeats_each_call_without_changing_the_text(exported, tmp_path):
+    from dbs_fast import DirectedBeamSearch
+    from dbs_fast.benchmarks.bench import CONTEXT, KEYWORD_SETS
+    from dbs_fast.benchmarks.in_generation import main as probe
+    from dbs_fast.config import DBSConfig
+
+    out = tmp_path / "g.json"
+    assert probe(["--model", str(exported["gpt2"]), "--max-new-tokens", "6", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["calls"] >= 6 and r["in_generation_ms"]["median"] > 0 and r["back_to_back_ms"]["median"] > 0
+    plain = DirectedBeamSearch(str(exported["gpt2"]), config=DBSConfig.paper(max_new_tokens=6))
+    assert r["text"] == plain.generate(CONTEXT, KEYWORD_SETS[1], seed=1).generated
+
+
 def test_profile_counts_the_warm_runs_only(exported, tmp_path):
     from dbs_fast.benchmarks.profile import by_operator
     from dbs_fast.benchmarks.profile import main as probe
