@@ -22,6 +22,7 @@ from pathlib import Path
 
 from dbs_fast.benchmarks.bench import CONTEXT, KEYWORD_SETS
 from dbs_fast.benchmarks.host import decode_graph_export, machine
+
 from dbs_fast.config import DBSConfig
 
 
@@ -48,7 +49,7 @@ def run(model_dir: Path, max_new_tokens: int = 90, threads: int | None = None) -
         r = dbs.generate(CONTEXT, KEYWORD_SETS[1], seed=1)
     finally:
         del sess.run_with_iobinding                                # the session's own method again
-    ms = lambda xs: {"median": 1e3 * statistics.median(xs), "mean": 1e3 * statistics.mean(xs)}  # noqa: E731
+    ms = lambda xs: {"median": 1e3 * statistics.median(xs), "mean": 1e3 * statistics.mean(xs)}
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "model": str(model_dir),
             "max_new_tokens": max_new_tokens, "calls": len(inside), "in_generation_ms": ms(inside),
             "back_to_back_ms": ms(again), "in_over_back_to_back": sum(inside) / sum(again),
