@@ -370,9 +370,10 @@ def _worker_cmd(spec: dict, workdir: Path) -> tuple[list[str], Path, Path]:
     return [sys.executable, "-m", "dbs_fast.benchmarks.bench", "--worker", f.name, str(out)], Path(f.name), out
 
 
-# PYTHONSAFEPATH: `-m` must not put the cwd first on sys.path, where a checkout's dbs_fast/ folder
-# (without export/ and benchmarks/ mapped in) would shadow the installed package
-WORKER_ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
+def _worker_env() -> dict:
+    """PYTHONSAFEPATH: `-m` must not put the cwd first on sys.path, where a checkout's dbs_fast/
+    folder (without export/ and benchmarks/ mapped in) would shadow the installed package."""
+    return {**os.environ, "PYTHONSAFEPATH": "1"}
 
 
 def _result(spec: dict, spec_file: Path, out: Path, returncode: int, log: list[str]) -> dict:
@@ -388,7 +389,7 @@ def _result(spec: dict, spec_file: Path, out: Path, returncode: int, log: list[s
 def _spawn(spec: dict, workdir: Path) -> dict:
     cmd, spec_file, out = _worker_cmd(spec, workdir)
     print(f"[bench] {spec['point']}: {spec['contender']} ...", flush=True)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=WORKER_ENV)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_worker_env())
     return _result(spec, spec_file, out, proc.returncode, proc.stdout.splitlines())
 
 
@@ -402,7 +403,7 @@ class DrivenWorker:
         cmd, self.spec_file, self.out = _worker_cmd(self.spec, workdir)
         print(f"[bench] {spec['point']}: {spec['contender']} loading ...", flush=True)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=WORKER_ENV)
+                                     text=True, env=_worker_env())
         self.log: list[str] = []
         self.alive = self._until(READY)
 
@@ -425,7 +426,7 @@ class DrivenWorker:
         if self.alive:
             self.proc.stdin.write(FINISH + "\n")
             self.proc.stdin.close()
-            self._until("\0")                          # the rest of its output, to the end
+            self.log += [line.rstrip("\n") for line in self.proc.stdout]     # the rest, to its end
         return _result(self.spec, self.spec_file, self.out, self.proc.wait(), self.log)
 
 
