@@ -408,7 +408,8 @@ def ensure_embedded(name: str = "default", quiet: bool = False) -> Path:
         export_model(name, d, force=d.exists(), quiet=quiet)
     elif predates_v2(d):
         _log(f"the export of {name!r} in {d} predates engine v2's decode graph as it is now (none, or one "
-             f"without one-call prefill, shared shape arithmetic or slot-major chunks): exporting it again "
+             f"without one-call prefill, shared shape arithmetic, slot-major chunks or the chunk's"
+             f" MatMul over the slots): exporting it again "
              f"(once)", quiet)
         export_model(name, d, force=True, quiet=quiet)
     return d

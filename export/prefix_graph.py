@@ -37,7 +37,7 @@ import math
 from pathlib import Path
 from typing import NamedTuple
 
-from dbs_fast.home import CHUNK_LAYOUT
+from dbs_fast.home import CHUNK_LAYOUT, CHUNK_SUM
 
 MASKED = -1e4     # additive bias of a masked key (finite, see export/fuse.py)
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
@@ -103,9 +103,13 @@ def attend(q, k, v, pk, pv, ck, cv, prefix_bias, chunk_bias, new_bias, scale: fl
     one against its s rows of new keys, block-diagonal by its bias (s*L columns, not T). Each
     row scores its own chunk slots elementwise (a product and a sum over d per slot): only the
     U slots bound, not all K, and not the s*K columns of a block-diagonal matmul over the beam's
-    chunks, which took ~40% of the attention at the paper setting (GPT-2 large, AVX2 EPYC:
-    `python -m dbs_fast.benchmarks.attention --variants`). So q, the new K/V and the output are
-    transposed, once each, and no score tensor is but the small chunk part."""
+    chunks, which took ~40% of the attention at the paper setting (GPT-2 large, AVX2 EPYC, session
+    21: a one-off variant of `benchmarks/attention.py`; the `--variants` flag it used was never
+    committed). So q, the new K/V and the output are
+    transposed, once each, and no score tensor is but the small chunk part. The chunk's weighted
+    values are summed over the slots by a (1, U) x (U, ...) MatMul of ones: ONNX Runtime's
+    ReduceSum over the leading axis took 2x as long (GPT-2 large, 36 layers, Zen 4: the attention
+    alone 36.2 vs 41.6 ms at prefix 82, 23.7 vs 27.7 at 47; README, Speed)."""
     import torch
 
     if dims is None:
@@ -122,7 +126,8 @@ def attend(q, k, v, pk, pv, ck, cv, prefix_bias, chunk_bias, new_bias, scale: fl
     sn = torch.matmul(qg, kn.reshape(b, kv, -1, d).transpose(2, 3)) * scale + new_bias   # (.., s*L)
     w = torch.softmax(torch.cat([sp, sc, sn], dim=-1), dim=-1)
     wc = w[..., T:T + U].reshape(b, kv, s, L * g, U).permute(4, 0, 1, 2, 3)[..., None]  # (U, b, kv, s, L*g, 1)
-    oc = (wc * cv[:, :, :, :, None, :]).sum(0).reshape(b, kv, s * L * g, d)
+    terms = (wc * cv[:, :, :, :, None, :]).reshape(U, -1)                                # (U, b*kv*s*L*g*d)
+    oc = torch.matmul(torch.ones_like(terms[:, :1]).transpose(0, 1), terms).reshape(b, kv, s * L * g, d)
     o = torch.matmul(w[..., :T], pv) + oc + torch.matmul(w[..., T + U:], vn.reshape(b, kv, -1, d))
     return o.reshape(b, kv, s, L, g, d).permute(0, 2, 3, 1, 4, 5).reshape(N, L, H * d), kn, vn
 
@@ -338,7 +343,7 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
             "inputs": "input_ids, position_ids, prefix_mask, chunk_mask, new_mask, prefix.L.key/value, "
                       "chunk.L.key/value", "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved,
             "prefill": "one call (L new tokens per row)", "shapes": "one copy for all layers (Dims)",
-            "chunk": CHUNK_LAYOUT}
+            "chunk": CHUNK_LAYOUT, "chunk_sum": CHUNK_SUM}
 
 
 def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0) -> dict:

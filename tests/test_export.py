@@ -306,7 +306,7 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
     export already under DBS_FAST_HOME is reused, a missing one is exported there."""
     from dbs_fast.api import resolve_model_dir
     from dbs_fast.export import convert
-    from dbs_fast.home import CHUNK_LAYOUT, embedded_model_dir
+    from dbs_fast.home import CHUNK_LAYOUT, CHUNK_SUM, embedded_model_dir
 
     monkeypatch.setenv("DBS_FAST_HOME", str(tmp_path))
     calls = []
@@ -315,7 +315,8 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
         calls.append(name)
         Path(out).mkdir(parents=True, exist_ok=force)
         (Path(out) / MANIFEST).write_text(json.dumps({"prefix_decode": {"written": True, "prefill": "one call",
-                                                                        "shapes": "once", "chunk": CHUNK_LAYOUT}}))
+                                                                        "shapes": "once", "chunk": CHUNK_LAYOUT,
+                                                                        "chunk_sum": CHUNK_SUM}}))
 
     monkeypatch.setattr(convert, "export_model", fake_export)
     d = resolve_model_dir("default")
