@@ -17,7 +17,10 @@ Before timing, the dmmha arm is checked against v2 on the same data (the indirec
 each row's prefix positions at the row that holds its beam's prefix): the outputs must agree.
 
     python -m dbs_fast.benchmarks.attention [--layers 36 --heads 20 --head-dim 64 --beams 7
-        --candidates 10 --prefix 47 --max-len 92 --chunk 5 --used 2] [--out FILE.json]
+        --candidates 10 --prefix 47 --max-len 92 --chunk 5 --used 2] [--arms v2,dmmha,mha] [--out FILE.json]
+
+The v2 arm's graph is built by the checkout's own `attend`: `--arms v2` run at two commits, in
+turns, times a change to it (README, Speed).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from dbs_fast.benchmarks.host import machine
 from dbs_fast.export.timing import median_run, median_seconds
 
 K_CHUNK, USED = 5, 2        # chunk length k and the tokens of it already decoded
+ARMS = ("v2", "dmmha", "mha")
 
 
 def _data(L, H, d, b, s, T, K=K_CHUNK, used=USED, seed=0):
@@ -161,30 +165,33 @@ def mha_session(x, path: Path, threads):
 
 
 def run(layers=36, heads=20, head_dim=64, beams=7, candidates=10, prefix=47, max_len=92, repeats=10,
-        threads=None, chunk=K_CHUNK, used=USED) -> dict:
+        threads=None, chunk=K_CHUNK, used=USED, arms=ARMS) -> dict:
     x = _data(layers, heads, head_dim, beams, candidates, prefix, chunk, used)
     N = beams * candidates
     out = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
            "shape": {"layers": layers, "heads": heads, "head_dim": head_dim, "beams": beams,
                      "candidates": candidates, "prefix": prefix, "chunk": chunk, "chunk_used": used,
                      "max_len": max_len}, "arms": {}}
+    diff = lambda got: max(float(np.abs(got[i].reshape(N, -1) - ref[i].reshape(N, -1)).max())  # noqa: E731
+                           for i in range(layers))
     with tempfile.TemporaryDirectory() as d:
         sess, feed = v2_session(x, Path(d) / "v2.onnx", threads)
         ref = sess.run(None, feed)
-        out["arms"]["v2"] = {"ms": 1e3 * median_run(sess, feed, repeats),
-                             "kv_bytes": sum(a.nbytes for k in ("pk", "pv", "ck", "cv") for a in x[k])}
+        if "v2" in arms:
+            out["arms"]["v2"] = {"ms": 1e3 * median_run(sess, feed, repeats),
+                                 "kv_bytes": sum(a.nbytes for k in ("pk", "pv", "ck", "cv") for a in x[k])}
         del sess
-        dm, nbytes = dmmha_run(x, Path(d) / "dmmha.onnx", threads, max_len)
-        got = dm()
-        diff = max(float(np.abs(got[i].reshape(N, -1) - ref[i].reshape(N, -1)).max()) for i in range(layers))
-        out["arms"]["dmmha"] = {"ms": 1e3 * median_seconds(dm, repeats), "kv_bytes": nbytes,
-                                "max_abs_diff_vs_v2": diff}
-        sess, feed = mha_session(x, Path(d) / "mha.onnx", threads)
-        got = sess.run([f"o{i}" for i in range(layers)], feed)
-        out["arms"]["mha"] = {"ms": 1e3 * median_run(sess, feed, repeats),
-                              "kv_bytes": sum(feed[f"p{k}{i}"].nbytes for k in "kv" for i in range(layers)),
-                              "max_abs_diff_vs_v2": max(float(np.abs(got[i].reshape(N, -1) - ref[i].reshape(N, -1)).max())
-                                                        for i in range(layers))}
+        if "dmmha" in arms:
+            dm, nbytes = dmmha_run(x, Path(d) / "dmmha.onnx", threads, max_len)
+            got = dm()
+            out["arms"]["dmmha"] = {"ms": 1e3 * median_seconds(dm, repeats), "kv_bytes": nbytes,
+                                    "max_abs_diff_vs_v2": diff(got)}
+        if "mha" in arms:
+            sess, feed = mha_session(x, Path(d) / "mha.onnx", threads)
+            got = sess.run([f"o{i}" for i in range(layers)], feed)
+            out["arms"]["mha"] = {"ms": 1e3 * median_run(sess, feed, repeats),
+                                  "kv_bytes": sum(feed[f"p{k}{i}"].nbytes for k in "kv" for i in range(layers)),
+                                  "max_abs_diff_vs_v2": diff(got)}
     return out
 
 
@@ -195,12 +202,16 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--chunk", type=int, default=K_CHUNK, help="chunk slots K in the v2 graph's input")
     ap.add_argument("--used", type=int, default=USED, help="of them, tokens already decoded")
+    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of " + ", ".join(ARMS))
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    arms = tuple(a.arms.split(","))
+    if not set(arms) <= set(ARMS):
+        ap.error(f"--arms: choose from {', '.join(ARMS)}")
     if not 0 < a.used < a.chunk:
         ap.error("need 0 < --used < --chunk")
     r = run(a.layers, a.heads, a.head_dim, a.beams, a.candidates, a.prefix, a.max_len, a.repeats, a.threads,
-            a.chunk, a.used)
+            a.chunk, a.used, arms)
     print(f"{r['machine']}, {r['date']}: one decode step's attention, {a.layers} layers, "
           f"{a.beams}x{a.candidates} rows, prefix {a.prefix}")
     for name, arm in r["arms"].items():

@@ -100,6 +100,22 @@ def test_attention_probe_arms_compute_the_same_attention(tmp_path):
     assert arms["dmmha"]["kv_bytes"] > arms["v2"]["kv_bytes"]
 
 
+
+def test_attention_probe_times_only_the_arms_asked_for(tmp_path, capsys):
+    """`--arms v2` (how a change to `attend` is timed at two commits) builds and times the v2 arm
+    alone; an unknown arm is a usage error (exit 2), not a traceback."""
+    from dbs_fast.benchmarks.attention import main as probe
+
+    out = tmp_path / "a.json"
+    toy = ["--layers", "2", "--heads", "4", "--head-dim", "8", "--beams", "2", "--candidates", "3",
+           "--prefix", "5", "--max-len", "12", "--repeats", "1"]
+    assert probe(toy + ["--arms", "v2", "--out", str(out)]) == 0
+    arms = json.loads(out.read_text())["arms"]
+    assert set(arms) == {"v2"} and arms["v2"]["ms"] > 0
+    with pytest.raises(SystemExit) as e:
+        probe(toy + ["--arms", "v2,flash"])
+    assert e.value.code == 2 and "--arms" in capsys.readouterr().err
+
 def test_prefill_probe_times_both_paths_and_they_agree(exported, tmp_path):
     from dbs_fast.benchmarks.prefill import main as probe
 
