@@ -38,7 +38,7 @@ def predates_v2(model_dir: Path) -> bool:
     4 rows on the default), or takes its chunks row-major (N, kv, K, d) or beam-major
     (b, kv, s, K, d) (made before the slot-major chunk: it runs, through a copy of every chunk
     each step), or sums its chunk values by ReduceSum over the slots (made before CHUNK_SUM: it
-    runs, its attention ~12% slower on GPT-2 large)."""
+    runs, its attention 8-15% slower on GPT-2 large: README, Speed)."""
     pd = json.loads((Path(model_dir) / MANIFEST).read_text()).get("prefix_decode")
     return pd is None or bool(pd.get("written") and not ({"prefill", "shapes"} <= pd.keys()
                                                          and pd.get("chunk") == CHUNK_LAYOUT

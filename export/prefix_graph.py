@@ -108,8 +108,8 @@ def attend(q, k, v, pk, pv, ck, cv, prefix_bias, chunk_bias, new_bias, scale: fl
     committed). So q, the new K/V and the output are
     transposed, once each, and no score tensor is but the small chunk part. The chunk's weighted
     values are summed over the slots by a (1, U) x (U, ...) MatMul of ones: ONNX Runtime's
-    ReduceSum over the leading axis took 2x as long (GPT-2 large, 36 layers, Zen 4: the attention
-    alone 36.2 vs 41.6 ms at prefix 82, 23.7 vs 27.7 at 47; README, Speed)."""
+    ReduceSum over the leading axis was slower (GPT-2 large, 36 layers, 7 x 10 rows, the attention
+    alone: 36.2 vs 41.6 ms at prefix 82 on a Zen 4, 49.6 vs 54.0 on a Zen 2; README, Speed)."""
     import torch
 
     if dims is None:

@@ -342,3 +342,8 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
                               '"chunk": "beam-major (b, kv_heads, s, K, head_dim)"}}')
     assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
     assert calls == ["default"] * 6
+    # slot-major chunks, their values summed by ReduceSum (before CHUNK_SUM): exported again, once
+    (d / MANIFEST).write_text(json.dumps({"prefix_decode": {"written": True, "prefill": "one call", "shapes": "once",
+                                                            "chunk": CHUNK_LAYOUT}}))
+    assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
+    assert calls == ["default"] * 7
