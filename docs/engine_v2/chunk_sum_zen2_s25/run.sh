@@ -1,4 +1,6 @@
-# this checkout's attend against 69ed0f6's (the worktree, with this checkout's attention.py), in turns
+# this checkout's attend against 69ed0f6's (the worktree, with this checkout's attention.py), in turns.
+# Needs: git worktree add /tmp/wt_old 69ed0f6 && cp benchmarks/attention.py /tmp/wt_old/benchmarks/
+mkdir -p runs/attn_ab
 for T in "82 3" "47 2"; do set -- $T
 for r in 1 2 3; do
   python -m dbs_fast.benchmarks.attention --arms v2 --prefix $1 --used $2 --repeats 10 --out runs/attn_ab/this_T$1_r$r.json | grep v2
