@@ -9,6 +9,11 @@ there), so a step copies nothing on the host. At the chunk boundary
 `keep(rows)` builds the next prefixes from the kept candidates: their parent beam's prefix plus
 their own chunk (a gather of b prefixes and b chunks of <= k tokens), and empties the chunks.
 The s candidates of a kept beam are then the s rows that follow it, with no copy at all.
+
+The tensors are NumPy arrays on the host (`HostOps`), or, with the CUDA provider, ORT tensors on
+the device (`dbs_fast.device`): the cache's few tensor operations go through `PrefixCache.ops`,
+so the scheduler and the step are one code path on both, and a step moves only ids, positions,
+masks and the logits between host and device (`PrefixDecoder.host_bytes` counts them).
 """
 from __future__ import annotations
 
@@ -39,6 +44,44 @@ def chunk_layout(session) -> str | None:
     return "row" if len(shape) == 4 else "slot" if shape[0] == "slots" else "beam"
 
 
+class HostOps:
+    """The cache's tensor operations on NumPy arrays (`dbs_fast.device.DeviceOps` has the same on a
+    device; the prefix extension on the host is `PrefixCache._extend`, into reused buffers)."""
+
+    device = None
+
+    @staticmethod
+    def zeros(shape) -> np.ndarray:
+        return np.zeros(shape, np.float32)
+
+    @staticmethod
+    def take(x: np.ndarray, idx) -> np.ndarray:
+        return x[idx]
+
+    @staticmethod
+    def concat(a: np.ndarray, b: np.ndarray, axis: int) -> np.ndarray:
+        return np.concatenate([a, b], axis=axis)
+
+    @staticmethod
+    def pad_cols(x: np.ndarray, n: int) -> np.ndarray:
+        return np.pad(x, [(0, 0), (0, 0), (n, 0), (0, 0)]) if n else x
+
+    @staticmethod
+    def cols(x: np.ndarray, z: int) -> np.ndarray:
+        return np.ascontiguousarray(x[:, :, z:])
+
+    @staticmethod
+    def lead(x: np.ndarray, n: int) -> np.ndarray:
+        return x[:n]
+
+    @staticmethod
+    def at(x: np.ndarray, i: int, shape) -> np.ndarray:
+        return x[i].reshape(shape)
+
+
+HOST = HostOps()
+
+
 @dataclass
 class PrefixCache:
     prefix: list[np.ndarray]   # [k0, v0, k1, v1, ...], (b, kv, T, d) each
@@ -48,6 +91,7 @@ class PrefixCache:
     s: int
     used: int = 0              # tokens decoded in this chunk
     capacity: int = 0          # prefix columns expected at most (context + max_new_tokens): the buffers' size
+    ops: object = HOST         # where the tensors live: HOST (NumPy) or a dbs_fast.device.DeviceOps
     # flat buffers the cache allocated itself: `_own` backs `prefix`, `_spare` is free. The chunk
     # boundary writes the next prefixes into the spare ones and swaps (ping-pong): one copy, no
     # allocation, so no page faults, at most boundaries.
@@ -55,13 +99,14 @@ class PrefixCache:
     _spare: list | None = field(default=None, repr=False)
 
     @classmethod
-    def start(cls, past: list[np.ndarray], mask: np.ndarray, s: int, k: int, reserve: int = 0) -> "PrefixCache":
+    def start(cls, past: list, mask: np.ndarray, s: int, k: int, reserve: int = 0, ops=HOST) -> "PrefixCache":
         """From a prefill's present K/V (one row per beam) with s candidates per beam, room for k
         tokens per chunk and `reserve` more prefix columns (max_new_tokens) in its buffers."""
         b, T = mask.shape
-        chunk = [np.zeros((k, b, t.shape[1], s, t.shape[3]), t.dtype) for t in past]
-        return cls([np.ascontiguousarray(t) for t in past], np.asarray(mask, np.int64), chunk,
-                   np.zeros((b * s, k), np.int64), s, capacity=T + reserve)
+        chunk = [ops.zeros((k, b, t.shape[1], s, t.shape[3])) for t in past]
+        past = [np.ascontiguousarray(t) for t in past] if ops is HOST else past
+        return cls(past, np.asarray(mask, np.int64), chunk, np.zeros((b * s, k), np.int64), s,
+                   capacity=T + reserve, ops=ops)
 
     @property
     def beams(self) -> int:
@@ -82,13 +127,13 @@ class PrefixCache:
         contiguous view) and their mask (N, U). With none decoded, slot 0 is bound masked while the
         step writes its new K/V there: whichever values the graph reads, finite, get weight 0."""
         U = max(1, self.used)
-        return [c[:U] for c in self.chunk], np.ascontiguousarray(self.chunk_mask[:, :U])
+        return [self.ops.lead(c, U) for c in self.chunk], np.ascontiguousarray(self.chunk_mask[:, :U])
 
     def next_slot(self) -> list[np.ndarray]:
         """Where a decode step's new K/V go: the chunk's slot `used`, (b, kv, s, 1, d) per tensor (a
         view a decode graph writes in place; `advance` then counts it)."""
         self._room(1)
-        return [c[self.used][:, :, :, None] for c in self.chunk]
+        return [self.ops.at(c, self.used, c.shape[1:4] + (1,) + c.shape[4:]) for c in self.chunk]
 
     def advance(self, L: int = 1) -> None:
         """Count L new tokens written at slots `used`.. of the chunk."""
@@ -101,6 +146,9 @@ class PrefixCache:
         decode graphs that do not write in place)."""
         L = new[0].shape[3]
         self._room(L)
+        if self.ops is not HOST:
+            raise DBSError("a cache on the device takes the new K/V in place (re-export the model for "
+                           "this version's decode graph)")
         for buf, t in zip(self.chunk, new):
             np.copyto(buf[self.used:self.used + L], t.transpose(3, 0, 1, 2, 4))
         self.advance(L)
@@ -141,11 +189,11 @@ class PrefixCache:
             self._extend(src, j)
             self.mask = np.concatenate([self.mask[src // s], np.ones((len(src), j), np.int64)], axis=1)
         else:
-            self._release([p[src] for p in self.prefix])
+            self._release([self.ops.take(p, src) for p in self.prefix])
             self.mask = self.mask[src]
         n = len(src) * s
         if n != self.chunk_mask.shape[0]:
-            self.chunk = [np.zeros((c.shape[0], len(src)) + c.shape[2:], c.dtype) for c in self.chunk]
+            self.chunk = [self.ops.zeros((c.shape[0], len(src)) + tuple(c.shape[2:])) for c in self.chunk]
             self.chunk_mask = np.zeros((n, self.chunk_mask.shape[1]), np.int64)
         else:
             self.chunk_mask[:] = 0            # stale chunk K/V stays: masked, overwritten column by column
@@ -156,6 +204,9 @@ class PrefixCache:
         """Prefix of new beam i := prefix of beam src[i] // s + the first j chunk tokens of row src[i],
         written into the spare buffers. Those are allocated when too small, for `capacity` columns
         or 4 more chunks: a fresh allocation costs page faults, up to 5x the copy itself."""
+        if self.ops is not HOST:                       # on the device: ORT's allocator, one graph per tensor
+            self.prefix = [self.ops.extend(p, c, src, self.s, j) for p, c in zip(self.prefix, self.chunk)]
+            return
         T, k = self.mask.shape[1], self.chunk_mask.shape[1]
         spare, own = self._spare or [None] * len(self.prefix), []
         for i, (p, c) in enumerate(zip(self.prefix, self.chunk)):
@@ -181,17 +232,21 @@ class PrefixCache:
         """The beams of `a` then those of `b` (between chunks), the shorter prefix left-padded."""
         if a.used or b.used or a.s != b.s or a.chunk_mask.shape[1] != b.chunk_mask.shape[1]:
             raise DBSError("prefix caches merge only between chunks, with the same s and chunk size")
-        T = max(a.mask.shape[1], b.mask.shape[1])
+        if a.ops is not b.ops:
+            raise DBSError("prefix caches merge only on the same device")
+        T, ops = max(a.mask.shape[1], b.mask.shape[1]), a.ops
 
-        def pad(c: "PrefixCache", t: np.ndarray, axis: int) -> np.ndarray:
-            n = T - c.mask.shape[1]
-            return np.pad(t, [(0, 0)] * axis + [(n, 0)] + [(0, 0)] * (t.ndim - axis - 1)) if n else t
+        def pad(c: "PrefixCache", t):
+            return ops.pad_cols(t, T - c.mask.shape[1])
 
-        return PrefixCache([np.concatenate([pad(a, x, 2), pad(b, y, 2)]) for x, y in zip(a.prefix, b.prefix)],
-                           np.concatenate([pad(a, a.mask, 1), pad(b, b.mask, 1)]),
-                           [np.concatenate([x, y], axis=1) for x, y in zip(a.chunk, b.chunk)],
+        def pad_mask(c: "PrefixCache"):
+            return np.pad(c.mask, [(0, 0), (T - c.mask.shape[1], 0)])
+
+        return PrefixCache([ops.concat(pad(a, x), pad(b, y), 0) for x, y in zip(a.prefix, b.prefix)],
+                           np.concatenate([pad_mask(a), pad_mask(b)]),
+                           [ops.concat(x, y, 1) for x, y in zip(a.chunk, b.chunk)],
                            np.concatenate([a.chunk_mask, b.chunk_mask]), a.s,
-                           capacity=T + max(c.capacity - c.mask.shape[1] for c in (a, b)))
+                           capacity=T + max(c.capacity - c.mask.shape[1] for c in (a, b)), ops=ops)
 
     @classmethod
     def prefill(cls, decoder: "PrefixDecoder", ids: np.ndarray, mask: np.ndarray, kv_heads: int, head_dim: int,
@@ -202,32 +257,44 @@ class PrefixCache:
         masked), no second graph and no second copy of the weights; a graph exported before
         multi-token steps takes the T columns one call each."""
         Q, T = ids.shape
-        empty = np.zeros((Q, kv_heads, 1, head_dim), np.float32)          # one masked column
+        ops = decoder.ops
+        empty = ops.zeros((Q, kv_heads, 1, head_dim))                      # one masked column
         pc = cls([empty] * (2 * decoder.layers), np.zeros((Q, 1), np.int64),
-                 [np.zeros((1, Q, kv_heads, 1, head_dim), np.float32) for _ in range(2 * decoder.layers)],
-                 np.zeros((Q, 1), np.int64), 1)
+                 [ops.zeros((1, Q, kv_heads, 1, head_dim)) for _ in range(2 * decoder.layers)],
+                 np.zeros((Q, 1), np.int64), 1, ops=ops)
         pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
         n = PREFILL_SLICE if decoder.multi_token else 1
         for t in range(0, T, n):
             cols = slice(t, min(t + n, T))
             logits, new = decoder.run(ids[:, cols], pc, positions=pos[:, cols], new_mask=mask[:, cols])
-            pc.prefix = [np.concatenate([p, x[:, :, 0]], axis=2) for p, x in zip(pc.prefix, new)]
+            # new (Q, kv, 1, L, d): one row per context, so dropping the s axis is a reshape
+            pc.prefix = [ops.concat(p, x.reshape(x.shape[:2] + x.shape[3:]), 2) for p, x in zip(pc.prefix, new)]
             pc.mask = np.concatenate([pc.mask, mask[:, cols]], axis=1)
-        return logits.copy(), cls.start([p[:, :, 1:] for p in pc.prefix], mask, s, k, reserve)
+        return logits.copy(), cls.start([ops.cols(p, 1) for p in pc.prefix], mask, s, k, reserve, ops)
 
     def trim(self) -> None:
         """Drop the leading prefix columns that are padding in every beam."""
         z = int(np.argmax(self.mask.any(axis=0))) if self.mask.any() else self.mask.shape[1]
         if z:
-            self._release([np.ascontiguousarray(p[:, :, z:]) for p in self.prefix])
+            self._release([self.ops.cols(p, z) for p in self.prefix])
             self.mask = self.mask[:, z:].copy()
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """A device array bound by pointer: the pointer and shape it was bound with, and the array."""
+
+    ptr: int
+    shape: tuple
+    arr: object = field(compare=False)
 
 
 class PrefixDecoder:
     """The decode graph (`export/prefix_graph.py`) as an ONNX Runtime session, inputs bound in
     place, outputs into buffers kept from step to step (no allocation, no copy out of ORT)."""
 
-    def __init__(self, path: str | Path, provider: str = "cpu", threads: int | None = None):
+    def __init__(self, path: str | Path, provider: str = "cpu", threads: int | None = None,
+                 kv_device: str | None = "auto"):
         from .session import make_session
 
         self.session = make_session(Path(path), provider, threads)
@@ -247,7 +314,21 @@ class PrefixDecoder:
         # binding GPT-2 large's 149 inputs took ~1 ms a step). One thread drives a decoder, as one
         # scheduler loop drives a batch (the service's Batcher thread owns the model).
         self._io = self.session.io_binding()
-        self._bound: dict[str, np.ndarray] = {}
+        self._bound: dict[str, object] = {}
+        # where the cache lives: "auto" = on the GPU when the session runs on CUDA, else host NumPy;
+        # "cpu" runs the device path on the CPU provider (tests); None = host
+        if kv_device == "auto":
+            kv_device = "cuda" if "CUDAExecutionProvider" in self.session.get_providers() else None
+        if kv_device is None:
+            self.ops = HOST
+        else:
+            if self.chunk_layout != "slot" or not isinstance(self.vocab, int):
+                raise DBSError(f"{path} predates the in-place decode graph: a cache on the device needs it "
+                               f"(re-export the model with this version)")
+            from .device import DeviceOps
+
+            self.ops = DeviceOps(kv_device)
+        self.host_bytes = 0       # bytes bound from host memory (inputs bound again, outputs) in the last call
 
     def _buffers(self, cache: PrefixCache, L: int, new: bool = True) -> list[np.ndarray]:
         """Logits (N, vocab) and, with `new`, the new K/V (b, kv, s, L, d) per tensor (row-major
@@ -260,16 +341,29 @@ class PrefixDecoder:
             self._out = [np.empty(sh, np.float32) for sh in shapes]
         return self._out
 
-    def _bind(self, name: str, arr: np.ndarray, output: bool = False) -> None:
-        """Bind `arr` to `name` unless it is already the array bound there (kept referenced here, so
-        that its memory stays valid while bound)."""
-        if self._bound.get(name) is arr:
+    def _bind(self, name: str, arr, output: bool = False) -> None:
+        """Bind `arr` (a NumPy array, or a DeviceArray on the cache's device) to `name` unless it is
+        already the array bound there (kept referenced here, so that its memory stays valid while
+        bound). A host array bound to a device graph is copied over at binding (an output, at
+        every run): `host_bytes` counts those bytes."""
+        on_host = isinstance(arr, np.ndarray)
+        if on_host and output:
+            self.host_bytes += arr.nbytes
+        bound = self._bound.get(name)
+        if bound is arr or (not on_host and isinstance(bound, _Bound) and (bound.ptr, bound.shape) == (arr.ptr, arr.shape)):
             return
-        if output:
-            self._io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-        else:
-            self._io.bind_cpu_input(name, arr)
-        self._bound[name] = arr
+        key = arr
+        if on_host:
+            if not output:
+                self.host_bytes += arr.nbytes
+                self._io.bind_cpu_input(name, arr)
+            else:
+                self._io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+        else:                                  # by pointer: the array is kept referenced in _bound
+            bind = self._io.bind_output if output else self._io.bind_input
+            bind(name, self.ops.device, self.ops.device_id, np.float32, list(arr.shape), arr.ptr)
+            key = _Bound(arr.ptr, tuple(arr.shape), arr)
+        self._bound[name] = key
 
     def release(self) -> None:
         """Unbind the inputs and outputs (the binding holds the last cache's arrays, and the outputs
@@ -312,6 +406,7 @@ class PrefixDecoder:
                            "multi-token steps")
         in_place = in_place and L == 1 and self.chunk_layout == "slot" and isinstance(self.vocab, int)
         io = self._io
+        self.host_bytes = 0
         if self.chunk_layout == "slot":
             chunk, chunk_mask = cache.slots()
         else:
@@ -325,7 +420,17 @@ class PrefixDecoder:
             feeds.update({f"prefix.{i}.key": cache.prefix[2 * i], f"prefix.{i}.value": cache.prefix[2 * i + 1],
                           f"chunk.{i}.key": chunk[2 * i], f"chunk.{i}.value": chunk[2 * i + 1]})
         for name, arr in feeds.items():
-            self._bind(name, np.ascontiguousarray(arr))
+            self._bind(name, np.ascontiguousarray(arr) if isinstance(arr, np.ndarray) else arr)
+        if self.ops is not HOST and not in_place:      # a prefill: the new K/V stay on the device
+            out = self._buffers(cache, L, new=False)
+            self._bind(self.outputs[0], out[0], output=True)
+            for name in self.outputs[1:]:
+                io.bind_output(name, self.ops.device, self.ops.device_id)
+                self._bound[name] = None
+            self.session.run_with_iobinding(io)
+            from .device import DeviceArray
+
+            return out[0], [DeviceArray(v, tuple(v.shape())) for v in io.get_outputs()[1:]]
         if not isinstance(self.vocab, int):            # a graph without a static vocab: ORT allocates
             for name in self.outputs:
                 io.bind_output(name)

@@ -1,6 +1,8 @@
 """Engine v2's prefix-shared KV cache: the attention against a NumPy reference, and the exported
 decode graph against the exported full model, over several chunks with keep/repeat and
 left-padded contexts of different lengths, for a tiny GPT-2 and a tiny Llama."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -314,3 +316,72 @@ def test_decode_graphs_before_slot_major_chunks_get_their_layout_by_copy():
         for r in range(s):
             np.testing.assert_array_equal(beam[x, :, r], c[:, x, :, r].transpose(1, 0, 2))   # (kv, K, d)
             np.testing.assert_array_equal(row[x * s + r], c[:, x, :, r].transpose(1, 0, 2))
+
+
+def _on_device(dbs, model_dir):
+    """`dbs` with its decode graph's cache on a device: DeviceOps("cpu"), the CUDA code path run by
+    the CPU provider (no GPU in CI)."""
+    from dbs_fast.prefix import PrefixDecoder
+
+    dbs.decoder = PrefixDecoder(Path(model_dir) / "decode.onnx", "cpu", kv_device="cpu")
+    return dbs
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_cache_on_the_device_generates_the_same_text(kind, exported):
+    """The cache as ORT tensors on a device (the CUDA path: gather, extension, merge, trim as ORT
+    graphs on that device, the chunk slots bound by pointer) writes token for token what the NumPy
+    cache writes: several requests, keep/repeat, a request joining a running batch (a merge)."""
+    from dbs_fast import DBSConfig
+    from dbs_fast.device import DeviceArray
+
+    host, dev = _dbs(exported[kind], "prefix"), _on_device(_dbs(exported[kind], "prefix"), exported[kind])
+    assert dev.decoder.ops.device == "cpu" and host.decoder.ops.device is None
+    reqs = [("It is", "colony,river"), ("The quick brown fox jumps over", "dog"), ("A", "mouth,speed,meet")]
+    cfg = DBSConfig(beams=3, candidates=4, chunk=3, max_new_tokens=14, stop="max")
+    a = host.generate_batch(reqs, seeds=[1, 2, 3], config=cfg)
+    b = dev.generate_batch(reqs, seeds=[1, 2, 3], config=cfg)
+    assert [r.generated for r in a] == [r.generated for r in b]
+    np.testing.assert_allclose([r.perplexity for r in a], [r.perplexity for r in b], rtol=1e-4)
+    texts = {}
+    for dbs in (host, dev):                              # staggered: a request joins after two chunks
+        batch = dbs.batch(cfg)
+        batch.admit([dbs.request(*reqs[0], None, 1, cfg)])
+        out = batch.step() + batch.step()
+        batch.admit([dbs.request(*reqs[1], None, 2, cfg)])
+        out += batch.step()
+        cache = batch.search.cache.cache                 # after the merge: still all on the device
+        assert all(isinstance(t, DeviceArray) for t in cache.prefix + cache.chunk) == (dbs is dev)
+        while batch.requests:
+            out += batch.step()
+        texts[dbs is dev] = sorted(r.generated for _, r in out)
+    assert texts[True] == texts[False]
+
+
+def test_a_step_on_the_device_moves_only_ids_masks_and_logits(decoders):
+    """`host_bytes`: with the cache on the device a decode step binds from host memory the token
+    ids, positions and masks, and takes the logits back; the NumPy cache binds its chunk slots
+    and mask anew each step (the prefix once a chunk), which on a GPU would all be copied."""
+    from dbs_fast.prefix import PrefixCache, PrefixDecoder
+
+    ids = np.array([[11, 12, 13, 14, 15], [0, 0, 0, 21, 22]])
+    mask = (ids > 0).astype(np.int64)
+    s, k, moved, caches = 3, 3, {}, {}
+    for where in (None, "cpu"):
+        dec = PrefixDecoder(decoders["gpt2"], "cpu", kv_device=where)
+        kv, d = next(i.shape for i in dec.session.get_inputs() if i.name == "prefix.0.key")[1::2]
+        _, cache = PrefixCache.prefill(dec, ids, mask, kv, d, s, k)
+        steps = []
+        for _ in range(k):
+            logits = dec.step(np.full(2 * s, 7), cache)
+            steps.append(dec.host_bytes)
+        cache.keep([0, 4])
+        dec.step(np.full(2 * s, 7), cache)
+        moved[where], caches[where] = steps + [dec.host_bytes], cache
+    N, T = 2 * s, ids.shape[1] + k
+    small = 8 * (N + N + 2 * T + N * k)                  # ids, positions, prefix mask, chunk mask at most
+    assert all(logits.nbytes <= m <= logits.nbytes + small for m in moved["cpu"])
+    slot = 2 * dec.layers * 2 * kv * s * d * 4           # one chunk slot of every tensor (2 beams)
+    assert moved[None][1] >= logits.nbytes + 2 * slot     # the NumPy cache: its chunk's used slots rebound
+    prefixes = sum(p.nbytes for p in caches[None].prefix)
+    assert moved[None][-1] >= logits.nbytes + prefixes    # and after a boundary, every prefix

@@ -1,0 +1,175 @@
+"""Engine v2's KV cache kept on the execution provider's device (CUDA): tensors that never leave it.
+
+On the CPU the cache is NumPy arrays bound to the decode graph in place (`dbs_fast.prefix`).
+With the CUDA provider those arrays would live in host memory: every step ORT would copy the
+chunk slots it reads to the GPU and the new K/V back, and every chunk the whole prefix up.
+`DeviceArray` is a tensor in ORT's memory on a device (an `OrtValue` and an offset into it, so
+that a leading slice, a chunk's first slots or one slot, is a view and not a copy), bound to the
+decode graph by pointer. `DeviceOps` does the cache's few tensor operations (gather of beams,
+prefix extension by kept chunks, concatenation, left padding, column trim, zeros) as small ONNX
+graphs run by the same provider on the same device, so that at a step only the token ids,
+positions and masks go up and the logits come down (the logits kernel runs on the host).
+
+`DeviceOps("cpu")` runs this same path on the CPU provider: tests and the CPU-only machines
+exercise it (same tokens as the NumPy cache), and `PrefixDecoder.host_bytes` counts what a step
+moves between host and device memory on either path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+F32 = np.dtype(np.float32)
+
+
+@dataclass(frozen=True)
+class DeviceArray:
+    """A C-contiguous float32 tensor of `shape` at element `offset` of the ORT buffer `buf`."""
+
+    buf: object                 # onnxruntime.OrtValue (owns the memory)
+    shape: tuple
+    offset: int = 0
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * F32.itemsize
+
+    @property
+    def ptr(self) -> int:
+        return self.buf.data_ptr() + self.offset * F32.itemsize
+
+    @property
+    def dtype(self):
+        return F32
+
+    def lead(self, n: int) -> "DeviceArray":
+        """The first n entries of axis 0 (a view)."""
+        return DeviceArray(self.buf, (n,) + tuple(self.shape[1:]), self.offset)
+
+    def at(self, i: int, shape: tuple | None = None) -> "DeviceArray":
+        """Entry i of axis 0 (a view), reshaped to `shape` (same size) if given."""
+        inner = tuple(self.shape[1:])
+        step = int(np.prod(inner))
+        if shape is not None and int(np.prod(shape)) != step:
+            raise ValueError(f"cannot view {inner} as {shape}")
+        return DeviceArray(self.buf, inner if shape is None else tuple(shape), self.offset + i * step)
+
+    def reshape(self, *shape) -> "DeviceArray":
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        return DeviceArray(self.buf, shape, self.offset)
+
+    def numpy(self) -> np.ndarray:
+        """A host copy (tests, debugging)."""
+        full = self.buf.numpy().reshape(-1)
+        return full[self.offset:self.offset + self.size].reshape(self.shape).copy()
+
+
+def _graphs() -> dict:
+    """The cache operations as ONNX models (float32 tensors, int64 indices, all sizes dynamic)."""
+    from onnx import TensorProto, helper
+
+    def model(nodes, inputs, out="y"):
+        ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT if t == "f" else TensorProto.INT64, None)
+               for n, t in inputs]
+        g = helper.make_graph(nodes, "cache_op", ins, [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+    n = helper.make_node
+    return {
+        # prefix (b, kv, T, d), beams (n,) -> (n, kv, T, d)
+        "take": model([n("Gather", ["x", "i"], ["y"], axis=0)], [("x", "f"), ("i", "i")]),
+        # new beam i := prefix[src[i] // s] ++ the first j chunk tokens of row src[i]; prefix (b, kv, T, d),
+        # chunk slot-major (K, b, kv, s, d), src (n,), s and j (1,) -> (n, kv, T + j, d)
+        "extend": model([
+            n("Div", ["src", "s"], ["beam"]),
+            n("Gather", ["prefix", "beam"], ["p"], axis=0),
+            n("Slice", ["chunk", "zero", "j", "zero"], ["c"]),                    # (j, b, kv, s, d)
+            n("Transpose", ["c"], ["ct"], perm=[1, 3, 2, 0, 4]),                   # (b, s, kv, j, d)
+            n("Shape", ["ct"], ["tail"], start=2),
+            n("Concat", ["minus1", "tail"], ["flat"], axis=0),
+            n("Reshape", ["ct", "flat"], ["rows"]),                                # (b*s, kv, j, d)
+            n("Gather", ["rows", "src"], ["own"], axis=0),
+            n("Concat", ["p", "own"], ["y"], axis=2)],
+            [("prefix", "f"), ("chunk", "f"), ("src", "i"), ("s", "i"), ("j", "i"), ("zero", "i"), ("minus1", "i")]),
+        "concat0": model([n("Concat", ["a", "b"], ["y"], axis=0)], [("a", "f"), ("b", "f")]),
+        "concat1": model([n("Concat", ["a", "b"], ["y"], axis=1)], [("a", "f"), ("b", "f")]),
+        "concat2": model([n("Concat", ["a", "b"], ["y"], axis=2)], [("a", "f"), ("b", "f")]),
+        # (b, kv, T, d) with n zero columns in front: pads (8,) = [0, 0, n, 0, 0, 0, 0, 0]
+        "pad": model([n("Pad", ["x", "pads"], ["y"])], [("x", "f"), ("pads", "i")]),
+        # columns z.. of (b, kv, T, d)
+        "cols": model([n("Slice", ["x", "z", "end", "axis"], ["y"])],
+                      [("x", "f"), ("z", "i"), ("end", "i"), ("axis", "i")]),
+        # zeros of shape `shape`
+        "zeros": model([n("ConstantOfShape", ["shape"], ["y"])], [("shape", "i")]),
+    }
+
+
+class DeviceOps:
+    """The cache's tensor operations on `device` ("cuda" or "cpu"), run by ORT on that device."""
+
+    def __init__(self, device: str = "cuda", device_id: int = 0):
+        import onnxruntime as ort
+
+        from .session import PROVIDERS
+
+        self.device, self.device_id = device, device_id
+        providers = [PROVIDERS[device], "CPUExecutionProvider"] if device != "cpu" else ["CPUExecutionProvider"]
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 1         # copies of a few MB: one thread, no spinning beside the model's
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self._sessions = {k: ort.InferenceSession(m.SerializeToString(), so, providers=providers)
+                          for k, m in _graphs().items()}
+        self._ort = ort
+
+    def _run(self, op: str, **feeds) -> DeviceArray:
+        sess = self._sessions[op]
+        io = sess.io_binding()
+        for name, x in feeds.items():
+            if isinstance(x, DeviceArray):
+                io.bind_input(name, self.device, self.device_id, np.float32, list(x.shape), x.ptr)
+            else:
+                io.bind_cpu_input(name, np.ascontiguousarray(x, np.int64))
+        io.bind_output("y", self.device, self.device_id)
+        sess.run_with_iobinding(io)
+        out = io.get_outputs()[0]
+        return DeviceArray(out, tuple(out.shape()))
+
+    def upload(self, a: np.ndarray) -> DeviceArray:
+        a = np.ascontiguousarray(a, np.float32)
+        return DeviceArray(self._ort.OrtValue.ortvalue_from_numpy(a, self.device, self.device_id), a.shape)
+
+    def zeros(self, shape) -> DeviceArray:
+        return self._run("zeros", shape=np.asarray(shape, np.int64))
+
+    def take(self, x: DeviceArray, idx) -> DeviceArray:
+        return self._run("take", x=x, i=np.asarray(idx, np.int64))
+
+    def extend(self, prefix: DeviceArray, chunk: DeviceArray, src, s: int, j: int) -> DeviceArray:
+        return self._run("extend", prefix=prefix, chunk=chunk, src=np.asarray(src, np.int64),
+                         s=np.array([s], np.int64), j=np.array([j], np.int64), zero=np.zeros(1, np.int64),
+                         minus1=np.full(1, -1, np.int64))
+
+    def concat(self, a: DeviceArray, b: DeviceArray, axis: int) -> DeviceArray:
+        return self._run(f"concat{axis}", a=a, b=b)
+
+    def pad_cols(self, x: DeviceArray, n: int) -> DeviceArray:
+        """n zero columns (axis 2) in front."""
+        return self._run("pad", x=x, pads=np.array([0, 0, n, 0, 0, 0, 0, 0], np.int64)) if n else x
+
+    def cols(self, x: DeviceArray, z: int) -> DeviceArray:
+        """Columns z.. (axis 2), a copy."""
+        return self._run("cols", x=x, z=np.array([z], np.int64), end=np.array([x.shape[2]], np.int64),
+                         axis=np.array([2], np.int64))
+
+    @staticmethod
+    def lead(x: DeviceArray, n: int) -> DeviceArray:
+        return x.lead(n)
+
+    @staticmethod
+    def at(x: DeviceArray, i: int, shape) -> DeviceArray:
+        return x.at(i, shape)
