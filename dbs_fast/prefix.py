@@ -329,6 +329,7 @@ class PrefixDecoder:
 
             self.ops = DeviceOps(kv_device)
         self.host_bytes = 0       # bytes bound from host memory (inputs bound again, outputs) in the last call
+        self.host_bytes_total, self.calls = 0, 0                    # ... and over all calls
 
     def _buffers(self, cache: PrefixCache, L: int, new: bool = True) -> list[np.ndarray]:
         """Logits (N, vocab) and, with `new`, the new K/V (b, kv, s, L, d) per tensor (row-major
@@ -348,14 +349,14 @@ class PrefixDecoder:
         every run): `host_bytes` counts those bytes."""
         on_host = isinstance(arr, np.ndarray)
         if on_host and output:
-            self.host_bytes += arr.nbytes
+            self._moved(arr.nbytes)
         bound = self._bound.get(name)
         if bound is arr or (not on_host and isinstance(bound, _Bound) and (bound.ptr, bound.shape) == (arr.ptr, arr.shape)):
             return
         key = arr
         if on_host:
             if not output:
-                self.host_bytes += arr.nbytes
+                self._moved(arr.nbytes)
                 self._io.bind_cpu_input(name, arr)
             else:
                 self._io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
@@ -364,6 +365,10 @@ class PrefixDecoder:
             bind(name, self.ops.device, self.ops.device_id, np.float32, list(arr.shape), arr.ptr)
             key = _Bound(arr.ptr, tuple(arr.shape), arr)
         self._bound[name] = key
+
+    def _moved(self, n: int) -> None:
+        self.host_bytes += n
+        self.host_bytes_total += n
 
     def release(self) -> None:
         """Unbind the inputs and outputs (the binding holds the last cache's arrays, and the outputs
@@ -406,7 +411,7 @@ class PrefixDecoder:
                            "multi-token steps")
         in_place = in_place and L == 1 and self.chunk_layout == "slot" and isinstance(self.vocab, int)
         io = self._io
-        self.host_bytes = 0
+        self.host_bytes, self.calls = 0, self.calls + 1
         if self.chunk_layout == "slot":
             chunk, chunk_mask = cache.slots()
         else:

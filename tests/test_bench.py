@@ -262,3 +262,17 @@ def test_checkouts_ab_runs_each_arm_on_its_own_code_and_export(exported, tmp_pat
         assert [g["seed"] for g in r["arms"][arm]] == [0, 1]          # the same sets and seeds in both arms
         assert all(g["seconds"] > 0 and g["model_ms"] > 0 for g in r["arms"][arm])
     assert r["against_over_this"] == pytest.approx(r["against"]["seconds"] / r["this"]["seconds"])
+
+
+def test_transfers_counts_what_a_step_moves_with_the_cache_on_host_and_on_device(exported, tmp_path):
+    """The same generation with the KV cache in NumPy arrays and as ORT tensors on a device (the
+    CUDA path, run by the CPU provider): the same text; the device path moves less per call, and
+    the difference is the cache the host path binds."""
+    from dbs_fast.benchmarks.transfers import main as transfers
+
+    out = tmp_path / "t.json"
+    assert transfers(["--model", str(exported["gpt2"]), "--keywords", "colony,river", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["same_text"] and r["host"]["graph_calls"] == r["device"]["graph_calls"] > 0
+    assert 0 < r["device"]["mb_per_call"] < r["host"]["mb_per_call"]
+    assert r["cache_mb_per_call_on_host_path"] == pytest.approx(r["host"]["mb_per_call"] - r["device"]["mb_per_call"])
