@@ -146,16 +146,19 @@ def worker_engine(spec: dict, order=None) -> dict:
     backend = "torch" if spec["contender"].startswith("torch") else "onnx"
     t0 = time.perf_counter()
     layout = "rows" if spec["contender"].endswith("-rows") else "auto"
+    provider = spec.get("provider", "cpu")
     dbs = DirectedBeamSearch(spec["model_dir"], config=cfg, backend=backend, threads=spec.get("threads"),
-                             kv_layout=layout)
+                             kv_layout=layout, provider=provider)
     init = time.perf_counter() - t0
     sets = spec["keyword_sets"]
     first = dbs.generate(CONTEXT, sets[0], seed=0)
     # The same-load roofline: the step's weight matmuls timed (best of 7, as the run's roofline)
     # right after each generation, in a child process (not counted in this one's peak RSS), so that
     # a slow spell of the machine slows both.
-    same_load = backend == "onnx" and spec.get("same_load", True)
+    same_load = backend == "onnx" and spec.get("same_load", True) and provider == "cpu"
     runs, matmul_s, started = [], [], []
+    if dbs.decoder is not None:
+        dbs.decoder.host_bytes_total = dbs.decoder.calls = 0
     for i in (range(spec["repeats"]) if order is None else order):
         started.append(time.time())
         runs.append(dbs.generate(CONTEXT, sets[i % len(sets)], seed=i))
@@ -184,6 +187,10 @@ def worker_engine(spec: dict, order=None) -> dict:
         "success_rate": statistics.mean(r.success_rate for r in runs),
         "perplexity": statistics.median(r.perplexity for r in runs),
         "texts": [r.generated for r in runs],
+        "provider": provider,
+        # what a graph call bound from host memory: on CUDA the bytes copied across (PrefixDecoder.host_bytes)
+        "host_mb_per_call": (dbs.decoder.host_bytes_total / max(1, dbs.decoder.calls) / 1e6
+                             if dbs.decoder is not None else None),
     }
     sweep = []
     for b, s in spec.get("sweep", []):
@@ -451,7 +458,7 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
               max_new_tokens: int | None = None, contenders=CONTENDERS, tokenizer: Path | None = None,
               checkpoint: Path | None = None, shape: str = "gpt2-large", with_default: bool = True,
               threads: int | None = None, sweep=None, reference_candidates: int | None = None,
-              kernel_repeats: int = 20, in_turns: bool = True) -> dict:
+              kernel_repeats: int = 20, in_turns: bool = True, provider: str = "cpu") -> dict:
     """`in_turns`: the engine-v2 contenders (onnx-fp32, onnx-int8) and the PyTorch baseline of a
     point stay loaded together and take turns generation by generation (`run_in_turns`); the
     row-layout ones (their caches take ~10 GB on GPT-2 large) and the reference run after them,
@@ -467,7 +474,7 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
                                                                 [(1, 5), (3, 5), (5, 5), (5, 10)]))]
     ref_cands = reference_candidates or (1 if quick else 2)
     points = prepare_points(workdir, tokenizer, checkpoint, shape, with_default)
-    report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "quick": quick,
+    report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "quick": quick, "provider": provider,
               "config": cfg.to_dict(), "context": CONTEXT, "keyword_sets": KEYWORD_SETS, "points": {}}
     from .kernel import run as kernel_run
 
@@ -478,10 +485,12 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
           f"{cfg.beams * cfg.candidates}x{vocab}", flush=True)
     for name, p in points.items():
         ctx_tokens = len(_encode(p["onnx-fp32"], CONTEXT))
-        res = {"models": p, "roofline": roofline(Path(p["onnx-fp32"]), cfg, ctx_tokens, threads),
+        # the roofline is ORT's CPU matmul: none for a CUDA run
+        roof = roofline(Path(p["onnx-fp32"]), cfg, ctx_tokens, threads) if provider == "cpu" else None
+        res = {"models": p, "roofline": roof,
                "memory_budget_bytes": {}, "contenders": {}}
         specs = {c: {"point": name, "contender": c, "config": cfg.to_dict(), "keyword_sets": KEYWORD_SETS,
-                     "repeats": repeats, "threads": threads,
+                     "repeats": repeats, "threads": threads, "provider": provider,
                      "model_dir": p["onnx-int8" if "int8" in c else "onnx-fp32"],
                      "checkpoint": p["checkpoint"], "reference_candidates": ref_cands,
                      "sweep": sweep if c.startswith("onnx") and name == next(iter(points)) else []}
@@ -529,7 +538,11 @@ def _ratios(res: dict, cfg: DBSConfig) -> None:
                 r[f"{k}_vs_reference_per_candidate_token"] = ref * c[k]["candidate_tokens_per_second"]
     roof = res["roofline"]
     for k in ENGINES:
-        if k in c:
+        if k in c and roof is None:
+            st = c[k]["stage_ms_per_step"]
+            r[f"{k}_scheduling_share"] = (st["kv_gather"] + st["python"] + st["text"]) / c[k]["step_ms"]
+            r[f"{k}_peak_vs_budget"] = c[k]["peak_rss_bytes"] / res["memory_budget_bytes"][k]
+        elif k in c:
             v2 = "_prefix" if c[k].get("kv_layout") == "prefix" else ""
             q = "int8" if "int8" in k else "fp32"
             base = roof[q + "_step_seconds" + v2]
@@ -558,13 +571,17 @@ def markdown(report: dict) -> str:
                  if "torch" in k else "") + ".", ""]
     for name, res in report["points"].items():
         roof = res["roofline"]
+        roof_line = (f"Roofline at {roof['rows']} rows: {roof['matmul_gflop_per_step']:.1f} GFLOP/step; ORT matmul "
+                     f"{roof['fp32_gflops']:.0f} GFLOP/s fp32, {roof['int8_gflops']:.0f} GFLOP/s int8; copy bandwidth "
+                     f"{roof['memory_bandwidth_gbs']:.1f} GB/s; min step {roof['fp32_step_seconds'] * 1e3:.0f} ms fp32, "
+                     f"{roof['int8_step_seconds'] * 1e3:.0f} ms int8 on the row layout, "
+                     f"{roof['fp32_step_seconds_prefix'] * 1e3:.0f} / {roof['int8_step_seconds_prefix'] * 1e3:.0f} ms "
+                     f"on engine v2's (it reads b prefixes, not b*s)." if roof else
+                     f"Provider {report.get('provider')}: no roofline (the bench's is ORT's CPU matmul); host<->device "
+                     f"MB per graph call: " + ", ".join(f"{c} {r['host_mb_per_call']:.2f}" for c, r in
+                                                        res["contenders"].items() if r.get("host_mb_per_call")) + ".")
         lines += [f"### {name} (onnx-int8 = `--quantize {res['models'].get('int8_method', 'int8')}`)", "",
-                  f"Roofline at {roof['rows']} rows: {roof['matmul_gflop_per_step']:.1f} GFLOP/step; ORT matmul "
-                  f"{roof['fp32_gflops']:.0f} GFLOP/s fp32, {roof['int8_gflops']:.0f} GFLOP/s int8; copy bandwidth "
-                  f"{roof['memory_bandwidth_gbs']:.1f} GB/s; min step {roof['fp32_step_seconds'] * 1e3:.0f} ms fp32, "
-                  f"{roof['int8_step_seconds'] * 1e3:.0f} ms int8 on the row layout, "
-                  f"{roof['fp32_step_seconds_prefix'] * 1e3:.0f} / {roof['int8_step_seconds_prefix'] * 1e3:.0f} ms "
-                  f"on engine v2's (it reads b prefixes, not b*s)."
+                  roof_line
                   + (f" {', '.join(res['in_turns'])} took turns, one generation each per round (ABC CBA ...); "
                      f"the others ran one after another." if res.get("in_turns") else ""), "",
                   "| contender | KV layout | s/generation (median, min-max) | candidate tok/s | step ms | x roofline | "
@@ -611,7 +628,7 @@ def plots(report: dict, out: Path) -> None:
             v = np.array([r["stage_ms_per_step"][s] for _, r in cs])
             ax.bar([c for c, _ in cs], v, bottom=bottom, label=s)
             bottom += v
-        for kind, key in (("fp32", "fp32_step_seconds"), ("int8", "int8_step_seconds")):
+        for kind, key in (("fp32", "fp32_step_seconds"), ("int8", "int8_step_seconds")) if res["roofline"] else ():
             ax.axhline(res["roofline"][key] * 1e3, ls="--", lw=1, color="k" if kind == "fp32" else "grey")
             ax.text(len(cs) - 0.5, res["roofline"][key] * 1e3, f" roofline {kind}", va="bottom", ha="right",
                     fontsize=8)

@@ -115,7 +115,7 @@ class DirectedBeamSearch:
         elif backend == "torch":
             from .torch_backend import TorchBackend
 
-            self.backend = TorchBackend(self.model_dir, threads)
+            self.backend = TorchBackend(self.model_dir, threads, device="cuda" if provider == "cuda" else "cpu")
         else:
             raise DBSError(f"`backend` must be onnx or torch, got {backend!r}")
         if embeddings not in _EMB_CACHE:

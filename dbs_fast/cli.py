@@ -290,6 +290,9 @@ def _add_bench(sub):
     p.add_argument("--no-default", action="store_true", help="skip the embedded default model's point")
     p.add_argument("--sweep", default=None, help='b x s points for the plot, e.g. "1x5,3x5,5x10"')
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: the ONNX contenders on the CUDA provider (cache on the GPU), PyTorch on the GPU; "
+                        "no roofline (it is ORT's CPU matmul); needs the gpu extra and a CUDA torch")
     p.add_argument("--one-by-one", action="store_true",
                    help="run each contender on its own, one after another (default: onnx-fp32, onnx-int8 and "
                         "torch-fp32 stay loaded together and take turns, generation by generation)")
@@ -316,7 +319,8 @@ def _run_bench(a) -> int:
               contenders=[c.strip() for c in a.contenders.split(",") if c.strip()] if a.contenders else CONTENDERS,
               tokenizer=Path(a.tokenizer) if a.tokenizer else None,
               checkpoint=Path(a.checkpoint) if a.checkpoint else None, shape=a.shape,
-              with_default=not a.no_default, threads=a.threads, sweep=sweep, in_turns=not a.one_by_one)
+              with_default=not a.no_default, threads=a.threads, sweep=sweep, in_turns=not a.one_by_one,
+              provider=a.provider)
     return 0
 
 

@@ -17,18 +17,20 @@ def torch_sample(logits, uniforms, row_word, dense_boosts, temperature, top_p, b
     import torch
 
     s = logits.float() / temperature
+    dev = s.device
     logp = torch.log_softmax(s, dim=-1)
-    guided = torch.as_tensor(row_word >= 0)
+    guided = torch.as_tensor(row_word >= 0, device=dev)
     boost = torch.zeros_like(s)
     if dense_boosts is not None and bool(guided.any()):
-        boost[guided] = dense_boosts[torch.as_tensor(row_word[row_word >= 0], dtype=torch.long)]
-    bf = torch.as_tensor(np.asarray(boost_first, bool)).reshape(-1, 1)    # one flag, or one per row
+        boost[guided] = dense_boosts[torch.as_tensor(row_word[row_word >= 0], dtype=torch.long, device=dev)]
+    bf = torch.as_tensor(np.asarray(boost_first, bool), device=dev).reshape(-1, 1)    # one flag, or one per row
     key = torch.where(bf, s + boost, s)
     if top_p < 1.0:
         sorted_key, order = torch.sort(key, dim=-1, descending=True)
         probs = torch.softmax(sorted_key.double(), dim=-1)
         cum = probs.cumsum(-1)
-        k = torch.searchsorted(cum, torch.full((s.shape[0], 1), top_p, dtype=cum.dtype)).clamp(max=s.shape[1] - 1)
+        k = torch.searchsorted(cum, torch.full((s.shape[0], 1), top_p, dtype=cum.dtype, device=dev)).clamp(
+            max=s.shape[1] - 1)
         cut = sorted_key.gather(1, k)
         kept = key >= cut
     else:
@@ -36,15 +38,18 @@ def torch_sample(logits, uniforms, row_word, dense_boosts, temperature, top_p, b
     final = torch.where(bf, key, s + torch.where(kept, boost, torch.zeros_like(boost)))
     w = torch.where(kept, torch.exp((final - s.max(-1, keepdim=True).values).double()), torch.zeros_like(final, dtype=torch.float64))
     c = w.cumsum(-1)
-    u = torch.as_tensor(uniforms, dtype=torch.float64)[:, None] * c[:, -1:]
+    u = torch.as_tensor(uniforms, dtype=torch.float64, device=dev)[:, None] * c[:, -1:]
     ids = torch.searchsorted(c, u, right=True).clamp(max=s.shape[1] - 1)
     return ids[:, 0], logp.gather(1, ids)[:, 0]
 
 
 class TorchBackend:
+    """`device`: "cpu", or "cuda" (the model, its cache and the sampler on the GPU; the drawn ids
+    come to the host for the scheduler), as `provider` picks it for the ONNX engine."""
+
     name = "torch"
 
-    def __init__(self, model_dir, threads: int | None = None):
+    def __init__(self, model_dir, threads: int | None = None, device: str = "cpu"):
         try:
             import torch
 
@@ -58,6 +63,10 @@ class TorchBackend:
         self.torch = torch
         m = read_manifest(model_dir)
         self.model, _ = load_torch_model(resolve(m["source"]))
+        if device != "cpu" and not torch.cuda.is_available():
+            raise DBSError(f"--backend torch on {device!r}: this torch build sees no GPU")
+        self.device = torch.device(device)
+        self.model.to(self.device)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.vocab_size = m["vocab_size"]
         self.eos_ids = tuple(m.get("eos_token_ids", []))
@@ -72,29 +81,31 @@ class TorchBackend:
 
         ids, mask = left_pad(contexts, self.pad_id)
         t = self.torch
-        self._mask = t.from_numpy(mask)
+        self._mask = t.from_numpy(mask).to(self.device)
         with t.inference_mode():
             pos = (self._mask.cumsum(1) - 1).clamp(min=0)
-            out = self.model(input_ids=t.from_numpy(ids), attention_mask=self._mask, position_ids=pos, use_cache=True)
+            out = self.model(input_ids=t.from_numpy(ids).to(self.device), attention_mask=self._mask, position_ids=pos,
+                             use_cache=True)
         return out.logits[:, -1].float(), out.past_key_values
 
     def step(self, tokens, cache):
         t = self.torch
-        self._mask = t.cat([self._mask, t.ones((self._mask.shape[0], 1), dtype=self._mask.dtype)], 1)
+        self._mask = t.cat([self._mask, t.ones((self._mask.shape[0], 1), dtype=self._mask.dtype, device=self.device)], 1)
         with t.inference_mode():
             pos = self._mask.sum(1, keepdim=True) - 1
-            out = self.model(input_ids=t.as_tensor(tokens, dtype=t.long)[:, None], attention_mask=self._mask,
+            out = self.model(input_ids=t.as_tensor(tokens, dtype=t.long, device=self.device)[:, None],
+                             attention_mask=self._mask,
                              position_ids=pos, past_key_values=cache, use_cache=True)
         return out.logits[:, -1].float(), out.past_key_values
 
     def select(self, cache, rows):
-        idx = self.torch.as_tensor(rows, dtype=self.torch.long)
+        idx = self.torch.as_tensor(rows, dtype=self.torch.long, device=self.device)
         cache.reorder_cache(idx)
         self._mask = self._mask[idx]
         return cache
 
     def take(self, x, rows):
-        return x[self.torch.as_tensor(rows, dtype=self.torch.long)]
+        return x[self.torch.as_tensor(rows, dtype=self.torch.long, device=self.device)]
 
     def concat(self, a, b):
         raise DBSError("the PyTorch baseline decodes fixed batches: requests cannot join a running one "
@@ -116,7 +127,7 @@ class TorchBackend:
             + ([NoRepeatNGramLogitsProcessor(cfg.no_repeat_ngram_size)] if cfg.no_repeat_ngram_size > 0 else [])
         out = logits.clone()
         for r in range(out.shape[0]):
-            ids = t.as_tensor(history[r, history_start[r]:], dtype=t.long)[None]
+            ids = t.as_tensor(history[r, history_start[r]:], dtype=t.long, device=self.device)[None]
             row = out[r:r + 1]
             for p in procs:
                 row = p(ids, row)
@@ -148,15 +159,16 @@ class TorchBackend:
             dense = t.zeros((len(ptr) - 1, self.vocab_size))
             for w in range(len(ptr) - 1):
                 dense[w, t.as_tensor(ids[ptr[w]:ptr[w + 1]], dtype=t.long)] = t.as_tensor(vals[ptr[w]:ptr[w + 1]])
-            self._dense, self._dense_key = dense, csr
+            self._dense, self._dense_key = dense.to(self.device), csr
         with self.torch.inference_mode():
             tok, lp = torch_sample(logits, uniforms, row_word, self._dense, cfg.temperature, cfg.top_p,
                                    cfg.boost_order == "boost_then_filter" if boost_first is None else boost_first)
             if force is not None:
-                tok = self.torch.where(self.torch.as_tensor(force) >= 0, self.torch.as_tensor(force), tok)
+                f = self.torch.as_tensor(force, device=self.device)
+                tok = self.torch.where(f >= 0, f, tok)
             if cfg.shapes_logits or bans is not None or force is not None:   # the model's own log-prob
                 lp = self.torch.log_softmax(raw.float() / cfg.temperature, -1).gather(1, tok[:, None])[:, 0]
-        return tok.numpy().astype(np.int64), lp.float().numpy()
+        return tok.cpu().numpy().astype(np.int64), lp.float().cpu().numpy()
 
     def encode(self, text):
         return self.tokenizer.encode(text).ids

@@ -61,6 +61,20 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
         assert ratios[key] > 0
     assert "| onnx-int8 | prefix |" in (out / "bench.md").read_text()
     assert "| onnx-int8-rows | rows |" in (out / "bench.md").read_text()
+    # what each graph call binds from host memory (on CUDA: copied across), engine v2's contenders
+    assert all(point["contenders"][c]["host_mb_per_call"] > 0 for c in ("onnx-fp32", "onnx-int8"))
+    assert on_disk["provider"] == "cpu" and point["contenders"]["onnx-fp32"]["provider"] == "cpu"
+    # a CUDA run has no roofline (the bench's is ORT's CPU matmul): the report is written without it
+    from dbs_fast import DBSConfig
+    from dbs_fast.benchmarks.bench import _ratios, markdown, plots
+
+    on_disk["provider"] = "cuda"
+    point["roofline"] = None
+    _ratios(point, DBSConfig(**on_disk["config"]))
+    assert "onnx-fp32_vs_torch" in point["ratios"] and not any("roofline" in k for k in point["ratios"])
+    md = markdown(on_disk)
+    assert "Provider cuda: no roofline" in md and "host<->device MB per graph call: onnx-fp32" in md
+    plots(on_disk, tmp_path)
 
 
 def test_a_driven_worker_that_fails_to_load_reports_its_error(tmp_path):

@@ -106,6 +106,17 @@ def test_torch_backend_matches_onnx_for_the_same_seed(exported, dbs):
         assert tb.generate("It is", KW, seed=seed).text == dbs.generate("It is", KW, seed=seed).text
 
 
+def test_torch_backend_on_cuda_without_a_gpu_says_so(exported, capsys):
+    """`--provider cuda` puts the PyTorch baseline on the GPU; a torch that sees none gets a clear
+    message and exit code 2, not a traceback (CI has no GPU: the CUDA path is not run here)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert cli(["generate", "--model", str(exported["gpt2"]), "--keywords", "colony", "--backend", "torch",
+                "--provider", "cuda", "--max-new-tokens", "4"]) == 2
+    assert "sees no GPU" in capsys.readouterr().err
+
+
 def test_boost_then_filter_order_runs(dbs):
     r = dbs.generate("It is", KW, seed=0, config=DBSConfig(beams=2, candidates=2, chunk=3, max_new_tokens=6,
                                                            boost_order="boost_then_filter"))
