@@ -47,11 +47,11 @@ class DeviceArray:
     def dtype(self):
         return F32
 
-    def lead(self, n: int) -> "DeviceArray":
+    def lead(self, n: int) -> DeviceArray:
         """The first n entries of axis 0 (a view)."""
         return DeviceArray(self.buf, (n,) + tuple(self.shape[1:]), self.offset)
 
-    def at(self, i: int, shape: tuple | None = None) -> "DeviceArray":
+    def at(self, i: int, shape: tuple | None = None) -> DeviceArray:
         """Entry i of axis 0 (a view), reshaped to `shape` (same size) if given."""
         inner = tuple(self.shape[1:])
         step = int(np.prod(inner))
@@ -59,7 +59,7 @@ class DeviceArray:
             raise ValueError(f"cannot view {inner} as {shape}")
         return DeviceArray(self.buf, inner if shape is None else tuple(shape), self.offset + i * step)
 
-    def reshape(self, *shape) -> "DeviceArray":
+    def reshape(self, *shape) -> DeviceArray:
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
         return DeviceArray(self.buf, shape, self.offset)
 
@@ -69,33 +69,47 @@ class DeviceArray:
         return full[self.offset:self.offset + self.size].reshape(self.shape).copy()
 
 
-def _graphs() -> dict:
-    """The cache operations as ONNX models (float32 tensors, int64 indices, all sizes dynamic)."""
+def _model(nodes, inputs, outputs=("y",)):
     from onnx import TensorProto, helper
 
-    def model(nodes, inputs, out="y"):
-        ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT if t == "f" else TensorProto.INT64, None)
-               for n, t in inputs]
-        g = helper.make_graph(nodes, "cache_op", ins, [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)])
-        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT if t == "f" else TensorProto.INT64, None)
+           for n, t in inputs]
+    g = helper.make_graph(nodes, "cache_op", ins, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
+                                                   for o in outputs])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def extend_graph(tensors: int):
+    """The chunk boundary's prefix extension of all `tensors` cache tensors in one graph (one run,
+    not one per tensor): new beam i := prefix[src[i] // s] ++ the first j chunk tokens of row
+    src[i]; prefix.t (b, kv, T, d), chunk.t slot-major (K, b, kv, s, d), src (n,), s and j (1,)
+    -> y.t (n, kv, T + j, d). j >= 1 (j = 0 is a gather: `take`)."""
+    from onnx import helper
 
     n = helper.make_node
+    nodes = [n("Div", ["src", "s"], ["beam"])]
+    for i in range(tensors):
+        nodes += [n("Gather", [f"prefix.{i}", "beam"], [f"p{i}"], axis=0),
+                  n("Slice", [f"chunk.{i}", "zero", "j", "zero"], [f"c{i}"]),          # (j, b, kv, s, d)
+                  n("Transpose", [f"c{i}"], [f"ct{i}"], perm=[1, 3, 2, 0, 4]),           # (b, s, kv, j, d)
+                  n("Shape", [f"ct{i}"], [f"tail{i}"], start=2),
+                  n("Concat", ["minus1", f"tail{i}"], [f"flat{i}"], axis=0),
+                  n("Reshape", [f"ct{i}", f"flat{i}"], [f"rows{i}"]),                    # (b*s, kv, j, d)
+                  n("Gather", [f"rows{i}", "src"], [f"own{i}"], axis=0),
+                  n("Concat", [f"p{i}", f"own{i}"], [f"y.{i}"], axis=2)]
+    inputs = ([(f"prefix.{i}", "f") for i in range(tensors)] + [(f"chunk.{i}", "f") for i in range(tensors)]
+              + [("src", "i"), ("s", "i"), ("j", "i"), ("zero", "i"), ("minus1", "i")])
+    return _model(nodes, inputs, [f"y.{i}" for i in range(tensors)])
+
+
+def _graphs() -> dict:
+    """The cache's other operations as ONNX models (float32 tensors, int64 indices, all sizes dynamic)."""
+    from onnx import helper
+
+    model, n = _model, helper.make_node
     return {
         # prefix (b, kv, T, d), beams (n,) -> (n, kv, T, d)
         "take": model([n("Gather", ["x", "i"], ["y"], axis=0)], [("x", "f"), ("i", "i")]),
-        # new beam i := prefix[src[i] // s] ++ the first j chunk tokens of row src[i]; prefix (b, kv, T, d),
-        # chunk slot-major (K, b, kv, s, d), src (n,), s and j (1,) -> (n, kv, T + j, d)
-        "extend": model([
-            n("Div", ["src", "s"], ["beam"]),
-            n("Gather", ["prefix", "beam"], ["p"], axis=0),
-            n("Slice", ["chunk", "zero", "j", "zero"], ["c"]),                    # (j, b, kv, s, d)
-            n("Transpose", ["c"], ["ct"], perm=[1, 3, 2, 0, 4]),                   # (b, s, kv, j, d)
-            n("Shape", ["ct"], ["tail"], start=2),
-            n("Concat", ["minus1", "tail"], ["flat"], axis=0),
-            n("Reshape", ["ct", "flat"], ["rows"]),                                # (b*s, kv, j, d)
-            n("Gather", ["rows", "src"], ["own"], axis=0),
-            n("Concat", ["p", "own"], ["y"], axis=2)],
-            [("prefix", "f"), ("chunk", "f"), ("src", "i"), ("s", "i"), ("j", "i"), ("zero", "i"), ("minus1", "i")]),
         "concat0": model([n("Concat", ["a", "b"], ["y"], axis=0)], [("a", "f"), ("b", "f")]),
         "concat1": model([n("Concat", ["a", "b"], ["y"], axis=1)], [("a", "f"), ("b", "f")]),
         "concat2": model([n("Concat", ["a", "b"], ["y"], axis=2)], [("a", "f"), ("b", "f")]),
@@ -122,22 +136,26 @@ class DeviceOps:
         so = ort.SessionOptions()
         so.intra_op_num_threads = 1         # copies of a few MB: one thread, no spinning beside the model's
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._sessions = {k: ort.InferenceSession(m.SerializeToString(), so, providers=providers)
-                          for k, m in _graphs().items()}
-        self._ort = ort
+        self._so, self._providers, self._ort = so, providers, ort
+        self._sessions = {k: self._session(m) for k, m in _graphs().items()}
+
+    def _session(self, model):
+        return self._ort.InferenceSession(model.SerializeToString(), self._so, providers=self._providers)
 
     def _run(self, op: str, **feeds) -> DeviceArray:
-        sess = self._sessions[op]
+        return self._run_all(self._sessions[op], **feeds)[0]
+
+    def _run_all(self, sess, **feeds) -> list[DeviceArray]:
         io = sess.io_binding()
         for name, x in feeds.items():
             if isinstance(x, DeviceArray):
                 io.bind_input(name, self.device, self.device_id, np.float32, list(x.shape), x.ptr)
             else:
                 io.bind_cpu_input(name, np.ascontiguousarray(x, np.int64))
-        io.bind_output("y", self.device, self.device_id)
+        for o in sess.get_outputs():
+            io.bind_output(o.name, self.device, self.device_id)
         sess.run_with_iobinding(io)
-        out = io.get_outputs()[0]
-        return DeviceArray(out, tuple(out.shape()))
+        return [DeviceArray(v, tuple(v.shape())) for v in io.get_outputs()]
 
     def upload(self, a: np.ndarray) -> DeviceArray:
         a = np.ascontiguousarray(a, np.float32)
@@ -149,10 +167,14 @@ class DeviceOps:
     def take(self, x: DeviceArray, idx) -> DeviceArray:
         return self._run("take", x=x, i=np.asarray(idx, np.int64))
 
-    def extend(self, prefix: DeviceArray, chunk: DeviceArray, src, s: int, j: int) -> DeviceArray:
-        return self._run("extend", prefix=prefix, chunk=chunk, src=np.asarray(src, np.int64),
-                         s=np.array([s], np.int64), j=np.array([j], np.int64), zero=np.zeros(1, np.int64),
-                         minus1=np.full(1, -1, np.int64))
+    def extend(self, prefixes: list[DeviceArray], chunks: list[DeviceArray], src, s: int, j: int) -> list[DeviceArray]:
+        """Every tensor's next prefixes (`extend_graph`), in one run."""
+        key = f"extend{len(prefixes)}"
+        if key not in self._sessions:
+            self._sessions[key] = self._session(extend_graph(len(prefixes)))
+        feeds = {f"prefix.{i}": p for i, p in enumerate(prefixes)} | {f"chunk.{i}": c for i, c in enumerate(chunks)}
+        return self._run_all(self._sessions[key], **feeds, src=np.asarray(src, np.int64), s=np.array([s], np.int64),
+                             j=np.array([j], np.int64), zero=np.zeros(1, np.int64), minus1=np.full(1, -1, np.int64))
 
     def concat(self, a: DeviceArray, b: DeviceArray, axis: int) -> DeviceArray:
         return self._run(f"concat{axis}", a=a, b=b)

@@ -204,8 +204,8 @@ class PrefixCache:
         """Prefix of new beam i := prefix of beam src[i] // s + the first j chunk tokens of row src[i],
         written into the spare buffers. Those are allocated when too small, for `capacity` columns
         or 4 more chunks: a fresh allocation costs page faults, up to 5x the copy itself."""
-        if self.ops is not HOST:                       # on the device: ORT's allocator, one graph per tensor
-            self.prefix = [self.ops.extend(p, c, src, self.s, j) for p, c in zip(self.prefix, self.chunk)]
+        if self.ops is not HOST:                       # on the device: one ORT graph for all tensors
+            self.prefix = self.ops.extend(self.prefix, self.chunk, src, self.s, j)
             return
         T, k = self.mask.shape[1], self.chunk_mask.shape[1]
         spare, own = self._spare or [None] * len(self.prefix), []

@@ -385,3 +385,33 @@ def test_a_step_on_the_device_moves_only_ids_masks_and_logits(decoders):
     assert moved[None][1] >= logits.nbytes + 2 * slot     # the NumPy cache: its chunk's used slots rebound
     prefixes = sum(p.nbytes for p in caches[None].prefix)
     assert moved[None][-1] >= logits.nbytes + prefixes    # and after a boundary, every prefix
+
+
+def test_device_ops_equal_their_numpy_references():
+    """`DeviceOps` (the cache's operations as ORT graphs on a device; here the CPU provider) against
+    NumPy and the host's Numba extension: extension of several tensors in one run, gather, concat,
+    left padding, trim, zeros, and the views (leading slots, one slot) bound by pointer."""
+    from dbs_fast.device import DeviceOps
+    from dbs_fast.kernels import extend_prefix
+
+    ops = DeviceOps("cpu")
+    rng = np.random.default_rng(5)
+    b, kv, T, d, K, s = 3, 2, 5, 4, 4, 2
+    ps = [rng.standard_normal((b, kv, T, d)).astype(np.float32) for _ in range(3)]
+    cs = [rng.standard_normal((K, b, kv, s, d)).astype(np.float32) for _ in range(3)]
+    P, C = [ops.upload(p) for p in ps], [ops.upload(c) for c in cs]
+    src, j = np.array([5, 0, 3, 3]), 3                     # rows; a repeat; more beams than before
+    for p, c, got in zip(ps, cs, ops.extend(P, C, src, s, j)):
+        want = np.empty((len(src), kv, T + j, d), np.float32)
+        extend_prefix(want, p, c, src, s, j)
+        np.testing.assert_array_equal(got.numpy(), want)
+    p, c = ps[0], cs[0]
+    np.testing.assert_array_equal(ops.take(P[0], [2, 2, 0]).numpy(), p[[2, 2, 0]])
+    np.testing.assert_array_equal(ops.concat(P[0], P[1], 0).numpy(), np.concatenate([p, ps[1]], 0))
+    np.testing.assert_array_equal(ops.concat(C[0], C[1], 1).numpy(), np.concatenate([c, cs[1]], 1))
+    np.testing.assert_array_equal(ops.concat(P[0], P[1], 2).numpy(), np.concatenate([p, ps[1]], 2))
+    np.testing.assert_array_equal(ops.pad_cols(P[0], 2).numpy(), np.pad(p, [(0, 0), (0, 0), (2, 0), (0, 0)]))
+    np.testing.assert_array_equal(ops.cols(P[0], 2).numpy(), p[:, :, 2:])
+    np.testing.assert_array_equal(ops.zeros((2, 3)).numpy(), np.zeros((2, 3)))
+    np.testing.assert_array_equal(ops.lead(C[0], 2).numpy(), c[:2])
+    np.testing.assert_array_equal(ops.at(C[0], 1, (b, kv, s, 1, d)).numpy(), c[1][:, :, :, None])
