@@ -62,10 +62,10 @@ class TorchBackend:
             torch.set_num_threads(threads)
         self.torch = torch
         m = read_manifest(model_dir)
-        self.model, _ = load_torch_model(resolve(m["source"]))
         if device != "cpu" and not torch.cuda.is_available():
             raise DBSError(f"--backend torch on {device!r}: this torch build sees no GPU")
         self.device = torch.device(device)
+        self.model, _ = load_torch_model(resolve(m["source"]))
         self.model.to(self.device)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.vocab_size = m["vocab_size"]
