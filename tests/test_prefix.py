@@ -356,6 +356,18 @@ def test_the_cache_on_the_device_generates_the_same_text(kind, exported):
             out += batch.step()
         texts[dbs is dev] = sorted(r.generated for _, r in out)
     assert texts[True] == texts[False]
+    # a second-LM scorer (here the same export) keeps its cache on the device the same way
+    from dbs_fast import DirectedBeamSearch
+    from dbs_fast.prefix import PrefixDecoder
+
+    scored = {}
+    for where in (None, "cpu"):
+        dbs = DirectedBeamSearch(exported[kind], kv_layout="prefix", scorer=str(exported[kind]))
+        dbs.scorer.decoder = PrefixDecoder(Path(exported[kind]) / "decode.onnx", "cpu", kv_device=where)
+        scored[where] = dbs.generate_batch(reqs[:2], seeds=[1, 2], config=cfg)
+        assert dbs.scorer.decoder.calls > 0                       # the scorer ran on that cache
+    assert [r.generated for r in scored[None]] == [r.generated for r in scored["cpu"]]
+    np.testing.assert_allclose([r.perplexity for r in scored[None]], [r.perplexity for r in scored["cpu"]], rtol=1e-4)
 
 
 def test_a_step_on_the_device_moves_only_ids_masks_and_logits(decoders):
