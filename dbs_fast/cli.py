@@ -362,6 +362,8 @@ def _add_serve(sub):
                    help="serve N replicas on Ray Serve instead (each its own engine; needs the ray extra)")
     p.add_argument("--ray-address", default=None, help="a running Ray cluster (`auto`), else a local Ray is started")
     p.add_argument("--ray-cpus", type=float, default=None, help="CPUs each replica reserves (default --threads or 1)")
+    p.add_argument("--ray-gpus", type=float, default=None,
+                   help="GPUs each replica reserves with --provider cuda (default 1; a fraction shares one)")
     p.set_defaults(func=_run_serve)
 
 
@@ -383,7 +385,7 @@ def _run_serve(a) -> int:
     if a.ray_replicas is not None:
         from .deploy import run
 
-        run(opts, a.ray_replicas, a.host, a.port, a.ray_address, a.ray_cpus)
+        run(opts, a.ray_replicas, a.host, a.port, a.ray_address, a.ray_cpus, a.ray_gpus)
         return 0
     serve(opts, a.host, a.port)
     return 0

@@ -11,8 +11,10 @@ On a cluster (`ray start --head` on one node, `ray start --address HEAD:6379` on
     serve run dbs_fast.deploy:build replicas=8 model=/shared/models/smollm2   # Ray's own CLI
 
 Each replica reserves `--ray-cpus` CPUs (default: its --threads, else 1) so Ray places them
-where cores are free; a model directory must exist on every node (or use `default`, which each
-node exports on first use).
+where cores are free, and with `--provider cuda` `--ray-gpus` GPUs (default 1; a fraction shares
+one): Ray shows an actor only the GPUs it reserved (CUDA_VISIBLE_DEVICES), so a CUDA replica that
+reserved none would see none and run on the CPU. A model directory must exist on every node (or
+use `default`, which each node exports on first use).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from .errors import DBSError
 from .service import ServiceOptions, create_app
 
 
-def application(opts: ServiceOptions, replicas: int = 1, cpus: float | None = None):
+def application(opts: ServiceOptions, replicas: int = 1, cpus: float | None = None, gpus: float | None = None):
     """The bound Ray Serve application (pass it to `serve.run`)."""
     try:
         from ray import serve
@@ -41,8 +43,13 @@ def application(opts: ServiceOptions, replicas: int = 1, cpus: float | None = No
             return create_app(self.options)
 
     cpus = cpus if cpus is not None else float(opts.threads or 1)
+    gpus = gpus if gpus is not None else (1.0 if opts.provider == "cuda" else 0.0)
+    if gpus < 0 or (gpus > 0 and opts.provider != "cuda"):
+        raise DBSError(f"`--ray-gpus` must be >= 0, and > 0 only with --provider cuda (got {gpus!r}, "
+                       f"provider {opts.provider!r})")
+    actor = {"num_cpus": cpus} | ({"num_gpus": gpus} if gpus else {})
     return serve.deployment(DBSFast, name="dbs-fast", num_replicas=replicas,
-                            ray_actor_options={"num_cpus": cpus}).bind(asdict(opts))
+                            ray_actor_options=actor).bind(asdict(opts))
 
 
 def build(args: dict):
@@ -51,10 +58,11 @@ def build(args: dict):
     args = dict(args)
     replicas = int(args.pop("replicas", 1))
     cpus = float(args.pop("cpus")) if "cpus" in args else None
+    gpus = float(args.pop("gpus")) if "gpus" in args else None
     unknown = set(args) - set(names)
     if unknown:
-        raise DBSError(f"unknown option(s) {sorted(unknown)}; known: replicas, cpus, {', '.join(names)}")
-    return application(ServiceOptions(**{k: names[k](v) for k, v in args.items()}), replicas, cpus)
+        raise DBSError(f"unknown option(s) {sorted(unknown)}; known: replicas, cpus, gpus, {', '.join(names)}")
+    return application(ServiceOptions(**{k: names[k](v) for k, v in args.items()}), replicas, cpus, gpus)
 
 
 def _parse(t):
@@ -64,14 +72,14 @@ def _parse(t):
 
 
 def run(opts: ServiceOptions, replicas: int, host: str, port: int, address: str | None = None,
-        cpus: float | None = None) -> None:
+        cpus: float | None = None, gpus: float | None = None) -> None:
     """Start (or join, with `address`) Ray, deploy the replicas, serve until interrupted."""
     try:
         import ray
         from ray import serve
     except ImportError as e:
         raise DBSError(f"Ray Serve is not installed: pip install 'dbs-fast[ray]' (missing: {e.name})") from None
-    app = application(opts, replicas, cpus)
+    app = application(opts, replicas, cpus, gpus)
     ray.init(address=address, ignore_reinit_error=True)
     serve.start(http_options={"host": host, "port": port})
     serve.run(app, name="dbs-fast", route_prefix="/", blocking=True)

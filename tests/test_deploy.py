@@ -65,3 +65,16 @@ def test_the_ray_cli_builder_checks_its_arguments():
         build({"replicas": "2", "modle": "x"})
     with pytest.raises(DBSError, match="ray-replicas"):
         application(ServiceOptions(), replicas=0)
+
+
+def test_a_cuda_replica_reserves_a_gpu():
+    """Ray shows an actor only the GPUs it reserved: a `--provider cuda` replica reserves one (or
+    the fraction asked), a CPU replica none; GPUs without CUDA are refused."""
+    def actor(app):
+        return app._bound_deployment.ray_actor_options
+
+    assert actor(application(ServiceOptions(), 2)) == {"num_cpus": 1.0}
+    assert actor(application(ServiceOptions(provider="cuda"), 2)) == {"num_cpus": 1.0, "num_gpus": 1.0}
+    assert actor(build({"replicas": "2", "provider": "cuda", "gpus": "0.5"}))["num_gpus"] == 0.5
+    with pytest.raises(DBSError, match="ray-gpus"):
+        application(ServiceOptions(), 1, gpus=1.0)
