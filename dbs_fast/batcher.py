@@ -184,7 +184,7 @@ class Batcher:
     def _step(self, cfg: DBSConfig) -> int:
         """One chunk of the batch of `cfg`; returns how many of its requests ended."""
         batch = self.batches[cfg]
-        before, t0 = batch.candidate_tokens, time.perf_counter()
+        before, t0, moved = batch.candidate_tokens, time.perf_counter(), self._moved()
         try:
             done = batch.step()
             partial = batch.certain(lambda r: self.jobs[id(r)].stream)
@@ -194,7 +194,7 @@ class Batcher:
             del self.batches[cfg]
             return 0
         if self.metrics:
-            self.metrics.chunk(time.perf_counter() - t0, batch.candidate_tokens - before)
+            self.metrics.chunk(time.perf_counter() - t0, batch.candidate_tokens - before, self._moved() - moved)
         for r, text in partial:
             job = self.jobs[id(r)]
             job.chunks += 1
@@ -207,6 +207,11 @@ class Batcher:
         if not batch.requests:
             del self.batches[cfg]
         return len(done)
+
+    def _moved(self) -> int:
+        """Bytes the generator's decode graph has bound from host memory so far (0 on the row layout)."""
+        decoder = getattr(self.dbs, "decoder", None)
+        return decoder.host_bytes_total if decoder is not None else 0
 
     def _finish(self, job: Job, kind: str, payload) -> None:
         job.send(kind, payload)

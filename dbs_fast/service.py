@@ -117,6 +117,8 @@ class Metrics:
         self.rows = Gauge("dbs_batch_rows", "candidate rows in the running batches", registry=r)
         self.tokens = Counter("dbs_candidate_tokens", "candidate tokens sampled", registry=r)
         self.rate = Gauge("dbs_candidate_tokens_per_second", "candidate tokens/s of the last chunk", registry=r)
+        self.moved = Counter("dbs_host_device_bytes", "bytes the decode graph bound from host memory (with "
+                             "--provider cuda: copied between host and GPU; engine v2 only)", registry=r)
         self.chunks = Histogram("dbs_chunk_seconds", "seconds per chunk of a running batch", registry=r,
                                 buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30))
         self.latency = Histogram("dbs_request_latency_seconds", "seconds from arrival to the result",
@@ -127,8 +129,9 @@ class Metrics:
         if latency is not None:
             self.latency.observe(latency)
 
-    def chunk(self, seconds: float, tokens: int) -> None:
+    def chunk(self, seconds: float, tokens: int, moved: int = 0) -> None:
         self.tokens.inc(tokens)
+        self.moved.inc(moved)
         self.rate.set(tokens / max(seconds, 1e-9))
         self.chunks.observe(seconds)
 

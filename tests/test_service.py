@@ -152,6 +152,9 @@ def test_metrics_and_health(server):
                  "dbs_request_latency_seconds_bucket", "dbs_candidate_tokens_per_second"):
         assert name in text
     assert 'dbs_requests_total{status="ok"}' in text and 'dbs_requests_total{status="invalid"}' in text
+    # engine v2's decode graph counts what it binds from host memory (on a GPU: what crosses the bus)
+    moved = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("dbs_host_device_bytes_total"))
+    assert moved > 0
 
 
 # -- back-pressure, disconnects, timeouts, failures: a server whose model steps slowly ------------
