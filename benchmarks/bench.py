@@ -591,7 +591,8 @@ def markdown(report: dict) -> str:
         ratios = res.get("ratios", {})
         for c, r in res["contenders"].items():
             if "error" in r:
-                lines.append(f"| {c} | failed: {r['error'].splitlines()[0][:80]} |" + " |" * 14)
+                err = r["error"].splitlines()          # "worker exited N: <its log's last lines>": the last one says why
+                lines.append(f"| {c} | failed: {err[-1].strip()[:120]} |" + " |" * 14)
             elif c == "reference":
                 lines.append(f"| reference (batch 1, no cache) | none | {r['extrapolated_seconds_per_generation']:.0f} "
                              f"(extrapolated) | {1 / r['seconds_per_candidate_token']:.2f} | "
