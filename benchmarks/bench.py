@@ -538,11 +538,9 @@ def _ratios(res: dict, cfg: DBSConfig) -> None:
                 r[f"{k}_vs_reference_per_candidate_token"] = ref * c[k]["candidate_tokens_per_second"]
     roof = res["roofline"]
     for k in ENGINES:
-        if k in c and roof is None:
-            st = c[k]["stage_ms_per_step"]
-            r[f"{k}_scheduling_share"] = (st["kv_gather"] + st["python"] + st["text"]) / c[k]["step_ms"]
-            r[f"{k}_peak_vs_budget"] = c[k]["peak_rss_bytes"] / res["memory_budget_bytes"][k]
-        elif k in c:
+        if k not in c:
+            continue
+        if roof is not None:                # none for a CUDA run (the roofline is ORT's CPU matmul)
             v2 = "_prefix" if c[k].get("kv_layout") == "prefix" else ""
             q = "int8" if "int8" in k else "fp32"
             base = roof[q + "_step_seconds" + v2]
@@ -553,9 +551,9 @@ def _ratios(res: dict, cfg: DBSConfig) -> None:
                 r[f"{k}_step_vs_roofline_same_load"] = statistics.median(
                     d / (n * (m + kv) / roof["rows"])
                     for d, n, m in zip(c[k]["decode_seconds_all"], c[k]["candidate_tokens_all"], mm))
-            st = c[k]["stage_ms_per_step"]
-            r[f"{k}_scheduling_share"] = (st["kv_gather"] + st["python"] + st["text"]) / c[k]["step_ms"]
-            r[f"{k}_peak_vs_budget"] = c[k]["peak_rss_bytes"] / res["memory_budget_bytes"][k]
+        st = c[k]["stage_ms_per_step"]
+        r[f"{k}_scheduling_share"] = (st["kv_gather"] + st["python"] + st["text"]) / c[k]["step_ms"]
+        r[f"{k}_peak_vs_budget"] = c[k]["peak_rss_bytes"] / res["memory_budget_bytes"][k]
     res["ratios"] = r
 
 

@@ -8,7 +8,7 @@ Prints ms per step by operator (median step time without the profiler first) and
 same as JSON with --out.
 
 ORT's profiler records each node's kernel time with its own cost inside it: on a chain of tiny
-nodes timed with and without the profiler (2-core Zen 2, 2026-11-25), a Reshape that costs 0.6 us
+nodes timed with and without the profiler (2-core Zen 2, 2026-11-25, a one-off probe), a Reshape that costs 0.6 us
 was recorded as 9 us, a Relu of 70 x 8 floats (0.5 us) as 6 us, an Add of 70 x 576 (7.6 us) as
 14 us. A decode step has ~2,000 such nodes, so the raw profile puts 10-15 ms into operators that
 do nothing measurable (the default's 578 Reshapes: 5.7 ms profiled, ~0.3 ms real). So the same
@@ -31,28 +31,38 @@ from dbs_fast.benchmarks.host import machine
 from dbs_fast.export.timing import feeds, median_run
 
 
-def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | None) -> dict:
+def _session(model, threads: int | None, prof_dir: str | None = None, optimize: bool = True):
+    """An ORT CPU session of `model` (a path or serialized bytes), profiling into `prof_dir` if given;
+    `optimize=False` keeps the graph as it is (ORT's default options otherwise, which spin)."""
     import onnxruntime as ort
 
-    def session(prof: bool, prefix: str = ""):
-        so = ort.SessionOptions()
-        if threads:
-            so.intra_op_num_threads = threads
-        so.enable_profiling = prof
-        if prof:
-            so.profile_file_prefix = prefix
-        return ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
+    so = ort.SessionOptions()
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if threads:
+        so.intra_op_num_threads = threads
+    so.enable_profiling = prof_dir is not None
+    if prof_dir is not None:
+        so.profile_file_prefix = str(Path(prof_dir) / "p")
+    return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so,
+                                providers=["CPUExecutionProvider"])
 
-    plain = session(False)
+
+def _profiled_events(model, x: dict, repeats: int, threads: int | None, optimize: bool = True) -> list[dict]:
+    """The profiler's events of 1 + `repeats` runs of `model` on `x` (the first is cold)."""
+    with tempfile.TemporaryDirectory() as d:
+        sess = _session(model, threads, d, optimize)
+        for _ in range(1 + repeats):
+            sess.run(None, x)
+        return json.loads(Path(sess.end_profiling()).read_text())
+
+
+def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | None) -> dict:
+    plain = _session(graph, threads)
     x = feeds(plain, b, s, T)
     step = median_run(plain, x, repeats)
     del plain
-    with tempfile.TemporaryDirectory() as d:
-        sess = session(True, str(Path(d) / "p"))
-        for _ in range(1 + repeats):
-            sess.run(None, x)
-        events = json.loads(Path(sess.end_profiling()).read_text())
-    dur, count = by_operator(events, skip=1)
+    dur, count = by_operator(_profiled_events(graph, x, repeats, threads), skip=1)
     total = sum(dur.values())
     over = profiler_overhead_us(threads)
     ops = [{"op": op, "ms_per_step": us / repeats / 1e3, "share": us / total, "nodes_per_step": count[op] / repeats,
@@ -69,7 +79,6 @@ def profiler_overhead_us(threads: int | None, nodes: int = 400, repeats: int = 7
     of `nodes` Relus on 70 x 8 floats (work well under 1 us each) run with and without the profiler;
     the recorded median kernel time less the unprofiled time per node."""
     import numpy as np
-    import onnxruntime as ort
     from onnx import TensorProto, helper
 
     names = ["x"] + [f"y{i}" for i in range(nodes)]
@@ -78,39 +87,26 @@ def profiler_overhead_us(threads: int | None, nodes: int = 400, repeats: int = 7
                           [helper.make_tensor_value_info(names[-1], TensorProto.FLOAT, [70, 8])])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
     x = {"x": np.ones((70, 8), np.float32)}
-    with tempfile.TemporaryDirectory() as d:
-        def session(prof: bool):
-            so = ort.SessionOptions()
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL     # keep the chain
-            if threads:
-                so.intra_op_num_threads = threads
-            so.enable_profiling = prof
-            if prof:
-                so.profile_file_prefix = str(Path(d) / "chain")
-            return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
-
-        plain = median_run(session(False), x, repeats) / nodes * 1e6
-        sess = session(True)
-        for _ in range(1 + repeats):
-            sess.run(None, x)
-        events = json.loads(Path(sess.end_profiling()).read_text())
-    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")[1:]
-    rec = [e["dur"] for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
-           and any(a <= e["ts"] <= z for a, z in runs)]
+    plain = median_run(_session(model, threads, optimize=False), x, repeats) / nodes * 1e6   # keep the chain
+    rec = [e["dur"] for e in _warm_nodes(_profiled_events(model, x, repeats, threads, optimize=False), skip=1)]
     return max(0.0, statistics.median(rec) - plain)
+
+
+def _warm_nodes(events: list[dict], skip: int) -> list[dict]:
+    """The node kernel-time events of the profiled runs after the first `skip`."""
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")[skip:]
+    return [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
+            and any(a <= e["ts"] <= b for a, b in runs)]
 
 
 def by_operator(events: list[dict], skip: int = 1) -> tuple[collections.Counter, collections.Counter]:
     """Microseconds and node count by operator over the profiled runs after the first `skip`.
     A session's first run is cold (buffers first touched, kernels' first calls): counted in, it
     put 55 ms of FastGelu into a 615 ms GPT-2-large fp32 step whose later runs spend 4.5 ms there."""
-    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")[skip:]
     dur, count = collections.Counter(), collections.Counter()
-    for e in events:
-        if (e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
-                and any(a <= e["ts"] <= b for a, b in runs)):
-            dur[e["args"]["op_name"]] += e["dur"]
-            count[e["args"]["op_name"]] += 1
+    for e in _warm_nodes(events, skip):
+        dur[e["args"]["op_name"]] += e["dur"]
+        count[e["args"]["op_name"]] += 1
     return dur, count
 
 

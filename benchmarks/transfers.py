@@ -21,17 +21,16 @@ CONTEXT = "It is"
 
 def run(model: str, keywords: list[str], seed: int = 0) -> dict:
     from dbs_fast import DBSConfig, DirectedBeamSearch
-    from dbs_fast.api import resolve_model_dir
     from dbs_fast.prefix import DECODE_GRAPH, PrefixDecoder
 
     cfg = DBSConfig.paper()
-    path = resolve_model_dir(model)
     out = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "model": str(model),
            "config": {"beams": cfg.beams, "candidates": cfg.candidates, "chunk": cfg.chunk,
                       "max_new_tokens": cfg.max_new_tokens}, "keywords": keywords}
     for where in ("host", "device"):
-        dbs = DirectedBeamSearch(model, config=cfg, kv_layout="prefix")
-        dbs.decoder = PrefixDecoder(Path(path) / DECODE_GRAPH, "cpu", kv_device=None if where == "host" else "cpu")
+        dbs = DirectedBeamSearch(model, config=cfg, kv_layout="prefix")    # its decoder: the host cache
+        if where == "device":
+            dbs.decoder = PrefixDecoder(dbs.model_dir / DECODE_GRAPH, "cpu", kv_device="cpu")
         dbs.generate(CONTEXT, keywords, seed=seed)            # warm: sessions, Numba, first allocations
         dbs.decoder.host_bytes_total = dbs.decoder.calls = 0
         t0 = time.perf_counter()

@@ -43,10 +43,6 @@ class DeviceArray:
     def ptr(self) -> int:
         return self.buf.data_ptr() + self.offset * F32.itemsize
 
-    @property
-    def dtype(self):
-        return F32
-
     def lead(self, n: int) -> DeviceArray:
         """The first n entries of axis 0 (a view)."""
         return DeviceArray(self.buf, (n,) + tuple(self.shape[1:]), self.offset)
