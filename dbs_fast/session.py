@@ -157,6 +157,41 @@ def session_options(threads: int | None):
     return so
 
 
+# Operators of our exports that ORT's CUDA provider has no kernel for, so ORT runs them on the CPU and
+# copies their inputs and outputs between host and GPU around every one: the dynamic-int8 graph's
+# activation quantiser, and its integer matmul on uint8 activations (CUDA's MatMulInteger takes int8 x
+# int8 only). From onnxruntime-gpu 1.31.1 (docs/OperatorKernels.md and the CUDA provider library's
+# kernel classes, 2026-11-25). fp32 and int8-block (MatMulNBits) graphs have CUDA kernels throughout.
+CUDA_FALLBACK_OPS = ("DynamicQuantizeLinear", "MatMulInteger", "DynamicQuantizeMatMul")
+
+
+def cuda_fallback_ops(path: Path) -> dict[str, int]:
+    """{operator: count} of the graph's nodes that would run on the CPU under the CUDA provider.
+    Without the `onnx` package (a runtime-only install) it goes by the export's manifest instead."""
+    try:
+        import onnx
+    except ImportError:
+        try:
+            dtype = json.loads((Path(path).parent / MANIFEST).read_text()).get("dtype")
+        except (OSError, ValueError):
+            return {}
+        return {"dynamic-int8 graph": 1} if dtype == "int8-dynamic" else {}
+    found: dict[str, int] = {}
+    for node in onnx.load(str(path), load_external_data=False).graph.node:
+        if node.op_type in CUDA_FALLBACK_OPS:
+            found[node.op_type] = found.get(node.op_type, 0) + 1
+    return found
+
+
+def _warn_cuda_fallback(path: Path) -> None:
+    found = cuda_fallback_ops(path)
+    if found:
+        ops = ", ".join(f"{n} {op}" for op, n in found.items())
+        warnings.warn(f"{path}: ORT's CUDA provider has no kernels for this graph's dynamic-int8 nodes ({ops}): "
+                      f"they run on the CPU, with a host<->GPU copy around each. For the GPU export fp32 or "
+                      f"`--quantize int8-block`", RuntimeWarning, stacklevel=3)
+
+
 def make_session(path: Path, provider: str = "cpu", threads: int | None = None):
     import onnxruntime as ort
 
@@ -171,9 +206,17 @@ def make_session(path: Path, provider: str = "cpu", threads: int | None = None):
             warnings.warn(f"{wanted} is not available in this onnxruntime build; falling back to CPU "
                           f"(install dbs-fast[gpu] for CUDA)", RuntimeWarning, stacklevel=2)
     try:
-        return ort.InferenceSession(str(path), sess_options=session_options(threads), providers=providers)
+        session = ort.InferenceSession(str(path), sess_options=session_options(threads), providers=providers)
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types
         raise DBSError(f"cannot load {path}: {str(e).splitlines()[0][:300]}") from None
+    if providers[0] != "CPUExecutionProvider" and session.get_providers()[0] != providers[0]:
+        # onnxruntime-gpu without the CUDA / cuDNN libraries it was built for, or no GPU: ORT logs why
+        warnings.warn(f"{providers[0]} did not start (ORT's message above names what is missing: onnxruntime-gpu "
+                      f"{ort.__version__} needs its CUDA and cuDNN libraries, e.g. `pip install "
+                      f"'onnxruntime-gpu[cuda,cudnn]'`, and a GPU); running on the CPU", RuntimeWarning, stacklevel=2)
+    elif session.get_providers()[0] == "CUDAExecutionProvider":
+        _warn_cuda_fallback(path)
+    return session
 
 
 class OnnxModel:

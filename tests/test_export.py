@@ -41,6 +41,7 @@ def test_quantized_and_optimized_export(checkpoints, tmp_path):
     assert qb["dtype"] == "int8-block" and qb["quantize"]["quantized_nodes"] > 0 and qb["parity"]["passed"]
     for m in (q, qb):       # engine v2's decode graph, quantised the same way, within int8 parity of model.onnx
         assert m["prefix_decode"]["written"] and m["prefix_decode"]["mean_kl"] < 0.1 and m["prefix_decode"]["quantize"]
+    _check_cuda_fallback(tmp_path / "q", tmp_path / "qb")
     gq = export_model(str(checkpoints["gpt2"]), tmp_path / "gq", quantize="int8", quiet=True)
     assert gq["steps"] == ["export", "fuse_attention", "quantize"] and gq["parity"]["passed"]
     o = export_model(str(checkpoints["gpt2"]), tmp_path / "o", optimize=True, quiet=True)
@@ -48,6 +49,24 @@ def test_quantized_and_optimized_export(checkpoints, tmp_path):
     assert o["steps"] == ["export", "fuse_attention", "optimize"] and o["parity"]["passed"]
     lo = export_model(str(checkpoints["llama"]), tmp_path / "lo", optimize=True, quiet=True)
     assert lo["optimize"]["applied"] is False and "reason" in lo["optimize"]  # fallback reported
+
+
+def _check_cuda_fallback(dynamic, block):
+    """The dynamic-int8 graphs hold the nodes ORT's CUDA provider has no kernels for (they would run on
+    the CPU, copies around each), int8-block's none; with no `onnx` package the manifest tells."""
+    import sys
+
+    from dbs_fast.session import _warn_cuda_fallback, cuda_fallback_ops
+
+    for name in ("decode.onnx", "model.onnx"):
+        found = cuda_fallback_ops(dynamic / name)
+        assert found["MatMulInteger"] >= found["DynamicQuantizeLinear"] > 0    # one quantiser per shared input
+        assert cuda_fallback_ops(block / name) == {}
+    with pytest.warns(RuntimeWarning, match="no kernels for this graph's dynamic-int8 nodes.*int8-block"):
+        _warn_cuda_fallback(dynamic / "decode.onnx")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "onnx", None)              # `import onnx` raises ImportError
+        assert cuda_fallback_ops(dynamic / "decode.onnx") and cuda_fallback_ops(block / "decode.onnx") == {}
 
 
 def test_quantize_plan_and_choice():
@@ -206,11 +225,29 @@ def test_import_dbs_fast_loads_no_torch():
 
 
 def test_cuda_provider_falls_back_to_cpu(exported):
-    from dbs_fast.session import OnnxModel
+    import onnxruntime as ort
+
+    from dbs_fast.session import OnnxModel, cuda_fallback_ops
+
+    assert cuda_fallback_ops(exported["gpt2"] / "decode.onnx") == {}     # fp32: CUDA kernels throughout
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu: CUDA is there to start (the next test covers a start that fails)")
 
     with pytest.warns(RuntimeWarning, match="falling back to CPU"):
         m = OnnxModel(exported["gpt2"], provider="cuda")
     assert m.provider == "CPUExecutionProvider"
+
+
+def test_a_cuda_provider_that_does_not_start_is_named(exported, monkeypatch):
+    """onnxruntime-gpu lists CUDA but its session starts on the CPU (no CUDA libraries, no GPU): warned."""
+    import onnxruntime as ort
+
+    from dbs_fast.session import make_session
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    with pytest.warns(RuntimeWarning, match="CUDAExecutionProvider did not start.*running on the CPU"):
+        s = make_session(exported["gpt2"] / "decode.onnx", "cuda")
+    assert s.get_providers() == ["CPUExecutionProvider"]
 
 
 def _err(capsys, argv) -> str:
