@@ -137,6 +137,16 @@ def _stage_ms(r, steps: int) -> dict:
     return per
 
 
+def cpu_nodes_on_cuda(model_dir: str, kv_layout: str, backend: str) -> dict | None:
+    """The contender's graph's nodes that ORT's CUDA provider has no kernels for ({op: count})."""
+    from dbs_fast.prefix import DECODE_GRAPH
+    from dbs_fast.session import cuda_fallback_ops
+
+    if backend != "onnx":
+        return None
+    return cuda_fallback_ops(Path(model_dir) / (DECODE_GRAPH if kv_layout == "prefix" else "model.onnx"))
+
+
 def worker_engine(spec: dict, order=None) -> dict:
     """One contender's generations: a cold one, then `order` (the generation indices, default
     0..repeats-1; a driven worker gets them from the driver one at a time, `_driven`)."""
@@ -191,6 +201,9 @@ def worker_engine(spec: dict, order=None) -> dict:
         # what a graph call bound from host memory: on CUDA the bytes copied across (PrefixDecoder.host_bytes)
         "host_mb_per_call": (dbs.decoder.host_bytes_total / max(1, dbs.decoder.calls) / 1e6
                              if dbs.decoder is not None else None),
+        # nodes ORT's CUDA provider has no kernels for (they run on the CPU): the dynamic-int8 graph's
+        "cpu_nodes_on_cuda": cpu_nodes_on_cuda(spec["model_dir"], "prefix" if dbs.decoder is not None else "rows", backend)
+                              if provider == "cuda" else None,
     }
     sweep = []
     for b, s in spec.get("sweep", []):
@@ -577,7 +590,10 @@ def markdown(report: dict) -> str:
                      f"on engine v2's (it reads b prefixes, not b*s)." if roof else
                      f"Provider {report.get('provider')}: no roofline (the bench's is ORT's CPU matmul); host<->device "
                      f"MB per graph call: " + ", ".join(f"{c} {r['host_mb_per_call']:.2f}" for c, r in
-                                                        res["contenders"].items() if r.get("host_mb_per_call")) + ".")
+                                                        res["contenders"].items() if r.get("host_mb_per_call")) + "."
+                     + "".join(f" {c}: {', '.join(f'{n} {op}' for op, n in r['cpu_nodes_on_cuda'].items())} "
+                               f"nodes have no CUDA kernel and run on the CPU." for c, r in res["contenders"].items()
+                               if r.get("cpu_nodes_on_cuda")))
         lines += [f"### {name} (onnx-int8 = `--quantize {res['models'].get('int8_method', 'int8')}`)", "",
                   roof_line
                   + (f" {', '.join(res['in_turns'])} took turns, one generation each per round (ABC CBA ...); "

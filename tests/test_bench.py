@@ -72,8 +72,18 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
     point["roofline"] = None
     _ratios(point, DBSConfig(**on_disk["config"]))
     assert "onnx-fp32_vs_torch" in point["ratios"] and not any("roofline" in k for k in point["ratios"])
+    from dbs_fast.benchmarks.bench import cpu_nodes_on_cuda
+
+    for c, r in point["contenders"].items():    # what a CUDA worker records: the graph's nodes with no CUDA kernel
+        if c.startswith("onnx"):
+            r["cpu_nodes_on_cuda"] = cpu_nodes_on_cuda(r["model_dir"], r["kv_layout"], "onnx")
+    assert point["contenders"]["onnx-fp32"]["cpu_nodes_on_cuda"] == {}
+    assert cpu_nodes_on_cuda(point["contenders"]["onnx-fp32"]["model_dir"], "prefix", "torch") is None
+    dynamic = point["models"].get("int8_method", "int8") == "int8"
+    assert bool(point["contenders"]["onnx-int8"]["cpu_nodes_on_cuda"]) == dynamic
     md = markdown(on_disk)
     assert "Provider cuda: no roofline" in md and "host<->device MB per graph call: onnx-fp32" in md
+    assert ("MatMulInteger nodes have no CUDA kernel and run on the CPU" in md) == dynamic
     plots(on_disk, tmp_path)
 
 
