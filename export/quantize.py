@@ -41,15 +41,63 @@ def choose(step_seconds: dict[str | None, float], margin: float = MARGIN) -> str
     return best
 
 
+def untie_shared_gemm(src: Path, dst: Path) -> bool:
+    """Write `src` to `dst` with every Gemm(transB=1) whose weight another node also reads (engine v2's
+    tied head, `prefix_graph.share_tied_head`: the embedding Gather and the head share one tensor) as a
+    MatMul on a transposed copy of its own. False (nothing written) when there is none. What for:
+    onnxruntime's `quantize_dynamic` before 1.32 (1.31.1 seen, 2026-11-25) transposes such a shared weight
+    in place for the Gemm, so the Gather then reads it transposed and the graph fails to load; 1.32 keeps a
+    transposed copy of its own, as this does. The quantised graph is the same size either way (the
+    Gather's int8 table and the head's), and the fp32 copy here is only the quantiser's input."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    g = onnx.load(str(src))
+    inits = {i.name: i for i in g.graph.initializer}
+    readers: dict[str, int] = {}
+    for node in g.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    changed = False
+    for k, node in enumerate(g.graph.node):
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if (node.op_type != "Gemm" or len(node.input) != 2 or attrs.get("transB") != 1 or attrs.get("transA", 0)
+                or attrs.get("alpha", 1.0) != 1.0 or node.input[1] not in inits or readers[node.input[1]] < 2):
+            continue
+        w = numpy_helper.to_array(inits[node.input[1]])
+        copy = numpy_helper.from_array(w.T.copy(), node.input[1] + "_transposed_for_head")
+        g.graph.initializer.append(copy)
+        g.graph.node[k].CopyFrom(helper.make_node("MatMul", [node.input[0], copy.name], list(node.output),
+                                                  name=node.name or "tied_head"))
+        changed = True
+    if changed:
+        large = sum(len(t.raw_data) for t in g.graph.initializer) > 1_800_000_000
+        onnx.save(g, str(dst), save_as_external_data=large, all_tensors_to_one_file=True, location=dst.name + "_data")
+    return changed
+
+
+def _quantizer_transposes_shared_weights() -> bool:
+    import onnxruntime
+    from packaging.version import Version
+
+    return Version(onnxruntime.__version__).release < (1, 32)
+
+
 def quantize_int8(src: Path, dst: Path) -> dict:
+    import tempfile
+
     from onnx import TensorProto
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=False,
-                     use_external_data_format=False,
-                     # shape inference stops at contrib ops (MultiHeadAttention): tensors after
-                     # them have no inferred type, and every activation here is float32
-                     extra_options={"MatMulConstBOnly": True, "DefaultTensorType": TensorProto.FLOAT})
+    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=".untied-") as tmp:
+        untied = Path(tmp) / src.name
+        if _quantizer_transposes_shared_weights() and untie_shared_gemm(src, untied):
+            src = untied
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=False,
+                         use_external_data_format=False,
+                         # shape inference stops at contrib ops (MultiHeadAttention): tensors after
+                         # them have no inferred type, and every activation here is float32
+                         extra_options={"MatMulConstBOnly": True, "DefaultTensorType": TensorProto.FLOAT})
     return {"method": "onnxruntime.quantize_dynamic", "weight_type": "int8", "ops": ["MatMul", "Gemm"]}
 
 

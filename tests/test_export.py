@@ -84,6 +84,29 @@ def test_quantize_plan_and_choice():
         ["AVX2", "AVX-512", "AVX-512 VNNI", "AMX-INT8"]
 
 
+def test_untied_head_for_older_quantizers(exported, tmp_path, monkeypatch):
+    """engine v2's tied head (the embedding Gather and a Gemm(transB=1) reading one tensor) is given
+    a transposed copy of its own before dynamic quantisation where onnxruntime's quantiser is older
+    than 1.32 (it transposed the shared tensor in place: the graph then failed to load): the same
+    logits, and the quantised graph loads."""
+    from dbs_fast.export import quantize as qz
+    from dbs_fast.export.timing import feeds
+    from dbs_fast.session import make_session
+
+    src = exported["llama"] / "decode.onnx"
+    assert qz.untie_shared_gemm(src, tmp_path / "untied.onnx")
+    assert not qz.untie_shared_gemm(tmp_path / "untied.onnx", tmp_path / "again.onnx")      # nothing shared now
+    assert not (tmp_path / "again.onnx").exists()
+    a, b = make_session(src), make_session(tmp_path / "untied.onnx")
+    f = feeds(a, 2, 3, 6)
+    np.testing.assert_allclose(a.run(["logits"], f)[0], b.run(["logits"], f)[0], rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(qz, "_quantizer_transposes_shared_weights", lambda: True)   # the older quantiser's path
+    qz.quantize_int8(src, tmp_path / "q.onnx")
+    q = make_session(tmp_path / "q.onnx")
+    assert q.run(["logits"], f)[0].shape == a.run(["logits"], f)[0].shape
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".untied-")] == []      # its copy removed
+
+
 def test_step_feeds_fit_both_graphs(exported):
     """The timer's random inputs run on engine v2's graph and on the row layout's."""
     from dbs_fast.export.timing import engine_graph, feeds, step_seconds
