@@ -192,6 +192,24 @@ def _warn_cuda_fallback(path: Path) -> None:
                       f"`--quantize int8-block`", RuntimeWarning, stacklevel=3)
 
 
+# onnxruntime and onnxruntime-gpu ship the same module: installed together (as `pip install dbs-fast[gpu]`
+# does, onnxruntime being a dependency) one's files overwrite the other's, and removing one breaks the other
+GPU_SWAP = "pip uninstall -y onnxruntime onnxruntime-gpu && pip install 'onnxruntime-gpu[cuda,cudnn]'"
+GPU_INSTALL_HINT = (f"Both onnxruntime and onnxruntime-gpu are installed, and the CPU build's files are the "
+                    f"ones imported (they share the module `onnxruntime`): {GPU_SWAP}")
+
+
+def _both_onnxruntimes() -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.version("onnxruntime")
+        metadata.version("onnxruntime-gpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def make_session(path: Path, provider: str = "cpu", threads: int | None = None):
     import onnxruntime as ort
 
@@ -203,8 +221,9 @@ def make_session(path: Path, provider: str = "cpu", threads: int | None = None):
         if wanted in ort.get_available_providers():
             providers = [wanted, "CPUExecutionProvider"]
         else:
-            warnings.warn(f"{wanted} is not available in this onnxruntime build; falling back to CPU "
-                          f"(install dbs-fast[gpu] for CUDA)", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"{wanted} is not available in this onnxruntime build ({ort.__version__}); falling back "
+                          f"to CPU. {GPU_INSTALL_HINT if _both_onnxruntimes() else 'For CUDA: ' + GPU_SWAP}",
+                          RuntimeWarning, stacklevel=2)
     try:
         session = ort.InferenceSession(str(path), sess_options=session_options(threads), providers=providers)
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types

@@ -256,9 +256,16 @@ def test_cuda_provider_falls_back_to_cpu(exported):
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("onnxruntime-gpu: CUDA is there to start (the next test covers a start that fails)")
 
-    with pytest.warns(RuntimeWarning, match="falling back to CPU"):
+    with pytest.warns(RuntimeWarning, match="falling back to CPU. For CUDA: pip uninstall -y onnxruntime"):
         m = OnnxModel(exported["gpt2"], provider="cuda")
     assert m.provider == "CPUExecutionProvider"
+    from importlib import metadata
+
+    real = metadata.version      # `pip install dbs-fast[gpu]` leaves both packages, the CPU one imported
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(metadata, "version", lambda name: "1.31.1" if name == "onnxruntime-gpu" else real(name))
+        with pytest.warns(RuntimeWarning, match="Both onnxruntime and onnxruntime-gpu are installed"):
+            OnnxModel(exported["gpt2"], provider="cuda")
 
 
 def test_a_cuda_provider_that_does_not_start_is_named(exported, monkeypatch):
