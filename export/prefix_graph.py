@@ -293,12 +293,20 @@ def share_tied_head(path: Path) -> int:
         saved = w.nbytes
         break
     if saved or large:
-        onnx.save(g, str(path), save_as_external_data=large, all_tensors_to_one_file=True,
-                  location=path.name + "_data")
+        save(g, path)
     return saved
 
 
 LARGE = 1_800_000_000   # bytes of weights above which a graph keeps them in an external file
+
+
+def save(g, path: Path) -> None:
+    """Write the ONNX model `g` to `path`, its weights in one external file `<name>_data` when they
+    are over `LARGE` (protobuf's 2 GB limit), as model.onnx's are."""
+    import onnx
+
+    large = sum(len(t.raw_data) for t in g.graph.initializer) > LARGE
+    onnx.save(g, str(path), save_as_external_data=large, all_tensors_to_one_file=True, location=path.name + "_data")
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:

@@ -49,15 +49,16 @@ def untie_shared_gemm(src: Path, dst: Path) -> bool:
     in place for the Gemm, so the Gather then reads it transposed and the graph fails to load; 1.32 keeps a
     transposed copy of its own, as this does. The quantised graph is the same size either way (the
     Gather's int8 table and the head's), and the fp32 copy here is only the quantiser's input."""
+    from collections import Counter
+
     import onnx
     from onnx import helper, numpy_helper
 
+    from .prefix_graph import save
+
     g = onnx.load(str(src))
     inits = {i.name: i for i in g.graph.initializer}
-    readers: dict[str, int] = {}
-    for node in g.graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
+    readers = Counter(name for node in g.graph.node for name in node.input)
     changed = False
     for k, node in enumerate(g.graph.node):
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -71,8 +72,7 @@ def untie_shared_gemm(src: Path, dst: Path) -> bool:
                                                   name=node.name or "tied_head"))
         changed = True
     if changed:
-        large = sum(len(t.raw_data) for t in g.graph.initializer) > 1_800_000_000
-        onnx.save(g, str(dst), save_as_external_data=large, all_tensors_to_one_file=True, location=dst.name + "_data")
+        save(g, dst)
     return changed
 
 
@@ -105,11 +105,13 @@ def quantize_int8_block(src: Path, dst: Path, block_size: int = 32) -> dict:
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+    from .prefix_graph import LARGE
+
     q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=8, block_size=block_size, is_symmetric=True,
                              accuracy_level=4, op_types_to_quantize=("MatMul",))
     q.process()
     n = sum(1 for node in q.model.model.graph.node if node.op_type == "MatMulNBits")
-    large = sum(t.ByteSize() for t in q.model.model.graph.initializer) > 1.8e9
+    large = sum(t.ByteSize() for t in q.model.model.graph.initializer) > LARGE
     q.model.save_model_to_file(str(dst), use_external_data_format=large)
     return {"method": "onnxruntime MatMulNBits (weight-only)", "weight_type": "int8", "block_size": block_size,
             "accuracy_level": 4, "ops": ["MatMul"], "quantized_nodes": n}
