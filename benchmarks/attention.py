@@ -16,7 +16,7 @@ cold as in a real step), the projections left out (the same in every arm):
 Before timing, the dmmha arm is checked against v2 on the same data (the indirection points
 each row's prefix positions at the row that holds its beam's prefix): the outputs must agree.
 
-    python -m dbs_fast.benchmarks.attention [--layers 36 --heads 20 --head-dim 64 --beams 7
+    python -m benchmarks.attention [--layers 36 --heads 20 --head-dim 64 --beams 7
         --candidates 10 --prefix 47 --max-len 92 --chunk 5 --used 2] [--arms v2,dmmha,mha] [--out FILE.json]
 
 The v2 arm's graph is built by the checkout's own `attend`: `--arms v2` run at two commits, in
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dbs_fast.benchmarks.host import machine
+from dbs_fast.bench.machine import machine
 from dbs_fast.export.timing import median_run, median_seconds
 
 K_CHUNK, USED = 5, 2        # chunk length k and the tokens of it already decoded

@@ -1,7 +1,7 @@
 """Constraint checks on the embedded default, as a benchmark (not a test): the ban rate and the
 cost of `--order any` / phrases against `--order next` at the paper setting.
 
-    python -m dbs_fast.benchmarks.constraints --out runs/constraints [--n 100] [--sets 5]
+    python -m benchmarks.constraints --out runs/constraints [--n 100] [--sets 5]
 
 ban: N generations (seeds 0..N-1) of a context and keywords that make the banned word likely,
 without and with `ban`; the word's rate (whole words, case-insensitive, any inflection the ban
@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence
-from dbs_fast.benchmarks.eval import builtin_sets
-from dbs_fast.benchmarks.host import machine
+from dbs_fast.evaluation import builtin_sets
+from dbs_fast.bench.machine import machine
 
 BAN_CASE = {"context": "World War II was", "keywords": ["army", "conflict"], "ban": ["war", "wars"]}
 

@@ -8,7 +8,7 @@ generation goes on unchanged. The difference between the two columns is what the
 engine costs the graph (caches it evicts, threads it leaves spinning); the graph's own speed at
 the generation's shapes is the repeat's.
 
-    python -m dbs_fast.benchmarks.in_generation --model DIR [--max-new-tokens 90] [--out FILE.json]
+    python -m benchmarks.in_generation --model DIR [--max-new-tokens 90] [--out FILE.json]
 
 One cold generation first (not timed), then one timed at the paper's setting.
 """
@@ -20,8 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
-from dbs_fast.benchmarks.bench import CONTEXT, KEYWORD_SETS
-from dbs_fast.benchmarks.host import decode_graph_export, machine
+from dbs_fast.bench.suite import CONTEXT, KEYWORD_SETS
+from dbs_fast.bench.machine import decode_graph_export, machine
 
 from dbs_fast.config import DBSConfig
 

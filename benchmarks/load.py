@@ -1,6 +1,6 @@
 """Load test of `dbs-fast serve` on loopback (a benchmark, not a test).
 
-    python -m dbs_fast.benchmarks.load --out runs/load [--levels 1,2,4,8,16] [--skip paper,soak]
+    python -m benchmarks.load --out runs/load [--levels 1,2,4,8,16] [--skip paper,soak]
 
 Each arm starts its own server process (`dbs-fast serve`), waits for /health, and drives it
 with N concurrent asyncio clients (httpx), each sending `--per-client` requests back to back:
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dbs_fast.benchmarks.eval import builtin_sets
-from dbs_fast.benchmarks.host import machine
+from dbs_fast.evaluation import builtin_sets
+from dbs_fast.bench.machine import machine
 from dbs_fast.service import ServiceOptions
 
 SMALL = {"beams": 2, "candidates": 2, "order": "any", "max_new_tokens": 32, "context": "A"}

@@ -9,7 +9,7 @@ are timed in alternating rounds in one process: each round, the step's median of
 every shape's median of 3 runs x its count in the step. Matmuls only: the roofline's KV-read
 term and the engine's kernel, text and Python work are not in either arm.
 
-    python -m dbs_fast.benchmarks.overhead --model DIR [--int8] [--rounds 6 --beams 7 --candidates 10
+    python -m benchmarks.overhead --model DIR [--int8] [--rounds 6 --beams 7 --candidates 10
         --prefix 47] [--out FILE.json]
 
 `--int8`: the roofline's int8 matmuls (ORT's dynamic quantisation), for an int8 export.
@@ -22,8 +22,8 @@ import statistics
 import time
 from pathlib import Path
 
-from dbs_fast.benchmarks.bench import linear_shapes, matmul_session
-from dbs_fast.benchmarks.host import decode_graph_export, machine
+from dbs_fast.bench.suite import linear_shapes, matmul_session
+from dbs_fast.bench.machine import decode_graph_export, machine
 from dbs_fast.export.timing import feeds, median_run
 from dbs_fast.prefix import DECODE_GRAPH
 

@@ -2,7 +2,7 @@
 `decode.onnx` at the paper setting (b beams x s candidates, prefix length T, 2 chunk tokens in),
 summed by operator type. Random K/V and token ids: the cost does not depend on the values.
 
-    python -m dbs_fast.benchmarks.profile --model DIR [--beams 7 --candidates 10 --prefix 47]
+    python -m benchmarks.profile --model DIR [--beams 7 --candidates 10 --prefix 47]
 
 Prints ms per step by operator (median step time without the profiler first) and writes the
 same as JSON with --out.
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dbs_fast.benchmarks.host import machine
+from dbs_fast.bench.machine import machine
 from dbs_fast.export.timing import feeds, median_run
 
 

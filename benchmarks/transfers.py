@@ -5,7 +5,7 @@ so the bytes are those a CUDA run would copy across (host arrays bound to a devi
 copied at binding, outputs into host memory at every run: `PrefixDecoder.host_bytes`); the
 seconds are the CPU's, not a GPU's. Both must write the same text.
 
-    python -m dbs_fast.benchmarks.transfers --model DIR [--keywords enemy,speed,meet,colony,mouth]
+    python -m benchmarks.transfers --model DIR [--keywords enemy,speed,meet,colony,mouth]
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from dbs_fast.benchmarks.host import machine
+from dbs_fast.bench.machine import machine
 
 CONTEXT = "It is"
 

@@ -1,10 +1,8 @@
 """dbs-fast: Directed Beam Search on ONNX Runtime with a Numba logits kernel.
 
-The runtime (this package) needs no torch; `dbs_fast.export` (folder `export/`) and the
+The runtime (this package) needs no torch; `dbs_fast.export`, `dbs_fast.bench` and the
 PyTorch baseline backend import torch lazily, only when used.
 """
-# `export/` and `benchmarks/` are mapped to dbs_fast.export / dbs_fast.benchmarks by pyproject's
-# package-dir, installed or editable (`pip install -e .`): no path tricks here.
 __version__ = "0.1.0"
 
 from .config import DBSConfig  # noqa: E402

@@ -206,7 +206,7 @@ def eval_configs(cfg, runs: str) -> dict:
 
 
 def _eval_sets(a):
-    from .benchmarks.eval import builtin_sets, read_sets, sample_sets
+    from .evaluation import builtin_sets, read_sets, sample_sets
 
     if a.keywords_file:
         return read_sets(a.keywords_file)
@@ -221,7 +221,7 @@ def _run_eval(a) -> int:
     from pathlib import Path
 
     from .api import DirectedBeamSearch
-    from .benchmarks.eval import run_eval
+    from .evaluation import run_eval
 
     if a.batch < 1:
         raise DBSError(f"`--batch` must be >= 1, got {a.batch}")
@@ -237,7 +237,7 @@ def _run_eval(a) -> int:
     sets = _eval_sets(a)[: a.limit]
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads, kv_layout=a.kv_layout)
     if a.stories:
-        from .benchmarks.eval import run_stories
+        from .evaluation import run_stories
 
         tty = sys.stdout.isatty()
         for r in run_stories(dbs, Path(a.out), seed=a.seed):
@@ -245,7 +245,7 @@ def _run_eval(a) -> int:
                   f"\n     success {r['success_rate']:.2f}, perplexity {r['perplexity']:.1f}\n")
         return 0
     if a.grid:
-        from .benchmarks.eval import grid_configs, run_grid
+        from .evaluation import grid_configs, run_grid
 
         try:
             lams = [float(x) for x in a.grid_lambdas.split(",")]
@@ -264,7 +264,7 @@ def _run_eval(a) -> int:
 
         judge = Judge(judge_for(a.model) if a.judge == "auto" else a.judge, generator_dir=dbs.model_dir,
                       threads=a.threads)
-    from .benchmarks.eval import builtin_refs
+    from .evaluation import builtin_refs
 
     refs = builtin_refs(a.sets) if commongen else None
     s = run_eval(dbs, sets, Path(a.out), configs, context=a.context, batch=a.batch, seed=a.seed, judge=judge,
@@ -282,7 +282,7 @@ def _add_bench(sub):
     p.add_argument("--repeats", type=int, default=None, help="timed generations per contender (after a cold one)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--contenders", default=None,
-                   help="comma-separated (default: all of benchmarks/bench.py's CONTENDERS); onnx-fp32/onnx-int8 "
+                   help="comma-separated (default: all of dbs_fast/bench/suite.py's CONTENDERS); onnx-fp32/onnx-int8 "
                         "run engine v2's cache (decode.onnx), the -rows ones the row layout")
     p.add_argument("--tokenizer", default=None, help="GPT-2 tokenizer dir (default ../shared/data/gpt2-tokenizer)")
     p.add_argument("--checkpoint", default=None, help="a transformers checkpoint instead of random GPT-2 large")
@@ -303,7 +303,7 @@ def _run_bench(a) -> int:
     from pathlib import Path
 
     try:
-        from .benchmarks.bench import CONTENDERS, run_bench
+        from .bench.suite import CONTENDERS, run_bench
     except ImportError as e:
         raise DBSError(f"bench needs the export and dev extras: pip install 'dbs-fast[export,dev]' ({e})") from None
     sweep = None

@@ -11,7 +11,7 @@ pytest.importorskip("matplotlib")
 
 
 def test_bench_on_a_tiny_model(checkpoints, tmp_path):
-    from dbs_fast.benchmarks.bench import CONTENDERS, STAGES, run_bench
+    from dbs_fast.bench.suite import CONTENDERS, STAGES, run_bench
 
     out = tmp_path / "out"
     rep = run_bench(out, tmp_path / "work", max_new_tokens=5, repeats=2, checkpoint=checkpoints["gpt2"],
@@ -66,13 +66,13 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
     assert on_disk["provider"] == "cpu" and point["contenders"]["onnx-fp32"]["provider"] == "cpu"
     # a CUDA run has no roofline (the bench's is ORT's CPU matmul): the report is written without it
     from dbs_fast import DBSConfig
-    from dbs_fast.benchmarks.bench import _ratios, markdown, plots
+    from dbs_fast.bench.suite import _ratios, markdown, plots
 
     on_disk["provider"] = "cuda"
     point["roofline"] = None
     _ratios(point, DBSConfig(**on_disk["config"]))
     assert "onnx-fp32_vs_torch" in point["ratios"] and not any("roofline" in k for k in point["ratios"])
-    from dbs_fast.benchmarks.bench import cpu_nodes_on_cuda
+    from dbs_fast.bench.suite import cpu_nodes_on_cuda
 
     for c, r in point["contenders"].items():    # what a CUDA worker records: the graph's nodes with no CUDA kernel
         if c.startswith("onnx"):
@@ -88,7 +88,7 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
 
 
 def test_a_driven_worker_that_fails_to_load_reports_its_error(tmp_path):
-    from dbs_fast.benchmarks.bench import KEYWORD_SETS, run_in_turns
+    from dbs_fast.bench.suite import KEYWORD_SETS, run_in_turns
 
     from dbs_fast.config import DBSConfig
 
@@ -111,7 +111,7 @@ def test_attention_probe_arms_compute_the_same_attention(tmp_path):
     """`benchmarks/attention.py` at toy size: ORT's DecoderMaskedMultiHeadAttention (cache
     indirection, shared past/present buffer) and MultiHeadAttention (row layout) give engine v2's
     attention on the same data, so the probe compares like with like."""
-    from dbs_fast.benchmarks.attention import main as probe
+    from benchmarks.attention import main as probe
 
     out = tmp_path / "a.json"
     assert probe(["--layers", "2", "--heads", "4", "--head-dim", "8", "--beams", "2", "--candidates", "3",
@@ -128,7 +128,7 @@ def test_attention_probe_arms_compute_the_same_attention(tmp_path):
 def test_attention_probe_times_only_the_arms_asked_for(tmp_path, capsys):
     """`--arms v2` (how a change to `attend` is timed at two commits) builds and times the v2 arm
     alone; an unknown arm is a usage error (exit 2), not a traceback."""
-    from dbs_fast.benchmarks.attention import main as probe
+    from benchmarks.attention import main as probe
 
     out = tmp_path / "a.json"
     toy = ["--layers", "2", "--heads", "4", "--head-dim", "8", "--beams", "2", "--candidates", "3",
@@ -140,31 +140,14 @@ def test_attention_probe_times_only_the_arms_asked_for(tmp_path, capsys):
         probe(toy + ["--arms", "v2,flash"])
     assert e.value.code == 2 and "--arms" in capsys.readouterr().err
 
-def test_prefill_probe_times_both_paths_and_they_agree(exported, tmp_path):
-    from dbs_fast.benchmarks.prefill import main as probe
-
-    out = tmp_path / "p.json"
-    assert probe(["--model", str(exported["gpt2"]), "--lengths", "2,7", "--rows", "2", "--rounds", "1",
-                  "--out", str(out)]) == 0
-    r = json.loads(out.read_text())["prefill"]
-    assert [p["tokens"] for p in r] == [2, 7]
-    assert all(p["max_abs_logit_diff"] < 1e-3 and min(p["ms_median"].values()) > 0 for p in r)
 
 
-def test_layouts_probe_times_both_graphs(exported, tmp_path):
-    from dbs_fast.benchmarks.layouts import main as probe
-
-    out = tmp_path / "l.json"
-    assert probe(["--model", str(exported["llama"]), "--rounds", "1", "--beams", "2", "--candidates", "3",
-                  "--prefix", "5", "--out", str(out)]) == 0
-    r = json.loads(out.read_text())
-    assert set(r["step_ms_median"]) == {"v2", "rows"} and all(v > 0 for v in r["step_ms_median"].values())
 
 
 def test_in_generation_probe_repeats_each_call_without_changing_the_text(exported, tmp_path):
     from dbs_fast import DirectedBeamSearch
-    from dbs_fast.benchmarks.bench import CONTEXT, KEYWORD_SETS
-    from dbs_fast.benchmarks.in_generation import main as probe
+    from dbs_fast.bench.suite import CONTEXT, KEYWORD_SETS
+    from benchmarks.in_generation import main as probe
     from dbs_fast.config import DBSConfig
 
     out = tmp_path / "g.json"
@@ -176,8 +159,8 @@ def test_in_generation_probe_repeats_each_call_without_changing_the_text(exporte
 
 
 def test_profile_counts_the_warm_runs_only(exported, tmp_path):
-    from dbs_fast.benchmarks.profile import by_operator
-    from dbs_fast.benchmarks.profile import main as probe
+    from benchmarks.profile import by_operator
+    from benchmarks.profile import main as probe
 
     def node(op, ts, dur):
         return {"cat": "Node", "name": f"{op}_kernel_time", "ts": ts, "dur": dur, "args": {"op_name": op}}
@@ -201,8 +184,8 @@ def test_profile_counts_the_warm_runs_only(exported, tmp_path):
 
 @pytest.mark.parametrize("int8", [False, True])
 def test_overhead_probe_times_the_step_and_its_matmuls_in_turn(exported, tmp_path, int8):
-    from dbs_fast.benchmarks.bench import linear_shapes
-    from dbs_fast.benchmarks.overhead import main as probe
+    from dbs_fast.bench.suite import linear_shapes
+    from benchmarks.overhead import main as probe
 
     out = tmp_path / "o.json"
     assert probe(["--model", str(exported["llama"]), "--rounds", "2", "--beams", "2", "--candidates", "3",
@@ -222,7 +205,7 @@ def test_kernel_against_another_version_times_both_and_compares_draws(tmp_path):
     both are timed alternately, and the same kernel draws the same ids (log-probs equal)."""
     from pathlib import Path
 
-    from dbs_fast.benchmarks.kernel import against
+    from dbs_fast.bench.kernel import against
 
     import dbs_fast.kernels
 
@@ -234,65 +217,17 @@ def test_kernel_against_another_version_times_both_and_compares_draws(tmp_path):
         assert r[kind]["ms_median"]["this"] > 0 and r[kind]["ms_median"]["against"] > 0
 
 
-def test_idle_wait_ab_runs_every_arm_in_turn_in_its_own_process(exported):
-    """`benchmarks/idle_wait.py`: three worker processes (libgomp spinning, sleeping, spinning briefly)
-    generate in turn; each arm reports every generation and its medians."""
-    from dbs_fast.benchmarks.idle_wait import ARMS, run
-
-    r = run(exported["llama"], generations=2, new_tokens=4)
-    for arm in ARMS:
-        assert len(r["arms"][arm]) == 2 and all(g["seconds"] > 0 and g["model_ms"] > 0 for g in r["arms"][arm])
-        assert r[arm]["seconds"] == pytest.approx(sorted(g["seconds"] for g in r["arms"][arm])[0] / 2
-                                                  + sorted(g["seconds"] for g in r["arms"][arm])[1] / 2)
-        assert r[f"spin_over_{arm}"] == pytest.approx(r["spin"]["seconds"] / r[arm]["seconds"])
 
 
-def test_kernel_generation_ab_alternates_the_two_kernels_and_restores_this_one(exported, tmp_path):
-    """`benchmarks/kernel_generation.py`: whole generations alternate between this kernel and
-    another kernels.py (here a copy of this one: the same texts); `kernels.sample` is this one
-    again afterwards."""
-    from pathlib import Path
-
-    from dbs_fast.benchmarks.kernel_generation import run
-
-    import dbs_fast.kernels
-
-    this = dbs_fast.kernels.sample
-    copy = tmp_path / "kernels_copy.py"
-    copy.write_text(Path(dbs_fast.kernels.__file__).read_text())
-    r = run(exported["llama"], str(copy), generations=2, new_tokens=4)
-    assert dbs_fast.kernels.sample is this
-    assert r["same_texts"] == [True, True]
-    for arm in ("this", "against"):
-        assert len(r["arms"][arm]) == 2 and all(g["seconds"] > 0 and g["kernel_ms"] > 0 for g in r["arms"][arm])
-    assert r["against_over_this"] == pytest.approx(r["against"]["seconds"] / r["this"]["seconds"])
 
 
-def test_checkouts_ab_runs_each_arm_on_its_own_code_and_export(exported, tmp_path):
-    """`benchmarks/checkouts.py`: the arms take turns in their own processes, the other one on a
-    checkout's code (here a copy of this checkout: the same texts) and its own export."""
-    import shutil
-    from pathlib import Path
-
-    from dbs_fast.benchmarks.checkouts import run
-
-    root = Path(__file__).resolve().parents[1]
-    other = tmp_path / "other"
-    for pkg in ("dbs_fast", "export", "benchmarks"):
-        shutil.copytree(root / pkg, other / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    r = run(str(exported["gpt2"]), str(other), str(exported["gpt2"]), rounds=2, generations=1, new_tokens=3)
-    assert r["against_root"] == str(other.resolve()) and r["same_texts"] == [True, True]
-    for arm in ("this", "against"):
-        assert [g["seed"] for g in r["arms"][arm]] == [0, 1]          # the same sets and seeds in both arms
-        assert all(g["seconds"] > 0 and g["model_ms"] > 0 for g in r["arms"][arm])
-    assert r["against_over_this"] == pytest.approx(r["against"]["seconds"] / r["this"]["seconds"])
 
 
 def test_transfers_counts_what_a_step_moves_with_the_cache_on_host_and_on_device(exported, tmp_path):
     """The same generation with the KV cache in NumPy arrays and as ORT tensors on a device (the
     CUDA path, run by the CPU provider): the same text; the device path moves less per call, and
     the difference is the cache the host path binds."""
-    from dbs_fast.benchmarks.transfers import main as transfers
+    from benchmarks.transfers import main as transfers
 
     out = tmp_path / "t.json"
     assert transfers(["--model", str(exported["gpt2"]), "--keywords", "colony,river", "--out", str(out)]) == 0

@@ -271,7 +271,7 @@ def test_shutdown_finishes_running_work_within_the_grace_period(exported):
 
 
 def test_load_latency_ratios_pair_each_request_with_itself_alone():
-    from dbs_fast.benchmarks.load import latency_ratios
+    from benchmarks.load import latency_ratios
 
     alone = {"p50_s": 1.0, "p95_s": 2.0, "latency_s": {"0": 0.5, "1": 1.0, "2": 2.0, "3": 4.0}}
     loaded = {"p95_s": 5.0, "latency_s": {"0": 1.0, "1": 3.0, "2": 2.0, "3": 4.0}}     # request 1 alone took 1 s

@@ -3,7 +3,7 @@
 GPT-2 large: GPT2Config(n_layer=36, n_embd=1280, n_head=20) with the real GPT-2 tokenizer
 (`../shared/data/gpt2-tokenizer/` or `--tokenizer DIR`): the same cost per step as the real model.
 
-    python -m dbs_fast.benchmarks.checkpoints --out ckpt/gpt2-large-random --tokenizer ../shared/data/gpt2-tokenizer
+    python -m dbs_fast.bench.checkpoints --out ckpt/gpt2-large-random --tokenizer ../shared/data/gpt2-tokenizer
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 plain NumPy sort-based top-p (`numpy_sample`, the same algorithm as `tests/naive.py`, which
 an installed package cannot import) and a torch sort-based top-p (the PyTorch baseline's sampler).
 
-    python -m dbs_fast.benchmarks.kernel --rows 70 --vocab 50257 --repeats 20
+    python -m dbs_fast.bench.kernel --rows 70 --vocab 50257 --repeats 20
 
 The same run also times the kernel with the anti-repetition options on (repetition_penalty
 1.2, no_repeat_ngram_size 3, a 100-token history per row), so the two times are comparable.
@@ -12,7 +12,7 @@ on the same workload in one process (the machine's load hits both alike), after 
 both draw the same ids:
 
     git show REV:dbs_fast/kernels.py > /tmp/kernels_rev.py
-    python -m dbs_fast.benchmarks.kernel --against /tmp/kernels_rev.py
+    python -m dbs_fast.bench.kernel --against /tmp/kernels_rev.py
 """
 from __future__ import annotations
 

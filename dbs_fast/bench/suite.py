@@ -12,7 +12,7 @@ Contenders, each in its own process (peak memory and cold start are its own):
   reference   the authors' way as the paper describes it: one candidate at a time, batch 1,
               the whole sequence re-run for every token, no KV cache (PyTorch). Measured on
               one chunk of one beam at the middle of a generation, extrapolated (see JSON).
-Also: the kernel on 70 x vocab rows (`benchmarks/kernel.py`) and this machine's roofline for
+Also: the kernel on 70 x vocab rows (`dbs_fast/bench/kernel.py`) and this machine's roofline for
 the model (ONNX Runtime matmul throughput at the batch's shapes, fp32 and int8, plus the KV
 cache read at the measured memory bandwidth). This machine is shared and its speed moves with
 the load, so each ONNX contender also times the step's matmuls again right after each of its
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dbs_fast.benchmarks.host import machine
+from dbs_fast.bench.machine import machine
 from dbs_fast.config import DBSConfig
 from dbs_fast.errors import DBSError
 
@@ -53,7 +53,7 @@ KEYWORD_SETS = [["enemy", "speed", "meet", "colony", "mouth"],
 CONTENDERS = ("onnx-fp32", "onnx-int8", "onnx-fp32-rows", "onnx-int8-rows", "torch-fp32", "reference")
 ENGINES = tuple(c for c in CONTENDERS if c != "reference")
 STAGES = ("model", "kernel", "kv_gather", "scorer", "text", "python")
-SHARED_TOKENIZER = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gpt2-tokenizer"
+SHARED_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "data" / "gpt2-tokenizer"
 
 
 # -- workload preparation --------------------------------------------------------------------
@@ -120,7 +120,7 @@ def _matmul_step_in_child(model_dir: str, rows: int, int8: bool, threads: int | 
     """`matmul_step_seconds` in a child process: its graphs (up to 256 MB of weights each) must
     not count in the contender's peak RSS, and a process cannot lower its own high-water mark
     reliably (clear_refs resets it to the present RSS, which freed-but-kept memory still holds)."""
-    code = ("import sys; from pathlib import Path; from dbs_fast.benchmarks.bench import matmul_step_seconds; "
+    code = ("import sys; from pathlib import Path; from dbs_fast.bench.suite import matmul_step_seconds; "
             f"print(matmul_step_seconds(Path(sys.argv[1]), {int(rows)}, {bool(int8)}, {threads!r}))")
     proc = subprocess.run([sys.executable, "-c", code, str(model_dir)], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
@@ -387,12 +387,12 @@ def _worker_cmd(spec: dict, workdir: Path) -> tuple[list[str], Path, Path]:
     with tempfile.NamedTemporaryFile("w", suffix=".json", dir=workdir, delete=False) as f:
         json.dump(spec, f)
     out = Path(f.name).with_suffix(".out.json")
-    return [sys.executable, "-m", "dbs_fast.benchmarks.bench", "--worker", f.name, str(out)], Path(f.name), out
+    return [sys.executable, "-m", "dbs_fast.bench.suite", "--worker", f.name, str(out)], Path(f.name), out
 
 
 def _worker_env() -> dict:
-    """PYTHONSAFEPATH: `-m` must not put the cwd first on sys.path, where a checkout's dbs_fast/
-    folder (without export/ and benchmarks/ mapped in) would shadow the installed package."""
+    """PYTHONSAFEPATH: `-m` must not put the cwd first on sys.path, where another checkout's
+    dbs_fast/ folder would shadow the installed package."""
     return {**os.environ, "PYTHONSAFEPATH": "1"}
 
 
@@ -699,9 +699,6 @@ def _driven():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        worker_main(sys.argv[2], sys.argv[3])
-    else:
-        from dbs_fast.cli import main
-
-        sys.exit(main(["bench", *sys.argv[1:]]))
+    if len(sys.argv) != 4 or sys.argv[1] != "--worker":
+        sys.exit("a contender's worker, started by `dbs-fast bench`: --worker SPEC.json OUT.json")
+    worker_main(sys.argv[2], sys.argv[3])
