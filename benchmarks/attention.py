@@ -1,9 +1,9 @@
-"""Engine v2's attention against ONNX Runtime's own decode attention ops, one decode step of all
-layers at the paper setting (issue 11 asked to check these before writing our own).
+"""The decode graph's attention against ONNX Runtime's own decode attention ops, one decode step of all
+layers at the paper setting (checked before writing our own).
 
 Arms, each one ONNX graph of L attention layers (distinct K/V per layer, so the caches are as
 cold as in a real step), the projections left out (the same in every arm):
-  v2     `export/prefix_graph.attend` (what decode.onnx runs): each beam's prefix once,
+  prefix `export/prefix_graph.attend` (what decode.onnx runs): each beam's prefix once,
          (b, kv, T, d), and each row's chunk, slot-major, its `used` decoded slots bound
          (used, b, kv, s, d); plain ONNX ops
   dmmha  com.microsoft.DecoderMaskedMultiHeadAttention with cache_indirection: one cache row per
@@ -13,13 +13,13 @@ cold as in a real step), the projections left out (the same in every arm):
   mha    com.microsoft.MultiHeadAttention on the row layout (what `export/fuse.py` gives
          model.onnx): past (N, H, T + used, d) in, past + new out, a new buffer every step
 
-Before timing, the dmmha arm is checked against v2 on the same data (the indirection points
+Before timing, the dmmha arm is checked against the prefix arm on the same data (the indirection points
 each row's prefix positions at the row that holds its beam's prefix): the outputs must agree.
 
     python -m benchmarks.attention [--layers 36 --heads 20 --head-dim 64 --beams 7
-        --candidates 10 --prefix 47 --max-len 92 --chunk 5 --used 2] [--arms v2,dmmha,mha] [--out FILE.json]
+        --candidates 10 --prefix 47 --max-len 92 --chunk 5 --used 2] [--arms prefix,dmmha,mha] [--out FILE.json]
 
-The v2 arm's graph is built by the checkout's own `attend`: `--arms v2` run at two commits, in
+The prefix arm's graph is built by the checkout's own `attend`: `--arms prefix` run at two commits, in
 turns, times a change to it (README, Speed).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dbs_fast.bench.machine import machine
 from dbs_fast.export.timing import median_run, median_seconds
 
 K_CHUNK, USED = 5, 2        # chunk length k and the tokens of it already decoded
-ARMS = ("v2", "dmmha", "mha")
+ARMS = ("prefix", "dmmha", "mha")
 
 
 def _data(L, H, d, b, s, T, K=K_CHUNK, used=USED, seed=0):
@@ -48,11 +48,11 @@ def _data(L, H, d, b, s, T, K=K_CHUNK, used=USED, seed=0):
             "ck": [f(N, H, K, d) for _ in range(L)], "cv": [f(N, H, K, d) for _ in range(L)], "used": used}
 
 
-def v2_session(x, path: Path, threads):
+def prefix_session(x, path: Path, threads):
     import torch
 
     from dbs_fast.export.prefix_graph import Dims, attend, block_biases
-    from dbs_fast.session import make_session
+    from dbs_fast.runtime import make_session
 
     L = len(x["pk"])
     scale = 1.0 / np.sqrt(x["q"].shape[-1])
@@ -110,7 +110,7 @@ def dmmha_run(x, path: Path, threads, max_len: int):
     """Session + a run function over IO binding: past and present bound to the same buffers."""
     import onnxruntime as ort
 
-    from dbs_fast.session import make_session
+    from dbs_fast.runtime import make_session
 
     L, (b, H, T, d) = len(x["pk"]), x["pk"][0].shape
     N = x["q"].shape[0]
@@ -150,7 +150,7 @@ def dmmha_run(x, path: Path, threads, max_len: int):
 
 
 def mha_session(x, path: Path, threads):
-    from dbs_fast.session import make_session
+    from dbs_fast.runtime import make_session
 
     L, (b, H, T, d) = len(x["pk"]), x["pk"][0].shape
     N = x["q"].shape[0]
@@ -175,23 +175,23 @@ def run(layers=36, heads=20, head_dim=64, beams=7, candidates=10, prefix=47, max
     diff = lambda got: max(float(np.abs(got[i].reshape(N, -1) - ref[i].reshape(N, -1)).max())  # noqa: E731
                            for i in range(layers))
     with tempfile.TemporaryDirectory() as d:
-        sess, feed = v2_session(x, Path(d) / "v2.onnx", threads)
+        sess, feed = prefix_session(x, Path(d) / "prefix.onnx", threads)
         ref = sess.run(None, feed)
-        if "v2" in arms:
-            out["arms"]["v2"] = {"ms": 1e3 * median_run(sess, feed, repeats),
+        if "prefix" in arms:
+            out["arms"]["prefix"] = {"ms": 1e3 * median_run(sess, feed, repeats),
                                  "kv_bytes": sum(a.nbytes for k in ("pk", "pv", "ck", "cv") for a in x[k])}
         del sess
         if "dmmha" in arms:
             dm, nbytes = dmmha_run(x, Path(d) / "dmmha.onnx", threads, max_len)
             got = dm()
             out["arms"]["dmmha"] = {"ms": 1e3 * median_seconds(dm, repeats), "kv_bytes": nbytes,
-                                    "max_abs_diff_vs_v2": diff(got)}
+                                    "max_abs_diff_vs_prefix": diff(got)}
         if "mha" in arms:
             sess, feed = mha_session(x, Path(d) / "mha.onnx", threads)
             got = sess.run([f"o{i}" for i in range(layers)], feed)
             out["arms"]["mha"] = {"ms": 1e3 * median_run(sess, feed, repeats),
                                   "kv_bytes": sum(feed[f"p{k}{i}"].nbytes for k in "kv" for i in range(layers)),
-                                  "max_abs_diff_vs_v2": diff(got)}
+                                  "max_abs_diff_vs_prefix": diff(got)}
     return out
 
 
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     for name, default in (("layers", 36), ("heads", 20), ("head-dim", 64), ("beams", 7), ("candidates", 10),
                           ("prefix", 47), ("max-len", 92), ("repeats", 10), ("threads", None)):
         ap.add_argument(f"--{name}", type=int, default=default)
-    ap.add_argument("--chunk", type=int, default=K_CHUNK, help="chunk slots K in the v2 graph's input")
+    ap.add_argument("--chunk", type=int, default=K_CHUNK, help="chunk slots K in the prefix graph's input")
     ap.add_argument("--used", type=int, default=USED, help="of them, tokens already decoded")
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of " + ", ".join(ARMS))
     ap.add_argument("--out", default=None)
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     print(f"{r['machine']}, {r['date']}: one decode step's attention, {a.layers} layers, "
           f"{a.beams}x{a.candidates} rows, prefix {a.prefix}")
     for name, arm in r["arms"].items():
-        extra = f", max |diff| vs v2 {arm['max_abs_diff_vs_v2']:.1e}" if "max_abs_diff_vs_v2" in arm else ""
+        extra = f", max |diff| vs prefix {arm['max_abs_diff_vs_prefix']:.1e}" if "max_abs_diff_vs_prefix" in arm else ""
         print(f"  {name:6s} {arm['ms']:7.1f} ms   KV held {arm['kv_bytes'] / 1e6:7.1f} MB{extra}")
     if a.out:
         Path(a.out).write_text(json.dumps(r, indent=2))

@@ -16,21 +16,22 @@ import json
 import time
 from pathlib import Path
 
-from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence
-from dbs_fast.evaluation import builtin_sets
+from dbs_fast import DBSConfig, DirectedBeamSearch
 from dbs_fast.bench.machine import machine
+from dbs_fast.evaluation import builtin_sets
+from dbs_fast.words import words
 
 BAN_CASE = {"context": "World War II was", "keywords": ["army", "conflict"], "ban": ["war", "wars"]}
 
 
 def ban_rate(dbs, n: int, cfg: DBSConfig) -> dict:
-    words = set(BAN_CASE["ban"])
+    banned = set(BAN_CASE["ban"])
     out = {}
     for name, ban in (("without", None), ("with", BAN_CASE["ban"])):
         hits = 0
         for seed in range(n):
             r = dbs.generate(BAN_CASE["context"], BAN_CASE["keywords"], seed=seed, config=cfg, ban=ban)
-            hits += bool(words & set(occurrence.words(r.generated)))
+            hits += bool(banned & set(words(r.generated)))
         out[name] = hits / n
     return {**BAN_CASE, "n": n, "rate_without_ban": out["without"], "rate_with_ban": out["with"]}
 

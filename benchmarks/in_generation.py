@@ -20,9 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
-from dbs_fast.bench.suite import CONTEXT, KEYWORD_SETS
 from dbs_fast.bench.machine import decode_graph_export, machine
-
+from dbs_fast.bench.suite import CONTEXT, KEYWORD_SETS
 from dbs_fast.config import DBSConfig
 
 

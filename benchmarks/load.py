@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dbs_fast.evaluation import builtin_sets
 from dbs_fast.bench.machine import machine
+from dbs_fast.evaluation import builtin_sets
 from dbs_fast.service import ServiceOptions
 
 SMALL = {"beams": 2, "candidates": 2, "order": "any", "max_new_tokens": 32, "context": "A"}

@@ -1,4 +1,4 @@
-"""Where a decode step of engine v2's graph spends its time: ONNX Runtime's profiler on
+"""Where a decode step of the decode graph spends its time: ONNX Runtime's profiler on
 `decode.onnx` at the paper setting (b beams x s candidates, prefix length T, 2 chunk tokens in),
 summed by operator type. Random K/V and token ids: the cost does not depend on the values.
 

@@ -21,7 +21,8 @@ CONTEXT = "It is"
 
 def run(model: str, keywords: list[str], seed: int = 0) -> dict:
     from dbs_fast import DBSConfig, DirectedBeamSearch
-    from dbs_fast.prefix import DECODE_GRAPH, PrefixDecoder
+    from dbs_fast.decoder import PrefixDecoder
+    from dbs_fast.prefix_cache import DECODE_GRAPH
 
     cfg = DBSConfig.paper()
     out = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "model": str(model),

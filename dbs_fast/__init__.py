@@ -15,7 +15,7 @@ def __getattr__(name):
         from . import api
         return getattr(api, name)
     if name == "OnnxModel":
-        from .session import OnnxModel
+        from .model import OnnxModel
         return OnnxModel
     raise AttributeError(name)
 

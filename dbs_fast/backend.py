@@ -1,20 +1,19 @@
-"""Backends: a model with a KV cache plus a sampler. ONNX (default) and the PyTorch baseline.
+"""Backends: a model with a KV cache plus a sampler, behind one contract (`Backend`).
 
-Both offer the same four steps to the scheduler: `prefill` (left-padded contexts -> logits of
-the last position + cache), `step` (one token per row), `select` (row gather of the cache:
-repeat and keep in one copy) and `sample` (boosts + nucleus + draw, from given uniforms).
-The ONNX backend also merges caches (`concat`, `merge`, `trim`) so that requests can join a
-running batch; the PyTorch baseline runs fixed batches only.
+Three implement it: `OnnxBackend` (one cache row per candidate: model.onnx), `PrefixBackend`
+(each beam's prefix once, each candidate's chunk on its own: decode.onnx) and the PyTorch
+baseline (`dbs_fast.torch_backend.TorchBackend`), which runs fixed batches only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
 from . import kernels
-from .prefix import PrefixCache
-from .session import KVCache, OnnxModel
+from .model import KVCache, OnnxModel
+from .prefix_cache import PrefixCache
 
 
 def left_pad(seqs: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
@@ -27,7 +26,58 @@ def left_pad(seqs: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
+class Backend(Protocol):
+    """What the scheduler (`dbs_fast.beam`) and the scorer ask of a model. A cache is whatever the
+    backend returns: the scheduler only passes it back. A step here is one token per row."""
+
+    name: str
+    tokenizer: Any                 # a `tokenizers.Tokenizer`
+    vocab_size: int
+    eos_ids: tuple
+    pad_id: int
+    max_positions: int | None
+
+    def prefill(self, contexts: list[list[int]]) -> tuple[Any, Any]:
+        """Left-padded contexts -> the last position's logits (B, V) and the cache."""
+
+    def step(self, tokens: np.ndarray, cache) -> tuple[Any, Any]:
+        """One new token per row (R,) -> logits (R, V) and the cache."""
+
+    def feed(self, tokens: np.ndarray, cache) -> tuple[Any, Any]:
+        """Known tokens (R, k) -> the logits after each (R, k, V) and the cache."""
+
+    def select(self, cache, rows: np.ndarray):
+        """The cache's rows `rows` (keep and repeat in one gather)."""
+
+    def take(self, x, rows: np.ndarray):
+        """Rows `rows` of a logits array."""
+
+    def concat(self, a, b):
+        """Logits of running rows then of joining ones (DBSError where a batch cannot grow)."""
+
+    def merge(self, a, b):
+        """Caches of running rows then of joining ones, between chunks."""
+
+    def trim(self, cache):
+        """The cache without the leading columns that are padding in every row."""
+
+    def release(self) -> None:
+        """The batch is empty: let go of what binds its cache."""
+
+    def sample(self, logits, uniforms, row_word, csr, cfg, history=None, history_start=None, boost_first=None,
+               bans=None, row_ban=None, force=None) -> tuple[np.ndarray, np.ndarray]:
+        """Boosts + nucleus + draw from the given uniforms: ids (R,) and their unguided log-probs."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode_batch(self, seqs) -> list[str]: ...
+
+    def decode_one(self, i: int) -> str: ...
+
+
 class OnnxBackend:
+    """The ONNX model with one cache row per candidate (model.onnx), the Numba kernel as sampler."""
+
     name = "onnx"
 
     def __init__(self, model: OnnxModel):
@@ -71,6 +121,9 @@ class OnnxBackend:
     def trim(cache: KVCache) -> KVCache:
         return cache.trim()
 
+    def release(self) -> None:
+        """Nothing binds a row cache between runs."""
+
     def sample(self, logits, uniforms, row_word, csr, cfg, history=None, history_start=None, boost_first=None,
                bans=None, row_ban=None, force=None):
         ptr, ids, vals = csr
@@ -100,28 +153,27 @@ class OnnxBackend:
         return self.model.max_positions
 
 
-class PrefixBackend:
-    """The ONNX backend on engine v2's cache (`dbs_fast.prefix`): each beam's prefix once, each
+class PrefixBackend(OnnxBackend):
+    """The ONNX model on the prefix cache (`dbs_fast.prefix_cache`): each beam's prefix once, each
     candidate's chunk on its own. The scheduler's rows are the `live` rows of a PrefixCache laid
     out as beams of `s` rows; `select` (keep + repeat, drop, admission) regroups them. Prefill
-    runs through the same graph (`PrefixCache.prefill`), so model.onnx is never opened."""
+    runs through the same graph (`PrefixCache.prefill`), so model.onnx is never opened. Sampling,
+    tokens and logits rows are the row backend's."""
 
     name = "onnx-prefix"
 
-    def __init__(self, base: OnnxBackend, decoder, s: int, k: int, reserve: int = 0):
-        self.base, self.decoder, self.s, self.k, self.reserve = base, decoder, s, k, reserve
-
-    def __getattr__(self, name):           # sampling, tokenizer, take, concat: as the row backend
-        return getattr(self.base, name)
+    def __init__(self, model: OnnxModel, decoder, s: int, k: int, reserve: int = 0):
+        super().__init__(model)
+        self.decoder, self.s, self.k, self.reserve = decoder, s, k, reserve
 
     def prefill(self, contexts: list[list[int]]):
-        ids, mask = left_pad(contexts, self.base.pad_id)
-        m = self.base.model
+        ids, mask = left_pad(contexts, self.pad_id)
+        m = self.model
         logits, cache = PrefixCache.prefill(self.decoder, ids, mask, m.kv_heads, m.head_dim, self.s, self.k, self.reserve)
         return logits, Layout(cache, np.arange(len(contexts)) * self.s)
 
     def step(self, tokens: np.ndarray, lay: "Layout"):
-        ids = np.full(lay.cache.chunk_mask.shape[0], self.base.pad_id, np.int64)
+        ids = np.full(lay.cache.chunk_mask.shape[0], self.pad_id, np.int64)
         ids[lay.live] = tokens
         return self.decoder.step(ids, lay.cache)[lay.live], lay
 
@@ -145,6 +197,14 @@ class PrefixBackend:
     def trim(lay: "Layout") -> "Layout":
         lay.cache.trim()
         return lay
+
+
+def onnx_backend(model: OnnxModel, decoder, cfg) -> OnnxBackend:
+    """The ONNX backend a search at `cfg` runs on: the prefix cache where the export has a decode
+    graph (`decoder`, a `PrefixDecoder`), else one cache row per candidate."""
+    if decoder is None:
+        return OnnxBackend(model)
+    return PrefixBackend(model, decoder, cfg.candidates, cfg.chunk, cfg.max_new_tokens)
 
 
 @dataclass

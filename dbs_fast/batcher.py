@@ -186,7 +186,7 @@ class Batcher:
         batch = self.batches[cfg]
         before, t0, moved = batch.candidate_tokens, time.perf_counter(), self._moved()
         try:
-            done = batch.step()
+            done = batch.decode_chunk()
             partial = batch.certain(lambda r: self.jobs[id(r)].stream)
         except Exception as e:                # noqa: BLE001 -- the loop survives; this batch's jobs fail
             for r in batch.requests:
@@ -199,7 +199,8 @@ class Batcher:
             job = self.jobs[id(r)]
             job.chunks += 1
             job.send("chunk", {"chunk": job.chunks, "text": text,
-                               "found": [k for k in r.keywords if occurrence.count(text, k, rule=cfg.match) > 0]})
+                               "found": [k.text for k in r.keywords
+                                                                  if occurrence.count(text, k, rule=cfg.match) > 0]})
         for r, result in done:
             job = self.jobs.pop(id(r))
             self.latencies.append(time.perf_counter() - job.submitted)

@@ -8,6 +8,7 @@ service): a row's tokens start at the column where its request joined.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import defaultdict
@@ -17,13 +18,13 @@ import numpy as np
 
 from . import occurrence
 from .config import DBSConfig
-from .constraints import BoostTable, SequenceTable
+from .constraints import BoostTable, Keyword, SequenceTable
 
 
 @dataclass(eq=False)
 class Request:
     context_ids: list[int]
-    keywords: list[str]
+    keywords: list[Keyword]
     seed: int
     boosts: list = field(default_factory=list)          # per keyword: its SparseBoost (the kernel's guidance)
     force: list[tuple] = field(default_factory=list)    # per keyword: the tokens `guarantee` forces
@@ -103,6 +104,33 @@ class Timings:
         self.kv_bytes = max(self.kv_bytes, getattr(cache, "nbytes", 0))
 
 
+def timed(stage: str):
+    """A method of an object with Timings `t` whose time counts for `stage`."""
+    def wrap(f):
+        @functools.wraps(f)
+        def run(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return f(self, *args, **kwargs)
+            finally:
+                self.t.add(stage, t0)
+        return run
+    return wrap
+
+
+@dataclass
+class Draw:
+    """One token drawn for every row, with the guidance it was drawn under."""
+
+    ids: np.ndarray           # (R,) drawn token ids (pad where the row drew nothing)
+    logp: np.ndarray          # (R,) their log-probabilities
+    remaining: np.ndarray     # (R,) bits of the keywords still to place
+    candidates: np.ndarray    # (R,) bits of the keywords guidance may place now
+    word: np.ndarray          # (R,) boost-table row guiding the row, -1 unguided
+    force: np.ndarray         # (R,) forced token, -1 none
+    n_done: np.ndarray        # (R,) the row's tokens before this one
+
+
 @dataclass(eq=False)
 class Slot:
     """A request while it is in the batch."""
@@ -168,15 +196,15 @@ class BeamSearch:
         n_chunks = math.ceil(self.cfg.max_new_tokens / self.cfg.chunk)
         done = {}
         while self.slots:
-            done.update((id(f.request), f) for f in self.step())
+            done.update((id(f.request), f) for f in self.decode_chunk())
             if self.progress:
                 self.progress(min(self.chunks, n_chunks), n_chunks)
         if self.progress:
             self.progress(n_chunks, n_chunks)
         return [done[id(r)] for r in order]
 
-    def step(self) -> list[Finished]:
-        """One chunk for every row of the batch: decode k tokens, score, keep the best b beams
+    def decode_chunk(self) -> list[Finished]:
+        """One chunk for every row of the batch: sample k tokens, score, keep the best b beams
         per request and repeat each s times; requests at their end leave with their beams."""
         cfg = self.cfg
         left = cfg.max_new_tokens - cfg.chunk * np.array([s.chunks for s in self.slots])
@@ -184,7 +212,7 @@ class BeamSearch:
         last = left <= k                                    # per request: this is its final chunk
         rows = self.rows
         prefix = self._texts(rows)
-        rows, chunk = self._decode_chunk(rows, prefix, k, bool(last.all()))
+        rows, chunk = self._sample_chunk(rows, prefix, k, bool(last.all()))
         rows = self._score(rows, prefix, chunk, bool(last.all()))
         if cfg.stop == "sentence":
             rows = self._finish_requests(rows)
@@ -196,19 +224,40 @@ class BeamSearch:
         leave = last.copy()
         leave |= np.bincount(kept.req[~kept.ended], minlength=len(self.slots)) == 0   # every beam ended
         finished = self._finished(kept, leave)
-        t0 = time.perf_counter()
-        grow = np.repeat(keep[~leave[rows.req[keep]]], cfg.candidates)   # keep and repeat: one gather
+        self._regrow(rows, keep, leave)
+        return finished
+
+    @timed("kv_gather")
+    def _regrow(self, rows: Rows, keep: np.ndarray, leave: np.ndarray) -> None:
+        """The kept beams of the requests that stay, each repeated s times (one gather of rows,
+        logits and caches); the requests in `leave` go."""
+        s = self.cfg.candidates
+        grow = np.repeat(keep[~leave[rows.req[keep]]], s)   # keep and repeat: one gather
         self.rows = rows.take(grow)
         if len(grow):
             self.pending, self.cache = self.be.take(self.pending, grow), self.be.select(self.cache, grow)
             self.scorer.select(grow)
-        dup = self.rows.ended & (np.arange(len(grow)) % cfg.candidates > 0)
+        dup = self.rows.ended & (np.arange(len(grow)) % s > 0)
         self.rows.cum[dup] = -np.inf                        # an ended beam is one candidate, not s
         self._leave(leave)
-        self.t.add("kv_gather", t0)
-        return finished
+
+    def certain(self, q: int) -> str:
+        """Text of request q that no later chunk can change: the common prefix of its beams'
+        tokens (with stop="sentence", up to its last sentence end: a result can be trimmed back
+        to one), decoded without a trailing partial character."""
+        rows = self.rows
+        seqs = [rows.generated(i) for i in np.flatnonzero(rows.req == q)]
+        n = min(map(len, seqs), default=0)
+        if seqs and n:
+            same = np.all(np.stack([s[:n] for s in seqs]) == seqs[0][:n], axis=0)
+            n = int(np.argmin(same)) if not same.all() else n
+        if self.cfg.stop == "sentence":
+            ends = np.flatnonzero(self.sentence_end[seqs[0][:n]]) if n else []
+            n = int(ends[-1]) + 1 if len(ends) else 0
+        return self.be.decode_batch([seqs[0][:n]])[0].rstrip("\ufffd") if n else ""
 
     # -- requests joining and leaving ---------------------------------------------------------
+    @timed("prefill")
     def admit(self, requests: list[Request]) -> None:
         """`requests` join the batch (between chunks): contexts prefilled, `beams` rows each."""
         t0 = time.perf_counter()
@@ -225,7 +274,6 @@ class BeamSearch:
             self.pending, self.cache = self.be.concat(self.pending, pending), self.be.merge(self.cache, cache)
         self.slots += [Slot(r, np.random.default_rng(r.seed), t0, self.candidate_tokens) for r in requests]
         self._index()
-        self.t.add("prefill", t0)
 
     def drop(self, requests) -> None:
         """Cancel `requests` (between chunks): their rows leave, no result."""
@@ -257,8 +305,7 @@ class BeamSearch:
         self.slots = [self.slots[q] for q in stay]
         if not self.slots:
             self.rows = self.pending = self.cache = None
-            if hasattr(self.be, "release"):                # engine v2's decoder binds the cache's arrays
-                self.be.release()
+            self.be.release()                              # a decoder may bind the cache's arrays
             self.scorer = self.scorer.fresh(self.cfg)      # its rows left too (an empty select is no gather)
             return
         renum = np.full(len(gone), -1, np.int64)
@@ -288,11 +335,9 @@ class BeamSearch:
         self._constraint_tables(reqs)
 
     # -- steps ------------------------------------------------------------------------------
+    @timed("text")
     def _texts(self, rows: Rows) -> list[str]:
-        t0 = time.perf_counter()
-        out = self.be.decode_batch([rows.generated(i) for i in range(len(rows.req))])
-        self.t.add("text", t0)
-        return out
+        return self.be.decode_batch([rows.generated(i) for i in range(len(rows.req))])
 
     # -- constraints: which keywords guide a row, which tokens are forced or banned -----------
     def _constraint_tables(self, requests: list[Request]) -> None:
@@ -425,7 +470,7 @@ class BeamSearch:
             hist = np.take_along_axis(hist, np.where(j < W + c, (j - c) % (W + c), j), axis=1)
         return hist, (self.ctx_start[rows.req] + rows.col0).astype(np.int32)
 
-    def _decode_chunk(self, rows: Rows, prefix: list[str], k: int, last: bool):
+    def _sample_chunk(self, rows: Rows, prefix: list[str], k: int, last: bool):
         R = len(rows.req)
         seen = np.zeros(R, np.int64)         # keywords seen in this chunk so far (guidance moves on)
         base = rows.tokens.shape[1]
@@ -433,39 +478,59 @@ class BeamSearch:
         rows.tokens = np.concatenate([rows.tokens, np.full((R, k), self.pad, np.int64)], axis=1)  # (R, L+k)
         rows.logp = np.concatenate([rows.logp, np.zeros((R, k), np.float32)], axis=1)
         for j in range(k):
-            t0 = time.perf_counter()
-            rem = self._remaining(rows, seen)
-            cand = self._candidates(rem, seen)
-            word = self._guide_words(cand, rows)
-            n_done = base + j - rows.col0                # the row's tokens so far
-            force = self._forced(rows, rem, n_done)
-            hist, hstart = self._history(rows, base + j)
-            ids, lp = self.be.sample(self.pending, self._uniforms(rows), word, self.table.csr, self.cfg, hist, hstart,
-                                     boost_first, bans=self.bans, row_ban=self._ban_groups(rows, rem),
-                                     force=force)
-            t0 = self.t.add("kernel", t0)
-            live = ~rows.ended & (n_done < self.cfg.max_new_tokens)   # rows that draw a real token
-            ids = np.where(live, ids, self.pad)
-            rows.tokens[:, base + j], rows.logp[:, base + j] = ids, lp
-            self.candidate_tokens += int(live.sum())
-            rows.n_tok += live
-            rows.ended |= live & np.isin(ids, self.eos)
-            check = (word >= 0) | (force >= 0)
-            new = np.zeros(R, np.int64)
-            if check.any():
-                new = self._seen_now(rows, prefix, np.flatnonzero(check & live), np.where(force >= 0, rem, cand),
-                                     self._unfinished(rows, force >= 0, 1))
-            rows.glue = (new & ~seen) != 0
-            seen |= new
-            self._advance_forcing(rows, force, seen, base + j + 1)
-            if self.cfg.stop == "sentence":   # all keywords in (before or in this chunk) + sentence end
-                rows.ended |= live & (self._remaining(rows, seen) == 0) & self.sentence_end[ids]
+            d = self._draw(rows, seen, base + j, boost_first)
+            live = self._append(rows, d, base + j)
+            seen = self._mark_seen(rows, prefix, d, live, seen, base + j)
             if not (last and j == k - 1):
-                t0 = time.perf_counter()
-                self.pending, self.cache = self.be.step(ids, self.cache)
-                self.t.add("model", t0)
-                self.t.kv(self.cache)
+                self._next_logits(d.ids)
         return rows, rows.tokens[:, base:]
+
+    @timed("kernel")
+    def _draw(self, rows: Rows, seen: np.ndarray, col: int, boost_first) -> Draw:
+        """The next token of every row: guidance, forcing, bans and repetition rules, then the kernel."""
+        rem = self._remaining(rows, seen)
+        cand = self._candidates(rem, seen)
+        word = self._guide_words(cand, rows)
+        n_done = col - rows.col0                     # the row's tokens so far
+        force = self._forced(rows, rem, n_done)
+        hist, hstart = self._history(rows, col)
+        ids, lp = self.be.sample(self.pending, self._uniforms(rows), word, self.table.csr, self.cfg, hist, hstart,
+                                 boost_first, bans=self.bans, row_ban=self._ban_groups(rows, rem), force=force)
+        return Draw(ids, lp, rem, cand, word, force, n_done)
+
+    def _append(self, rows: Rows, d: Draw, col: int) -> np.ndarray:
+        """Write the draw into column `col` of the rows that draw a real token (returned: `live`);
+        the others get padding (`d.ids` too)."""
+        live = ~rows.ended & (d.n_done < self.cfg.max_new_tokens)
+        d.ids = np.where(live, d.ids, self.pad)
+        rows.tokens[:, col], rows.logp[:, col] = d.ids, d.logp
+        self.candidate_tokens += int(live.sum())
+        rows.n_tok += live
+        rows.ended |= live & np.isin(d.ids, self.eos)
+        return live
+
+    def _mark_seen(self, rows: Rows, prefix: list[str], d: Draw, live: np.ndarray, seen: np.ndarray,
+                   col: int) -> np.ndarray:
+        """Keywords the new token completed (guidance moves on, forcing advances, a sentence end
+        after the last keyword ends the row); returns the chunk's keywords seen so far."""
+        check = (d.word >= 0) | (d.force >= 0)
+        new = np.zeros(len(rows.req), np.int64)
+        if check.any():
+            new = self._seen_now(rows, prefix, np.flatnonzero(check & live), np.where(d.force >= 0, d.remaining,
+                                                                                      d.candidates),
+                                 self._unfinished(rows, d.force >= 0, 1))
+        rows.glue = (new & ~seen) != 0
+        seen = seen | new
+        self._advance_forcing(rows, d.force, seen, col + 1)
+        if self.cfg.stop == "sentence":   # all keywords in (before or in this chunk) + sentence end
+            rows.ended |= live & (self._remaining(rows, seen) == 0) & self.sentence_end[d.ids]
+        return seen
+
+    @timed("model")
+    def _next_logits(self, ids: np.ndarray) -> None:
+        """One decode step of the model over the drawn tokens: the next logits, the cache grown."""
+        self.pending, self.cache = self.be.step(ids, self.cache)
+        self.t.kv(self.cache)
 
     def _unfinished(self, rows: Rows, forcing: np.ndarray, ahead: int) -> np.ndarray:
         """Rows whose forced sequence goes on with a word piece (`ahead` = 1: after the token being
@@ -476,10 +541,10 @@ class BeamSearch:
         more[i] = self._pieces_at(rows.fseq[i], rows.fpos[i] + ahead)
         return more
 
+    @timed("text")
     def _seen_now(self, rows: Rows, prefix, idx, masks, unfinished=None) -> np.ndarray:
         """Bits of `masks` (per row) whose keyword appeared in the row's chunk so far (`unfinished`
         rows: not at their very end, as the next token continues the word)."""
-        t0 = time.perf_counter()
         seen = np.zeros(len(rows.req), np.int64)
         final = self._final(rows)
         for i, text in zip(idx, self._chunk_texts(rows, prefix, idx)):
@@ -488,7 +553,6 @@ class BeamSearch:
             for b, k in bits(int(masks[i])):
                 if self._count_new(prefix[i], text, kws[k], final[i], cut) > 0:
                     seen[i] |= b
-        self.t.add("text", t0)
         return seen
 
     @property
@@ -510,11 +574,20 @@ class BeamSearch:
 
     def _score(self, rows: Rows, prefix: list[str], chunk: np.ndarray, last: bool) -> Rows:
         """Quality Q of every candidate's chunk, added to its parent's cumulative score."""
-        t0 = time.perf_counter()
+        lp = self._scorer_logprobs(rows, chunk, last)
+        return self._quality(rows, prefix, lp, chunk.shape[1])
+
+    @timed("scorer")
+    def _scorer_logprobs(self, rows: Rows, chunk: np.ndarray, last: bool) -> np.ndarray:
+        """The scorer's log-probs of every row's chunk (R, k), kept as the rows' own."""
         k = chunk.shape[1]
         lp = self.scorer.score(chunk, rows.logp[:, -k:], last)
         rows.logp[:, -k:] = lp
-        t0 = self.t.add("scorer", t0)
+        return lp
+
+    @timed("text")
+    def _quality(self, rows: Rows, prefix: list[str], lp: np.ndarray, k: int) -> Rows:
+        """Q of each candidate's chunk from its keyword credit and perplexity, added to `cum`."""
         before = rows.tokens.shape[1] - k - rows.col0       # the rows' tokens before this chunk (at most)
         n_new = np.clip(rows.n_tok - before, 0, k)
         idx = np.flatnonzero(n_new > 0)
@@ -530,16 +603,15 @@ class BeamSearch:
                                        final[i], cut[i])
             rows.cum[i] += (credit if new else math.exp(-cfg.c_star)) * math.exp(-alpha[i] * pp)
             rows.found[i] |= new
-        self.t.add("text", t0)
         return rows
 
-    def _count_new(self, prefix: str, text: str, kw: str, final: bool, unfinished: bool) -> int:
+    def _count_new(self, prefix: str, text: str, kw: Keyword, final: bool, unfinished: bool) -> int:
         """Occurrences of `kw` that `text` adds after `prefix`, by the config's rule; an `unfinished`
         row's last word is still being written (a forced word piece follows)."""
         return occurrence.count_new(prefix, text, kw, self.open_end or unfinished, final and not unfinished,
                                     self.cfg.match)
 
-    def _credit(self, kws: list[str], rem: int, prefix: str, text: str, final: bool = False,
+    def _credit(self, kws: list[Keyword], rem: int, prefix: str, text: str, final: bool = False,
                 unfinished: bool = False) -> tuple[float, int]:
         """Q's keyword term for a chunk, sum of exp(-c) over the keywords it places (c: their
         occurrences in the chunk), and their bits. `next` places the next keyword in order (the

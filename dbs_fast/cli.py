@@ -5,8 +5,10 @@ import argparse
 import json
 import sys
 
-from .config import OPTIONS
+from .config import CHOICES, COMMONGEN, COMMONGEN_CONTEXT, OPTIONS, PAPER, DBSConfig
 from .errors import DBSError
+
+FLAG = {name: flag for name, flag, *_ in OPTIONS}            # DBSConfig field -> CLI flag
 
 
 def _add_export(sub):
@@ -40,15 +42,14 @@ KEYWORD_SYNTAX = ('comma-separated; a phrase is words separated by spaces ("ice 
 
 
 def _add_config_flags(p, title: str) -> None:
-    from .config import DBSConfig
-
     d = DBSConfig()
     g = p.add_argument_group(title)
     for name, flag, typ, text in OPTIONS:
         if typ == "switch":
             g.add_argument(flag, dest=name, action="store_true", default=None, help=text)
         else:
-            g.add_argument(flag, dest=name, type=typ, default=None, help=f"{text} (default {getattr(d, name)!r})")
+            g.add_argument(flag, dest=name, type=typ, default=None, choices=CHOICES.get(name),
+                           help=f"{text} (default {getattr(d, name)!r})")
     g.add_argument("--paper", action="store_true",
                    help="the paper's protocol: no repetition control, fixed max-new-tokens (flags above override)")
 
@@ -57,18 +58,16 @@ def config_from_args(a, **extra):
     """DBSConfig from the parsed flags: the default (or --paper) preset, then what was given."""
     from dataclasses import replace
 
-    from .config import DBSConfig
-
     base = DBSConfig.paper() if a.paper else DBSConfig()
     given = {name: getattr(a, name) for name, *_ in OPTIONS if getattr(a, name) is not None}
     return replace(base, **given, **extra)
 
 
 def _add_kv_layout(p):
-    from .prefix import KV_LAYOUTS
+    from .prefix_cache import KV_LAYOUTS
 
     p.add_argument("--kv-layout", default="auto", choices=KV_LAYOUTS,
-                   help="KV cache: prefix = engine v2 (each beam's prefix once; needs decode.onnx from this "
+                   help="KV cache: prefix = the prefix cache (each beam's prefix once; needs decode.onnx from this "
                         "version's export), rows = one cache row per candidate, auto = prefix where available")
 
 
@@ -95,13 +94,12 @@ def _add_generate(sub):
 
 
 def highlight(text: str, keywords, tty: bool) -> str:
-    import re
-
-    from .occurrence import stem, words
+    from .occurrence import stem
+    from .words import WORD, words
 
     targets = {stem(w) for k in keywords for w in words(k)}
     on, off = ("\033[1;32m", "\033[0m") if tty else ("**", "**")
-    return re.sub(r"[^\W_]+", lambda m: f"{on}{m.group(0)}{off}" if stem(m.group(0)) in targets else m.group(0), text)
+    return WORD.sub(lambda m: f"{on}{m.group(0)}{off}" if stem(m.group(0)) in targets else m.group(0), text)
 
 
 def _run_generate(a) -> int:
@@ -145,8 +143,8 @@ def _add_eval(sub):
     p.add_argument("--sets", default="paper",
                    help="paper: the paper's 50 keyword sets (default); roc: 20 ROC storylines; commongen-dev: the "
                         "993 CommonGen dev concept sets (defaults then: " + ", ".join(
-                            f"{FLAG.get(k, '--context')} {v!r}" for k, v in COMMONGEN.items())
-                        + "; coverage and BLEU-4 reported); a number N: "
+                            f"{FLAG[k]} {v!r}" for k, v in COMMONGEN.items())
+                        + f", --context {COMMONGEN_CONTEXT!r}; coverage and BLEU-4 reported); a number N: "
                         "N sets sampled from wordfreq ranks 501-1000 without stop words (with --seed)")
     p.add_argument("--limit", type=int, default=None, help="only the first N sets")
     p.add_argument("--seed", type=int, default=0)
@@ -181,19 +179,11 @@ def _add_eval(sub):
 
 
 EVAL_RUNS = ("dbs", "paper", "guarantee", "unguided")
-# CommonGen: unordered concepts, one sentence. Guide towards all at once, gently (lambda 20 over the max
-# of 3-5 concepts' boosts writes keyword lists; 8 was best on dev sets 500-511, README "Constraints"),
-# after a context that asks for a sentence but names no concept (the concepts come only from guidance).
-FLAG = {name: flag for name, flag, *_ in OPTIONS}
-COMMONGEN = {"order": "any", "match": "lemma", "max_new_tokens": 40, "lam": 8.0, "reserve_per_keyword": 6,
-             "context": "Here is one sentence describing an everyday scene:\n"}
 
 
 def eval_configs(cfg, runs: str) -> dict:
     """{run name: DBSConfig} for `eval`: the given settings, the paper protocol, the unguided baseline."""
     from dataclasses import replace
-
-    from .config import PAPER
 
     names = [r.strip() for r in runs.split(",") if r.strip()]
     bad = [r for r in names if r not in EVAL_RUNS]
@@ -229,7 +219,7 @@ def _run_eval(a) -> int:
         raise DBSError(f"`--limit` must be >= 1, got {a.limit}")
     commongen = a.sets == "commongen-dev" and not a.keywords_file
     if commongen:                       # the task's defaults, where the flags leave them open
-        for name, value in COMMONGEN.items():
+        for name, value in {**COMMONGEN, "context": COMMONGEN_CONTEXT}.items():
             setattr(a, name, value if getattr(a, name) is None else getattr(a, name))
     a.context = "It is" if a.context is None else a.context
     cfg = config_from_args(a)
@@ -283,7 +273,7 @@ def _add_bench(sub):
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--contenders", default=None,
                    help="comma-separated (default: all of dbs_fast/bench/suite.py's CONTENDERS); onnx-fp32/onnx-int8 "
-                        "run engine v2's cache (decode.onnx), the -rows ones the row layout")
+                        "run the prefix cache (decode.onnx), the -rows ones the row layout")
     p.add_argument("--tokenizer", default=None, help="GPT-2 tokenizer dir (default ../shared/data/gpt2-tokenizer)")
     p.add_argument("--checkpoint", default=None, help="a transformers checkpoint instead of random GPT-2 large")
     p.add_argument("--shape", default="gpt2-large", choices=["gpt2-large", "gpt2", "distilgpt2"])
@@ -379,7 +369,7 @@ def _run_serve(a) -> int:
     if not 0 < a.port < 65536:
         raise DBSError(f"`--port` must be in 1..65535, got {a.port}")
     if a.model not in EMBEDDED_DIRS:          # a wrong directory fails here, not in the background
-        from .session import read_manifest
+        from .manifest import read_manifest
 
         read_manifest(Path(a.model).expanduser())
     if a.ray_replicas is not None:
@@ -393,7 +383,10 @@ def _run_serve(a) -> int:
 
 def main(argv=None) -> int:
     ap = build_parser()
-    a = ap.parse_args(argv)  # argparse itself exits 2 on malformed flags
+    try:
+        a = ap.parse_args(argv)  # argparse prints usage + the error itself (code 2; --help: 0)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
     try:
         return a.func(a) or 0
     except DBSError as e:

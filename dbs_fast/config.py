@@ -1,11 +1,17 @@
-"""The hyper-parameters of Directed Beam Search, validated once.
+"""The hyper-parameters of Directed Beam Search, validated once, and their presets.
 
 `DBSConfig()` is what `generate`, the API and the CLI use: the paper's search with the
-anti-degeneration settings that measured best (README, "Quality"); `DBSConfig.paper()` is the
+anti-degeneration settings that measured best (docs: quality); `DBSConfig.paper()` is the
 paper's protocol exactly (fixed 90 tokens, no repetition control), which `eval` and `bench`
-use for the paper comparison.
+use for the paper comparison; `DBSConfig.commongen()` is the CommonGen task's (any order,
+lemma matching, one short sentence), with `COMMONGEN_CONTEXT` as its context.
+
+Every field a user can set carries its flag and help in its metadata (`option`): `OPTIONS`, the
+CLI flags and the service's JSON fields are all derived from it.
 """
-from dataclasses import dataclass, asdict, replace
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from .errors import DBSError
 
@@ -13,11 +19,6 @@ BOOST_ORDERS = ("filter_then_boost", "boost_then_filter")
 STOPS = ("max", "sentence")
 ORDERS = ("next", "any")
 MATCHES = ("stem", "lemma")
-# The settings where the default differs from the paper (chosen by measurement, README "Quality").
-IMPROVED = {"boost_word_starts": True, "complete_words": True, "alpha_fluent": 0.02, "late_boost_first": True, "repetition_penalty": 1.0, "no_repeat_ngram_size": 3,
-            "stop": "sentence"}
-PAPER = {"boost_word_starts": False, "complete_words": False, "alpha_fluent": None, "late_boost_first": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-         "stop": "max"}
 
 
 def parse_bool(v: str) -> bool:
@@ -26,122 +27,100 @@ def parse_bool(v: str) -> bool:
     return v.lower() == "true"
 
 
-# Every DBSConfig field a user can set, declared once: (field, CLI flag, type, help). `generate` and
-# `eval` take them as flags, the service as JSON fields named like the flag ("--top-p" -> "top_p").
-OPTIONS = (
-    ("beams", "--beams", int, "b: beams kept after every chunk"),
-    ("candidates", "--candidates", int, "s: candidates per beam"),
-    ("chunk", "--chunk", int, "k: tokens per chunk"),
-    ("lam", "--lambda", float, "guidance strength"),
-    ("top_p", "--top-p", float, "nucleus sampling mass"),
-    ("temperature", "--temperature", float, "sampling temperature"),
-    ("max_new_tokens", "--max-new-tokens", int, "token budget"),
-    ("boost_order", "--boost-order", str, "filter_then_boost (the authors' code) or boost_then_filter"),
-    ("alpha", "--alpha", float, "weight of perplexity in the quality score Q"),
-    ("alpha_fluent", "--alpha-fluent", float, "weight of perplexity in Q while the beam is ahead of its deadline"),
-    ("reserve_per_keyword", "--reserve-per-keyword", int, "tokens kept per keyword still to place (the deadline)"),
-    ("late_boost_first", "--late-boost-first", parse_bool, "true/false: rows behind the deadline boost before the top-p cut"),
-    ("complete_words", "--complete-words", parse_bool, "true/false: a keyword of several tokens is boosted from its own "
-                                                       "first token and its rest forced once that is out"),
-    ("c_star", "--c-star", float, "Q's penalty for a chunk without the guide word"),
-    ("repetition_penalty", "--repetition-penalty", float, "> 1 discourages tokens already used (1 = off)"),
-    ("no_repeat_ngram_size", "--no-repeat-ngram-size", int, "ban repeating any n-gram of this size (0 = off)"),
-    ("stop", "--stop", str, "sentence: end at the first sentence end after the last keyword; max: always "
-                            "max-new-tokens (the paper)"),
-    ("order", "--order", str, "next: keywords one at a time in the given order (the paper); any: guide towards "
-                              "all remaining keywords at once"),
-    ("match", "--match", str, "how a keyword is recognised in text: stem (equal Porter stems, the paper) or "
-                              "lemma (lemminflect lemmas meet: CommonGen's coverage rule)"),
-    ("guarantee", "--guarantee", "switch", "force each keyword's tokens when the budget left is what the "
-                                           "remaining keywords need: every keyword appears"),
-)
+def option(default, flag: str, typ, text: str, choices: tuple | None = None):
+    """A dataclass field a user sets as `flag` (CLI) or its JSON name (service)."""
+    return field(default=default, metadata={"flag": flag, "type": typ, "help": text, "choices": choices})
 
 
 @dataclass(frozen=True)
 class DBSConfig:
-    lam: float = 20.0            # guidance strength lambda; paper picks 20 (best success, Fig. 1)
-    beams: int = 7               # b: beams kept after every chunk (paper's chosen setting)
-    candidates: int = 10         # s: candidates per beam, all b*s decoded as one batch
-    chunk: int = 5               # k: tokens per chunk; sets keyword density (paper: 5)
-    top_p: float = 0.9           # nucleus sampling, as in the paper
-    temperature: float = 1.0
-    alpha: float = 0.001         # weight of perplexity in the quality score Q
-    alpha_fluent: float | None = IMPROVED["alpha_fluent"]  # ... while the beam has time to spare: after the
-    #                              chunk, at least `reserve_per_keyword` tokens are left per keyword still to place.
-    #                              Fluent chunks win then; when time is short Q is the paper's again, so the words
-    #                              still get placed (a deadline, as in K2T). None = always alpha (the paper)
-    late_boost_first: bool = IMPROVED["late_boost_first"]  # behind the deadline, boost before the top-p cut
-    #                              (a word outside the nucleus can then still be placed)
-    reserve_per_keyword: int = 15  # tokens kept per keyword still to place (10 cost success: README "Quality")
-    c_star: float = 2.0          # penalty when the guide word is absent (favours c = 1 over 0)
-    max_new_tokens: int = 90     # paper: termination after 90 tokens
-    boost_order: str = "filter_then_boost"  # the authors' code: top-p first, then boosts
-    boost_cutoff: float = 0.01   # sparse table drops boosts below this (logit units = max error)
-    boost_word_starts: bool = IMPROVED["boost_word_starts"]  # boost only tokens that start a word (a
-    #                              space or punctuation first): a boosted "rink" no longer glues onto
-    #                              "hockey" ("hockeyrink", which is no word and places nothing)
-    complete_words: bool = IMPROVED["complete_words"]  # a keyword written in several tokens ("rodeo" =
-    #                              " rode" + "o"): its first token gets the keyword's full boost and,
-    #                              once out, the rest is forced (its vector alone barely boosts " rode")
+    lam: float = option(20.0, "--lambda", float, "guidance strength (the paper picks 20: best success)")
+    beams: int = option(7, "--beams", int, "b: beams kept after every chunk")
+    candidates: int = option(10, "--candidates", int, "s: candidates per beam, all b*s decoded as one batch")
+    chunk: int = option(5, "--chunk", int, "k: tokens per chunk; sets keyword density")
+    top_p: float = option(0.9, "--top-p", float, "nucleus sampling mass")
+    temperature: float = option(1.0, "--temperature", float, "sampling temperature")
+    alpha: float = option(0.001, "--alpha", float, "weight of perplexity in the quality score Q")
+    alpha_fluent: float | None = option(
+        0.02, "--alpha-fluent", float, "weight of perplexity in Q while the beam is ahead of its deadline (at "
+        "least reserve-per-keyword tokens left per keyword still to place): fluent chunks win then, and Q is "
+        "the paper's again when time is short")
+    late_boost_first: bool = option(True, "--late-boost-first", parse_bool,
+                                    "true/false: rows behind the deadline boost before the top-p cut")
+    reserve_per_keyword: int = option(15, "--reserve-per-keyword", int,
+                                      "tokens kept per keyword still to place (the deadline)")
+    c_star: float = option(2.0, "--c-star", float, "Q's penalty for a chunk without the guide word")
+    max_new_tokens: int = option(90, "--max-new-tokens", int, "token budget")
+    boost_order: str = option("filter_then_boost", "--boost-order", str,
+                              "filter_then_boost (the authors' code: top-p first) or boost_then_filter",
+                              BOOST_ORDERS)
+    boost_cutoff: float = 0.01   # the sparse boost table drops boosts below this (logit units = max error)
+    # boost only tokens that start a word: a boosted "rink" no longer glues onto "hockey"
+    boost_word_starts: bool = True
+    complete_words: bool = option(True, "--complete-words", parse_bool,
+                                  "true/false: a keyword of several tokens is boosted from its own first "
+                                  "token and its rest forced once that is out")
     guided: bool = True          # False = the unguided baseline (no boosts)
-    order: str = "next"          # "next": one keyword at a time, in the given order (the paper);
-    #                              "any": guide towards every keyword still to place (per-token max)
-    match: str = "stem"          # how a keyword is recognised: "stem" (equal Porter stems: the paper) or
-    #                              "lemma" (lemmas meet: CommonGen's coverage; "performance" no longer
-    #                              counts for "perform", so guidance and `guarantee` go on until "perform" is in)
-    guarantee: bool = False      # force each keyword's tokens when the budget left is what the
-    #                              remaining keywords need (every keyword appears; K2T's deadline)
-    # anti-degeneration (not in the paper; transformers semantics), and natural stopping:
-    repetition_penalty: float = IMPROVED["repetition_penalty"]    # > 1 discourages tokens already used
-    #                                  (off by default: 1.2 doubled the judge perplexity, README "Quality")
-    no_repeat_ngram_size: int = IMPROVED["no_repeat_ngram_size"]  # ban repeating any n-gram (0 = off)
-    stop: str = IMPROVED["stop"]  # "sentence": end at the first sentence end after the last keyword;
-    #                               "max": always max_new_tokens (the paper)
+    order: str = option("next", "--order", str, "next: keywords one at a time in the given order (the paper); "
+                        "any: guide towards all remaining keywords at once", ORDERS)
+    match: str = option("stem", "--match", str, "how a keyword is recognised in text: stem (equal Porter stems, "
+                        "the paper) or lemma (lemminflect lemmas meet: CommonGen's coverage rule)", MATCHES)
+    guarantee: bool = option(False, "--guarantee", "switch", "force each keyword's tokens when the budget left "
+                             "is what the remaining keywords need: every keyword appears")
+    repetition_penalty: float = option(1.0, "--repetition-penalty", float,
+                                       "> 1 discourages tokens already used (1 = off)")
+    no_repeat_ngram_size: int = option(3, "--no-repeat-ngram-size", int,
+                                       "ban repeating any n-gram of this size (0 = off)")
+    stop: str = option("sentence", "--stop", str, "sentence: end at the first sentence end after the last "
+                       "keyword; max: always max-new-tokens (the paper)", STOPS)
 
     @classmethod
     def paper(cls, **overrides) -> "DBSConfig":
         """The paper's protocol: fixed-length, no repetition control (overrides apply on top)."""
         return replace(cls(), **{**PAPER, **overrides})
 
+    @classmethod
+    def commongen(cls, **overrides) -> "DBSConfig":
+        """The CommonGen task's settings (use with `COMMONGEN_CONTEXT`); overrides apply on top."""
+        return replace(cls(), **{**COMMONGEN, **overrides})
+
     def __post_init__(self):
+        def bad(name: str, msg: str):
+            raise DBSError(f"`{name}` {msg}, got {getattr(self, name)!r}", name, getattr(self, name))
+
         for name in ("beams", "candidates", "chunk", "max_new_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise DBSError(f"`{name}` must be an integer >= 1, got {v!r}")
+            if not _is_int(getattr(self, name), 1):
+                bad(name, "must be an integer >= 1")
         if not (0.0 < self.top_p <= 1.0):
-            raise DBSError(f"`top_p` must be a float in (0, 1], got {self.top_p!r}")
+            bad("top_p", "must be a float in (0, 1]")
         if not (0.0 <= self.lam <= 80.0):
-            raise DBSError(f"`lambda` must be in [0, 80] (exp(lambda) must fit float32), got {self.lam!r}")
+            raise DBSError(f"`lambda` must be in [0, 80] (exp(lambda) must fit float32), got {self.lam!r}",
+                           "lam", self.lam)
         if not self.temperature > 0.0:
-            raise DBSError(f"`temperature` must be > 0, got {self.temperature!r}")
-        if self.alpha < 0 or self.c_star < 0 or (self.alpha_fluent is not None and self.alpha_fluent < 0):
-            raise DBSError(f"`alpha`, `alpha_fluent` and `c_star` must be >= 0, got {self.alpha!r}, "
-                           f"{self.alpha_fluent!r}, {self.c_star!r}")
-        if not isinstance(self.reserve_per_keyword, int) or self.reserve_per_keyword < 0:
-            raise DBSError(f"`reserve_per_keyword` must be an integer >= 0, got {self.reserve_per_keyword!r}")
-        if self.boost_order not in BOOST_ORDERS:
-            raise DBSError(f"`boost_order` must be one of {BOOST_ORDERS}, got {self.boost_order!r}")
+            bad("temperature", "must be > 0")
+        for name in ("alpha", "c_star", "alpha_fluent"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                bad(name, "must be >= 0")
+        if not _is_int(self.reserve_per_keyword, 0):
+            bad("reserve_per_keyword", "must be an integer >= 0")
         if self.boost_cutoff < 0:
-            raise DBSError(f"`boost_cutoff` must be >= 0, got {self.boost_cutoff!r}")
+            bad("boost_cutoff", "must be >= 0")
         if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0):
-            raise DBSError(f"`repetition_penalty` must be > 0 (1 = off), got {self.repetition_penalty!r}")
-        v = self.no_repeat_ngram_size
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise DBSError(f"`no_repeat_ngram_size` must be an integer >= 0 (0 = off), got {v!r}")
-        if self.order not in ORDERS:
-            raise DBSError(f"`order` must be one of {ORDERS}, got {self.order!r}")
-        if self.match not in MATCHES:
-            raise DBSError(f"`match` must be one of {MATCHES}, got {self.match!r}")
+            bad("repetition_penalty", "must be > 0 (1 = off)")
+        if not _is_int(self.no_repeat_ngram_size, 0):
+            bad("no_repeat_ngram_size", "must be an integer >= 0 (0 = off)")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                bad(f.name, f"must be one of {choices}")
+        for name in ("complete_words", "guarantee"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
         if self.match == "lemma":
             from importlib.util import find_spec
             if find_spec("lemminflect") is None:
-                raise DBSError("`match` lemma needs lemminflect: pip install 'dbs-fast[bench]'")
-        if not isinstance(self.complete_words, bool):
-            raise DBSError(f"`complete_words` must be true or false, got {self.complete_words!r}")
-        if not isinstance(self.guarantee, bool):
-            raise DBSError(f"`guarantee` must be true or false, got {self.guarantee!r}")
-        if self.stop not in STOPS:
-            raise DBSError(f"`stop` must be one of {STOPS}, got {self.stop!r}")
+                raise DBSError("`match` lemma needs lemminflect: pip install 'dbs-fast[bench]'", "match", self.match)
 
     @property
     def shapes_logits(self) -> bool:
@@ -149,3 +128,23 @@ class DBSConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _is_int(v, least: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+# Every DBSConfig field a user can set: (field, CLI flag, type, help). `generate` and `eval` take
+# them as flags, the service as JSON fields named like the flag ("--top-p" -> "top_p").
+OPTIONS = tuple((f.name, f.metadata["flag"], f.metadata["type"], f.metadata["help"])
+                for f in fields(DBSConfig) if "flag" in f.metadata)
+CHOICES = {f.name: f.metadata["choices"] for f in fields(DBSConfig) if f.metadata.get("choices")}
+
+# The presets: the paper's protocol, and the CommonGen task's defaults (where flags leave them open).
+# CommonGen: unordered concepts, one sentence. Guide towards all at once, gently (lambda 20 over the
+# max of 3-5 concepts' boosts writes keyword lists; 8 was best on dev sets 500-511), after a context
+# that asks for a sentence but names no concept (the concepts come only from guidance).
+PAPER = {"boost_word_starts": False, "complete_words": False, "alpha_fluent": None, "late_boost_first": False,
+         "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "stop": "max"}
+COMMONGEN = {"order": "any", "match": "lemma", "max_new_tokens": 40, "lam": 8.0, "reserve_per_keyword": 6}
+COMMONGEN_CONTEXT = "Here is one sentence describing an everyday scene:\n"

@@ -30,9 +30,11 @@ import numpy as np
 
 from .embeddings import SimilarityTable, SparseBoost
 from .errors import DBSError
+from .kernels import csr_boosts
+from .occurrence import pattern
+from .words import WORD
 
-_ALLOWED = re.compile(r"^[^\W_]+(?:[ '\-][^\W_]+)*$")   # words joined by single spaces, ' or -
-_WORD = re.compile(r"[^\W_]+")
+_ALLOWED = re.compile(rf"^{WORD.pattern}(?:[ '\-]{WORD.pattern})*$")   # words joined by single spaces, ' or -
 
 
 @dataclass(frozen=True)
@@ -56,31 +58,37 @@ def parse_keyword(text: str) -> Keyword:
         if not _ALLOWED.match(a):
             raise DBSError(f"keyword {a!r} must be words of letters/digits (a phrase: words separated by spaces; "
                            f"alternatives: separated by |), without other punctuation")
-    return Keyword("|".join(alts), tuple(tuple(w.lower() for w in _WORD.findall(a)) for a in alts))
+    return Keyword("|".join(alts), tuple(tuple(w.lower() for w in WORD.findall(a)) for a in alts))
 
 
 def parse_keywords(keywords, what: str = "keyword") -> list[Keyword]:
-    """`keywords`: a comma-separated string or a list of strings."""
-    if isinstance(keywords, str):
-        keywords = keywords.split(",")
-    if not isinstance(keywords, (list, tuple)):
-        raise DBSError(f"{what}s must be a comma-separated string or a list of strings, got {keywords!r}")
-    parts = [k.strip() if isinstance(k, str) else k for k in keywords]
-    if what == "keyword" and (not parts or all(not p for p in parts)):
-        raise DBSError("no keywords given: pass at least one, e.g. --keywords \"enemy,speed\"")
-    if any(p == "" for p in parts) and what == "keyword":
-        raise DBSError(f"empty keyword in {keywords!r}")
-    return [parse_keyword(p) for p in parts if p != ""]
+    """`keywords`: a comma-separated string or a list of strings. A DBSError names the request
+    field: `keywords`, or `ban` for banned words."""
+    field = "keywords" if what == "keyword" else "ban"
+    given = keywords
+    try:
+        if isinstance(keywords, str):
+            keywords = keywords.split(",")
+        if not isinstance(keywords, (list, tuple)):
+            raise DBSError(f"{what}s must be a comma-separated string or a list of strings, got {keywords!r}")
+        parts = [k.strip() if isinstance(k, str) else k for k in keywords]
+        if what == "keyword" and (not parts or all(not p for p in parts)):
+            raise DBSError("no keywords given: pass at least one, e.g. --keywords \"enemy,speed\"")
+        if any(p == "" for p in parts) and what == "keyword":
+            raise DBSError(f"empty keyword in {keywords!r}")
+        return [parse_keyword(p) for p in parts if p != ""]
+    except DBSError as e:
+        raise DBSError(str(e), field, given) from None
 
 
-def check_bans(keywords: list[Keyword], bans: list[Keyword]) -> None:
-    from .occurrence import pattern
-
-    banned = {a: b.text for b in bans for a in pattern(b.text)}
+def check_bans(keywords: list[Keyword], bans: list[Keyword], given=None) -> None:
+    """DBSError (field `ban`, value `given`) when a keyword is also banned."""
+    banned = {a: b.text for b in bans for a in pattern(b)}
     for k in keywords:
-        for text, a in zip(k.phrases, pattern(k.text)):
+        for text, a in zip(k.phrases, pattern(k)):
             if a in banned:
-                raise DBSError(f"keyword {text.lower()!r} is also banned ({banned[a]!r}): drop one of them")
+                raise DBSError(f"keyword {text.lower()!r} is also banned ({banned[a]!r}): drop one of them",
+                               "ban", given)
 
 
 def surface_variants(phrase: str) -> list[str]:
@@ -190,8 +198,6 @@ class BoostTable:
     @property
     def csr(self):
         if self._csr is None:
-            from .kernels import csr_boosts
-
             self._csr = csr_boosts(self.rows)
         return self._csr
 
@@ -264,3 +270,16 @@ def phrase_starts(encode, kw: Keyword, words: bool = False) -> list[tuple[tuple[
 def ban_sequences(encode, bans: list[Keyword]) -> list[tuple[int, ...]]:
     """Every tokenised case / leading-space variant of every banned alternative."""
     return _dedup(encode(v) for b in bans for a in b.phrases for v in surface_variants(a))
+
+
+def banned_tokens(history, ban_seqs) -> set[int]:
+    """The ban rule, stated once (the kernel's `_ban` is its fast form, the PyTorch baseline calls
+    this): the tokens a row may not draw next. A one-token sequence's token always; a longer one's
+    last token when the row's history ends with the rest."""
+    h = [] if history is None else list(history)
+    out = set()
+    for seq in ban_seqs or ():
+        seq = list(seq)
+        if len(seq) - 1 <= len(h) and (len(seq) == 1 or h[len(h) - len(seq) + 1:] == seq[:-1]):
+            out.add(int(seq[-1]))
+    return out

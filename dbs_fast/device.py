@@ -1,6 +1,6 @@
-"""Engine v2's KV cache kept on the execution provider's device (CUDA): tensors that never leave it.
+"""The prefix KV cache kept on the execution provider's device (CUDA): tensors that never leave it.
 
-On the CPU the cache is NumPy arrays bound to the decode graph in place (`dbs_fast.prefix`).
+On the CPU the cache is NumPy arrays bound to the decode graph in place (`dbs_fast.prefix_cache`).
 With the CUDA provider those arrays would live in host memory: every step ORT would copy the
 chunk slots it reads to the GPU and the new K/V back, and every chunk the whole prefix up.
 `DeviceArray` is a tensor in ORT's memory on a device (an `OrtValue` and an offset into it, so
@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from .runtime import PROVIDERS
 
 F32 = np.dtype(np.float32)
 
@@ -124,8 +126,6 @@ class DeviceOps:
 
     def __init__(self, device: str = "cuda", device_id: int = 0):
         import onnxruntime as ort
-
-        from .session import PROVIDERS
 
         self.device, self.device_id = device, device_id
         providers = [PROVIDERS[device], "CPUExecutionProvider"] if device != "cpu" else ["CPUExecutionProvider"]

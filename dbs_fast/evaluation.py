@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from dbs_fast.errors import DBSError
+from dbs_fast.metrics import coverage, distinct_n, rep_n
 
 # NLTK's English stop-word list (the corpus download is not available offline).
 STOP_WORDS = set("""i me my myself we our ours ourselves you you're you've you'll you'd your yours yourself
@@ -80,7 +81,6 @@ def commongen_scores(rows, refs: list[str]) -> dict:
     break is not part of it)."""
     import sacrebleu
 
-    from dbs_fast.metrics import coverage
 
     rs = sorted(rows, key=lambda r: r["set"])
     hyps = [(r["context"].rpartition("\n")[2] + r["generated"]).strip() for r in rs]
@@ -91,8 +91,6 @@ def commongen_scores(rows, refs: list[str]) -> dict:
 
 
 def _row(i, kws, mode, r, n_batch, context) -> dict:
-    from dbs_fast.metrics import rep_n
-
     # r.seconds is the wall time of the whole batch; a set's share is that over the batch size
     return {"set": i, "mode": mode, "keywords": kws, "success_rate": r.success_rate,
             "perplexity": r.perplexity, "success_length": r.success_length, "seconds": r.seconds / n_batch,
@@ -171,8 +169,6 @@ def judge_rows(path: Path, judge, quiet=False) -> list[dict]:
 def reference_scores(sets, refs: list[str], context: str, judge) -> dict:
     """The human reference sentences of `sets` under the same judge and context as the generated
     text, and their coverage by lemma: what text a person would keep scores on this ruler."""
-    from dbs_fast.metrics import coverage
-
     refs = refs[:len(sets)]
     ppl = [p for i in range(0, len(refs), 16) for p in judge.perplexity([(context, r) for r in refs[i:i + 16]])]
     return {"judge_ppl": _aggregate([{"judge_ppl": p} for p in ppl], ("judge_ppl",))["judge_ppl"],
@@ -197,8 +193,6 @@ def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed
              refs: list[str] | None = None) -> dict:
     """Every run of `configs` ({name: DBSConfig}) on every set; judged, with degeneration metrics;
     with `refs` (CommonGen), coverage by lemma and BLEU-4 too."""
-    from dbs_fast.metrics import distinct_n
-
     path = out / "results.jsonl"
     rows = run_modes(dbs, sets, configs, path, context, batch, seed, quiet)
     if judge is not None:

@@ -15,8 +15,8 @@ import numpy as np
 
 from .backend import left_pad
 from .errors import DBSError
+from .model import OnnxModel
 from .scorer import token_logprobs
-from .session import OnnxModel
 
 
 def judge_for(generator: str) -> str:

@@ -28,17 +28,9 @@ history is `hseq[r, hstart[r]:hend]`. Neither changes the returned log-probabili
 """
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 
-from .home import home
-
-# cache=True needs a writable place; a read-only install falls back to the dbs-fast home.
-os.environ.setdefault("NUMBA_CACHE_DIR", str(home() / "numba-cache"))
-
-from numba import njit, prange  # noqa: E402
+from .numba_runtime import njit, prange, start_threads
 
 BUCKETS_PER_NAT = 16
 SPAN_NATS = 64          # tokens further below the max than this share the last bucket
@@ -443,29 +435,6 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
     return out_ids, out_logp
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _extend_prefix(new, prefix, chunk, src, s, j):
-    kv, T, d = prefix.shape[1], prefix.shape[2], prefix.shape[3]
-    for q in prange(new.shape[0] * kv):
-        beam, h = q // kv, q % kv
-        parent, row = src[beam] // s, src[beam] % s
-        for t in range(T):
-            for i in range(d):
-                new[beam, h, t, i] = prefix[parent, h, t, i]
-        for t in range(j):
-            for i in range(d):
-                new[beam, h, T + t, i] = chunk[t, parent, h, row, i]
-
-
-def extend_prefix(new: np.ndarray, prefix: np.ndarray, chunk: np.ndarray, src: np.ndarray, s: int, j: int) -> None:
-    """new[i] = prefix[src[i] // s] followed by the first j chunk tokens of row src[i] (chunk[:j,
-    src[i] // s, :, src[i] % s]): engine v2's chunk boundary, new (B, kv, T + j, d) from prefix (b,
-    kv, T, d) and the slot-major chunk (K, b, kv, s, d), in parallel over (new beam, kv head).
-    GPT-2 large at the paper setting copies ~130 MB a chunk this way (72 tensors)."""
-    start_threads()
-    _extend_prefix(new, prefix, chunk, np.asarray(src, np.int64), s, j)
-
-
 def dense_boost_exp(ptr, ids, vals, V: int, words=None) -> np.ndarray:
     """exp(boost) per token, 1.0 where none, (len(words), V) float32 for the guide words `words` of
     the CSR table (all of them if None; lambda <= 80, so exp fits). The kernel's filter-then-boost
@@ -478,41 +447,6 @@ def dense_boost_exp(ptr, ids, vals, V: int, words=None) -> np.ndarray:
     return dense
 
 
-_threads_started = False
-SPIN_COUNT = "20000"      # libgomp's GOMP_SPINCOUNT for the kernel's workers (its default: 300000)
-
-
-def start_threads(sleep_when_idle: bool = True) -> None:
-    """Start Numba's worker threads (once), by default with their OpenMP runtime told to spin only
-    briefly (GOMP_SPINCOUNT=20000, well under a millisecond) before it sleeps.
-
-    The kernel runs between two ONNX Runtime calls on the same cores. GNU OpenMP's workers spin
-    300000 times after each parallel region by default, and took the cores from the next decode
-    step: 7 ms (5%) of the default's 70-row step and 8 ms of GPT-2 large int8's (AMD EPYC, AVX2).
-    Not spinning at all (OMP_WAIT_POLICY=PASSIVE) gained the same on whole generations, but every
-    parallel region then ends with a sleep and a wake-up: back-to-back calls took 7.5-11 ms
-    instead of 6.7 on the same machine. libgomp reads the variable once, when it is loaded, so it
-    is set around that load and then restored. Left alone when the user set GOMP_SPINCOUNT or
-    OMP_WAIT_POLICY, when torch is loaded already, or with `sleep_when_idle=False` (the PyTorch
-    baseline): torch's libgomp has the same soname, so the runtime loaded first is the one both
-    use, and the baseline keeps PyTorch's own behaviour."""
-    global _threads_started
-    if _threads_started:
-        return
-    _threads_started = True
-    from numba.np.ufunc.parallel import _launch_threads
-
-    if (not sleep_when_idle or "torch" in sys.modules
-            or any(v in os.environ for v in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))):
-        _launch_threads()
-        return
-    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
-    try:
-        _launch_threads()
-    finally:
-        del os.environ["GOMP_SPINCOUNT"]
-
-
 def csr_boosts(boosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pack a list of SparseBoost into the kernel's CSR arrays (ptr, ids, vals)."""
     ptr = np.zeros(len(boosts) + 1, np.int64)
@@ -521,13 +455,3 @@ def csr_boosts(boosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ids = np.concatenate([b.ids for b in boosts]).astype(np.int32) if boosts else np.zeros(0, np.int32)
     vals = np.concatenate([b.values for b in boosts]).astype(np.float32) if boosts else np.zeros(0, np.float32)
     return ptr, ids, vals
-
-
-def set_threads(n: int | None, sleep_when_idle: bool = True) -> None:
-    """Numba's thread count (the kernel runs between ORT calls, on the same cores); see
-    `start_threads` for `sleep_when_idle`."""
-    import numba
-
-    start_threads(sleep_when_idle)
-    n = n or int(os.environ.get("DBS_FAST_THREADS", 0)) or numba.config.NUMBA_NUM_THREADS
-    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))

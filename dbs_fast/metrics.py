@@ -12,13 +12,7 @@ of speech (a word may be covered through any reading of it).
 """
 from __future__ import annotations
 
-import re
-
-_WORD = re.compile(r"[^\W_]+")
-
-
-def words(text: str) -> list[str]:
-    return _WORD.findall(text.lower())
+from .words import words
 
 
 def ngrams(ws: list[str], n: int) -> list[tuple[str, ...]]:

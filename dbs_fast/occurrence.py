@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from nltk.stem.porter import PorterStemmer
 
-_WORDS = re.compile(r"[^\W_]+")  # runs of letters/digits: punctuation never hides a word
+from .metrics import lemmas
+from .words import WORD, starts_word
+
+if TYPE_CHECKING:
+    from .constraints import Keyword
+
 _stemmer = PorterStemmer()
-RULES = ("stem", "lemma")
 
 
 @lru_cache(maxsize=200_000)
@@ -24,35 +29,30 @@ def stem(word: str) -> str:
     return _stemmer.stem(word.lower())
 
 
-def words(text: str) -> list[str]:
-    return _WORDS.findall(text.lower())
-
-
 @lru_cache(maxsize=200_000)
 def forms(word: str, rule: str = "stem") -> frozenset:
     """What `word` matches by under `rule`: its stem, or the word and all its lemmas."""
     if rule == "lemma":
-        from .metrics import lemmas
         return frozenset(lemmas(word))
     return frozenset((stem(word),))
 
 
 @lru_cache(maxsize=20_000)
-def _alternatives(keyword: str, rule: str) -> tuple[tuple[frozenset, ...], ...]:
-    return tuple(tuple(forms(w, rule) for w in words(a)) for a in keyword.split("|"))
+def _alternatives(keyword: Keyword, rule: str) -> tuple[tuple[frozenset, ...], ...]:
+    return tuple(tuple(forms(w, rule) for w in a) for a in keyword.alternatives)
 
 
 @lru_cache(maxsize=20_000)
-def pattern(keyword: str) -> tuple[tuple[str, ...], ...]:
+def pattern(keyword: Keyword) -> tuple[tuple[str, ...], ...]:
     """Stems of each alternative's words: "ice cream|gelato" -> (("ice", "cream"), ("gelato",))."""
-    return tuple(tuple(stem(w) for w in words(a)) for a in keyword.split("|"))
+    return tuple(tuple(stem(w) for w in a) for a in keyword.alternatives)
 
 
-def _spans(text: str, keyword: str, open_end: bool = False, rule: str = "stem"):
+def _spans(text: str, keyword: Keyword, open_end: bool = False, rule: str = "stem"):
     """(start, end) character spans of every occurrence: a position where words matching some
     alternative's words (by `rule`) follow one another. `open_end`: the text may go on, so a match whose
     last word runs to its very end is not one yet (the next token may make "pet" "petrified")."""
-    ms = list(_WORDS.finditer(text))
+    ms = list(WORD.finditer(text))
     fs = [forms(m.group(0), rule) for m in ms]
     alts = _alternatives(keyword, rule)
     for i in range(len(fs)):
@@ -64,7 +64,7 @@ def _spans(text: str, keyword: str, open_end: bool = False, rule: str = "stem"):
                 break
 
 
-def count(text: str, keyword: str, open_end: bool = False, rule: str = "stem") -> int:
+def count(text: str, keyword: Keyword, open_end: bool = False, rule: str = "stem") -> int:
     """Occurrences of `keyword` in `text` ("Colonies." counts for "colony"; "ice creams" for
     "ice cream"; "ran" for "run|ran"). `open_end`: the text is not finished (see `_spans`)."""
     return sum(1 for _ in _spans(text, keyword, open_end, rule))
@@ -74,7 +74,7 @@ def _tail(prefix: str, n_words: int = 1) -> str:
     """The end of `prefix` from the start of its last `n_words` words (a chunk may complete the
     last one, or a phrase that starts there)."""
     p = prefix[-200 * n_words:]         # long enough for n words
-    ms = list(_WORDS.finditer(p))
+    ms = list(WORD.finditer(p))
     if not ms:
         return ""
     if len(ms) < n_words:
@@ -85,7 +85,7 @@ def _tail(prefix: str, n_words: int = 1) -> str:
     return p[cut.start():]
 
 
-def count_new(prefix: str, chunk: str, keyword: str, open_end: bool = False, final: bool = False,
+def count_new(prefix: str, chunk: str, keyword: Keyword, open_end: bool = False, final: bool = False,
               rule: str = "stem") -> int:
     """Occurrences that `chunk` adds after `prefix` (words and phrases straddling the boundary
     included). `open_end`: matches at the very end are not counted until the text goes on without
@@ -94,7 +94,7 @@ def count_new(prefix: str, chunk: str, keyword: str, open_end: bool = False, fin
     return count(tail + chunk, keyword, open_end and not final, rule) - count(tail, keyword, open_end, rule)
 
 
-def first_match(text: str, keyword: str, rule: str = "stem") -> tuple[int, int] | None:
+def first_match(text: str, keyword: Keyword, rule: str = "stem") -> tuple[int, int] | None:
     """(start, end) character span of the first occurrence of `keyword`, or None."""
     return next(_spans(text, keyword, rule=rule), None)
 
@@ -112,7 +112,7 @@ def word_piece_tokens(decode_one, vocab_size: int):
     before them: "rink" after "hockey" makes "hockeyrink")."""
     import numpy as np
 
-    return np.array([bool(re.match(r"[^\W_]", decode_one(i))) for i in range(vocab_size)], bool)
+    return np.array([starts_word(decode_one(i)) for i in range(vocab_size)], bool)
 
 
 def sentence_end_tokens(decode_one, vocab_size: int):

@@ -1,18 +1,43 @@
 """Perplexity scorers: `self` (the generator's own unguided log-probs, free) or a separate ONNX LM.
 
-The ONNX scorer keeps its own KV cache in the generator's layout (engine v2's prefixes where its
+The ONNX scorer keeps its own KV cache in the generator's layout (the prefix cache's prefixes where its
 export has the decode graph, else one row per candidate), is gathered with the generator's rows,
 and runs only the k new tokens of every chunk.
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
+from .backend import onnx_backend
 from .errors import DBSError
-from .session import OnnxModel
+from .model import OnnxModel
+
+
+class Scorer(Protocol):
+    """What the scheduler asks of a perplexity scorer. Its rows follow the generator's: admitted
+    with their contexts, gathered by `select` at every chunk boundary, trimmed with them."""
+
+    name: str
+
+    def fresh(self, cfg) -> "Scorer":
+        """A scorer on the same model with no rows (one per batch: the rows are its state)."""
+
+    def admit(self, contexts: list[list[int]], rows: np.ndarray) -> None:
+        """New contexts join, gathered to `rows` and appended to the running rows."""
+
+    def select(self, rows: np.ndarray) -> None: ...
+
+    def trim(self) -> None: ...
+
+    def score(self, chunk: np.ndarray, gen_logp: np.ndarray, last) -> np.ndarray:
+        """Log-probs (R, k) of each row's chunk tokens (R, k); `gen_logp`: the generator's own."""
 
 
 class SelfScorer:
+    """The generator's own unguided log-probs (free: the kernel returns them)."""
+
     name = "self"
 
     def fresh(self, cfg):
@@ -41,7 +66,7 @@ def token_logprobs(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
 class OnnxScorer:
     """A second causal LM (e.g. Distil-GPT-2 for GPT-2 large) that shares the tokenizer.
 
-    Its cache is laid out as the generator's: with a decode graph (`decoder`, engine v2) each
+    Its cache is laid out as the generator's: with a decode graph (`decoder`) each
     beam's prefix is stored once and a chunk is scored by k decode steps; without one, one cache
     row per candidate and one k-token forward per chunk."""
 
@@ -58,12 +83,8 @@ class OnnxScorer:
 
     def fresh(self, cfg) -> "OnnxScorer":
         """A scorer on the same model with no rows (one per batch: the rows are its state)."""
-        from .backend import OnnxBackend, PrefixBackend
-
         new = OnnxScorer(self.model, self.model.tokenizer, self.decoder)
-        base = OnnxBackend(self.model)
-        new.be = base if self.decoder is None else PrefixBackend(base, self.decoder, cfg.candidates, cfg.chunk,
-                                                                 cfg.max_new_tokens)
+        new.be = onnx_backend(self.model, self.decoder, cfg)
         return new
 
     def admit(self, contexts, rows):

@@ -12,15 +12,16 @@ chunk boundaries, `dbs_fast.batcher`); handlers only validate, queue and wait.
 import asyncio
 import functools
 import json
-import re
 import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional, Union
 
+from .batcher import Batcher, Job
 from .config import OPTIONS, DBSConfig, parse_bool
 from .errors import DBSError
+from .prefix_cache import KV_LAYOUTS
 
 if TYPE_CHECKING:
     from .batcher import Job
@@ -37,7 +38,7 @@ class ServiceOptions:
     max_queue: int = 64            # requests waiting beyond that are refused (429)
     threads: Optional[int] = None
     provider: str = "cpu"
-    kv_layout: str = "auto"        # engine v2's cache where the export has it (see DirectedBeamSearch)
+    kv_layout: str = "auto"        # the prefix cache where the export has it (see DirectedBeamSearch)
     timeout: float = 300.0         # per request, seconds (a request may ask for less)
     grace: float = 30.0            # at shutdown: seconds to finish running requests before cancelling them
     admit_wait: float = 0.05       # at a boundary where requests ended: seconds to wait for their clients' next
@@ -54,7 +55,6 @@ class ServiceOptions:
             raise DBSError(f"`--timeout` must be > 0 seconds, got {self.timeout}")
         if not 0 <= self.admit_wait <= 1:
             raise DBSError(f"`--admit-wait` must be in 0..1 seconds, got {self.admit_wait}")
-        from .prefix import KV_LAYOUTS
 
         if self.kv_layout not in KV_LAYOUTS:
             raise DBSError(f"`--kv-layout` must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
@@ -118,7 +118,7 @@ class Metrics:
         self.tokens = Counter("dbs_candidate_tokens", "candidate tokens sampled", registry=r)
         self.rate = Gauge("dbs_candidate_tokens_per_second", "candidate tokens/s of the last chunk", registry=r)
         self.moved = Counter("dbs_host_device_bytes", "bytes the decode graph bound from host memory (with "
-                             "--provider cuda: copied between host and GPU; engine v2 only)", registry=r)
+                             "--provider cuda: copied between host and GPU; the prefix cache only)", registry=r)
         self.chunks = Histogram("dbs_chunk_seconds", "seconds per chunk of a running batch", registry=r,
                                 buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30))
         self.latency = Histogram("dbs_request_latency_seconds", "seconds from arrival to the result",
@@ -154,7 +154,6 @@ class Service:
 
     def _load(self) -> None:
         from .api import DirectedBeamSearch
-        from .batcher import Batcher
 
         try:
             dbs = self._preloaded or DirectedBeamSearch(self.opts.model, self.opts.embeddings, threads=self.opts.threads,
@@ -177,15 +176,6 @@ class Service:
 
     # -- validation: every bad field a 422 that names it -------------------------------------
     def job(self, body) -> "Job":
-        from .api import parse_constraints
-        from .batcher import Job
-
-        for field, value, check in (("keywords", body.keywords, lambda: parse_constraints(body.keywords)),
-                                    ("ban", body.ban, lambda: parse_constraints(body.keywords, body.ban))):
-            try:
-                check()
-            except DBSError as e:
-                raise Invalid(field, value, str(e)) from None
         given = {name: getattr(body, name if FIELD_OF[name] == "lambda" else FIELD_OF[name]) for name in FIELD_OF}
         given = {k: v for k, v in given.items() if v is not None}
         if body.unguided:
@@ -193,17 +183,15 @@ class Service:
         try:
             cfg = replace(DBSConfig.paper() if body.paper else DBSConfig(), **given)
         except DBSError as e:
-            m = re.search(r"`(\w+)`", str(e))
-            field = FIELD_OF.get(m.group(1), m.group(1)) if m else "body"
-            raise Invalid(field, given.get(m.group(1)) if m else None, str(e)) from None
-        if cfg.beams * cfg.candidates > self.opts.max_rows:
-            raise Invalid("candidates", cfg.candidates, f"beams x candidates = {cfg.beams * cfg.candidates} rows, "
-                                                       f"more than this server's --max-rows {self.opts.max_rows}")
+            raise Invalid(FIELD_OF.get(e.field, e.field or "body"), e.value, str(e)) from None
         try:
             request = self.dbs.request(body.context, body.keywords, body.ban, body.seed, cfg)
         except DBSError as e:
-            field = "context" if "context" in str(e) else "keywords"
-            raise Invalid(field, getattr(body, field), str(e)) from None
+            raise Invalid(FIELD_OF.get(e.field, e.field or "body"), e.value, str(e)) from None
+        if cfg.beams * cfg.candidates > self.opts.max_rows:
+            field = "beams" if cfg.beams > self.opts.max_rows else "candidates"   # too many alone, or together
+            raise Invalid(field, getattr(cfg, field), f"beams x candidates = {cfg.beams * cfg.candidates} rows, "
+                                                      f"more than this server's --max-rows {self.opts.max_rows}")
         timeout = min(body.timeout or self.opts.timeout, self.opts.timeout)
         return Job(request, cfg, send=None, stream=body.stream, deadline=time.perf_counter() + timeout)
 
@@ -218,7 +206,12 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
         from fastapi import FastAPI, Request
         from fastapi.exception_handlers import request_validation_exception_handler
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+        from fastapi.responses import (
+            JSONResponse,
+            PlainTextResponse,
+            Response,
+            StreamingResponse,
+        )
         from starlette.concurrency import run_in_threadpool
     except ImportError as e:
         raise DBSError(f"the service needs the serve extra: {SERVE_EXTRA} (missing: {e.name})") from None

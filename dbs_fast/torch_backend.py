@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .backend import left_pad
+from .constraints import banned_tokens
 from .errors import DBSError
-from .session import read_manifest
+from .manifest import read_manifest
 
 
 def torch_sample(logits, uniforms, row_word, dense_boosts, temperature, top_p, boost_first):
@@ -77,8 +79,6 @@ class TorchBackend:
         self._mask = None
 
     def prefill(self, contexts):
-        from .backend import left_pad
-
         ids, mask = left_pad(contexts, self.pad_id)
         t = self.torch
         self._mask = t.from_numpy(mask).to(self.device)
@@ -113,6 +113,12 @@ class TorchBackend:
 
     merge = concat
 
+    def release(self):
+        """Nothing binds the cache between runs."""
+
+    def feed(self, tokens, cache):
+        raise DBSError("the PyTorch baseline is a generator, not a second-LM scorer")
+
     @staticmethod
     def trim(cache):
         return cache
@@ -120,7 +126,10 @@ class TorchBackend:
     def shape(self, logits, cfg, history, history_start):
         """Repetition penalty and n-gram bans with transformers' own logits processors, per row
         (rows have different left padding)."""
-        from transformers import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
+        from transformers import (
+            NoRepeatNGramLogitsProcessor,
+            RepetitionPenaltyLogitsProcessor,
+        )
 
         t = self.torch
         procs = ([RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty)] if cfg.repetition_penalty != 1.0 else []) \
@@ -135,15 +144,14 @@ class TorchBackend:
         return out
 
     def ban(self, logits, history, history_start, bans, row_ban):
-        """Banned sequences per row, the kernel's rule (transformers' NoBadWordsLogitsProcessor's)."""
+        """Banned sequences per row, by `constraints.banned_tokens` (the kernel's rule)."""
         gptr, sptr, stok = bans
         out = logits.clone()
         for r, g in enumerate(row_ban):
-            h = [] if history is None else list(history[r, history_start[r]:])
-            for q in range(gptr[g], gptr[g + 1]) if g >= 0 else ():
-                seq = list(stok[sptr[q]:sptr[q + 1]])
-                if len(seq) - 1 <= len(h) and (len(seq) == 1 or h[len(h) - len(seq) + 1:] == seq[:-1]):
-                    out[r, int(seq[-1])] = -float("inf")
+            h = None if history is None else history[r, history_start[r]:]
+            seqs = [stok[sptr[q]:sptr[q + 1]] for q in range(gptr[g], gptr[g + 1])] if g >= 0 else ()
+            for t in banned_tokens(h, seqs):
+                out[r, t] = -float("inf")
         return out
 
     def sample(self, logits, uniforms, row_word, csr, cfg, history=None, history_start=None, boost_first=None,

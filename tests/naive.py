@@ -13,16 +13,8 @@ def banned_ngram_tokens(history, n):
     return grams.get(tuple(h[len(h) - n + 1:]) if n > 1 else (), set())
 
 
-def banned_tokens(history, ban_seqs):
-    """Tokens a row may not draw: one-token sequences always, a longer one's last token when the
-    history ends with the rest."""
-    h = [] if history is None else list(history)
-    out = set()
-    for seq in ban_seqs or ():
-        seq = list(seq)
-        if len(seq) - 1 <= len(h) and (len(seq) == 1 or h[len(h) - len(seq) + 1:] == seq[:-1]):
-            out.add(seq[-1])
-    return out
+# the ban rule's one statement lives in the package (the PyTorch baseline applies it too)
+from dbs_fast.constraints import banned_tokens  # noqa: E402,F401
 
 
 def shape_logits(x, history, penalty=1.0, ngram=0):
@@ -93,3 +85,10 @@ def attention_ref(q, keys, values, mask):
         w = np.exp(s - s.max())
         out.append((w / w.sum()) @ values[h // g])
     return np.concatenate(out)
+
+
+def extend_prefix_ref(prefix, chunk, src, s, j):
+    """The chunk boundary's copy: new beam i = prefix of beam src[i] // s, then the first j chunk
+    tokens of row src[i] (chunk slot-major (K, b, kv, s, d))."""
+    src = np.asarray(src)
+    return np.concatenate([prefix[src // s], chunk[:j, src // s, :, src % s].transpose(0, 2, 1, 3)], axis=2)

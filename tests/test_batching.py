@@ -21,7 +21,7 @@ JOBS = [("It is", "colony,enemy", None, 0),
 
 @pytest.fixture(scope="module", params=["prefix", "rows"])
 def dbs(exported, request):
-    """Both KV layouts: engine v2's (each beam's prefix once) and one cache row per candidate."""
+    """Both KV layouts: the prefix cache's (each beam's prefix once) and one cache row per candidate."""
     return DirectedBeamSearch(exported["gpt2"], config=CFG, kv_layout=request.param)
 
 
@@ -39,7 +39,7 @@ def _staggered(dbs, cfg, jobs, join_after=1, drop=None):
         if waiting and steps % join_after == 0:
             batch.admit([waiting.pop(0)])
         if batch.requests:
-            out.update((id(r), res) for r, res in batch.step())
+            out.update((id(r), res) for r, res in batch.decode_chunk())
         steps += 1
         if drop is not None and steps == 2 and any(r is reqs[drop] for r in batch.requests):
             batch.drop([reqs[drop]])
@@ -84,7 +84,7 @@ def test_a_request_leaving_while_another_is_forced_mid_keyword_changes_nothing(d
             batch.admit(reqs)
             out = {}
             for step in range(1, 5):
-                out.update((id(r), res) for r, res in batch.step())
+                out.update((id(r), res) for r, res in batch.decode_chunk())
                 if step == drop_at:
                     rows = batch.search.rows
                     bit |= bool(((rows.fseq >= 0) & (rows.req == 1)).any())
@@ -98,7 +98,7 @@ def test_the_cache_keeps_only_columns_some_row_needs(dbs):
     batch = dbs.batch(CFG)
     short, long_ = (dbs.request(c, k, b, s, CFG) for c, k, b, s in (JOBS[0], JOBS[1]))
     batch.admit([long_])
-    batch.step()
+    batch.decode_chunk()
     batch.admit([short])
     width = batch.search.cache.length
     batch.drop([long_])
@@ -106,7 +106,7 @@ def test_the_cache_keeps_only_columns_some_row_needs(dbs):
     assert batch.search.cache.mask.any(axis=0)[0]            # the first column is used by some row
     rest = []
     while batch.requests:
-        rest += batch.step()
+        rest += batch.decode_chunk()
     assert rest[0][1].generated == _alone(dbs, CFG, JOBS[0]).generated
 
 
@@ -117,7 +117,7 @@ def test_certain_text_is_a_prefix_of_the_final_text(dbs):
     batch.admit([req])
     seen, final = [], None
     while batch.requests:
-        done = batch.step()
+        done = batch.decode_chunk()
         if done:
             final = done[0][1]
         else:

@@ -44,7 +44,7 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
             assert r["kv_layout"] == ("rows" if c.endswith("-rows") else "prefix")
         else:
             assert not r.get("same_load_matmul_seconds")
-    # the engine-v2 contenders and PyTorch took turns (ABC CBA), loaded together; the row layouts after
+    # the prefix-cache contenders and PyTorch took turns (ABC CBA), loaded together; the row layouts after
     turns = point["in_turns"]
     assert turns == ["onnx-fp32", "onnx-int8", "torch-fp32"]
     started = sorted((t, c, i) for c in turns for i, t in enumerate(point["contenders"][c]["started_unix"]))
@@ -61,7 +61,7 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
         assert ratios[key] > 0
     assert "| onnx-int8 | prefix |" in (out / "bench.md").read_text()
     assert "| onnx-int8-rows | rows |" in (out / "bench.md").read_text()
-    # what each graph call binds from host memory (on CUDA: copied across), engine v2's contenders
+    # what each graph call binds from host memory (on CUDA: copied across), the prefix-cache contenders
     assert all(point["contenders"][c]["host_mb_per_call"] > 0 for c in ("onnx-fp32", "onnx-int8"))
     assert on_disk["provider"] == "cpu" and point["contenders"]["onnx-fp32"]["provider"] == "cpu"
     # a CUDA run has no roofline (the bench's is ORT's CPU matmul): the report is written without it
@@ -89,7 +89,6 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
 
 def test_a_driven_worker_that_fails_to_load_reports_its_error(tmp_path):
     from dbs_fast.bench.suite import KEYWORD_SETS, run_in_turns
-
     from dbs_fast.config import DBSConfig
 
     spec = {"point": "p", "contender": "onnx-fp32", "config": DBSConfig.paper().to_dict(), "keyword_sets": KEYWORD_SETS,
@@ -109,7 +108,7 @@ def test_bench_bad_input_exits_2(args, msg, tmp_path, capsys):
 
 def test_attention_probe_arms_compute_the_same_attention(tmp_path):
     """`benchmarks/attention.py` at toy size: ORT's DecoderMaskedMultiHeadAttention (cache
-    indirection, shared past/present buffer) and MultiHeadAttention (row layout) give engine v2's
+    indirection, shared past/present buffer) and MultiHeadAttention (row layout) give the prefix cache's
     attention on the same data, so the probe compares like with like."""
     from benchmarks.attention import main as probe
 
@@ -117,27 +116,27 @@ def test_attention_probe_arms_compute_the_same_attention(tmp_path):
     assert probe(["--layers", "2", "--heads", "4", "--head-dim", "8", "--beams", "2", "--candidates", "3",
                   "--prefix", "5", "--max-len", "12", "--repeats", "1", "--out", str(out)]) == 0
     arms = json.loads(out.read_text())["arms"]
-    assert set(arms) == {"v2", "dmmha", "mha"}
+    assert set(arms) == {"prefix", "dmmha", "mha"}
     for name in ("dmmha", "mha"):
-        assert arms[name]["max_abs_diff_vs_v2"] < 1e-4 and arms[name]["ms"] > 0
+        assert arms[name]["max_abs_diff_vs_prefix"] < 1e-4 and arms[name]["ms"] > 0
     # one cache row per candidate up to max_len, against one prefix per beam + the chunks
-    assert arms["dmmha"]["kv_bytes"] > arms["v2"]["kv_bytes"]
+    assert arms["dmmha"]["kv_bytes"] > arms["prefix"]["kv_bytes"]
 
 
 
 def test_attention_probe_times_only_the_arms_asked_for(tmp_path, capsys):
-    """`--arms v2` (how a change to `attend` is timed at two commits) builds and times the v2 arm
+    """`--arms prefix` (how a change to `attend` is timed at two commits) builds and times the prefix arm
     alone; an unknown arm is a usage error (exit 2), not a traceback."""
     from benchmarks.attention import main as probe
 
     out = tmp_path / "a.json"
     toy = ["--layers", "2", "--heads", "4", "--head-dim", "8", "--beams", "2", "--candidates", "3",
            "--prefix", "5", "--max-len", "12", "--repeats", "1"]
-    assert probe(toy + ["--arms", "v2", "--out", str(out)]) == 0
+    assert probe(toy + ["--arms", "prefix", "--out", str(out)]) == 0
     arms = json.loads(out.read_text())["arms"]
-    assert set(arms) == {"v2"} and arms["v2"]["ms"] > 0
+    assert set(arms) == {"prefix"} and arms["prefix"]["ms"] > 0
     with pytest.raises(SystemExit) as e:
-        probe(toy + ["--arms", "v2,flash"])
+        probe(toy + ["--arms", "prefix,flash"])
     assert e.value.code == 2 and "--arms" in capsys.readouterr().err
 
 
@@ -145,9 +144,9 @@ def test_attention_probe_times_only_the_arms_asked_for(tmp_path, capsys):
 
 
 def test_in_generation_probe_repeats_each_call_without_changing_the_text(exported, tmp_path):
+    from benchmarks.in_generation import main as probe
     from dbs_fast import DirectedBeamSearch
     from dbs_fast.bench.suite import CONTEXT, KEYWORD_SETS
-    from benchmarks.in_generation import main as probe
     from dbs_fast.config import DBSConfig
 
     out = tmp_path / "g.json"
@@ -184,8 +183,8 @@ def test_profile_counts_the_warm_runs_only(exported, tmp_path):
 
 @pytest.mark.parametrize("int8", [False, True])
 def test_overhead_probe_times_the_step_and_its_matmuls_in_turn(exported, tmp_path, int8):
-    from dbs_fast.bench.suite import linear_shapes
     from benchmarks.overhead import main as probe
+    from dbs_fast.bench.suite import linear_shapes
 
     out = tmp_path / "o.json"
     assert probe(["--model", str(exported["llama"]), "--rounds", "2", "--beams", "2", "--candidates", "3",
@@ -205,9 +204,8 @@ def test_kernel_against_another_version_times_both_and_compares_draws(tmp_path):
     both are timed alternately, and the same kernel draws the same ids (log-probs equal)."""
     from pathlib import Path
 
-    from dbs_fast.bench.kernel import against
-
     import dbs_fast.kernels
+    from dbs_fast.bench.kernel import against
 
     copy = tmp_path / "kernels_copy.py"
     copy.write_text(Path(dbs_fast.kernels.__file__).read_text())

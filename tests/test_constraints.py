@@ -11,6 +11,7 @@ from dbs_fast.cli import main as cli
 from dbs_fast.constraints import BoostTable, merge_boosts, parse_keyword, parse_keywords
 from dbs_fast.embeddings import SparseBoost
 from dbs_fast.errors import DBSError
+from dbs_fast.words import words
 
 KW = ["colony", "enemy", "mouth"]
 
@@ -26,14 +27,14 @@ def test_parse_phrases_and_alternatives():
 
 
 def test_phrase_and_alternative_occurrence():
-    assert occurrence.count("I ate Ice creams. ice cold cream", "ice cream") == 1   # words must follow one another
-    assert occurrence.count("he ran; she runs", "run|ran") == 2
-    assert occurrence.count("he ran; she runs", "walk|stroll") == 0
+    assert occurrence.count("I ate Ice creams. ice cold cream", parse_keyword("ice cream")) == 1   # words must follow one another
+    assert occurrence.count("he ran; she runs", parse_keyword("run|ran")) == 2
+    assert occurrence.count("he ran; she runs", parse_keyword("walk|stroll")) == 0
     # a phrase split across a chunk boundary counts once, for the chunk that completes it
-    assert occurrence.count_new("We had ice", " cream today", "ice cream") == 1
-    assert occurrence.count_new("We had ice cream", " today", "ice cream") == 0
-    assert occurrence.count_new("We had ic", "e cream", "ice cream") == 1
-    assert occurrence.first_match("Off to New  York!", "new york") == (7, 16)
+    assert occurrence.count_new("We had ice", " cream today", parse_keyword("ice cream")) == 1
+    assert occurrence.count_new("We had ice cream", " today", parse_keyword("ice cream")) == 0
+    assert occurrence.count_new("We had ic", "e cream", parse_keyword("ice cream")) == 1
+    assert occurrence.first_match("Off to New  York!", parse_keyword("new york")) == (7, 16)
 
 
 def test_lemma_rule_is_commongens_coverage():
@@ -48,15 +49,15 @@ def test_lemma_rule_is_commongens_coverage():
              ("We ate ice creams.", "ice cream"), ("The dancer bowed.", "dance")]
     for text, kw in cases:
         if " " not in kw:
-            assert (occurrence.count(text, kw, rule="lemma") > 0) == (coverage(text, [kw]) == 1.0), (text, kw)
-    assert occurrence.count("Rob's dance performance.", "perform") == 1                  # stem: counted
-    assert occurrence.count("Rob's dance performance.", "perform", rule="lemma") == 0
-    assert occurrence.count("The geese ran home.", "run", rule="lemma") == 1
-    assert occurrence.count("We ate ice creams.", "ice cream", rule="lemma") == 1
-    assert occurrence.count_new("a dance perform", "ance.", "perform", open_end=True, rule="lemma") == 0
-    assert occurrence.count_new("a dance perform", "ance.", "perform", open_end=True) == 1
+            assert (occurrence.count(text, parse_keyword(kw), rule="lemma") > 0) == (coverage(text, [kw]) == 1.0), (text, kw)
+    assert occurrence.count("Rob's dance performance.", parse_keyword("perform")) == 1                  # stem: counted
+    assert occurrence.count("Rob's dance performance.", parse_keyword("perform"), rule="lemma") == 0
+    assert occurrence.count("The geese ran home.", parse_keyword("run"), rule="lemma") == 1
+    assert occurrence.count("We ate ice creams.", parse_keyword("ice cream"), rule="lemma") == 1
+    assert occurrence.count_new("a dance perform", "ance.", parse_keyword("perform"), open_end=True, rule="lemma") == 0
+    assert occurrence.count_new("a dance perform", "ance.", parse_keyword("perform"), open_end=True) == 1
     # the scheduler credits by the config's rule
-    kws = ["perform", "dance"]
+    kws = parse_keywords("perform,dance")
     assert _search("any")._credit(kws, 0b11, "It is", " a dance performance.", True)[1] == 0b11
     assert _search("any", match="lemma")._credit(kws, 0b11, "It is", " a dance performance.", True)[1] == 0b10
     with pytest.raises(DBSError, match="`match`"):
@@ -73,7 +74,7 @@ def _search(order, guarantee=False, n_kw=3, match="stem"):
 
 
 def test_credit_next_is_the_papers_pointer_and_any_counts_whichever_appears():
-    kws = ["colony", "enemy", "mouth"]
+    kws = parse_keywords("colony,enemy,mouth")
     text = " the enemy met a colony at the mouth."
     # next: only the next keyword in order counts (c = its occurrences); later ones wait
     credit, new = _search("next")._credit(kws, 0b111, "It is", text)
@@ -165,7 +166,7 @@ def test_phrase_rest_is_forced_after_its_first_word(dbs):
     assert r.phrases and any(h == head for _, h, _ in r.phrases)
     # the first word is forced by the deadline; the phrase's rest then follows token by token
     r = dbs.generate("It is", ["mouth of the river"], config=replace(cfg, guarantee=True))
-    assert occurrence.count(r.generated, "mouth of the river") == 1
+    assert occurrence.count(r.generated, parse_keyword("mouth of the river")) == 1
 
 
 def _several_token_word(dbs) -> tuple[str, list[int]]:
@@ -198,7 +199,7 @@ def test_a_keyword_of_several_tokens_is_written_from_its_own_first_token(dbs):
               for s in seeds]
     assert np.mean(placed) >= 5 / 6 and np.mean(placed) > np.mean(before), (placed, before)
     r = dbs.generate("It is", [word], seed=0, config=cfg)
-    assert occurrence.count(r.generated, word) >= 1, r.generated
+    assert occurrence.count(r.generated, parse_keyword(word)) >= 1, r.generated
 
 
 def test_a_keyword_that_begins_another_is_not_glued_into_it(dbs):
@@ -246,13 +247,13 @@ def test_banned_word_never_appears_and_the_test_bites(dbs):
 
     cfg = replace(dbs.config, guided=False, max_new_tokens=16)
     texts = [dbs.generate("It is", ["colony"], seed=s, config=cfg).generated for s in range(8)]
-    common = [w for w, _ in Counter(w for t in texts for w in occurrence.words(t) if w.isalpha()).most_common(3)]
+    common = [w for w, _ in Counter(w for t in texts for w in words(t) if w.isalpha()).most_common(3)]
     assert common, texts
-    before = sum(occurrence.words(t).count(w) for t in texts for w in common)
+    before = sum(words(t).count(w) for t in texts for w in common)
     assert before > 0                                                 # the words do appear unbanned
     for s in range(8):
         t = dbs.generate("It is", ["colony"], seed=s, config=cfg, ban=common).generated
-        assert not set(occurrence.words(t)) & set(common), (common, t)
+        assert not set(words(t)) & set(common), (common, t)
 
 
 def test_bad_constraint_input_is_a_clear_error(dbs):
@@ -287,9 +288,9 @@ def test_eval_commongen_at_toy_size(exported, tmp_path, capsys):
             "--runs", "dbs,guarantee", "--judge", str(exported["llama"])]
     assert cli(argv) == 0
     s = json.loads((out / "summary.json").read_text())
-    from dbs_fast.cli import COMMONGEN
+    from dbs_fast.config import COMMONGEN, COMMONGEN_CONTEXT
 
-    assert s["sets"] == 2 and s["context"] == COMMONGEN["context"] and s["configs"]["dbs"]["order"] == "any"
+    assert s["sets"] == 2 and s["context"] == COMMONGEN_CONTEXT and s["configs"]["dbs"]["order"] == "any"
     assert s["configs"]["dbs"]["lam"] == COMMONGEN["lam"]                # the task's defaults
     assert s["guarantee"]["commongen"]["coverage"] == 1.0             # guaranteed
     assert 0.0 <= s["dbs"]["commongen"]["bleu4"] <= 100.0

@@ -7,6 +7,7 @@ import pytest
 from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence
 from dbs_fast.beam import BeamSearch, Rows
 from dbs_fast.cli import main as cli
+from dbs_fast.constraints import parse_keyword
 from dbs_fast.scorer import token_logprobs
 
 SMALL = DBSConfig(beams=3, candidates=4, chunk=3, max_new_tokens=12)
@@ -26,7 +27,7 @@ def test_fixed_seed_reproduces_and_results_are_consistent(dbs):
     assert [x["score"] for x in a.beams] == sorted((x["score"] for x in a.beams), reverse=True)
     assert a.success_rate == sum(v is not None for v in a.found.values()) / 3
     for kw, where in a.found.items():
-        assert (where is not None) == (occurrence.count(a.generated, kw) > 0)
+        assert (where is not None) == (occurrence.count(a.generated, parse_keyword(kw)) > 0)
     assert 1 <= a.new_tokens <= 12 and a.perplexity > 1 and a.seconds > 0
 
 
@@ -46,7 +47,7 @@ def test_kv_reuse_gives_the_logprobs_of_a_full_recompute(dbs):
     boosts = [dbs.table.sparse(k, SMALL.lam, SMALL.boost_cutoff) for k in KW]
     from dbs_fast.beam import Request
 
-    search = BeamSearch(be, dbs.scorer, SMALL, [Request(ctx, KW, 5, boosts)])
+    search = BeamSearch(be, dbs.scorer, SMALL, [Request(ctx, [parse_keyword(k) for k in KW], 5, boosts)])
     rows = search.run()[0].rows
     for i in range(len(rows.req)):
         toks = rows.tokens[i, : rows.n_tok[i]]
@@ -56,7 +57,7 @@ def test_kv_reuse_gives_the_logprobs_of_a_full_recompute(dbs):
         np.testing.assert_allclose(rows.logp[i, : rows.n_tok[i]], want, atol=2e-4)
         # the guide pointer advanced once per chunk that contained the current word, in order
         text = be.decode_batch([toks])[0]
-        pos = [occurrence.first_match(text, k) for k in KW[: int(rows.found[i]).bit_count()]]
+        pos = [occurrence.first_match(text, parse_keyword(k)) for k in KW[: int(rows.found[i]).bit_count()]]
         assert all(p is not None for p in pos)
 
 
@@ -147,7 +148,7 @@ def test_cli_text_output_highlights(exported, capsys):
     (["--keywords", "run|"], "empty alternative"),
     (["--keywords", "|run"], "empty alternative"),
     (["--keywords", "war,colony", "--ban", "gun,War"], "also banned"),
-    (["--keywords", "colony", "--order", "sideways"], "`order` must be"),
+    (["--keywords", "colony", "--order", "sideways"], "--order: invalid choice"),
     (["--keywords", "colony,enemy,mouth,speed,river", "--guarantee", "--max-new-tokens", "4"], "can hold"),
     (["--keywords", "the colony of the enemy at the mouth"], "more than max_new_tokens"),
     (["--keywords", "qwzxvbnmkj", "--max-new-tokens", "20"], "not in the embeddings"),
@@ -169,8 +170,9 @@ def test_cli_errors_exit_2(exported, capsys, args, message):
 
 def test_scorer_with_other_vocabulary_is_rejected(exported, tmp_path, capsys):
     from conftest import _trained_bpe
-    from dbs_fast.export.convert import export_model
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dbs_fast.export.convert import export_model
 
     tok = _trained_bpe(tmp_path, vocab_size=300)  # differs from the fixtures (GPT-2 or a 400-token BPE)
     GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "c")

@@ -71,8 +71,8 @@ def test_keyword_misses_by_position():
 
 
 def test_grid_configs_follow_the_paper():
-    from dbs_fast.evaluation import grid_configs
     from dbs_fast.config import DBSConfig
+    from dbs_fast.evaluation import grid_configs
 
     lam = grid_configs(DBSConfig.paper(), "lambda")
     assert [c.lam for c in lam.values()] == [5, 10, 15, 20, 25]
@@ -102,8 +102,8 @@ def test_grid_and_stories_end_to_end(exported, tmp_path, capsys):
 
 
 def test_rows_of_changed_settings_are_not_reused():
-    from dbs_fast.evaluation import current_rows
     from dbs_fast.config import DBSConfig
+    from dbs_fast.evaluation import current_rows
 
     old, new = DBSConfig(alpha=0.001), DBSConfig(alpha=0.02)
     rows = [{"set": 0, "mode": "dbs", "config": old.to_dict(), "v": 1},

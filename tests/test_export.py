@@ -13,7 +13,7 @@ import pytest
 
 from dbs_fast.cli import main as cli
 from dbs_fast.errors import DBSError
-from dbs_fast.home import MANIFEST
+from dbs_fast.manifest import EXPORT_FORMAT_VERSION, MANIFEST
 
 pytest.importorskip("optimum.exporters.onnx")
 
@@ -22,7 +22,7 @@ def test_manifest_contents(exported):
     for kind, d in exported.items():
         m = json.loads((d / MANIFEST).read_text())
         fused = ["fuse_attention"] if kind == "gpt2" else []
-        assert m["format_version"] == 1 and m["dtype"] == "float32" and m["steps"] == ["export"] + fused
+        assert m["format_version"] == EXPORT_FORMAT_VERSION and m["dtype"] == "float32" and m["steps"] == ["export"] + fused
         assert m["attention_fusion"]["applied"] == (kind == "gpt2") and m["attention_fusion"]["reason"]
         assert m["architecture"] == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[kind]
         assert m["num_layers"] == 2 and m["num_heads"] == 4 and m["vocab_size"] > 256
@@ -39,7 +39,7 @@ def test_quantized_and_optimized_export(checkpoints, tmp_path):
     assert q["parity"]["passed"] and q["parity"]["mode"] == "int8"
     qb = export_model(str(checkpoints["llama"]), tmp_path / "qb", quantize="int8-block", quiet=True)
     assert qb["dtype"] == "int8-block" and qb["quantize"]["quantized_nodes"] > 0 and qb["parity"]["passed"]
-    for m in (q, qb):       # engine v2's decode graph, quantised the same way, within int8 parity of model.onnx
+    for m in (q, qb):       # the decode graph, quantised the same way, within int8 parity of model.onnx
         assert m["prefix_decode"]["written"] and m["prefix_decode"]["mean_kl"] < 0.1 and m["prefix_decode"]["quantize"]
     _check_cuda_fallback(tmp_path / "q", tmp_path / "qb")
     gq = export_model(str(checkpoints["gpt2"]), tmp_path / "gq", quantize="int8", quiet=True)
@@ -56,7 +56,7 @@ def _check_cuda_fallback(dynamic, block):
     the CPU, copies around each), int8-block's none; with no `onnx` package the manifest tells."""
     import sys
 
-    from dbs_fast.session import _warn_cuda_fallback, cuda_fallback_ops
+    from dbs_fast.runtime import _warn_cuda_fallback, cuda_fallback_ops
 
     for name in ("decode.onnx", "model.onnx"):
         found = cuda_fallback_ops(dynamic / name)
@@ -70,8 +70,8 @@ def _check_cuda_fallback(dynamic, block):
 
 
 def test_quantize_plan_and_choice():
+    from dbs_fast.cpu import cpu_signature
     from dbs_fast.export.quantize import choose, plan
-    from dbs_fast.session import cpu_signature
 
     assert plan("auto") == [None, "int8", "int8-block"] and plan("int8-block") == ["int8-block"]
     assert plan(None) == [None]
@@ -85,13 +85,13 @@ def test_quantize_plan_and_choice():
 
 
 def test_untied_head_for_older_quantizers(exported, tmp_path, monkeypatch):
-    """engine v2's tied head (the embedding Gather and a Gemm(transB=1) reading one tensor) is given
+    """the prefix cache's tied head (the embedding Gather and a Gemm(transB=1) reading one tensor) is given
     a transposed copy of its own before dynamic quantisation where onnxruntime's quantiser is older
     than 1.32 (it transposed the shared tensor in place: the graph then failed to load): the same
     logits, and the quantised graph loads."""
     from dbs_fast.export import quantize as qz
     from dbs_fast.export.timing import feeds
-    from dbs_fast.session import make_session
+    from dbs_fast.runtime import make_session
 
     src = exported["llama"] / "decode.onnx"
     assert qz.untie_shared_gemm(src, tmp_path / "untied.onnx")
@@ -108,9 +108,9 @@ def test_untied_head_for_older_quantizers(exported, tmp_path, monkeypatch):
 
 
 def test_step_feeds_fit_both_graphs(exported):
-    """The timer's random inputs run on engine v2's graph and on the row layout's."""
+    """The timer's random inputs run on the decode graph and on the row layout's."""
     from dbs_fast.export.timing import engine_graph, feeds, step_seconds
-    from dbs_fast.session import make_session
+    from dbs_fast.runtime import make_session
 
     for name in ("decode.onnx", "model.onnx"):
         sess = make_session(exported["llama"] / name)
@@ -124,9 +124,10 @@ def test_quantize_auto_keeps_the_fastest_on_this_host(checkpoints, tmp_path, mon
     """`--quantize auto` exports fp32, int8 and int8-block, times each that passes parity and keeps
     the fastest; the manifest says on which CPU, with which times and what was refused. The timer
     is replaced here (a tiny model's times say nothing); loading the export on another CPU warns."""
-    import dbs_fast.session as session
+    import dbs_fast.model as model_module
+    from dbs_fast.cpu import cpu_signature
     from dbs_fast.export import convert, timing
-    from dbs_fast.session import OnnxModel
+    from dbs_fast.model import OnnxModel
 
     fake = {"fp32": 1.0, "int8": 0.9, "int8-block": 0.5}
     monkeypatch.setattr(timing, "step_seconds", lambda d, *a, **k: fake[Path(d).name.rsplit(".auto-", 1)[1]])
@@ -138,12 +139,12 @@ def test_quantize_auto_keeps_the_fastest_on_this_host(checkpoints, tmp_path, mon
     for key in ("dtype", "steps", "quantize", "num_layers", "vocab_size", "eos_token_ids", "files"):
         assert m[key] == direct[key], key
     assert m["parity"]["passed"] and m["prefix_decode"]["written"] and m["prefix_decode"]["quantize"]
-    assert m["prefix_decode"]["prefill"] == direct["prefix_decode"]["prefill"]
+    assert m["prefix_decode"]["graph"] == direct["prefix_decode"]["graph"]
     shutil.rmtree(tmp_path / "direct")
     qa = m["quantize_auto"]
     assert m["dtype"] == "int8-block" and qa["chose"] == "int8-block" and qa["refused"] == {}
     assert qa["step_ms"] == {"fp32": 1000.0, "int8": 900.0, "int8-block": 500.0}
-    assert qa["host"] == session.cpu_signature() and qa["setting"]["beams"] * qa["setting"]["candidates"] == 70
+    assert qa["host"] == cpu_signature() and qa["setting"]["beams"] * qa["setting"]["candidates"] == 70
     assert json.loads((tmp_path / "a" / MANIFEST).read_text())["quantize_auto"] == qa
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]     # no trial dir left
     with warnings.catch_warnings():
@@ -164,14 +165,14 @@ def test_quantize_auto_keeps_the_fastest_on_this_host(checkpoints, tmp_path, mon
     assert list(m["quantize_auto"]["refused"]) == ["int8-block"] and "int8-block" not in m["quantize_auto"]["step_ms"]
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
 
-    monkeypatch.setattr(session, "cpu_signature", lambda flags=None: {"cpu": "Another CPU", "isa": ["AVX2"]})
+    monkeypatch.setattr(model_module, "cpu_signature", lambda flags=None: {"cpu": "Another CPU", "isa": ["AVX2"]})
     with pytest.warns(RuntimeWarning, match="not on this CPU"):
         OnnxModel(tmp_path / "a")
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_cached_decode_equals_full_recompute(exported, kind):
-    from dbs_fast.session import OnnxModel
+    from dbs_fast.model import OnnxModel
 
     m = OnnxModel(exported[kind])
     rng = np.random.default_rng(0)
@@ -232,7 +233,7 @@ def test_fused_attention_equals_exported_graph(checkpoints, exported, tmp_path):
 
 def test_left_padding_matches_unpadded(exported):
     from dbs_fast.backend import OnnxBackend
-    from dbs_fast.session import OnnxModel
+    from dbs_fast.model import OnnxModel
 
     be = OnnxBackend(OnnxModel(exported["llama"]))
     a, b = [5, 6, 7, 8], [9, 10]
@@ -250,7 +251,8 @@ def test_import_dbs_fast_loads_no_torch():
 def test_cuda_provider_falls_back_to_cpu(exported):
     import onnxruntime as ort
 
-    from dbs_fast.session import OnnxModel, cuda_fallback_ops
+    from dbs_fast.model import OnnxModel
+    from dbs_fast.runtime import cuda_fallback_ops
 
     assert cuda_fallback_ops(exported["gpt2"] / "decode.onnx") == {}     # fp32: CUDA kernels throughout
     if "CUDAExecutionProvider" in ort.get_available_providers():
@@ -272,7 +274,7 @@ def test_a_cuda_provider_that_does_not_start_is_named(exported, monkeypatch):
     """onnxruntime-gpu lists CUDA but its session starts on the CPU (no CUDA libraries, no GPU): warned."""
     import onnxruntime as ort
 
-    from dbs_fast.session import make_session
+    from dbs_fast.runtime import make_session
 
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     with pytest.warns(RuntimeWarning, match="CUDAExecutionProvider did not start.*running on the CPU"):
@@ -320,7 +322,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def test_corrupt_truncated_and_mismatched_models(exported, tmp_path):
-    from dbs_fast.session import OnnxModel
+    from dbs_fast.model import OnnxModel
 
     t = _copy(exported["gpt2"], tmp_path / "trunc")
     data = (t / "model.onnx").read_bytes()
@@ -346,7 +348,7 @@ def test_corrupt_truncated_and_mismatched_models(exported, tmp_path):
 
 
 def test_select_in_place(exported):
-    from dbs_fast.session import OnnxModel
+    from dbs_fast.model import OnnxModel
 
     m = OnnxModel(exported["gpt2"])
     rng = np.random.default_rng(2)
@@ -370,10 +372,12 @@ def test_select_in_place(exported):
 
 def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
     """The first-use path of `--model default` (api.resolve_model_dir -> ensure_embedded): an
-    export already under DBS_FAST_HOME is reused, a missing one is exported there."""
+    export already under DBS_FAST_HOME is reused, a missing one is exported there, and one of
+    another format version is exported again, once."""
     from dbs_fast.api import resolve_model_dir
     from dbs_fast.export import convert
-    from dbs_fast.home import CHUNK_LAYOUT, CHUNK_SUM, embedded_model_dir
+    from dbs_fast.home import embedded_model_dir
+    from dbs_fast.manifest import EXPORT_FORMAT_VERSION
 
     monkeypatch.setenv("DBS_FAST_HOME", str(tmp_path))
     calls = []
@@ -381,36 +385,13 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
     def fake_export(name, out, force=False, quiet=False):
         calls.append(name)
         Path(out).mkdir(parents=True, exist_ok=force)
-        (Path(out) / MANIFEST).write_text(json.dumps({"prefix_decode": {"written": True, "prefill": "one call",
-                                                                        "shapes": "once", "chunk": CHUNK_LAYOUT,
-                                                                        "chunk_sum": CHUNK_SUM}}))
+        (Path(out) / MANIFEST).write_text(json.dumps({"format_version": EXPORT_FORMAT_VERSION}))
 
     monkeypatch.setattr(convert, "export_model", fake_export)
     d = resolve_model_dir("default")
     assert d == embedded_model_dir("default") and d.is_relative_to(tmp_path) and calls == ["default"]
     assert resolve_model_dir("default") == d and calls == ["default"]          # reused, not re-exported
-    (d / MANIFEST).write_text("{}")            # an export made before engine v2: exported again, once
-    assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
-    assert calls == ["default", "default"]
-    # a decode graph of one token per row (before one-call prefill): exported again, once
-    (d / MANIFEST).write_text('{"prefix_decode": {"written": true}}')
-    assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
+    for old in ({}, {"format_version": EXPORT_FORMAT_VERSION - 1}):
+        (d / MANIFEST).write_text(json.dumps(old))
+        assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
     assert calls == ["default"] * 3
-    # one-call prefill, but the shape arithmetic once per layer (before Dims): exported again, once
-    (d / MANIFEST).write_text('{"prefix_decode": {"written": true, "prefill": "one call"}}')
-    assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
-    assert calls == ["default"] * 4
-    # chunks row-major (before beam-major chunks): exported again, once
-    (d / MANIFEST).write_text('{"prefix_decode": {"written": true, "prefill": "one call", "shapes": "once"}}')
-    assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
-    assert calls == ["default"] * 5
-    # chunks beam-major (before slot-major chunks): exported again, once
-    (d / MANIFEST).write_text('{"prefix_decode": {"written": true, "prefill": "one call", "shapes": "once", '
-                              '"chunk": "beam-major (b, kv_heads, s, K, head_dim)"}}')
-    assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
-    assert calls == ["default"] * 6
-    # slot-major chunks, their values summed by ReduceSum (before CHUNK_SUM): exported again, once
-    (d / MANIFEST).write_text(json.dumps({"prefix_decode": {"written": True, "prefill": "one call", "shapes": "once",
-                                                            "chunk": CHUNK_LAYOUT}}))
-    assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
-    assert calls == ["default"] * 7

@@ -1,10 +1,10 @@
 """The Numba logits kernel against the NumPy reference (tests/naive.py) and transformers."""
 import numpy as np
 import pytest
+from naive import banned_ngram_tokens, banned_tokens, sample_ref, shape_logits
 
 from dbs_fast.embeddings import SparseBoost
 from dbs_fast.kernels import csr_boosts, sample
-from naive import banned_ngram_tokens, banned_tokens, sample_ref, shape_logits
 
 
 def _case(seed, R=24, V=3000, scale=3.0, n_boost=200, values=lambda rng, n: rng.random(n) * 20):
@@ -125,7 +125,10 @@ def test_anti_repetition_matches_reference_exactly(boost_first, penalty, ngram, 
 
 def test_shaping_matches_transformers_processors():
     torch = pytest.importorskip("torch")
-    from transformers import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
+    from transformers import (
+        NoRepeatNGramLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+    )
 
     rng = np.random.default_rng(6)
     logits = (rng.standard_normal((4, 300)) * 3).astype(np.float32)
@@ -287,7 +290,7 @@ def test_flat_rows_with_ties_match_reference_exactly(scale, ties):
 
 @pytest.mark.parametrize("sleep", [True, False])
 def test_numba_threads_sleep_when_idle_unless_asked_not_to(sleep):
-    """`kernels.start_threads`: Numba's OpenMP workers load with a brief spin (GOMP_SPINCOUNT=20000:
+    """`numba_runtime.start_threads`: Numba's OpenMP workers load with a brief spin (GOMP_SPINCOUNT=20000:
     they sleep soon after the kernel, while ORT's next step wants the cores), the variable is not
     left set, and `sleep_when_idle=False` (the PyTorch baseline) keeps libgomp's default
     spinning (300000)."""
@@ -295,7 +298,7 @@ def test_numba_threads_sleep_when_idle_unless_asked_not_to(sleep):
     import subprocess
     import sys
 
-    code = ("import os\nfrom dbs_fast import kernels\nkernels.start_threads(%s)\n"
+    code = ("import os\nfrom dbs_fast.numba_runtime import start_threads\nstart_threads(%s)\n"
             "print('left', 'GOMP_SPINCOUNT' in os.environ)" % sleep)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -360,16 +363,18 @@ def test_dense_boost_tables_match_reference_exactly(scale, boost_first):
 
 
 def test_extend_prefix_equals_numpy_gather():
-    """`extend_prefix` (engine v2's chunk boundary: each new beam's parent prefix plus its row's
-    first j chunk tokens) against NumPy indexing, with repeated and reordered sources."""
-    from dbs_fast.kernels import extend_prefix
+    """`extend_prefix` (the chunk boundary: each new beam's parent prefix plus its row's first j
+    chunk tokens) against its NumPy reference, with repeated and reordered sources."""
+    from naive import extend_prefix_ref
+
+    from dbs_fast.kv_copy import extend_prefix
 
     rng = np.random.default_rng(14)
     b, kv, T, s, K, d, j = 3, 2, 7, 4, 5, 8, 3
     prefix = rng.standard_normal((b, kv, T, d)).astype(np.float32)
     chunk = rng.standard_normal((K, b, kv, s, d)).astype(np.float32)      # slot-major
     src = np.array([9, 0, 9, 5, 11])                       # rows: beam = row // s, candidate = row % s
-    want = np.concatenate([prefix[src // s], chunk[:j, src // s, :, src % s].transpose(0, 2, 1, 3)], axis=2)
+    want = extend_prefix_ref(prefix, chunk, src, s, j)
     got = np.full((len(src), kv, T + j, d), np.nan, np.float32)
     extend_prefix(got, prefix, chunk, src, s, j)
     np.testing.assert_array_equal(got, want)

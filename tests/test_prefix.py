@@ -1,11 +1,10 @@
-"""Engine v2's prefix-shared KV cache: the attention against a NumPy reference, and the exported
+"""The prefix KV cache: the attention against a NumPy reference, and the exported
 decode graph against the exported full model, over several chunks with keep/repeat and
 left-padded contexts of different lengths, for a tiny GPT-2 and a tiny Llama."""
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 from naive import attention_ref
 
 torch = pytest.importorskip("torch")
@@ -109,8 +108,9 @@ def test_prefix_decode_equals_full_recompute(kind, decoders, exported):
     """b = 2 requests' contexts (lengths 5 and 2, left-padded) -> b beams x s candidates, three
     chunks of k tokens with keep (a beam kept twice, one dropped) between them: every step's
     logits equal the full model run over each row's whole sequence."""
-    from dbs_fast.prefix import PrefixCache, PrefixDecoder
-    from dbs_fast.session import OnnxModel
+    from dbs_fast.decoder import PrefixDecoder
+    from dbs_fast.model import OnnxModel
+    from dbs_fast.prefix_cache import PrefixCache
 
     full = OnnxModel(exported[kind])
     dec = PrefixDecoder(decoders[kind])
@@ -139,21 +139,21 @@ def test_prefix_decode_equals_full_recompute(kind, decoders, exported):
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_one_call_prefill_equals_column_by_column_and_the_full_model(kind, decoders, exported, monkeypatch):
     """Left-padded contexts of different lengths prefilled in one call of the decode graph give
-    the full model's last logits and the same cache as the graph run one column per call (the
-    path of exports made before multi-token steps); decoding on from either agrees; so does a
-    prefill in slices (a long context), each slice over the ones before it."""
-    from dbs_fast import prefix
-    from dbs_fast.prefix import PrefixCache, PrefixDecoder
-    from dbs_fast.session import OnnxModel
+    the full model's last logits and the same cache as the graph run one column per call;
+    decoding on from either agrees; so does a prefill in slices (a long context), each slice over
+    the ones before it."""
+    from dbs_fast import prefix_cache as prefix
+    from dbs_fast.decoder import PrefixDecoder
+    from dbs_fast.model import OnnxModel
+    from dbs_fast.prefix_cache import PrefixCache
 
     full = OnnxModel(exported[kind])
     one, per = PrefixDecoder(decoders[kind]), PrefixDecoder(decoders[kind])
-    assert one.multi_token
-    per.multi_token = False
     ctx = np.array([[0, 0, 0, 0, 31, 32], [41, 42, 43, 44, 45, 46], [0, 0, 0, 0, 0, 51]])
     mask = (np.arange(6)[None] >= np.array([4, 0, 5])[:, None]).astype(np.int64)
     ref, _ = full.forward(ctx, full.empty_cache(3), mask)
     a = PrefixCache.prefill(one, ctx, mask, full.kv_heads, full.head_dim, s=2, k=3)
+    monkeypatch.setattr(prefix, "PREFILL_SLICE", 1)    # one column per call
     b = PrefixCache.prefill(per, ctx, mask, full.kv_heads, full.head_dim, s=2, k=3)
     np.testing.assert_allclose(a[0], ref[:, -1], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(a[0], b[0], rtol=1e-4, atol=1e-4)
@@ -179,7 +179,7 @@ def _dbs(model_dir, layout):
 def test_export_writes_the_decode_graph(kind, exported):
     import json
 
-    from dbs_fast.home import MANIFEST
+    from dbs_fast.manifest import MANIFEST
 
     m = json.loads((exported[kind] / MANIFEST).read_text())
     assert m["prefix_decode"]["written"] and m["prefix_decode"]["max_abs_logit_diff"] < 1e-3
@@ -194,7 +194,7 @@ def test_export_writes_the_decode_graph(kind, exported):
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_prefix_layout_generates_the_same_text(kind, exported):
-    """The scheduler on engine v2's cache writes token for token what it writes on today's, for
+    """The scheduler on the prefix cache writes token for token what it writes on the row layout, for
     fixed seeds: several requests of different context lengths in one batch, keep/repeat over
     many chunks, a short last chunk, requests that join a running batch and leave it early."""
     from dbs_fast import DBSConfig
@@ -208,17 +208,17 @@ def test_prefix_layout_generates_the_same_text(kind, exported):
         assert [r.generated for r in a] == [r.generated for r in b]
         assert [r.found for r in a] == [r.found for r in b]
         np.testing.assert_allclose([r.perplexity for r in a], [r.perplexity for r in b], rtol=1e-4)
-        # the cache it reports: s copies of each beam's prefix on the rows; on v2 two buffers per
+        # the cache it reports: s copies of each beam's prefix on the rows; on the prefix cache two buffers per
         # beam sized for the whole generation (the boundary writes one while reading the other)
         # plus the k-token chunks, so less from s = 4 on
         assert 0 < b[0].kv_cache_bytes and (b[0].kv_cache_bytes < a[0].kv_cache_bytes or cfg.candidates < 4)
         for dbs in (rows, prefix):                      # staggered: a request joins after two chunks
             batch = dbs.batch(cfg)
             batch.admit([dbs.request(*reqs[0], None, 1, cfg)])
-            out = batch.step() + batch.step()
+            out = batch.decode_chunk() + batch.decode_chunk()
             batch.admit([dbs.request(*reqs[1], None, 2, cfg)])
             while batch.requests:
-                out += batch.step()
+                out += batch.decode_chunk()
             texts = sorted(r.generated for _, r in out)
             if dbs is rows:
                 want = texts
@@ -226,7 +226,7 @@ def test_prefix_layout_generates_the_same_text(kind, exported):
     assert prefix.backend.model._session is None          # model.onnx never opened: weights loaded once
     # once its batch is empty the decoder lets the cache go: nothing bound (an in-place step's
     # outputs are the cache's chunk slots)
-    assert prefix.decoder._bound == {} and prefix.decoder.chunk_layout == "slot"
+    assert prefix.decoder._bound == {}
     assert _dbs(exported[kind], "auto").decoder is not None
 
 
@@ -238,7 +238,7 @@ def test_a_decode_graph_over_the_protobuf_limit_keeps_its_weights_in_one_data_fi
 
     from dbs_fast.export import prefix_graph
     from dbs_fast.export.convert import export_model
-    from dbs_fast.home import MANIFEST
+    from dbs_fast.manifest import MANIFEST
 
     monkeypatch.setattr(prefix_graph, "LARGE", 0)
     out = tmp_path / "large"
@@ -256,7 +256,7 @@ def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers(
     """Eight chunk boundaries (the prefix buffers are reused from the third on), with repeats, a
     trim and a regroup before any token in between: every beam's prefix is its parent's plus the
     kept row's chunk, as a plain list of token vectors says."""
-    from dbs_fast.prefix import PrefixCache
+    from dbs_fast.prefix_cache import PrefixCache
 
     rng = np.random.default_rng(3)
     b, s, kv, d, k, layers = 3, 4, 2, 3, 2, 2
@@ -272,8 +272,10 @@ def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers(
             pc.regroup(np.arange(b * s)[::-1])                      # before any token: beams reversed
             seq = seq[::-1]
         new = [rng.standard_normal((b * s, kv, 1, d)).astype(np.float32) for _ in range(2 * layers)]
-        for _ in range(k):
-            pc.write([_beam_major(x, b) for x in new])
+        for _ in range(k):                                          # a step writes in place, then counts
+            for slot, x in zip(pc.next_slot(), new):
+                slot[...] = _beam_major(x, b)
+            pc.advance()
         rows = rng.integers(0, b * s, b)                            # repeats allowed
         pc.keep(rows)
         seq = [[np.concatenate([seq[r // s][t], np.repeat(new[t][r], k, axis=1)], axis=1) for t in range(2 * layers)]
@@ -288,40 +290,32 @@ def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers(
     assert pc.prefix[0].shape[2] == pc.mask.shape[1]
 
 
-def test_decode_graphs_before_slot_major_chunks_get_their_layout_by_copy():
-    """A decode graph exported before the slot-major chunk still runs: the cache hands it its chunk
-    beam-major (b, kv, s, K, d) or row-major (N, kv, K, d), and `write` copies the new K/V (b, kv,
-    s, L, d) it returns into the chunk's next slots; the in-place path's `next_slot` is slot `used`."""
-    from types import SimpleNamespace
-
-    from dbs_fast.prefix import PrefixCache, PrefixDecoder
+def test_a_step_writes_its_new_kv_into_the_next_chunk_slot_in_place():
+    """`next_slot` is a view of slot `used` of every chunk tensor (where an in-place step binds its
+    new K/V); `advance` counts it; `slots` hands a step the decoded slots, contiguous."""
+    from dbs_fast.prefix_cache import PrefixCache
 
     rng = np.random.default_rng(5)
     b, s, kv, d, k, T = 2, 3, 2, 4, 4, 3
     past = [rng.standard_normal((b, kv, T, d)).astype(np.float32) for _ in range(2)]
     pc = PrefixCache.start(past, np.ones((b, T), np.int64), s, k)
-    new = [rng.standard_normal((b, kv, s, 2, d)).astype(np.float32) for _ in range(2)]
-    pc.write(new)
-    slot = pc.next_slot()
-    assert pc.used == 2 and slot[0].shape == (b, kv, s, 1, d) and np.shares_memory(slot[0], pc.chunk[0][2])
-    for t in range(2):
-        np.testing.assert_array_equal(pc.chunk[t][:2], new[t].transpose(3, 0, 1, 2, 4))
-    assert not pc.chunk[0][2:].any() and pc.chunk_mask[:, :2].all() and not pc.chunk_mask[:, 2:].any()
+    for j in range(2):
+        slot = pc.next_slot()
+        assert slot[0].shape == (b, kv, s, 1, d) and np.shares_memory(slot[0], pc.chunk[0][j])
+        new = rng.standard_normal(slot[1].shape).astype(np.float32)
+        slot[1][...] = new
+        pc.advance()
+        np.testing.assert_array_equal(pc.chunk[1][j], new[:, :, :, 0])
+    assert pc.used == 2 and pc.chunk_mask[:, :2].all() and not pc.chunk_mask[:, 2:].any()
+    assert not pc.chunk[0][2:].any()
     chunks, mask = pc.slots()
     assert chunks[0].shape == (2, b, kv, s, d) and chunks[0].flags.c_contiguous and mask.shape == (b * s, 2)
-    c = pc.chunk[0]
-    beam = PrefixDecoder._chunk_as(SimpleNamespace(chunk_layout="beam"), c)
-    row = PrefixDecoder._chunk_as(SimpleNamespace(chunk_layout="row"), c)
-    for x in range(b):
-        for r in range(s):
-            np.testing.assert_array_equal(beam[x, :, r], c[:, x, :, r].transpose(1, 0, 2))   # (kv, K, d)
-            np.testing.assert_array_equal(row[x * s + r], c[:, x, :, r].transpose(1, 0, 2))
 
 
 def _on_device(dbs, model_dir):
     """`dbs` with its decode graph's cache on a device: DeviceOps("cpu"), the CUDA code path run by
     the CPU provider (no GPU in CI)."""
-    from dbs_fast.prefix import PrefixDecoder
+    from dbs_fast.decoder import PrefixDecoder
 
     dbs.decoder = PrefixDecoder(Path(model_dir) / "decode.onnx", "cpu", kv_device="cpu")
     return dbs
@@ -347,18 +341,18 @@ def test_the_cache_on_the_device_generates_the_same_text(kind, exported):
     for dbs in (host, dev):                              # staggered: a request joins after two chunks
         batch = dbs.batch(cfg)
         batch.admit([dbs.request(*reqs[0], None, 1, cfg)])
-        out = batch.step() + batch.step()
+        out = batch.decode_chunk() + batch.decode_chunk()
         batch.admit([dbs.request(*reqs[1], None, 2, cfg)])
-        out += batch.step()
+        out += batch.decode_chunk()
         cache = batch.search.cache.cache                 # after the merge: still all on the device
         assert all(isinstance(t, DeviceArray) for t in cache.prefix + cache.chunk) == (dbs is dev)
         while batch.requests:
-            out += batch.step()
+            out += batch.decode_chunk()
         texts[dbs is dev] = sorted(r.generated for _, r in out)
     assert texts[True] == texts[False]
     # a second-LM scorer (here the same export) keeps its cache on the device the same way
     from dbs_fast import DirectedBeamSearch
-    from dbs_fast.prefix import PrefixDecoder
+    from dbs_fast.decoder import PrefixDecoder
 
     scored = {}
     for where in (None, "cpu"):
@@ -374,7 +368,8 @@ def test_a_step_on_the_device_moves_only_ids_masks_and_logits(decoders):
     """`host_bytes`: with the cache on the device a decode step binds from host memory the token
     ids, positions and masks, and takes the logits back; the NumPy cache binds its chunk slots
     and mask anew each step (the prefix once a chunk), which on a GPU would all be copied."""
-    from dbs_fast.prefix import PrefixCache, PrefixDecoder
+    from dbs_fast.decoder import PrefixDecoder
+    from dbs_fast.prefix_cache import PrefixCache
 
     ids = np.array([[11, 12, 13, 14, 15], [0, 0, 0, 21, 22]])
     mask = (ids > 0).astype(np.int64)
@@ -404,7 +399,7 @@ def test_device_ops_equal_their_numpy_references():
     NumPy and the host's Numba extension: extension of several tensors in one run, gather, concat,
     left padding, trim, zeros, and the views (leading slots, one slot) bound by pointer."""
     from dbs_fast.device import DeviceOps
-    from dbs_fast.kernels import extend_prefix
+    from dbs_fast.kv_copy import extend_prefix
 
     ops = DeviceOps("cpu")
     rng = np.random.default_rng(5)

@@ -6,8 +6,8 @@ import pytest
 from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence
 from dbs_fast.beam import BeamSearch, Request
 from dbs_fast.cli import main as cli
+from dbs_fast.constraints import parse_keyword
 from dbs_fast.errors import DBSError
-
 from dbs_fast.metrics import distinct_n, rep_n, words
 
 KW = ["colony", "enemy"]
@@ -35,7 +35,7 @@ def _run(dbs, cfg, seed=0, sentence_end=None):
     be = dbs.backend
     ctx = be.encode("It is")
     boosts = [dbs.table.sparse(k, cfg.lam, cfg.boost_cutoff) for k in KW]
-    search = BeamSearch(be, dbs.scorer, cfg, [Request(ctx, KW, seed, boosts)], sentence_end=sentence_end)
+    search = BeamSearch(be, dbs.scorer, cfg, [Request(ctx, [parse_keyword(k) for k in KW], seed, boosts)], sentence_end=sentence_end)
     return ctx, search.run()[0].rows
 
 
@@ -99,7 +99,7 @@ def test_stop_sentence_scheduler_rule(dbs):
             toks = rows.tokens[i, :rows.n_tok[i]]
             assert ends[toks[-1]] or toks[-1] in dbs.backend.eos_ids
             texts = dbs.backend.decode_batch([toks[:n] for n in range(1, len(toks) + 1)])
-            all_in = next(n for n, t in enumerate(texts, 1) if all(occurrence.count(t, k) for k in KW))
+            all_in = next(n for n, t in enumerate(texts, 1) if all(occurrence.count(t, parse_keyword(k)) for k in KW))
             assert not any(ends[t] for t in toks[all_in:-1])
     assert finished_any
 

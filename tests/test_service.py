@@ -152,7 +152,7 @@ def test_metrics_and_health(server):
                  "dbs_request_latency_seconds_bucket", "dbs_candidate_tokens_per_second"):
         assert name in text
     assert 'dbs_requests_total{status="ok"}' in text and 'dbs_requests_total{status="invalid"}' in text
-    # engine v2's decode graph counts what it binds from host memory (on a GPU: what crosses the bus)
+    # the decode graph counts what it binds from host memory (on a GPU: what crosses the bus)
     moved = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("dbs_host_device_bytes_total"))
     assert moved > 0
 
@@ -161,7 +161,7 @@ def test_metrics_and_health(server):
 @pytest.fixture()
 def slow(exported, monkeypatch):
     dbs = DirectedBeamSearch(exported["gpt2"])
-    model = dbs.decoder or dbs.backend          # what runs the model: engine v2's decode graph, or the rows'
+    model = dbs.decoder or dbs.backend          # what runs the model: the decode graph, or the rows'
     step, state = model.step, {"delay": 0.0, "fail": False}
 
     def slow_step(*args, **kwargs):

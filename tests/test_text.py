@@ -5,42 +5,43 @@ import numpy as np
 import pytest
 
 from dbs_fast import occurrence
+from dbs_fast.constraints import parse_keyword
 from dbs_fast.embeddings import Embeddings, SimilarityTable, sparse_error, token_word
 from dbs_fast.errors import DBSError
 
 
 def test_occurrence_tricky_text():
-    assert occurrence.count("Colonies.", "colony") == 1
-    assert occurrence.count("The COLONY grew; colonies spread.", "colony") == 2
-    assert occurrence.count("re-enemy", "enemy") == 1                 # split on punctuation
-    assert occurrence.count("enemies!", "Enemy") == 1
-    assert occurrence.count("mouth.", "mouth") == 1
+    assert occurrence.count("Colonies.", parse_keyword("colony")) == 1
+    assert occurrence.count("The COLONY grew; colonies spread.", parse_keyword("colony")) == 2
+    assert occurrence.count("re-enemy", parse_keyword("enemy")) == 1                 # split on punctuation
+    assert occurrence.count("enemies!", parse_keyword("Enemy")) == 1
+    assert occurrence.count("mouth.", parse_keyword("mouth")) == 1
     # Porter reduces "mouthful" to "mouth": by the stem rule of SPEC it counts
-    assert occurrence.stem("mouthful") == "mouth" and occurrence.count("a mouthful", "mouth") == 1
-    assert occurrence.count("meetings meet", "meet") == 2
-    assert occurrence.count("enemyship speedy", "enemy") == 0
-    assert occurrence.first_match("It is a colony.", "colonies") == (8, 14)
+    assert occurrence.stem("mouthful") == "mouth" and occurrence.count("a mouthful", parse_keyword("mouth")) == 1
+    assert occurrence.count("meetings meet", parse_keyword("meet")) == 2
+    assert occurrence.count("enemyship speedy", parse_keyword("enemy")) == 0
+    assert occurrence.first_match("It is a colony.", parse_keyword("colonies")) == (8, 14)
 
 
 def test_count_new_handles_words_split_across_chunks():
-    assert occurrence.count_new("the colon", "ies spread", "colony") == 1
-    assert occurrence.count_new("a colony ", "and more", "colony") == 0
-    assert occurrence.count_new("a colony", ".", "colony") == 0
+    assert occurrence.count_new("the colon", "ies spread", parse_keyword("colony")) == 1
+    assert occurrence.count_new("a colony ", "and more", parse_keyword("colony")) == 0
+    assert occurrence.count_new("a colony", ".", parse_keyword("colony")) == 0
 
 
 def test_a_word_at_the_end_of_an_unfinished_text_waits_for_the_next_token():
     """"pet" at the end of a chunk is not "pet" yet: the next token may make it "petrified"."""
     chunks = ["The cat sat by the pet", "rified dog."]
-    assert occurrence.count_new("", chunks[0], "pet", open_end=True) == 0
-    assert occurrence.count_new(chunks[0], chunks[1], "pet", open_end=True) == 0      # glued: never counted
-    assert occurrence.count_new(chunks[0], " dog.", "pet", open_end=True) == 1        # closed by the next token
-    assert occurrence.count_new(chunks[0], "s sleep.", "pet", open_end=True) == 1     # "pets": same stem
-    assert occurrence.count_new("", chunks[0], "pet", open_end=True, final=True) == 1  # the text ends there
-    assert occurrence.count_new("", "hot ice cream", "ice cream", open_end=True) == 0
-    assert occurrence.count_new("hot ice cream", "s melt", "ice cream", open_end=True) == 1
+    assert occurrence.count_new("", chunks[0], parse_keyword("pet"), open_end=True) == 0
+    assert occurrence.count_new(chunks[0], chunks[1], parse_keyword("pet"), open_end=True) == 0      # glued: never counted
+    assert occurrence.count_new(chunks[0], " dog.", parse_keyword("pet"), open_end=True) == 1        # closed by the next token
+    assert occurrence.count_new(chunks[0], "s sleep.", parse_keyword("pet"), open_end=True) == 1     # "pets": same stem
+    assert occurrence.count_new("", chunks[0], parse_keyword("pet"), open_end=True, final=True) == 1  # the text ends there
+    assert occurrence.count_new("", "hot ice cream", parse_keyword("ice cream"), open_end=True) == 0
+    assert occurrence.count_new("hot ice cream", "s melt", parse_keyword("ice cream"), open_end=True) == 1
     # counted at once (guarantee: the next token cannot glue), so not again when the text goes on
-    assert occurrence.count_new("", chunks[0], "pet") == 1
-    assert occurrence.count_new(chunks[0], " dog.", "pet") == 0
+    assert occurrence.count_new("", chunks[0], parse_keyword("pet")) == 1
+    assert occurrence.count_new(chunks[0], " dog.", parse_keyword("pet")) == 0
 
 
 def test_token_word():

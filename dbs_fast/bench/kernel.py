@@ -24,6 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dbs_fast import kernels
+from dbs_fast.numba_runtime import set_threads
+
 
 def _workload(rows: int, vocab: int, seed: int = 0):
     rng = np.random.default_rng(seed)
@@ -73,9 +76,7 @@ def _time(fn, repeats: int) -> dict:
 
 def run(rows: int = 70, vocab: int = 50257, repeats: int = 20, threads: int | None = None,
         torch_too: bool = True) -> dict:
-    from dbs_fast import kernels
-
-    kernels.set_threads(threads)
+    set_threads(threads)
     logits, u, row_word, csr = _workload(rows, vocab)
     ptr, bids, bvals = csr
     res = {"rows": rows, "vocab": vocab, "threads": threads}
@@ -132,8 +133,6 @@ def against(path: str, rows: int = 70, vocab: int = 50257, rounds: int = 40) -> 
     """This kernel against the `sample` of another kernels.py (loaded as a module of this package,
     so its relative imports resolve), alternated call by call; plain (peaked logits), flat
     logits, and plain with anti-repetition."""
-    from dbs_fast import kernels
-
     other = load_other(path)
     logits, u, row_word, (ptr, bids, bvals) = _workload(rows, vocab)
     hist = np.random.default_rng(1).integers(0, vocab, (rows, 100)).astype(np.int32)

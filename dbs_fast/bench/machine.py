@@ -1,10 +1,11 @@
 """The machine a benchmark ran on, as one line: CPU model, the ISA flags that decide kernel speed
-(`dbs_fast.session.ISA`: AVX2, AVX-512, VNNI, AMX), cores and memory. Every speed figure is
+(`dbs_fast.cpu.ISA`: AVX2, AVX-512, VNNI, AMX), cores and memory. Every speed figure is
 stored next to it."""
 
 import os
 
-from dbs_fast.session import cpu_signature
+from dbs_fast.cpu import cpu_signature
+from dbs_fast.prefix_cache import DECODE_GRAPH
 
 
 def machine() -> str:
@@ -17,7 +18,6 @@ def decode_graph_export(ap, model: str):
     """The export dir of `--model`, or an argparse error when it has no decode.onnx."""
     from pathlib import Path
 
-    from dbs_fast.prefix import DECODE_GRAPH
 
     d = Path(model)
     if not (d / DECODE_GRAPH).is_file():

@@ -5,8 +5,8 @@ weights, the real GPT-2 tokenizer) and the embedded default model, at the paper'
 b=7, s=10, k=5, lambda=20, context "It is", 90 new tokens (`--quick`: 10 tokens, same shapes).
 
 Contenders, each in its own process (peak memory and cold start are its own):
-  onnx-fp32   the engine on the fp32 export, engine v2's cache (decode.onnx: one prefix per beam)
-  onnx-int8   the engine on the `--quantize int8` export, engine v2's cache
+  onnx-fp32   the engine on the fp32 export, the prefix cache (decode.onnx: one prefix per beam)
+  onnx-int8   the engine on the `--quantize int8` export, the prefix cache
   onnx-fp32-rows, onnx-int8-rows   the same on the row layout (one cache row per candidate)
   torch-fp32  the same scheduler over transformers with its KV cache and a torch sampler
   reference   the authors' way as the paper describes it: one candidate at a time, batch 1,
@@ -18,7 +18,7 @@ cache read at the measured memory bandwidth). This machine is shared and its spe
 the load, so each ONNX contender also times the step's matmuls again right after each of its
 generations, in a child process: "x same-load roofline" sets each generation against those.
 
-The engine-v2 contenders and the PyTorch baseline stay loaded side by side and take turns, one
+The prefix-cache contenders and the PyTorch baseline stay loaded side by side and take turns, one
 generation each per round (`run_in_turns`; `--one-by-one` runs each contender on its own, as
 before), so that the ratios between them are measured under the same load.
 
@@ -42,9 +42,14 @@ from pathlib import Path
 
 import numpy as np
 
+from dbs_fast import DirectedBeamSearch
 from dbs_fast.bench.machine import machine
 from dbs_fast.config import DBSConfig
+from dbs_fast.embeddings import Embeddings, SimilarityTable
 from dbs_fast.errors import DBSError
+from dbs_fast.manifest import current_export
+from dbs_fast.prefix_cache import DECODE_GRAPH
+from dbs_fast.runtime import cuda_fallback_ops, session_options
 
 CONTEXT = "It is"
 KEYWORD_SETS = [["enemy", "speed", "meet", "colony", "mouth"],
@@ -58,9 +63,7 @@ SHARED_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "data" / "gp
 
 # -- workload preparation --------------------------------------------------------------------
 def _export(src: str, out: Path, quantize: str | None) -> Path:
-    from dbs_fast.home import MANIFEST, predates_v2
-
-    if not (out / MANIFEST).is_file() or predates_v2(out):    # missing, or made before today's decode graph
+    if not current_export(out):                      # missing, or of another format version
         from dbs_fast.export.convert import export_model
 
         print(f"[bench] exporting {src} -> {out}{' (int8)' if quantize else ''}", flush=True)
@@ -139,9 +142,6 @@ def _stage_ms(r, steps: int) -> dict:
 
 def cpu_nodes_on_cuda(model_dir: str, kv_layout: str, backend: str) -> dict | None:
     """The contender's graph's nodes that ORT's CUDA provider has no kernels for ({op: count})."""
-    from dbs_fast.prefix import DECODE_GRAPH
-    from dbs_fast.session import cuda_fallback_ops
-
     if backend != "onnx":
         return None
     return cuda_fallback_ops(Path(model_dir) / (DECODE_GRAPH if kv_layout == "prefix" else "model.onnx"))
@@ -150,8 +150,6 @@ def cpu_nodes_on_cuda(model_dir: str, kv_layout: str, backend: str) -> dict | No
 def worker_engine(spec: dict, order=None) -> dict:
     """One contender's generations: a cold one, then `order` (the generation indices, default
     0..repeats-1; a driven worker gets them from the driver one at a time, `_driven`)."""
-    from dbs_fast import DirectedBeamSearch
-
     cfg = DBSConfig(**spec["config"])
     backend = "torch" if spec["contender"].startswith("torch") else "onnx"
     t0 = time.perf_counter()
@@ -222,7 +220,6 @@ def reference_loop(spec: dict) -> dict:
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    from dbs_fast.embeddings import Embeddings, SimilarityTable
     from dbs_fast.torch_backend import torch_sample
 
     cfg = DBSConfig(**spec["config"])
@@ -324,7 +321,6 @@ def matmul_session(rows: int, k: int, n: int, int8: bool, threads: int | None):
                           [helper.make_tensor_value_info("X", TensorProto.FLOAT, [rows, k])],
                           [helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, [rows, n])
                            for i in range(copies)], ws)
-    from dbs_fast.session import session_options
 
     so = session_options(threads)     # the engine's: spinning stops when a run ends (several sessions may live)
     with tempfile.TemporaryDirectory() as d:
@@ -366,7 +362,7 @@ def roofline(model_dir: Path, cfg: DBSConfig, context_tokens: int, threads: int 
     avg_len = context_tokens + cfg.max_new_tokens / 2
     per_token = 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 4
     kv_bytes = per_token * rows * avg_len                       # rows: every candidate its own copy
-    # v2: each beam's prefix once + each candidate's chunk (half a chunk on average)
+    # the prefix cache: each beam's prefix once + each candidate's chunk (half a chunk on average)
     kv_prefix = per_token * (cfg.beams * avg_len + rows * cfg.chunk / 2)
     out.update(memory_bandwidth_gbs=bw / 1e9, kv_read_bytes_per_step=kv_bytes, kv_read_seconds=kv_bytes / bw,
                kv_read_bytes_per_step_prefix=kv_prefix)
@@ -376,7 +372,7 @@ def roofline(model_dir: Path, cfg: DBSConfig, context_tokens: int, threads: int 
     out["definition"] = ("min step at b*s rows = sum over the step's weight matmuls of ORT's best time for "
                          "that (rows x in x out) MatMul + reading the KV cache once at the average length "
                          "(context + max_new_tokens/2) at the measured copy bandwidth: b*s copies of it on the "
-                         "row layout, b copies + each row's half chunk on engine v2's (`*_prefix`). A "
+                         "row layout, b copies + each row's half chunk on the prefix cache's (`*_prefix`). A "
                          "generation's minimum is its candidate tokens x (min step / rows): the first chunk "
                          "runs b rows, not b*s")
     return out
@@ -472,7 +468,7 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
               checkpoint: Path | None = None, shape: str = "gpt2-large", with_default: bool = True,
               threads: int | None = None, sweep=None, reference_candidates: int | None = None,
               kernel_repeats: int = 20, in_turns: bool = True, provider: str = "cpu") -> dict:
-    """`in_turns`: the engine-v2 contenders (onnx-fp32, onnx-int8) and the PyTorch baseline of a
+    """`in_turns`: the prefix-cache contenders (onnx-fp32, onnx-int8) and the PyTorch baseline of a
     point stay loaded together and take turns generation by generation (`run_in_turns`); the
     row-layout ones (their caches take ~10 GB on GPT-2 large) and the reference run after them,
     one after another. False: every contender on its own, one after another."""
@@ -554,9 +550,9 @@ def _ratios(res: dict, cfg: DBSConfig) -> None:
         if k not in c:
             continue
         if roof is not None:                # none for a CUDA run (the roofline is ORT's CPU matmul)
-            v2 = "_prefix" if c[k].get("kv_layout") == "prefix" else ""
+            layout = "_prefix" if c[k].get("kv_layout") == "prefix" else ""
             q = "int8" if "int8" in k else "fp32"
-            base = roof[q + "_step_seconds" + v2]
+            base = roof[q + "_step_seconds" + layout]
             r[f"{k}_step_vs_roofline"] = c[k]["decode_seconds"] / (c[k]["candidate_tokens"] * base / roof["rows"])
             mm = c[k].get("same_load_matmul_seconds")
             if mm:                          # each generation against the matmuls timed right after it
@@ -587,7 +583,7 @@ def markdown(report: dict) -> str:
                      f"{roof['memory_bandwidth_gbs']:.1f} GB/s; min step {roof['fp32_step_seconds'] * 1e3:.0f} ms fp32, "
                      f"{roof['int8_step_seconds'] * 1e3:.0f} ms int8 on the row layout, "
                      f"{roof['fp32_step_seconds_prefix'] * 1e3:.0f} / {roof['int8_step_seconds_prefix'] * 1e3:.0f} ms "
-                     f"on engine v2's (it reads b prefixes, not b*s)." if roof else
+                     f"on the prefix cache's (it reads b prefixes, not b*s)." if roof else
                      f"Provider {report.get('provider')}: no roofline (the bench's is ORT's CPU matmul); host<->device "
                      f"MB per graph call: " + ", ".join(f"{c} {r['host_mb_per_call']:.2f}" for c, r in
                                                         res["contenders"].items() if r.get("host_mb_per_call")) + "."

@@ -15,8 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from dbs_fast.cpu import cpu_signature
 from dbs_fast.errors import DBSError
-from dbs_fast.home import EXPORT_FORMAT_VERSION, MANIFEST, predates_v2
+from dbs_fast.home import embedded_model_dir
+from dbs_fast.manifest import EXPORT_FORMAT_VERSION, MANIFEST, current_export
+from dbs_fast.model import OnnxModel
+from dbs_fast.prefix_cache import DECODE_GRAPH
 
 from . import parity as parity_mod
 from .source import Source, check_supported, load_config, load_torch_model, resolve
@@ -193,8 +197,6 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
 def _check_parity(model, work: Path, manifest: dict, mode: str, name: str, t0: float, quiet: bool) -> None:
     """model.onnx in `work` against the PyTorch model; the result goes into the manifest (written),
     ParityFailed when it does not hold."""
-    from dbs_fast.session import OnnxModel
-
     (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
     _log("parity check: ONNX vs PyTorch (prefill + 3 cached decode steps)", quiet)
     result = parity_mod.run_parity(model, OnnxModel(work))
@@ -211,8 +213,6 @@ def _quantised_from(fp32: Path, work: Path, method: str, model, quiet: bool) -> 
     """A quantised export written into `work` from a finished fp32 export `fp32` of the same model
     (`--quantize auto`): its graphs quantised as `_build` would quantise them, the rest copied,
     the same parity checks; no second export from PyTorch."""
-    from dbs_fast.prefix import DECODE_GRAPH
-
     from .quantize import quantize as run_quantize
 
     t0 = time.perf_counter()
@@ -236,18 +236,16 @@ def _quantised_from(fp32: Path, work: Path, method: str, model, quiet: bool) -> 
 
 
 def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_graph: Path | None = None) -> dict:
-    """Engine v2's decode graph (export/prefix_graph.py) beside model.onnx, checked against it;
+    """The decode graph (export/prefix_graph.py) beside model.onnx, checked against it;
     optional: a model it cannot serve keeps the row layout, and the manifest says why.
     `fp32_graph`: quantise that decode graph (of an fp32 export of the model) instead of exporting one."""
-    from dbs_fast.prefix import DECODE_GRAPH
-
     from . import prefix_graph
 
     try:
         prefix_graph.family(model.config)
     except ValueError as e:
         return {"written": False, "reason": str(e)}
-    _log("prefix-shared decode graph (engine v2) + parity against model.onnx", quiet)
+    _log("prefix-shared decode graph + parity against model.onnx", quiet)
     try:
         # in a folder of its own: over 2 GB, torch writes one file per tensor beside the graph
         if fp32_graph is None:
@@ -305,8 +303,6 @@ def _export_auto(src: Source, out: Path, optimize: bool, quiet: bool) -> dict:
     one decode step of each that passes is timed on this host (the graph the engine loads, at
     the paper's b x s rows); the fastest (`quantize.choose`) is moved into place, the rest removed.
     The manifest records the host, the times and what parity refused."""
-    from dbs_fast.session import cpu_signature
-
     from .quantize import AUTO, MARGIN, choose, plan
     from .timing import BEAMS, CANDIDATES, PREFIX, step_seconds
 
@@ -400,17 +396,13 @@ def _disk_full_is_clear(out: Path):
 
 def ensure_embedded(name: str = "default", quiet: bool = False) -> Path:
     """An embedded model (`default`, `gemma3-270m`) exported once under DBS_FAST_HOME and reused after."""
-    from dbs_fast.home import embedded_model_dir
-
     d = embedded_model_dir(name)
     if not (d / MANIFEST).is_file():
         _log(f"first use: exporting the embedded model {name!r} to {d} (once)", quiet)
         export_model(name, d, force=d.exists(), quiet=quiet)
-    elif predates_v2(d):
-        _log(f"the export of {name!r} in {d} predates engine v2's decode graph as it is now (none, or one "
-             f"without one-call prefill, shared shape arithmetic, slot-major chunks or the chunk's"
-             f" MatMul over the slots): exporting it again "
-             f"(once)", quiet)
+    elif not current_export(d):
+        _log(f"the export of {name!r} in {d} is of another format version than this dbs-fast reads "
+             f"({EXPORT_FORMAT_VERSION}): exporting it again (once)", quiet)
         export_model(name, d, force=True, quiet=quiet)
     return d
 

@@ -1,6 +1,6 @@
-"""Engine v2's decode graph: each beam's prefix K/V stored once, each candidate's chunk on its own.
+"""The decode graph: each beam's prefix K/V stored once, each candidate's chunk on its own.
 
-Today's graph takes one past per row, so the s candidates of a beam carry s copies of the same
+The row layout's graph (model.onnx) takes one past per row, so the s candidates of a beam carry s copies of the same
 prefix, gathered every chunk and re-copied (past + new -> present) every step. This graph takes
 
     input_ids, position_ids   (N, L)          N = b * s rows, row r a candidate of beam r // s
@@ -14,7 +14,7 @@ prefix, gathered every chunk and re-copied (past + new -> present) every step. T
 and returns `logits` (N, vocab) of each row's last new token and only the new tokens'
 `new.L.key/value` (b, kv_heads, s, L, head_dim): with L = 1 that is one slot of the chunk buffer,
 and the host binds it there, so the graph writes the new K/V in place; the kept rows' chunks are
-appended to the prefixes once per chunk (`dbs_fast.prefix.PrefixCache`). Nothing per step copies
+appended to the prefixes once per chunk (`dbs_fast.prefix_cache.PrefixCache`). Nothing per step copies
 the prefix, and the chunk is bound only as far as it is decoded (U = max(1, slots used), a
 contiguous view of the slot-major buffer). A decode step has L = 1; a prefill runs a
 (left-padded) context as L new tokens per call over the columns before them as prefix.
@@ -37,7 +37,9 @@ import math
 from pathlib import Path
 from typing import NamedTuple
 
-from dbs_fast.home import CHUNK_LAYOUT, CHUNK_SUM
+from dbs_fast.decoder import PrefixDecoder
+from dbs_fast.model import OnnxModel
+from dbs_fast.prefix_cache import DECODE_GRAPH, PrefixCache
 
 MASKED = -1e4     # additive bias of a masked key (finite, see export/fuse.py)
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
@@ -349,9 +351,7 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
     rope = {"rope": rope_kind(model)} if family(cfg) == "llama" else {}
     return {"graph": path.name, "family": family(cfg), "layers": L, "opset": opset, **rope,
             "inputs": "input_ids, position_ids, prefix_mask, chunk_mask, new_mask, prefix.L.key/value, "
-                      "chunk.L.key/value", "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved,
-            "prefill": "one call (L new tokens per row)", "shapes": "one copy for all layers (Dims)",
-            "chunk": CHUNK_LAYOUT, "chunk_sum": CHUNK_SUM}
+                      "chunk.L.key/value", "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved}
 
 
 def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0) -> dict:
@@ -359,9 +359,6 @@ def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0) -> dict:
     one call of each, then 2 beams x s candidates, two chunks of k random tokens with a keep
     between them; max |logit diff| and mean KL over the prefill and every step."""
     import numpy as np
-
-    from dbs_fast.prefix import DECODE_GRAPH, PrefixCache, PrefixDecoder
-    from dbs_fast.session import OnnxModel
 
     full, dec = OnnxModel(model_dir), PrefixDecoder(model_dir / DECODE_GRAPH)
     rng = np.random.default_rng(seed)

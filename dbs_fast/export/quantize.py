@@ -28,8 +28,7 @@ def plan(method: str | None) -> list[str | None]:
     the default model's activation outliers), a timed decode step on this host ranks the rest.
     Which one wins depends on the CPU, not only on its ISA flags: ORT's int8 GEMM ran at 3.5x fp32
     on a Xeon with VNNI/AMX (590 vs 170 GFLOP/s), 1.9x on an AMD EPYC (Zen 3) with AVX2 only
-    (255 vs 133, `dbs-fast bench`'s roofline), and 1.07x on another AVX2-only EPYC (77 vs 72,
-    issue 11)."""
+    (255 vs 133, `dbs-fast bench`'s roofline), and 1.07x on another AVX2-only EPYC (77 vs 72)."""
     return [None, *METHODS] if method == AUTO else [method]
 
 
@@ -42,7 +41,7 @@ def choose(step_seconds: dict[str | None, float], margin: float = MARGIN) -> str
 
 
 def untie_shared_gemm(src: Path, dst: Path) -> bool:
-    """Write `src` to `dst` with every Gemm(transB=1) whose weight another node also reads (engine v2's
+    """Write `src` to `dst` with every Gemm(transB=1) whose weight another node also reads (the prefix cache's
     tied head, `prefix_graph.share_tied_head`: the embedding Gather and the head share one tensor) as a
     MatMul on a transposed copy of its own. False (nothing written) when there is none. What for:
     onnxruntime's `quantize_dynamic` before 1.32 (1.31.1 seen, 2026-11-25) transposes such a shared weight

@@ -1,6 +1,6 @@
 """One decode step of an export, timed on this host: what `--quantize auto` compares.
 
-The graph timed is the one the engine loads (`decode.onnx`, engine v2's prefix-shared cache,
+The graph timed is the one the engine loads (`decode.onnx`, the prefix cache,
 where the export wrote it; else `model.onnx` with one cache row per candidate), at the paper's
 setting by default: b = 7 beams x s = 10 candidates, a prefix of 47 tokens (the middle of a
 90-token run after a 2-token context), 2 tokens into the chunk. Inputs are random: the cost of a
@@ -15,22 +15,21 @@ from pathlib import Path
 
 import numpy as np
 
-from dbs_fast.home import MANIFEST
-from dbs_fast.prefix import DECODE_GRAPH, chunk_layout
+from dbs_fast.manifest import MANIFEST
+from dbs_fast.prefix_cache import DECODE_GRAPH
+from dbs_fast.runtime import make_session
 
 BEAMS, CANDIDATES, PREFIX = 7, 10, 47
 
 
 def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2) -> dict:
-    """Random inputs for one step of `sess` at b x s rows: engine v2's graph (prefix.L.* of b rows
-    and length T, chunk.L.* of b*s rows, `used` of K slots decoded: the engine binds only those
-    to a slot-major graph, all K to older ones) or the row layout's (past_key_values.L.* of b*s
-    rows and length T + used)."""
+    """Random inputs for one step of `sess` at b x s rows: the decode graph's (prefix.L.* of b rows
+    and length T, chunk.L.* of b*s rows with the `used` decoded slots of K that the engine binds)
+    or the row layout's (past_key_values.L.* of b*s rows and length T + used)."""
     rng = np.random.default_rng(0)
     N, out = b * s, {}
     past = T + used                                     # the row layout's cache length
-    slot_major = chunk_layout(sess) == "slot"
-    U = max(1, used) if slot_major else K
+    U = max(1, used)
     for i in sess.get_inputs():
         n, shape = i.name, i.shape
         if n == "input_ids":
@@ -46,12 +45,10 @@ def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2) -> dict:
         elif n == "chunk_mask":
             out[n] = np.zeros((N, U), np.int64)
             out[n][:, :used] = 1
-        elif n.startswith("chunk.") and slot_major:       # the decoded slots (U, b, kv, s, d)
+        elif n.startswith("chunk."):                    # the decoded slots (U, b, kv, s, d)
             out[n] = rng.standard_normal((U, b, shape[2], s, shape[4])).astype(np.float32)
-        elif n.startswith("chunk.") and len(shape) == 5:  # beam-major chunks (b, kv, s, K, d)
-            out[n] = rng.standard_normal((b, shape[1], s, K, shape[4])).astype(np.float32)
-        else:                                           # prefix.L.* / chunk.L.* (row-major) / past_key_values.L.*
-            rows, length = (b, T) if n.startswith("prefix.") else (N, K) if n.startswith("chunk.") else (N, past)
+        else:                                           # prefix.L.* / past_key_values.L.*
+            rows, length = (b, T) if n.startswith("prefix.") else (N, past)
             out[n] = rng.standard_normal((rows, shape[1], length, shape[3])).astype(np.float32)
     return out
 
@@ -67,8 +64,6 @@ def step_seconds(model_dir: Path, b: int = BEAMS, s: int = CANDIDATES, T: int = 
                  threads: int | None = None) -> float:
     """Median seconds of one decode step of the engine's graph at b x s rows (after one warm run),
     with the engine's session options (ORT workers spin inside a run, as in generation)."""
-    from dbs_fast.session import make_session
-
     sess = make_session(engine_graph(model_dir), "cpu", threads)
     return median_run(sess, feeds(sess, b, s, T), repeats)
 

@@ -1,4 +1,4 @@
-"""Engine v2's KV cache: each beam's prefix stored once, each candidate's chunk in its own buffer.
+"""The prefix KV cache: each beam's prefix stored once, each candidate's chunk in its own buffer.
 
 `PrefixCache` holds b prefixes (b, kv_heads, T, head_dim) per layer and the N = b * s rows'
 preallocated chunks, slot-major (k, b, kv_heads, s, head_dim); row r is candidate r % s of beam
@@ -18,30 +18,23 @@ masks and the logits between host and device (`PrefixDecoder.host_bytes` counts 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import DBSError
-from .kernels import extend_prefix
+from .kv_copy import extend_prefix
+
+if TYPE_CHECKING:
+    from .decoder import PrefixDecoder
 
 DECODE_GRAPH = "decode.onnx"      # beside model.onnx in an exported model dir
-# auto: this layout where the export has its decode graph, else rows (one cache row per candidate,
-# exports made before it, the PyTorch baseline)
+# auto: this layout where the export has its decode graph, else rows (one cache row per candidate:
+# an export without a decode graph, the PyTorch baseline)
 KV_LAYOUTS = ("auto", "rows", "prefix")
 # context columns per prefill call: the attention scores of a call are (rows, heads, slice, slice +
 # columns before it), so slices keep a long context's transient memory linear in its length
 PREFILL_SLICE = 256
-
-
-def chunk_layout(session) -> str | None:
-    """How a decode graph (an ORT session) takes its chunk inputs: "slot" (U, b, kv, s, d), today's;
-    "beam" (b, kv, s, K, d) or "row" (N, kv, K, d), exports before it; None: no chunk inputs (the
-    row layout's model.onnx)."""
-    shape = next((i.shape for i in session.get_inputs() if i.name == "chunk.0.key"), None)
-    if shape is None:
-        return None
-    return "row" if len(shape) == 4 else "slot" if shape[0] == "slots" else "beam"
 
 
 class HostOps:
@@ -140,18 +133,6 @@ class PrefixCache:
         self._room(L)
         self.chunk_mask[:, self.used:self.used + L] = 1
         self.used += L
-
-    def write(self, new: list[np.ndarray]) -> None:
-        """The new tokens' K/V (b, kv, s, L, d) per tensor into slots `used`.. of the chunk (a copy:
-        decode graphs that do not write in place)."""
-        L = new[0].shape[3]
-        self._room(L)
-        if self.ops is not HOST:
-            raise DBSError("a cache on the device takes the new K/V in place (re-export the model for "
-                           "this version's decode graph)")
-        for buf, t in zip(self.chunk, new):
-            np.copyto(buf[self.used:self.used + L], t.transpose(3, 0, 1, 2, 4))
-        self.advance(L)
 
     def _room(self, L: int) -> None:
         """Raise unless L more tokens fit in the chunk."""
@@ -254,8 +235,7 @@ class PrefixCache:
         """Left-padded contexts (Q, T) through the decode graph as new tokens: the last logits (Q,
         vocab) and the cache with the contexts as prefixes, s rows each. One call per
         `PREFILL_SLICE` columns, each over the columns before it as the prefix (padding stays
-        masked), no second graph and no second copy of the weights; a graph exported before
-        multi-token steps takes the T columns one call each."""
+        masked), no second graph and no second copy of the weights."""
         Q, T = ids.shape
         ops = decoder.ops
         empty = ops.zeros((Q, kv_heads, 1, head_dim))                      # one masked column
@@ -263,9 +243,8 @@ class PrefixCache:
                  [ops.zeros((1, Q, kv_heads, 1, head_dim)) for _ in range(2 * decoder.layers)],
                  np.zeros((Q, 1), np.int64), 1, ops=ops)
         pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-        n = PREFILL_SLICE if decoder.multi_token else 1
-        for t in range(0, T, n):
-            cols = slice(t, min(t + n, T))
+        for t in range(0, T, PREFILL_SLICE):
+            cols = slice(t, min(t + PREFILL_SLICE, T))
             logits, new = decoder.run(ids[:, cols], pc, positions=pos[:, cols], new_mask=mask[:, cols])
             # new (Q, kv, 1, L, d): one row per context, so dropping the s axis is a reshape
             pc.prefix = [ops.concat(p, x.reshape(x.shape[:2] + x.shape[3:]), 2) for p, x in zip(pc.prefix, new)]
@@ -278,179 +257,3 @@ class PrefixCache:
         if z:
             self._release([self.ops.cols(p, z) for p in self.prefix])
             self.mask = self.mask[:, z:].copy()
-
-
-@dataclass(frozen=True)
-class _Bound:
-    """A device array bound by pointer: the pointer and shape it was bound with, and the array."""
-
-    ptr: int
-    shape: tuple
-    arr: object = field(compare=False)
-
-
-class PrefixDecoder:
-    """The decode graph (`export/prefix_graph.py`) as an ONNX Runtime session, inputs bound in
-    place, outputs into buffers kept from step to step (no allocation, no copy out of ORT)."""
-
-    def __init__(self, path: str | Path, provider: str = "cpu", threads: int | None = None,
-                 kv_device: str | None = "auto"):
-        from .session import make_session
-
-        self.session = make_session(Path(path), provider, threads)
-        self.outputs = [o.name for o in self.session.get_outputs()]
-        self.vocab = self.session.get_outputs()[0].shape[-1]
-        names = [i.name for i in self.session.get_inputs()]
-        self.layers = sum(n.startswith("prefix.") for n in names) // 2
-        # several new tokens per row in one call (a prefill); exports before it take one
-        self.multi_token = self.has_new_mask = "new_mask" in names
-        # chunks slot-major (U, b, kv, s, d), the new K/V written in place; exports before it take
-        # them beam-major (b, kv, s, K, d) or row-major (N, kv, K, d): those still run, through a
-        # copy of every chunk each step (`_chunk_as`) and of the new K/V (`PrefixCache.write`)
-        self.chunk_layout = chunk_layout(self.session)
-        self._out: list[np.ndarray] = []
-        # one IO binding for all steps: an input is bound again only when its array is not the one
-        # bound (the cache's buffers are written in place between steps, so most are not rebound:
-        # binding GPT-2 large's 149 inputs took ~1 ms a step). One thread drives a decoder, as one
-        # scheduler loop drives a batch (the service's Batcher thread owns the model).
-        self._io = self.session.io_binding()
-        self._bound: dict[str, object] = {}
-        # where the cache lives: "auto" = on the GPU when the session runs on CUDA, else host NumPy;
-        # "cpu" runs the device path on the CPU provider (tests); None = host
-        if kv_device == "auto":
-            kv_device = "cuda" if "CUDAExecutionProvider" in self.session.get_providers() else None
-        if kv_device is None:
-            self.ops = HOST
-        else:
-            if self.chunk_layout != "slot" or not isinstance(self.vocab, int):
-                raise DBSError(f"{path} predates the in-place decode graph: a cache on the device needs it "
-                               f"(re-export the model with this version)")
-            from .device import DeviceOps
-
-            self.ops = DeviceOps(kv_device)
-        self.host_bytes = 0       # bytes bound from host memory (inputs bound again, outputs) in the last call
-        self.host_bytes_total, self.calls = 0, 0                    # ... and over all calls
-
-    def _buffers(self, cache: PrefixCache, L: int, new: bool = True) -> list[np.ndarray]:
-        """Logits (N, vocab) and, with `new`, the new K/V (b, kv, s, L, d) per tensor (row-major
-        graphs: (N, kv, L, d)), reused while the shapes are the same."""
-        n = cache.chunk_mask.shape[0]
-        _, b, kv, s, d = cache.chunk[0].shape
-        shapes = [(n, self.vocab)] + [(b, kv, s, L, d) if self.chunk_layout != "row" else (n, kv, L, d)
-                                      for _ in cache.chunk if new]
-        if [o.shape for o in self._out] != shapes:
-            self._out = [np.empty(sh, np.float32) for sh in shapes]
-        return self._out
-
-    def _bind(self, name: str, arr, output: bool = False) -> None:
-        """Bind `arr` (a NumPy array, or a DeviceArray on the cache's device) to `name` unless it is
-        already the array bound there (kept referenced here, so that its memory stays valid while
-        bound). A host array bound to a device graph is copied over at binding (an output, at
-        every run): `host_bytes` counts those bytes."""
-        on_host = isinstance(arr, np.ndarray)
-        if on_host and output:
-            self._moved(arr.nbytes)
-        bound = self._bound.get(name)
-        if bound is arr or (not on_host and isinstance(bound, _Bound) and (bound.ptr, bound.shape) == (arr.ptr, arr.shape)):
-            return
-        key = arr
-        if on_host:
-            if not output:
-                self._moved(arr.nbytes)
-                self._io.bind_cpu_input(name, arr)
-            else:
-                self._io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-        else:                                  # by pointer: the array is kept referenced in _bound
-            bind = self._io.bind_output if output else self._io.bind_input
-            bind(name, self.ops.device, self.ops.device_id, np.float32, list(arr.shape), arr.ptr)
-            key = _Bound(arr.ptr, tuple(arr.shape), arr)
-        self._bound[name] = key
-
-    def _moved(self, n: int) -> None:
-        self.host_bytes += n
-        self.host_bytes_total += n
-
-    def release(self) -> None:
-        """Unbind the inputs and outputs (the binding holds the last cache's arrays, and the outputs
-        of an in-place step are its chunk slots, so that they would stay alive after their batch)."""
-        self._io.clear_binding_inputs()
-        self._io.clear_binding_outputs()
-        self._bound = {}
-
-    def _chunk_as(self, t: np.ndarray) -> np.ndarray:
-        """The slot-major chunk (K, b, kv, s, d) as an export before it takes it (a copy): beam-major
-        (b, kv, s, K, d) or row-major (N, kv, K, d)."""
-        K, b, kv, s, d = t.shape
-        if self.chunk_layout == "beam":
-            return t.transpose(1, 2, 3, 0, 4)
-        return t.transpose(1, 3, 2, 0, 4).reshape(b * s, kv, K, d)
-
-    def step(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None,
-             new_mask: np.ndarray | None = None) -> np.ndarray:
-        """Logits (N, vocab) of the next token of every row; the rows' new K/V go into `cache`'s
-        chunk. `input_ids` (N,) or (N, L): L new tokens per row; `positions` (N, L): instead of the
-        cache's own count; `new_mask` (N, L): 0 = padding. The logits are a buffer the next step
-        overwrites: copy what must outlive it."""
-        logits, new = self.run(input_ids, cache, positions, new_mask, in_place=True)
-        if new is None:
-            cache.advance()                            # written in place, into the chunk's next slot
-        else:
-            cache.write(new)
-        return logits
-
-    def run(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None,
-            new_mask: np.ndarray | None = None, in_place: bool = False) -> tuple[np.ndarray, list | None]:
-        """One call of the graph: logits (N, vocab) and the new K/V (b, kv, s, L, d) per tensor, both
-        buffers of this decoder; the cache is not changed. `in_place` (one new token per row, a
-        slot-major graph): the new K/V are written into the cache's next chunk slot instead, and
-        None comes back for them (`PrefixCache.advance` counts them)."""
-        ids = np.ascontiguousarray(input_ids, np.int64).reshape(len(input_ids), -1)
-        L = ids.shape[1]
-        if L > 1 and not self.multi_token:
-            raise DBSError("this decode graph takes one new token per row; re-export the model for "
-                           "multi-token steps")
-        in_place = in_place and L == 1 and self.chunk_layout == "slot" and isinstance(self.vocab, int)
-        io = self._io
-        self.host_bytes, self.calls = 0, self.calls + 1
-        if self.chunk_layout == "slot":
-            chunk, chunk_mask = cache.slots()
-        else:
-            chunk, chunk_mask = [self._chunk_as(c) for c in cache.chunk], cache.chunk_mask
-        feeds = {"input_ids": ids,
-                 "position_ids": cache.positions() if positions is None else positions,
-                 "prefix_mask": cache.mask, "chunk_mask": chunk_mask}
-        if self.has_new_mask:
-            feeds["new_mask"] = np.ones(ids.shape, np.int64) if new_mask is None else new_mask.astype(np.int64)
-        for i in range(self.layers):
-            feeds.update({f"prefix.{i}.key": cache.prefix[2 * i], f"prefix.{i}.value": cache.prefix[2 * i + 1],
-                          f"chunk.{i}.key": chunk[2 * i], f"chunk.{i}.value": chunk[2 * i + 1]})
-        for name, arr in feeds.items():
-            self._bind(name, np.ascontiguousarray(arr) if isinstance(arr, np.ndarray) else arr)
-        if self.ops is not HOST and not in_place:      # a prefill: the new K/V stay on the device
-            out = self._buffers(cache, L, new=False)
-            self._bind(self.outputs[0], out[0], output=True)
-            for name in self.outputs[1:]:
-                io.bind_output(name, self.ops.device, self.ops.device_id)
-                self._bound[name] = None
-            self.session.run_with_iobinding(io)
-            from .device import DeviceArray
-
-            return out[0], [DeviceArray(v, tuple(v.shape())) for v in io.get_outputs()[1:]]
-        if not isinstance(self.vocab, int):            # a graph without a static vocab: ORT allocates
-            for name in self.outputs:
-                io.bind_output(name)
-            self.session.run_with_iobinding(io)
-            out = io.copy_outputs_to_cpu()
-        else:
-            out = self._buffers(cache, L, new=not in_place)
-            if in_place:
-                out = out + cache.next_slot()
-            for name, arr in zip(self.outputs, out):
-                self._bind(name, arr, output=True)
-            self.session.run_with_iobinding(io)
-        if in_place:
-            return out[0], None
-        new = out[1:]
-        if self.chunk_layout == "row":                 # (N, kv, L, d) -> (b, kv, s, L, d), a view
-            new = [t.reshape(-1, cache.s, *t.shape[1:]).transpose(0, 2, 1, 3, 4) for t in new]
-        return out[0], new

@@ -1,0 +1,147 @@
+"""The decode graph (`decode.onnx`, `dbs_fast/export/prefix_graph.py`) as an ONNX Runtime session
+over a `PrefixCache`: inputs bound in place, the new token's K/V written straight into the cache's
+next chunk slot, outputs into buffers kept from step to step (no allocation, no host copy)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .prefix_cache import HOST, PrefixCache
+from .runtime import make_session
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """A device array bound by pointer: the pointer and shape it was bound with, and the array."""
+
+    ptr: int
+    shape: tuple
+    arr: object = field(compare=False)
+
+
+class PrefixDecoder:
+    """The decode graph (`export/prefix_graph.py`) as an ONNX Runtime session, inputs bound in
+    place, outputs into buffers kept from step to step (no allocation, no copy out of ORT)."""
+
+    def __init__(self, path: str | Path, provider: str = "cpu", threads: int | None = None,
+                 kv_device: str | None = "auto"):
+        self.session = make_session(Path(path), provider, threads)
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        self.vocab = self.session.get_outputs()[0].shape[-1]
+        names = [i.name for i in self.session.get_inputs()]
+        self.layers = sum(n.startswith("prefix.") for n in names) // 2
+        self._out: list[np.ndarray] = []
+        # one IO binding for all steps: an input is bound again only when its array is not the one
+        # bound (the cache's buffers are written in place between steps, so most are not rebound:
+        # binding GPT-2 large's 149 inputs took ~1 ms a step). One thread drives a decoder, as one
+        # scheduler loop drives a batch (the service's Batcher thread owns the model).
+        self._io = self.session.io_binding()
+        self._bound: dict[str, object] = {}
+        # where the cache lives: "auto" = on the GPU when the session runs on CUDA, else host NumPy;
+        # "cpu" runs the device path on the CPU provider (tests); None = host
+        if kv_device == "auto":
+            kv_device = "cuda" if "CUDAExecutionProvider" in self.session.get_providers() else None
+        if kv_device is None:
+            self.ops = HOST
+        else:
+            from .device import DeviceOps
+
+            self.ops = DeviceOps(kv_device)
+        self.host_bytes = 0       # bytes bound from host memory (inputs bound again, outputs) in the last call
+        self.host_bytes_total, self.calls = 0, 0                    # ... and over all calls
+
+    def _buffers(self, cache: PrefixCache, L: int, new: bool = True) -> list[np.ndarray]:
+        """Logits (N, vocab) and, with `new`, the new K/V (b, kv, s, L, d) per tensor, reused while
+        the shapes are the same."""
+        n = cache.chunk_mask.shape[0]
+        _, b, kv, s, d = cache.chunk[0].shape
+        shapes = [(n, self.vocab)] + [(b, kv, s, L, d) for _ in cache.chunk if new]
+        if [o.shape for o in self._out] != shapes:
+            self._out = [np.empty(sh, np.float32) for sh in shapes]
+        return self._out
+
+    def _bind(self, name: str, arr, output: bool = False) -> None:
+        """Bind `arr` (a NumPy array, or a DeviceArray on the cache's device) to `name` unless it is
+        already the array bound there (kept referenced here, so that its memory stays valid while
+        bound). A host array bound to a device graph is copied over at binding (an output, at
+        every run): `host_bytes` counts those bytes."""
+        on_host = isinstance(arr, np.ndarray)
+        if on_host and output:
+            self._moved(arr.nbytes)
+        bound = self._bound.get(name)
+        if bound is arr or (not on_host and isinstance(bound, _Bound) and (bound.ptr, bound.shape) == (arr.ptr, arr.shape)):
+            return
+        key = arr
+        if on_host:
+            if not output:
+                self._moved(arr.nbytes)
+                self._io.bind_cpu_input(name, arr)
+            else:
+                self._io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+        else:                                  # by pointer: the array is kept referenced in _bound
+            bind = self._io.bind_output if output else self._io.bind_input
+            bind(name, self.ops.device, self.ops.device_id, np.float32, list(arr.shape), arr.ptr)
+            key = _Bound(arr.ptr, tuple(arr.shape), arr)
+        self._bound[name] = key
+
+    def _moved(self, n: int) -> None:
+        self.host_bytes += n
+        self.host_bytes_total += n
+
+    def release(self) -> None:
+        """Unbind the inputs and outputs (the binding holds the last cache's arrays, and the outputs
+        of an in-place step are its chunk slots, so that they would stay alive after their batch)."""
+        self._io.clear_binding_inputs()
+        self._io.clear_binding_outputs()
+        self._bound = {}
+
+    def step(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None,
+             new_mask: np.ndarray | None = None) -> np.ndarray:
+        """Logits (N, vocab) of the next token of every row; the rows' new K/V go into `cache`'s
+        chunk. `input_ids` (N,) or (N, L): L new tokens per row; `positions` (N, L): instead of the
+        cache's own count; `new_mask` (N, L): 0 = padding. The logits are a buffer the next step
+        overwrites: copy what must outlive it."""
+        logits, _ = self.run(input_ids, cache, positions, new_mask, in_place=True)
+        cache.advance()                                # written in place, into the chunk's next slot
+        return logits
+
+    def run(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None,
+            new_mask: np.ndarray | None = None, in_place: bool = False) -> tuple[np.ndarray, list | None]:
+        """One call of the graph: logits (N, vocab) and the new K/V (b, kv, s, L, d) per tensor, both
+        buffers of this decoder; the cache is not changed. `in_place` (one new token per row): the
+        new K/V are written into the cache's next chunk slot instead, and None comes back for them
+        (`PrefixCache.advance` counts them)."""
+        ids = np.ascontiguousarray(input_ids, np.int64).reshape(len(input_ids), -1)
+        L = ids.shape[1]
+        in_place = in_place and L == 1
+        io = self._io
+        self.host_bytes, self.calls = 0, self.calls + 1
+        chunk, chunk_mask = cache.slots()
+        feeds = {"input_ids": ids,
+                 "position_ids": cache.positions() if positions is None else positions,
+                 "prefix_mask": cache.mask, "chunk_mask": chunk_mask,
+                 "new_mask": np.ones(ids.shape, np.int64) if new_mask is None else new_mask.astype(np.int64)}
+        for i in range(self.layers):
+            feeds.update({f"prefix.{i}.key": cache.prefix[2 * i], f"prefix.{i}.value": cache.prefix[2 * i + 1],
+                          f"chunk.{i}.key": chunk[2 * i], f"chunk.{i}.value": chunk[2 * i + 1]})
+        for name, arr in feeds.items():
+            self._bind(name, np.ascontiguousarray(arr) if isinstance(arr, np.ndarray) else arr)
+        if self.ops is not HOST and not in_place:      # a prefill: the new K/V stay on the device
+            out = self._buffers(cache, L, new=False)
+            self._bind(self.outputs[0], out[0], output=True)
+            for name in self.outputs[1:]:
+                io.bind_output(name, self.ops.device, self.ops.device_id)
+                self._bound[name] = None
+            self.session.run_with_iobinding(io)
+            from .device import DeviceArray
+
+            return out[0], [DeviceArray(v, tuple(v.shape())) for v in io.get_outputs()[1:]]
+        out = self._buffers(cache, L, new=not in_place)
+        if in_place:
+            out = out + cache.next_slot()
+        for name, arr in zip(self.outputs, out):
+            self._bind(name, arr, output=True)
+        self.session.run_with_iobinding(io)
+        return out[0], (None if in_place else out[1:])

@@ -1,0 +1,43 @@
+"""An export's manifest (`dbs_fast_model.json` in the model dir): what it holds, checked on load."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import DBSError
+
+MANIFEST = "dbs_fast_model.json"
+# bumped whenever an export's files change in a way this version cannot read: an export with
+# another version is refused with "re-export it with `dbs-fast export --force`" (embedded models
+# are exported again on their own)
+EXPORT_FORMAT_VERSION = 2
+
+
+def current_export(model_dir: Path) -> bool:
+    """Whether `model_dir` holds an export this version reads (its manifest's format version)."""
+    f = Path(model_dir) / MANIFEST
+    return f.is_file() and json.loads(f.read_text()).get("format_version") == EXPORT_FORMAT_VERSION
+
+
+def read_manifest(model_dir: Path) -> dict:
+    path = Path(model_dir) / MANIFEST
+    if not Path(model_dir).is_dir():
+        raise DBSError(f"model directory not found: {model_dir}")
+    if not path.is_file():
+        raise DBSError(f"{model_dir} is not a dbs-fast export (no {MANIFEST}); run `dbs-fast export` first")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DBSError(f"{path} is not valid JSON: {e}") from None
+    version = manifest.get("format_version")
+    if version != EXPORT_FORMAT_VERSION:
+        raise DBSError(f"{model_dir} was written by export format version {version!r}; this dbs-fast reads "
+                       f"version {EXPORT_FORMAT_VERSION}: re-export it with `dbs-fast export --force`")
+    for rel, size in manifest.get("files", {}).items():
+        f = Path(model_dir) / rel
+        if not f.is_file():
+            raise DBSError(f"{model_dir}: file {rel} listed in the manifest is missing")
+        if f.stat().st_size != size:
+            raise DBSError(f"{model_dir}: {rel} is {f.stat().st_size} bytes, the manifest says {size} "
+                           f"(truncated or replaced); re-export the model")
+    return manifest

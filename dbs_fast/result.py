@@ -1,0 +1,101 @@
+"""What a finished request gives back: its best beam (cut back to a sentence end where asked),
+where each keyword landed, and the stats of its run. Built from the scheduler's `Finished` rows
+with the tables it needs passed in (the detokeniser, the EOS ids, the sentence-end tokens)."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from . import occurrence
+from .beam import Finished
+from .config import DBSConfig
+from .constraints import Keyword
+
+
+@dataclass
+class GenerationResult:
+    text: str                     # context + generated text of the best beam
+    context: str
+    generated: str
+    keywords: list[str]
+    found: dict                   # keyword -> {"char": offset in generated, "token": index} or None
+    success_rate: float
+    success_length: int           # generated tokens until every keyword occurred (all if never)
+    stopped: str                  # "sentence" / "eos": ended naturally; "trimmed": cut back to the last
+    #                               sentence end after the keywords at max_new_tokens; "max": budget
+    perplexity: float             # exp(-mean scorer log-prob) of the generated tokens
+    new_tokens: int
+    beams: list[dict]             # every final beam: text, score
+    seconds: float
+    tokens_per_second: float      # generated tokens of the result / seconds
+    candidate_tokens_per_second: float  # all sampled candidate tokens / seconds (batch-wide)
+    timings: dict = field(default_factory=dict)  # seconds by stage (batch-wide)
+    kv_cache_bytes: int = 0       # peak bytes of the batch's KV cache over its steps (0: not known)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> dict:
+        """`to_dict` as strict JSON: a non-finite float (the score of a dropped beam, the
+        perplexity of an empty text) becomes null. What `generate --json` and the service send."""
+        return json_safe(self.to_dict())
+
+
+def json_safe(x):
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
+def found_at(texts: list[str], keywords: list[Keyword], rule: str = "stem") -> dict:
+    """keyword text -> first occurrence {"char", "token"} in the final text (texts: every token
+    prefix of it), or None."""
+    generated = texts[-1] if texts else ""
+    found = {}
+    for kw in keywords:
+        span = occurrence.first_match(generated, kw, rule)  # its tokens: those that complete it
+        found[kw.text] = None if span is None else {
+            "char": span[0], "token": next(n + 1 for n, t in enumerate(texts) if len(t) >= span[1])}
+    return found
+
+
+def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], list[str]], eos_ids,
+                 sentence_end: np.ndarray | None, timings: dict, kv_bytes: int = 0) -> GenerationResult:
+    """The result of a request that left the batch: its best beam, trimmed, with its stats.
+    `sentence_end`: (V,) bool, needed with stop="sentence"."""
+    rows, seconds, context, kws = fin.rows, fin.seconds, fin.request.context, fin.request.keywords
+    order = np.argsort(-rows.cum, kind="stable")
+    best = order[0]
+    n_gen = int(rows.n_tok[best])
+    toks = rows.tokens[best, :n_gen]
+    texts = decode_batch([toks[:n] for n in range(1, len(toks) + 1)]) or [""]
+    found = found_at(texts, kws, cfg.match)
+    stopped = "max"
+    if rows.ended[best]:
+        stopped = "eos" if n_gen and toks[-1] in eos_ids else "sentence"
+    elif cfg.stop == "sentence":   # budget ran out: cut back to the last sentence end after the keywords
+        need = max([f["token"] for f in found.values() if f is not None], default=0)
+        ends = [n for n in range(max(need, 1), n_gen + 1) if sentence_end[toks[n - 1]]]
+        if ends:
+            n_gen, stopped = ends[-1], ("trimmed" if ends[-1] < n_gen else "sentence")
+            toks, texts = toks[:n_gen], texts[:n_gen]
+    generated = texts[-1] if texts else ""
+    hits = [found[k.text]["token"] for k in kws if found[k.text] is not None]   # a keyword listed twice counts twice
+    success_length = max(hits) if len(hits) == len(kws) else cfg.max_new_tokens
+    lp = rows.logp[best, :n_gen]
+    beams = [{"text": t, "score": float(rows.cum[i])} for i, t in
+             zip(order, decode_batch([rows.tokens[i, : rows.n_tok[i]] for i in order]))]
+    return GenerationResult(
+        text=context + generated, context=context, generated=generated, keywords=[k.text for k in kws],
+        found=found, success_rate=len(hits) / len(kws), success_length=int(success_length), stopped=stopped,
+        perplexity=float(np.exp(-lp.mean())) if n_gen else float("nan"), new_tokens=n_gen,
+        beams=beams, seconds=seconds, tokens_per_second=n_gen / seconds,
+        candidate_tokens_per_second=fin.candidate_tokens_per_second, timings=timings,
+        kv_cache_bytes=kv_bytes)
