@@ -1,6 +1,7 @@
 """The Python API: `DirectedBeamSearch(model, embeddings, config).generate(context, keywords)`."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from .decoder import PrefixDecoder
 from .embeddings import Embeddings, SimilarityTable
 from .errors import DBSError
 from .home import EMBEDDED_DIRS, embedded_model_dir
-from .manifest import current_export
+from .manifest import current_export, read_manifest
 from .model import OnnxModel
 from .numba_runtime import set_threads
 from .prefix_cache import DECODE_GRAPH, KV_LAYOUTS
@@ -21,6 +22,7 @@ from .result import GenerationResult, build_result, json_safe  # noqa: F401  (js
 from .scorer import OnnxScorer, SelfScorer
 
 MAX_KEYWORDS = 62           # one bit each in the scheduler's int64 masks
+SEED_MAX = 2**63 - 1        # numpy's generators take seeds in 0..2**63-1
 _START_TOKENS = ("<|endoftext|>", "<bos>", "<s>")   # an empty context starts a document with one
 _EMB_CACHE: dict[str, Embeddings] = {}
 
@@ -53,6 +55,52 @@ def parse_constraints(keywords, ban=None):
     return kws, bans
 
 
+def available_memory() -> int:
+    """Bytes this machine can still give (MemAvailable; total memory where /proc is missing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_needed(cfg: DBSConfig, context_tokens: int, manifest: dict) -> int:
+    """Bytes a request at `cfg` needs at least: the logits of its rows (held three times over: the
+    pending ones, the model's output buffer, the kernel's work) and a KV cache of one row per
+    candidate over the whole text (the row layout; the prefix cache holds less)."""
+    rows = cfg.beams * cfg.candidates
+    per_token = 2 * manifest["num_layers"] * manifest["num_kv_heads"] * manifest["head_dim"] * 4
+    return 3 * rows * manifest["vocab_size"] * 4 + rows * (context_tokens + cfg.max_new_tokens) * per_token
+
+
+def check_size(cfg: DBSConfig, context_tokens: int, manifest: dict) -> None:
+    """DBSError, before anything is allocated, for a request longer than the model's context window
+    or larger than this machine's free memory (`manifest`: the export's)."""
+    limit = manifest.get("max_positions")
+    if limit and context_tokens + cfg.max_new_tokens > limit:
+        field = "max_new_tokens" if cfg.max_new_tokens >= limit else "context"
+        raise DBSError(f"context ({context_tokens} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds "
+                       f"the model's context window of {limit} tokens", field,
+                       cfg.max_new_tokens if field == "max_new_tokens" else None)
+    need, free = memory_needed(cfg, context_tokens, manifest), available_memory()
+    if need > free:
+        field = "beams" if cfg.beams >= cfg.candidates else "candidates"
+        raise DBSError(f"beams x candidates = {cfg.beams} x {cfg.candidates} rows of {manifest['vocab_size']} "
+                       f"logits and their KV cache over {context_tokens + cfg.max_new_tokens} tokens need about "
+                       f"{need / 2**30:.1f} GiB; this machine has {free / 2**30:.1f} GiB free: lower --beams, "
+                       f"--candidates or --max-new-tokens", field, getattr(cfg, field))
+
+
+def preflight(model, cfg: DBSConfig, context: str, quiet: bool = True) -> None:
+    """`check_size` from the export's manifest and tokenizer alone, before the model loads (the
+    CLI's check: a bad size fails in a second, not after loading a model)."""
+    from tokenizers import Tokenizer
+
+    d = resolve_model_dir(model, quiet)
+    n = len(Tokenizer.from_file(str(d / "tokenizer.json")).encode(context or "").ids) if isinstance(context, str) else 0
+    check_size(cfg, max(n, 1), read_manifest(d))
+
+
 class DirectedBeamSearch:
     """Built once per (model, embeddings, scorer); `generate` / `generate_batch` many times."""
 
@@ -62,6 +110,7 @@ class DirectedBeamSearch:
                  quiet: bool = True, kv_layout: str = "auto"):
         self.config = config or DBSConfig()
         self.model_dir = resolve_model_dir(model, quiet)
+        self.manifest = read_manifest(self.model_dir)
         set_threads(threads, sleep_when_idle=backend != "torch")
         self.decoder = None
         if backend == "onnx":
@@ -149,12 +198,11 @@ class DirectedBeamSearch:
         """One request with its constraints tokenised and its boosts built; DBSError names what
         is wrong (the service's and the CLI's validation)."""
         cfg = config or self.config
+        if not (isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) and 0 <= seed <= SEED_MAX):
+            raise DBSError(f"`seed` must be an integer in 0..{SEED_MAX}, got {seed!r}", "seed", seed)
         kws, bans = parse_constraints(keywords, ban)
         ids = self._context_ids(context)
-        limit = self.backend.max_positions
-        if limit and len(ids) + cfg.max_new_tokens > limit:
-            raise DBSError(f"context ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds "
-                           f"the model's context window of {limit} tokens", "context", context)
+        check_size(cfg, len(ids), self.manifest)
         enc = self._pieces
         force = [constraints.keyword_tokens(enc, k)[0] for k in kws]
         for k, f in zip(kws, force):

@@ -204,7 +204,8 @@ def onnx_backend(model: OnnxModel, decoder, cfg) -> OnnxBackend:
     graph (`decoder`, a `PrefixDecoder`), else one cache row per candidate."""
     if decoder is None:
         return OnnxBackend(model)
-    return PrefixBackend(model, decoder, cfg.candidates, cfg.chunk, cfg.max_new_tokens)
+    # a chunk never holds more than the budget's tokens (chunk > max_new_tokens allocates no more)
+    return PrefixBackend(model, decoder, cfg.candidates, min(cfg.chunk, cfg.max_new_tokens), cfg.max_new_tokens)
 
 
 @dataclass

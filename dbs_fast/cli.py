@@ -9,6 +9,45 @@ from .config import CHOICES, COMMONGEN, COMMONGEN_CONTEXT, OPTIONS, PAPER, DBSCo
 from .errors import DBSError
 
 FLAG = {name: flag for name, flag, *_ in OPTIONS}            # DBSConfig field -> CLI flag
+SEED_MAX = 2**63 - 1                                         # numpy's generators take seeds in 0..2**63-1
+PROVIDER_HELP = "execution provider: cuda needs onnxruntime-gpu (see the GPU guide); falls back to cpu with a warning"
+THREADS_HELP = "threads for ONNX Runtime and the kernel (default: all cores)"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, where it has one and the help does not say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or "(default" in text or action.default is None or action.default is False \
+                or action.default == argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """A bad value is one line on stderr and exit 2; an unknown or missing flag also shows the
+    command's usage."""
+
+    def error(self, message):
+        if message.startswith(("unrecognized arguments", "the following arguments are required")):
+            self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def seed(v: str) -> int:
+    """argparse type of --seed: an integer in 0..2**63-1."""
+    n = int(v)
+    if not 0 <= n <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer in 0..{SEED_MAX}, got {v}")
+    return n
+
+
+def threads(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {v}")
+    return n
 
 
 def _add_export(sub):
@@ -22,7 +61,7 @@ def _add_export(sub):
                         "and int8-block, times a decode step of each that passes parity on this CPU and keeps "
                         "the fastest (fp32 unless a quantised one is 5% faster)")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="print only the manifest's summary")
     p.set_defaults(func=_run_export)
 
 
@@ -76,7 +115,7 @@ def _add_generate(sub):
     p.add_argument("--keywords", required=True, help=f'guide words, e.g. "enemy,speed,meet": {KEYWORD_SYNTAX}')
     p.add_argument("--ban", default=None, help='words that must not appear, e.g. "war,gun" (same syntax; every '
                                                'case and leading-space variant is banned)')
-    p.add_argument("--context", default="It is")
+    p.add_argument("--context", default="It is", help="text to continue; '' starts a new document")
     p.add_argument("--model", default="default", help="exported model dir, or `default` (embedded SmolLM2)")
     p.add_argument("--scorer", default="self", help="`self` or an exported model dir sharing the tokenizer")
     p.add_argument("--embeddings", default="default", help="`default` (GloVe 6B 50-d), GloVe .txt, word2vec .txt/.bin")
@@ -84,51 +123,80 @@ def _add_generate(sub):
     p.add_argument("--unguided", action="store_true", help="baseline: no boosts (use with --beams 1 --candidates 1)")
     p.add_argument("--subword-fallback", action="store_true",
                    help="a keyword missing from the embeddings uses the mean of its sub-word vectors")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="onnx", choices=["onnx", "torch"])
+    p.add_argument("--seed", type=seed, default=0, help=f"random seed, 0..{SEED_MAX}: the same seed gives the "
+                                                      f"same text")
+    p.add_argument("--backend", default="onnx", choices=["onnx", "torch"],
+                   help="onnx: the engine; torch: the PyTorch baseline (needs the export extra)")
     _add_kv_layout(p)
-    p.add_argument("--provider", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--provider", default="cpu", choices=["cpu", "cuda"], help=PROVIDER_HELP)
+    p.add_argument("--threads", type=threads, default=None, help=THREADS_HELP)
+    p.add_argument("--format", default=None, choices=["text", "json", "markdown"],
+                   help="text (keywords in colour on a terminal), json (one object) or markdown (keywords in "
+                        "**bold**); default: text")
+    p.add_argument("--json", action="store_true", help="the same as --format json")
     p.set_defaults(func=_run_generate)
 
 
-def highlight(text: str, keywords, tty: bool) -> str:
+def highlight(text: str, keywords, style: str) -> str:
+    """`text` with the words that place a keyword marked: "ansi" (colour), "markdown" (**bold**)
+    or "text" (unmarked)."""
     from .occurrence import stem
     from .words import WORD, words
 
+    if style == "text":
+        return text
     targets = {stem(w) for k in keywords for w in words(k)}
-    on, off = ("\033[1;32m", "\033[0m") if tty else ("**", "**")
+    on, off = ("\033[1;32m", "\033[0m") if style == "ansi" else ("**", "**")
     return WORD.sub(lambda m: f"{on}{m.group(0)}{off}" if stem(m.group(0)) in targets else m.group(0), text)
 
 
-def _run_generate(a) -> int:
-    cfg = config_from_args(a, guided=not a.unguided)
-    from .api import DirectedBeamSearch, parse_constraints
+def text_style(fmt: str | None) -> str:
+    """How text output marks keywords: colour on a terminal, **bold** for markdown, else plain."""
+    if fmt == "markdown":
+        return "markdown"
+    return "ansi" if fmt in (None, "text") and sys.stdout.isatty() else "text"
 
-    parse_constraints(a.keywords, a.ban)       # bad keywords fail before the model loads
-    if a.threads is not None and a.threads < 1:
-        raise DBSError(f"`--threads` must be >= 1, got {a.threads}")
+
+class Progress:
+    """A progress bar on stderr, drawn from the first chunk on (so that an error before any work
+    prints on a line of its own) and closed by `close`."""
+
+    def __init__(self, desc: str):
+        self.desc, self.bar = desc, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="chunk", desc=self.desc, leave=False, file=sys.stderr)
+        self.bar.total, self.bar.n = total, done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _run_generate(a) -> int:
+    fmt = "json" if a.json else a.format
+    cfg = config_from_args(a, guided=not a.unguided)
+    from .api import DirectedBeamSearch, parse_constraints, preflight
+
+    parse_constraints(a.keywords, a.ban)       # bad keywords and sizes fail before the model loads
+    preflight(a.model, cfg, a.context, quiet=fmt == "json")
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, backend=a.backend,
                              provider=a.provider, threads=a.threads, subword_fallback=a.subword_fallback,
-                             quiet=a.json, kv_layout=a.kv_layout)
-    bar = None
-    if not a.json:
-        from tqdm import tqdm
-
-        bar = tqdm(total=1, unit="chunk", desc="generating", leave=False, file=sys.stderr)
-
-        def progress(done, total):
-            bar.total = total
-            bar.n = done
-            bar.refresh()
-    r = dbs.generate(a.context, a.keywords, seed=a.seed, progress=None if a.json else progress, ban=a.ban)
-    if bar is not None:
-        bar.close()
-    if a.json:
+                             quiet=fmt == "json", kv_layout=a.kv_layout)
+    progress = None if fmt == "json" else Progress("generating")
+    try:
+        r = dbs.generate(a.context, a.keywords, seed=a.seed, progress=progress, ban=a.ban)
+    finally:
+        if progress is not None:
+            progress.close()
+    if fmt == "json":
         print(json.dumps(r.to_json(), allow_nan=False))
         return 0
-    print(highlight(r.text, r.keywords, sys.stdout.isatty()))
+    print(highlight(r.text, r.keywords, text_style(fmt)))
     grader = "the generator grading itself" if a.scorer == "self" else f"scorer {a.scorer}"
     print(f"\nfound {sum(v is not None for v in r.found.values())}/{len(r.keywords)} "
           f"(success rate {r.success_rate:.2f}, success length {r.success_length}), stopped: {r.stopped}, "
@@ -147,7 +215,7 @@ def _add_eval(sub):
                         + f", --context {COMMONGEN_CONTEXT!r}; coverage and BLEU-4 reported); a number N: "
                         "N sets sampled from wordfreq ranks 501-1000 without stop words (with --seed)")
     p.add_argument("--limit", type=int, default=None, help="only the first N sets")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0, help="seed of the generations and of sampled keyword sets")
     p.add_argument("--keywords-file", help="one keyword set per line, comma-separated (or space-separated single "
                                            "words) (instead of --sets)")
     p.add_argument("--context", default=None, help="text before every generation (default 'It is'; '' starts a "
@@ -161,18 +229,18 @@ def _add_eval(sub):
                         "default, default for gemma3-270m), an exported dir, or none")
     p.add_argument("--out", default="eval_out", help="results.jsonl (resumable), summary.json, summary.md, quality.png")
     p.add_argument("--model", default="default", help="exported model dir, `default` or `gemma3-270m`")
-    p.add_argument("--scorer", default="self")
-    p.add_argument("--embeddings", default="default")
+    p.add_argument("--scorer", default="self", help="`self` or an exported model dir sharing the tokenizer")
+    p.add_argument("--embeddings", default="default", help="`default` (GloVe 6B 50-d), GloVe .txt, word2vec .txt/.bin")
     _add_config_flags(p, "search settings of the `dbs` run")
     p.add_argument("--batch", type=int, default=4, help="keyword sets decoded together in one batch")
     _add_kv_layout(p)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=threads, default=None, help=THREADS_HELP)
     p.add_argument("--grid", choices=["lambda", "bsk", "all"],
                    help="hyper-parameter sweep instead: lambda in --grid-lambdas at b=s=k=5, and/or "
                         "b, s in --grid-bs x k in --grid-k at lambda 20 (grid.jsonl resumable, grid.md, PNGs)")
-    p.add_argument("--grid-lambdas", default="5,10,15,20,25")
+    p.add_argument("--grid-lambdas", default="5,10,15,20,25", help="lambda values of --grid lambda")
     p.add_argument("--grid-bs", default="3,5,7,10", help="values for both b and s")
-    p.add_argument("--grid-k", default="2,5,10")
+    p.add_argument("--grid-k", default="2,5,10", help="chunk sizes k of --grid bsk")
     p.add_argument("--stories", action="store_true",
                    help="the paper's four ROC story contexts and keywords, printed with keywords highlighted")
     p.set_defaults(func=_run_eval)
@@ -229,9 +297,9 @@ def _run_eval(a) -> int:
     if a.stories:
         from .evaluation import run_stories
 
-        tty = sys.stdout.isatty()
+        style = text_style(None)
         for r in run_stories(dbs, Path(a.out), seed=a.seed):
-            print(f"{r['context']}  [{', '.join(r['keywords'])}]\n  -> {highlight(r['text'], r['keywords'], tty)}"
+            print(f"{r['context']}  [{', '.join(r['keywords'])}]\n  -> {highlight(r['text'], r['keywords'], style)}"
                   f"\n     success {r['success_rate']:.2f}, perplexity {r['perplexity']:.1f}\n")
         return 0
     if a.grid:
@@ -270,16 +338,18 @@ def _add_bench(sub):
     p.add_argument("--workdir", default="bench_work", help="checkpoints and exports, reused across runs")
     p.add_argument("--quick", action="store_true", help="10 new tokens, 1 repeat: a few minutes")
     p.add_argument("--repeats", type=int, default=None, help="timed generations per contender (after a cold one)")
-    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per generation (default 90; "
+                                                                      "--quick: 10)")
     p.add_argument("--contenders", default=None,
                    help="comma-separated (default: all of dbs_fast/bench/suite.py's CONTENDERS); onnx-fp32/onnx-int8 "
                         "run the prefix cache (decode.onnx), the -rows ones the row layout")
     p.add_argument("--tokenizer", default=None, help="GPT-2 tokenizer dir (default ../shared/data/gpt2-tokenizer)")
     p.add_argument("--checkpoint", default=None, help="a transformers checkpoint instead of random GPT-2 large")
-    p.add_argument("--shape", default="gpt2-large", choices=["gpt2-large", "gpt2", "distilgpt2"])
+    p.add_argument("--shape", default="gpt2-large", choices=["gpt2-large", "gpt2", "distilgpt2"],
+                   help="the random checkpoint's shape")
     p.add_argument("--no-default", action="store_true", help="skip the embedded default model's point")
     p.add_argument("--sweep", default=None, help='b x s points for the plot, e.g. "1x5,3x5,5x10"')
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=threads, default=None, help=THREADS_HELP)
     p.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: the ONNX contenders on the CUDA provider (cache on the GPU), PyTorch on the GPU; "
                         "no roofline (it is ORT's CPU matmul); needs the gpu extra and a CUDA torch")
@@ -315,13 +385,16 @@ def _run_bench(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dbs-fast", description=__doc__)
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = Parser(prog="dbs-fast", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=Parser)
     _add_export(sub)
     _add_generate(sub)
     _add_eval(sub)
     _add_bench(sub)
     _add_serve(sub)
+    for p in sub.choices.values():
+        p.formatter_class = HelpFormatter
+        p.set_defaults(parser=p)            # an unknown flag is reported with this command's usage
     return ap
 
 
@@ -333,15 +406,16 @@ def _add_serve(sub):
     p = sub.add_parser("serve", help="HTTP service: POST /v1/generate (JSON or streamed), /health, /metrics, "
                                      "/docs; continuous batching at chunk boundaries (needs the serve extra)")
     p.add_argument("--model", default=d.model, help="exported model dir, or `default` (embedded SmolLM2)")
-    p.add_argument("--embeddings", default=d.embeddings)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--embeddings", default=d.embeddings, help="`default` (GloVe 6B 50-d), GloVe .txt, word2vec "
+                                                               ".txt/.bin")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port, 1..65535")
     p.add_argument("--max-rows", type=int, default=d.max_rows,
                    help=f"candidate rows decoded together (a request takes beams x candidates; default {d.max_rows}: "
                         f"two paper-setting requests)")
     p.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests beyond this get 429")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--provider", default=d.provider, choices=["cpu", "cuda"])
+    p.add_argument("--threads", type=threads, default=None, help=THREADS_HELP)
+    p.add_argument("--provider", default=d.provider, choices=["cpu", "cuda"], help=PROVIDER_HELP)
     _add_kv_layout(p)
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds per request (at most)")
     p.add_argument("--grace", type=float, default=d.grace, help="seconds to finish running requests at shutdown")
@@ -383,8 +457,10 @@ def _run_serve(a) -> int:
 
 def main(argv=None) -> int:
     ap = build_parser()
-    try:
-        a = ap.parse_args(argv)  # argparse prints usage + the error itself (code 2; --help: 0)
+    try:            # argparse prints the usage and the error itself (code 2; --help: 0)
+        a, unknown = ap.parse_known_args(argv)
+        if unknown:
+            a.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     try:

@@ -11,8 +11,10 @@ import errno
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 from dbs_fast.cpu import cpu_signature
@@ -29,9 +31,29 @@ TWO_GB = 2 * 1024**3
 TASK = "text-generation-with-past"
 
 
+EXPORT_LOG = "export.log"       # in the model dir: what the exporters wrote to stderr
+
+
 def _log(msg: str, quiet: bool) -> None:
     if not quiet:
         print(f"[export] {msg}", flush=True)
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path):
+    """Everything written to stderr meanwhile (torch's TracerWarnings, optimum's and onnxruntime's
+    logs, C++ included) goes to `path` instead of the screen."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "a") as f, warnings.catch_warnings():
+        warnings.simplefilter("default")
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _param_bytes(model) -> int:
@@ -289,11 +311,22 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
     if out.exists() and not force:
         raise DBSError(f"output directory {out} exists; pass --force to replace it")
     src = resolve(model)
-    if quantize == AUTO:
-        manifest = _export_auto(src, out, optimize, quiet)
-    else:
-        manifest = _export_once(src, out, optimize, quantize, quiet)
-    _log(f"wrote {out} ({sum(manifest['files'].values()) / 1e6:.1f} MB)", quiet)
+    fd, log = tempfile.mkstemp(prefix="dbs-fast-export-", suffix=".log")
+    os.close(fd)
+    try:
+        with _stderr_to(Path(log)):
+            if quantize == AUTO:
+                manifest = _export_auto(src, out, optimize, quiet)
+            else:
+                manifest = _export_once(src, out, optimize, quantize, quiet)
+    except BaseException:
+        if Path(log).stat().st_size:
+            print(f"[export] what the exporters wrote is in {log}", file=sys.stderr, flush=True)
+        raise
+    lines = len(Path(log).read_text(errors="replace").splitlines())
+    shutil.move(log, out / EXPORT_LOG)
+    _log(f"wrote {out} ({sum(manifest['files'].values()) / 1e6:.1f} MB); the exporters' {lines} lines of "
+         f"warnings and logs are in {out / EXPORT_LOG}", quiet)
     return manifest
 
 

@@ -1,0 +1,92 @@
+"""Bad input on the command line: every option with a bad value ends in one error line naming it
+and exit code 2, before the model loads; never a traceback."""
+from __future__ import annotations
+
+import pytest
+
+from dbs_fast.cli import main as cli
+from dbs_fast.config import OPTIONS
+
+# one bad value per DBSConfig option (switches have none), and what the error names
+BAD_OPTION = {
+    "lam": ("-1", "`lambda`"), "beams": ("0", "`beams`"), "candidates": ("0", "`candidates`"),
+    "chunk": ("0", "`chunk`"), "top_p": ("1.5", "`top_p`"), "temperature": ("0", "`temperature`"),
+    "alpha": ("-1", "`alpha`"), "alpha_fluent": ("-1", "`alpha_fluent`"),
+    "late_boost_first": ("maybe", "--late-boost-first"), "reserve_per_keyword": ("-1", "`reserve_per_keyword`"),
+    "c_star": ("-1", "`c_star`"), "max_new_tokens": ("0", "`max_new_tokens`"),
+    "boost_order": ("sideways", "--boost-order"), "complete_words": ("maybe", "--complete-words"),
+    "order": ("sideways", "--order"), "match": ("prefix", "--match"),
+    "repetition_penalty": ("0", "`repetition_penalty`"), "no_repeat_ngram_size": ("-1", "`no_repeat_ngram_size`"),
+    "stop": ("eventually", "--stop"), "beams_type": ("many", "--beams"),
+}
+FLAG = {name: flag for name, flag, *_ in OPTIONS}
+
+# the other inputs: sizes no machine holds, lengths past the model's window, flags and types
+BAD_OTHER = [
+    (["--seed", "-1"], "--seed"),
+    (["--seed", "x"], "--seed"),
+    (["--threads", "0"], "--threads"),
+    (["--beams", "100000"], "GiB"),                                  # rows x vocabulary x 4 bytes + KV
+    (["--candidates", "100000"], "GiB"),
+    (["--max-new-tokens", "100000"], "context window"),
+    (["--context", "word " * 300], "context window"),                # the tiny model holds 256 positions
+    (["--keywords", ",".join(f"w{i}" for i in range(63))], "at most 62 keywords"),
+    (["--keywords", "colony!"], "must be words"),
+    (["--provider", "tpu"], "--provider"),
+    (["--backend", "jax"], "--backend"),
+    (["--kv-layout", "paged"], "--kv-layout"),
+    (["--format", "xml"], "--format"),
+    (["--model", "/nonexistent"], "not found"),
+    (["--bogus", "1"], "unrecognized arguments"),
+]
+
+
+def _bad_option_cases():
+    for name, (value, names) in BAD_OPTION.items():
+        flag = FLAG[name[:-len("_type")]] if name.endswith("_type") else FLAG[name]
+        yield pytest.param([flag, value], names, id=f"{flag}={value}")
+
+
+def test_the_table_covers_every_option():
+    switches = {name for name, _, typ, _ in OPTIONS if typ == "switch"}
+    assert {name for name, *_ in OPTIONS} - switches <= set(BAD_OPTION)
+
+
+@pytest.mark.parametrize("args,names", list(_bad_option_cases()) + [pytest.param(a, n, id=a[0]) for a, n in BAD_OTHER])
+def test_bad_input_is_one_line_and_exit_2(exported, capsys, args, names):
+    argv = ["generate", "--model", str(exported["gpt2"]), "--keywords", "colony"] + args
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("dbs-fast generate: error:") and names in last, err
+    assert "Traceback" not in err
+
+
+def test_an_unknown_flag_shows_the_commands_usage(capsys):
+    assert cli(["serve", "--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: dbs-fast serve") and "unrecognized arguments: --bogus" in err
+
+
+def test_every_flag_explains_itself(capsys):
+    """--help of every command gives each flag a help text; choices are listed."""
+    from dbs_fast.cli import build_parser
+
+    for name, p in build_parser()._subparsers._group_actions[0].choices.items():
+        for action in p._actions:
+            assert action.help, (name, action.option_strings)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "{next,any}" in out and "{max,sentence}" in out and "{stem,lemma}" in out
+    assert "(default: It is)" in out and "(default: 0)" in out
+
+
+@pytest.mark.parametrize("fmt", ["markdown", "text"])
+def test_format_marks_keywords_only_where_asked(exported, capsys, fmt):
+    """markdown: the placed keyword in **bold**; text (to a file or pipe): plain."""
+    assert cli(["generate", "--model", str(exported["gpt2"]), "--keywords", "colony", "--max-new-tokens", "6",
+                "--beams", "2", "--candidates", "2", "--guarantee", "--format", fmt]) == 0
+    out = capsys.readouterr().out.splitlines()[0]
+    assert "colon" in out.lower()
+    assert ("**" in out) == (fmt == "markdown") and "\033[" not in out
