@@ -20,7 +20,7 @@ each row's prefix positions at the row that holds its beam's prefix): the output
         --candidates 10 --prefix 47 --max-len 92 --chunk 5 --used 2] [--arms prefix,dmmha,mha] [--out FILE.json]
 
 The prefix arm's graph is built by the checkout's own `attend`: `--arms prefix` run at two commits, in
-turns, times a change to it (README, Speed).
+turns, times a change to it.
 """
 from __future__ import annotations
 

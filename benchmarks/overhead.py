@@ -2,7 +2,7 @@
 
 The bench's x roofline divides a generation's step by the roofline's matmul time, measured once
 at the start of the run (the best of 7). On a shared machine the load moves between the two by
-up to 30% (README, Speed), so the ratio reads the load as much as the engine. Here the decode
+up to 30%, so the ratio reads the load as much as the engine. Here the decode
 step of an export (`decode.onnx`, random inputs: `export/timing.py`) and the roofline's own
 matmul graphs (`bench.matmul_session`: the step's weight shapes at b x s rows, distinct weights)
 are timed in alternating rounds in one process: each round, the step's median of 3 runs, then

@@ -457,7 +457,7 @@ def run_in_turns(specs: list[dict], workdir: Path, repeats: int) -> dict:
 
 
 def _budget(model_dir: str, kv_layout: str) -> int:
-    """Issue 11's budget: the weight files of the graph the engine loads + 1.5 GB."""
+    """The memory budget: the weight files of the graph the engine loads + 1.5 GB."""
     m = json.loads((Path(model_dir) / "dbs_fast_model.json").read_text())
     graph = "decode.onnx" if kv_layout == "prefix" else "model.onnx"
     return int(sum(v for k, v in m["files"].items() if k.startswith(graph)) + 1.5e9)

@@ -29,7 +29,7 @@ applied before anything is cached, so cached keys are position-final, as in Hugg
 cache, by ORT's contrib `RotaryEmbedding` (CPU and CUDA kernels; `_rotary`). The attention is
 plain ONNX ops (MatMul, Softmax, ...), no contrib ops: `benchmarks/attention.py` measured
 ORT's DecoderMaskedMultiHeadAttention (cache indirection) at 11.8x and MultiHeadAttention on the
-row layout at 3.4x this attention's time, with 9.5x and 5x its cache (README, Speed).
+row layout at 3.4x this attention's time, with 9.5x and 5x its cache (`benchmarks/attention.py`).
 """
 from __future__ import annotations
 
@@ -105,13 +105,12 @@ def attend(q, k, v, pk, pv, ck, cv, prefix_bias, chunk_bias, new_bias, scale: fl
     one against its s rows of new keys, block-diagonal by its bias (s*L columns, not T). Each
     row scores its own chunk slots elementwise (a product and a sum over d per slot): only the
     U slots bound, not all K, and not the s*K columns of a block-diagonal matmul over the beam's
-    chunks, which took ~40% of the attention at the paper setting (GPT-2 large, AVX2 EPYC, session
-    21: a one-off variant of `benchmarks/attention.py`; the `--variants` flag it used was never
-    committed). So q, the new K/V and the output are
+    chunks, which took ~40% of the attention at the paper setting (GPT-2 large, AVX2 EPYC, a
+    one-off variant of `benchmarks/attention.py`). So q, the new K/V and the output are
     transposed, once each, and no score tensor is but the small chunk part. The chunk's weighted
     values are summed over the slots by a (1, U) x (U, ...) MatMul of ones: ONNX Runtime's
     ReduceSum over the leading axis was slower (GPT-2 large, 36 layers, 7 x 10 rows, the attention
-    alone: 36.2 vs 41.6 ms at prefix 82 on a Zen 4, 49.6 vs 54.0 on a Zen 2; README, Speed)."""
+    alone: 36.2 vs 41.6 ms at prefix 82 on a Zen 4, 49.6 vs 54.0 on a Zen 2)."""
     import torch
 
     if dims is None:
