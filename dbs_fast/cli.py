@@ -422,6 +422,13 @@ def _add_serve(sub):
     p.add_argument("--admit-wait", type=float, default=d.admit_wait,
                    help=f"seconds to wait at a chunk boundary where requests ended for their clients' next requests "
                         f"(default {d.admit_wait}; 0: never wait)")
+    p.add_argument("--api-key", default=None,
+                   help="requests to /v1/* need `Authorization: Bearer KEY` (default: $DBS_FAST_API_KEY; unset: open)")
+    p.add_argument("--auth-health", action="store_true", help="/health and /metrics need the API key too")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="a larger request body is refused with 413")
+    p.add_argument("--cors-origin", action="append", default=[],
+                   help="an origin allowed by CORS (repeat for several; default: none, no CORS headers)")
     p.add_argument("--ray-replicas", type=int, default=None,
                    help="serve N replicas on Ray Serve instead (each its own engine; needs the ray extra)")
     p.add_argument("--ray-address", default=None, help="a running Ray cluster (`auto`), else a local Ray is started")
@@ -432,14 +439,17 @@ def _add_serve(sub):
 
 
 def _run_serve(a) -> int:
+    import os
     from pathlib import Path
 
     from .home import EMBEDDED_DIRS
     from .service import ServiceOptions, serve
 
+    key = a.api_key if a.api_key is not None else os.environ.get("DBS_FAST_API_KEY") or None
     opts = ServiceOptions(model=a.model, embeddings=a.embeddings, max_rows=a.max_rows, max_queue=a.max_queue,
                           threads=a.threads, provider=a.provider, timeout=a.timeout, grace=a.grace,
-                          kv_layout=a.kv_layout, admit_wait=a.admit_wait)
+                          kv_layout=a.kv_layout, admit_wait=a.admit_wait, api_key=key, auth_health=a.auth_health,
+                          max_body_bytes=a.max_body_bytes, cors_origins=tuple(a.cors_origin))
     if not 0 < a.port < 65536:
         raise DBSError(f"`--port` must be in 1..65535, got {a.port}")
     if a.model not in EMBEDDED_DIRS:          # a wrong directory fails here, not in the background

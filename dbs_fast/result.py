@@ -34,6 +34,7 @@ class GenerationResult:
     candidate_tokens_per_second: float  # all sampled candidate tokens / seconds (batch-wide)
     timings: dict = field(default_factory=dict)  # seconds by stage (batch-wide)
     kv_cache_bytes: int = 0       # peak bytes of the batch's KV cache over its steps (0: not known)
+    prompt_tokens: int = 0        # tokens of the context as the model read it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -98,4 +99,4 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
         perplexity=float(np.exp(-lp.mean())) if n_gen else float("nan"), new_tokens=n_gen,
         beams=beams, seconds=seconds, tokens_per_second=n_gen / seconds,
         candidate_tokens_per_second=fin.candidate_tokens_per_second, timings=timings,
-        kv_cache_bytes=kv_bytes)
+        kv_cache_bytes=kv_bytes, prompt_tokens=len(fin.request.context_ids))

@@ -4,9 +4,11 @@ FastAPI rather than bare Starlette: the request body is declared once as a pydan
 (derived from `config.OPTIONS`, as the CLI flags are), so a wrong type or an unknown field is a
 422 that names the field, and the OpenAPI page (/docs, /openapi.json) comes with it.
 
-Endpoints: POST /v1/generate (JSON, or Server-Sent Events with "stream": true), GET /health,
-GET /metrics (Prometheus text). One `Batcher` thread owns the model (continuous batching at
-chunk boundaries, `dbs_fast.batcher`); handlers only validate, queue and wait.
+Endpoints: POST /v1/generate (JSON, or Server-Sent Events with "stream": true), the OpenAI-compatible
+GET /v1/models, POST /v1/completions and /v1/chat/completions (`dbs_fast.openai_api`), GET /health,
+GET /metrics (Prometheus text), GET /docs (Swagger UI from local files). One `Batcher` thread owns
+the model (continuous batching at chunk boundaries, `dbs_fast.batcher`); handlers only validate,
+queue and wait. With an API key, /v1/* needs `Authorization: Bearer <key>`.
 """
 
 import asyncio
@@ -43,9 +45,13 @@ class ServiceOptions:
     grace: float = 30.0            # at shutdown: seconds to finish running requests before cancelling them
     admit_wait: float = 0.05       # at a boundary where requests ended: seconds to wait for their clients' next
     #                                ones (closed-loop clients), so that they join this chunk, not the next
+    api_key: Optional[str] = None  # requests to /v1/* need `Authorization: Bearer <key>` (None: open)
+    auth_health: bool = False      # /health and /metrics need the key too
+    max_body_bytes: int = 1 << 20  # a larger request body is refused (413) before it is read
+    cors_origins: tuple = ()       # origins allowed by CORS (none: no CORS headers)
 
     def __post_init__(self):
-        for name in ("max_rows", "max_queue"):
+        for name in ("max_rows", "max_queue", "max_body_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise DBSError(f"`--{name.replace('_', '-')}` must be an integer >= 1, got {v!r}")
@@ -176,24 +182,30 @@ class Service:
 
     # -- validation: every bad field a 422 that names it -------------------------------------
     def job(self, body) -> "Job":
+        """A job from the body of POST /v1/generate."""
         given = {name: getattr(body, name if FIELD_OF[name] == "lambda" else FIELD_OF[name]) for name in FIELD_OF}
-        given = {k: v for k, v in given.items() if v is not None}
         if body.unguided:
             given["guided"] = False
+        return self.make_job(body.context, body.keywords, body.ban, body.seed, given,
+                             DBSConfig.paper() if body.paper else DBSConfig(), body.timeout, body.stream)
+
+    def make_job(self, context, keywords, ban, seed, given: dict, base: DBSConfig, timeout=None,
+                 stream: bool = False, names: dict | None = None) -> "Job":
+        """A job: `base` with the options `given` (DBSConfig field -> value; None = not given), the
+        request built and checked. Invalid names the request field (`names`: DBSConfig field ->
+        the endpoint's name for it; default the /v1/generate names)."""
+        names = {**FIELD_OF, **(names or {})}
         try:
-            cfg = replace(DBSConfig.paper() if body.paper else DBSConfig(), **given)
+            cfg = replace(base, **{k: v for k, v in given.items() if v is not None})
+            request = self.dbs.request(context, keywords, ban, seed, cfg)
         except DBSError as e:
-            raise Invalid(FIELD_OF.get(e.field, e.field or "body"), e.value, str(e)) from None
-        try:
-            request = self.dbs.request(body.context, body.keywords, body.ban, body.seed, cfg)
-        except DBSError as e:
-            raise Invalid(FIELD_OF.get(e.field, e.field or "body"), e.value, str(e)) from None
+            raise Invalid(names.get(e.field, e.field or "body"), e.value, str(e)) from None
         if cfg.beams * cfg.candidates > self.opts.max_rows:
             field = "beams" if cfg.beams > self.opts.max_rows else "candidates"   # too many alone, or together
             raise Invalid(field, getattr(cfg, field), f"beams x candidates = {cfg.beams * cfg.candidates} rows, "
                                                       f"more than this server's --max-rows {self.opts.max_rows}")
-        timeout = min(body.timeout or self.opts.timeout, self.opts.timeout)
-        return Job(request, cfg, send=None, stream=body.stream, deadline=time.perf_counter() + timeout)
+        timeout = min(timeout or self.opts.timeout, self.opts.timeout)
+        return Job(request, cfg, send=None, stream=stream, deadline=time.perf_counter() + timeout)
 
 
 def _sse(kind: str, payload) -> str:
@@ -206,6 +218,7 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
         from fastapi import FastAPI, Request
         from fastapi.exception_handlers import request_validation_exception_handler
         from fastapi.exceptions import RequestValidationError
+        from fastapi.openapi.docs import get_swagger_ui_html
         from fastapi.responses import (
             JSONResponse,
             PlainTextResponse,
@@ -215,8 +228,12 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
         from starlette.concurrency import run_in_threadpool
     except ImportError as e:
         raise DBSError(f"the service needs the serve extra: {SERVE_EXTRA} (missing: {e.name})") from None
-    GenerateRequest = request_model()          # evaluated below as the body's annotation
-    svc = Service(opts or ServiceOptions(), dbs)
+    from . import openai_api as oa
+
+    GenerateRequest = request_model()          # evaluated below as the bodies' annotations
+    CompletionRequest, ChatRequest = oa.completion_model(), oa.chat_model()
+    opts = opts or ServiceOptions()
+    svc = Service(opts, dbs)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -224,9 +241,10 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
         yield
         await run_in_threadpool(svc.stop)
 
-    app = FastAPI(title="dbs-fast", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="dbs-fast", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Directed Beam Search: text that contains the keywords you ask for.")
     app.state.service = svc
+    _guard(app, opts, svc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, exc):           # FastAPI's own 422 (types, unknown fields), counted
@@ -237,6 +255,27 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
         svc.metrics.finished(label)
         headers = {"Retry-After": str(retry)} if retry is not None else None
         return JSONResponse(detail if isinstance(detail, dict) else {"detail": detail}, status, headers=headers)
+
+    def openai_error(status: int, label: str, msg: str, param=None, retry: int | None = None):
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+            status, "server_error" if status >= 500 else "invalid_request_error")
+        return refuse(status, label, {"error": {"message": msg, "type": kind, "param": param, "code": None}}, retry)
+
+    swagger = _swagger_assets()
+    if swagger is not None:
+        from starlette.staticfiles import StaticFiles
+
+        app.mount("/docs-assets", StaticFiles(directory=swagger), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        if swagger is None:
+            return PlainTextResponse("the API page needs swagger-ui-bundle (the serve extra); the schema is at "
+                                     "/openapi.json", 404)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="dbs-fast API",
+                                   swagger_js_url="/docs-assets/swagger-ui-bundle.js",
+                                   swagger_css_url="/docs-assets/swagger-ui.css",
+                                   swagger_favicon_url="/docs-assets/favicon-32x32.png")
 
     @app.get("/health")
     async def health():
@@ -254,24 +293,14 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
 
         return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/generate")
-    async def generate(body: GenerateRequest, request: Request):
-        """The same JSON as `dbs-fast generate --json`; with "stream": true, Server-Sent Events:
-        `chunk` events ({"chunk", "text": the generated text already certain, "found"}), then
-        `result` (or `error` with {"status", "detail"})."""
-        if not svc.ready:
-            return refuse(503, "error", svc.error or "the model is loading", retry=5)
-        try:
-            job = svc.job(body)
-        except Invalid as e:
-            return refuse(422, "invalid", e.detail())
+    def submit(job):
+        """The job queued, with the queue its events arrive on; None when the queue is full."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         job.send = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-        if not svc.batcher.submit(job):
-            return refuse(429, "refused", f"the queue is full ({svc.opts.max_queue} waiting); retry later",
-                          retry=svc.batcher.retry_after())
-        if body.stream:
-            return StreamingResponse(_stream(job, events), media_type="text/event-stream")
+        return events if svc.batcher.submit(job) else None
+
+    async def outcome(job, events, request: Request):
+        """("result", payload), ("error", (status, detail)), or a Response for a client gone or a timeout."""
         while True:
             try:
                 kind, payload = await asyncio.wait_for(events.get(), 0.25)
@@ -283,11 +312,31 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
                     svc.batcher.cancel(job, "timeout")
                     return JSONResponse({"detail": "the request timed out"}, 504)
                 continue
-            if kind == "result":
-                return JSONResponse(payload)
-            if kind == "error":
-                status, detail = payload
-                return JSONResponse({"detail": detail}, status)
+            if kind in ("result", "error"):
+                return kind, payload
+
+    @app.post("/v1/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        """The same JSON as `dbs-fast generate --format json`; with "stream": true, Server-Sent
+        Events: `chunk` events ({"chunk", "text": the generated text already certain, a snapshot
+        that only grows, "found"}), then `result` (or `error` with {"status", "detail"})."""
+        if not svc.ready:
+            return refuse(503, "error", svc.error or "the model is loading", retry=5)
+        try:
+            job = svc.job(body)
+        except Invalid as e:
+            return refuse(422, "invalid", e.detail())
+        events = submit(job)
+        if events is None:
+            return refuse(429, "refused", f"the queue is full ({opts.max_queue} waiting); retry later",
+                          retry=svc.batcher.retry_after())
+        if body.stream:
+            return StreamingResponse(_stream(job, events), media_type="text/event-stream")
+        got = await outcome(job, events, request)
+        if not isinstance(got, tuple):
+            return got
+        kind, payload = got
+        return JSONResponse(payload) if kind == "result" else JSONResponse({"detail": payload[1]}, payload[0])
 
     async def _stream(job, events):
         done = False
@@ -305,7 +354,121 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
             if not done:                 # the client went away: its rows leave at the next boundary
                 svc.batcher.cancel(job, "disconnected")
 
+    @app.get("/v1/models")
+    async def models():
+        """The served model, in OpenAI's shape."""
+        return oa.models_list(opts.model)
+
+    async def openai_answer(body, request: Request, chat: bool):
+        if not svc.ready:
+            return openai_error(503, "error", svc.error or "the model is loading", retry=5)
+        try:
+            template = oa.ChatTemplate.of(svc.dbs.model_dir) if chat else None
+            args = oa.job_arguments(body, opts.model, svc.dbs.config.beams, template, chat)
+            stops = args.pop("stops")
+            job = svc.make_job(**args)
+        except oa.Refused as e:
+            return refuse(e.status, "invalid", e.body())
+        except Invalid as e:
+            return openai_error(422, "invalid", e.msg, e.field)
+        except DBSError as e:
+            return openai_error(422, "invalid", str(e), e.field)
+        reply = oa.Reply(chat, body.model, stops, body.n)
+        events = submit(job)
+        if events is None:
+            return openai_error(429, "refused", f"the queue is full ({opts.max_queue} waiting); retry later",
+                                retry=svc.batcher.retry_after())
+        if body.stream:
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_openai_stream(job, events, reply, usage), media_type="text/event-stream")
+        got = await outcome(job, events, request)
+        if not isinstance(got, tuple):
+            return got
+        kind, payload = got
+        if kind == "error":
+            return JSONResponse({"error": {"message": payload[1], "type": "server_error", "code": payload[0]}},
+                                payload[0])
+        return JSONResponse(reply.final(payload))
+
+    async def _openai_stream(job, events, reply, usage: bool):
+        done = False
+        try:
+            first = reply.start()
+            if first:
+                yield first
+            while True:
+                kind, payload = await events.get()
+                if kind == "chunk":
+                    piece = reply.certain(payload["text"])
+                    if piece:
+                        yield piece
+                    continue
+                done = True
+                for piece in reply.end(payload, usage) if kind == "result" else reply.error(*payload):
+                    yield piece
+                return
+        finally:
+            if not done:
+                svc.batcher.cancel(job, "disconnected")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        """OpenAI's completions: `prompt` is the context; the keywords and every DBS option are
+        extra body fields (see `dbs_fast.openai_api`)."""
+        return await openai_answer(body, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        """OpenAI's chat completions: `messages` through the model's chat template; the keywords
+        and every DBS option are extra body fields."""
+        return await openai_answer(body, request, chat=True)
+
     return app
+
+
+def _swagger_assets() -> str | None:
+    """The Swagger UI files of the swagger-ui-bundle package (served locally: /docs works offline)."""
+    try:
+        from swagger_ui_bundle import swagger_ui_path
+    except ImportError:
+        return None
+    return str(swagger_ui_path)
+
+
+def _guard(app, opts: ServiceOptions, svc: "Service") -> None:
+    """API key, request body size and CORS, before any route runs."""
+    from starlette.middleware.base import BaseHTTPMiddleware
+    from starlette.responses import JSONResponse
+
+    protected = ("/v1/",) + (("/health", "/metrics") if opts.auth_health else ())
+    expected = f"Bearer {opts.api_key}" if opts.api_key else None
+
+    async def check(request, call_next):
+        if expected and request.url.path.startswith(protected):
+            import hmac
+
+            if not hmac.compare_digest(request.headers.get("authorization", ""), expected):
+                svc.metrics.finished("unauthorized")
+                return JSONResponse({"error": {"message": "a valid API key is needed: `Authorization: Bearer <key>`",
+                                               "type": "authentication_error", "param": None, "code": "invalid_api_key"}},
+                                    401, headers={"WWW-Authenticate": "Bearer"})
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > opts.max_body_bytes):
+            svc.metrics.finished("invalid")
+            return JSONResponse({"detail": f"the request body is over {opts.max_body_bytes} bytes"}, 413)
+        if size is None and request.method == "POST":
+            body = await request.body()           # a chunked body: read it, then judge its size
+            if len(body) > opts.max_body_bytes:
+                svc.metrics.finished("invalid")
+                return JSONResponse({"detail": f"the request body is over {opts.max_body_bytes} bytes"}, 413)
+        return await call_next(request)
+
+    app.add_middleware(BaseHTTPMiddleware, dispatch=check)
+    if opts.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(opts.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
 
 
 def serve(opts: ServiceOptions, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

@@ -1,0 +1,59 @@
+"""A model's chat template (`chat_template.jinja`, or `chat_template` in `tokenizer_config.json`,
+as transformers saves them) rendered with Jinja in a sandbox, without transformers."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from .errors import DBSError
+
+ROLES = ("system", "user", "assistant")
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special: dict):
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals.update(raise_exception=raise_exception,
+                           strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        self.template, self.special = env.from_string(source), special
+
+    @classmethod
+    def of(cls, model_dir: Path) -> "ChatTemplate | None":
+        """The template an export carries, or None."""
+        d = Path(model_dir)
+        config = {}
+        if (d / "tokenizer_config.json").is_file():
+            config = json.loads((d / "tokenizer_config.json").read_text())
+        source = (d / "chat_template.jinja").read_text() if (d / "chat_template.jinja").is_file() \
+            else config.get("chat_template")
+        if isinstance(source, list):                 # named templates: the default one
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        if not source:
+            return None
+        special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return cls(source, special)
+
+    def render(self, messages: list[dict]) -> str:
+        """The prompt of `messages` ({"role", "content"}), ending where the assistant's turn starts."""
+        from jinja2 import TemplateError
+
+        for i, m in enumerate(messages):
+            if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise DBSError(f"messages[{i}] must have a role in {ROLES} and a string content", "messages", m)
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+        except TemplateError as e:
+            raise DBSError(f"the model's chat template refused these messages: {e}", "messages", None) from None
+
+
+def _token_text(token) -> str:
+    if isinstance(token, dict):                      # an AddedToken as transformers saves it
+        return token.get("content", "")
+    return token or ""

@@ -1,0 +1,259 @@
+"""OpenAI-compatible endpoints over the service: /v1/models, /v1/completions, /v1/chat/completions.
+
+The standard fields map onto the engine's: `prompt` (or `messages`, through the model's chat
+template) is the context, `max_tokens` is `max_new_tokens`, `temperature`, `top_p` and `seed`
+are the engine's, `stop` cuts the text at the first stop sequence, `n` returns that many
+distinct beams. The constraints and every DBS option are extra body fields (the SDK's
+`extra_body`), named as in /v1/generate: `keywords`, `ban`, `order`, `guarantee`, `beams`,
+`lambda`, ...; `task` ("commongen") starts from a task preset; the engine's own stop rule is
+`stop_at` ("sentence" or "max"). A standard field the engine cannot honour is a 400 naming it.
+
+Streaming sends only text that no later chunk can change (the common prefix of the request's
+surviving beams, `BeamSearch.certain`), so a delta is never revised; the last chunk carries the
+rest of the winning beam, then `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from .chat import ChatTemplate
+from .config import OPTIONS, DBSConfig, parse_bool
+from .home import EMBEDDED_DIRS
+
+# DBSConfig fields the standard fields set, and the name a 422 gives them here
+STANDARD = {"max_new_tokens": "max_tokens"}
+RENAMED = {"stop": "stop_at"}                     # the engine's stop rule; `stop` is OpenAI's stop sequences
+TASKS = {"commongen": DBSConfig.commongen}
+# standard fields the engine cannot honour, with the value that asks for nothing
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+               "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+               "function_call": (None, "none"), "response_format": (None, {"type": "text"})}
+
+
+def _extra_fields() -> dict:
+    """The DBS options as body fields, named as in /v1/generate (max_new_tokens is `max_tokens`)."""
+    from pydantic import Field
+
+    types = {int: int, float: float, str: str, parse_bool: bool, "switch": bool}
+    fields = {}
+    for name, flag, typ, text in OPTIONS:
+        key = RENAMED.get(name, flag[2:].replace("-", "_"))
+        if name in STANDARD or name in ("temperature", "top_p"):
+            continue
+        fields[name if key == "lambda" else key] = (Optional[types[typ]], Field(
+            None, description=text, alias=key if key == "lambda" else None))
+    return fields
+
+
+def _common_fields(max_n: int) -> dict:
+    from pydantic import Field
+
+    return {
+        "model": (str, Field(..., description="the served model (GET /v1/models)")),
+        "max_tokens": (Optional[int], Field(None, ge=1, description="new tokens at most (max_new_tokens)")),
+        "max_completion_tokens": (Optional[int], Field(None, ge=1, description="the same as max_tokens")),
+        "temperature": (Optional[float], Field(None, description="> 0 (DBS samples)")),
+        "top_p": (Optional[float], Field(None, description="nucleus mass, in (0, 1]")),
+        "n": (int, Field(1, ge=1, le=max_n, description="distinct beams returned, at most the beams searched")),
+        "stream": (bool, False),
+        "stream_options": (Optional[dict], None),
+        "seed": (Optional[int], Field(None, description="0..2**63-1; the same seed gives the same text")),
+        "stop": (Optional[Union[str, list[str]]], Field(None, description="up to 4 stop sequences")),
+        "user": (Optional[str], None),
+        "keywords": (Optional[Union[str, list[str]]], Field(None, description='the words the text must contain: '
+                                                                             '"enemy,speed" or a list')),
+        "ban": (Optional[Union[str, list[str]]], Field(None, description="words that must not appear")),
+        "task": (Optional[str], Field(None, description="a task preset: commongen")),
+        "paper": (bool, Field(False, description="start from the paper's settings")),
+        "timeout": (Optional[float], Field(None, gt=0, description="seconds; at most the server's --timeout")),
+        **{k: (Optional[Any], None) for k in UNSUPPORTED},
+        **_extra_fields(),
+    }
+
+
+@functools.cache
+def completion_model(max_n: int = 64):
+    from pydantic import ConfigDict, Field, create_model
+
+    return create_model("CompletionRequest", __config__=ConfigDict(extra="forbid", populate_by_name=True),
+                        prompt=(Union[str, list[str]], Field(..., description="the text to continue")),
+                        **_common_fields(max_n))
+
+
+@functools.cache
+def chat_model(max_n: int = 64):
+    from pydantic import ConfigDict, Field, create_model
+
+    return create_model("ChatCompletionRequest", __config__=ConfigDict(extra="forbid", populate_by_name=True),
+                        messages=(list[dict], Field(..., description="[{role, content}], through the model's "
+                                                                     "chat template")),
+                        **_common_fields(max_n))
+
+
+class Refused(Exception):
+    """A field the engine cannot honour (HTTP 400), in OpenAI's error shape."""
+
+    def __init__(self, field: str, msg: str, status: int = 400, code: str = "invalid_request_error"):
+        super().__init__(msg)
+        self.field, self.msg, self.status, self.code = field, msg, status, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.msg, "type": self.code, "param": self.field, "code": None}}
+
+
+def served_name(model: str) -> str:
+    return model if model in EMBEDDED_DIRS else Path(model).expanduser().name
+
+
+def models_list(model: str) -> dict:
+    return {"object": "list", "data": [{"id": served_name(model), "object": "model", "created": 0,
+                                        "owned_by": "dbs-fast"}]}
+
+
+def job_arguments(body, model: str, beams_default: int, template: ChatTemplate | None, chat: bool) -> dict:
+    """What `Service.make_job` takes, from a completion or chat body; Refused for what cannot be honoured."""
+    if body.model not in (served_name(model), model):
+        raise Refused("model", f"model {body.model!r} is not served here; GET /v1/models lists "
+                               f"{served_name(model)!r}", 404, "not_found_error")
+    for name, harmless in UNSUPPORTED.items():
+        v = getattr(body, name)
+        if not any(v == h for h in harmless):
+            raise Refused(name, f"`{name}` is not supported by dbs-fast (Directed Beam Search returns its "
+                                f"beams' texts, not per-token log-probabilities or penalties)")
+    if body.temperature is not None and body.temperature <= 0:
+        raise Refused("temperature", "`temperature` must be > 0: Directed Beam Search samples its candidates")
+    if body.stream and body.n > 1:
+        raise Refused("n", "`n` > 1 cannot be streamed: the beams are chosen at the end")
+    if body.keywords is None:
+        raise Refused("keywords", "`keywords` (an extra body field) is required: the words the text must contain, "
+                                  'e.g. extra_body={"keywords": ["enemy", "speed"]}')
+    if body.task is not None and body.task not in TASKS:
+        raise Refused("task", f"`task` must be one of {sorted(TASKS)}, got {body.task!r}")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > 4 or any(not s for s in stops):
+        raise Refused("stop", "`stop` takes up to 4 non-empty sequences")
+    if chat:
+        if template is None:
+            raise Refused("messages", "this model has no chat template: use /v1/completions")
+        context = template.render(body.messages)
+    elif isinstance(body.prompt, list):
+        if len(body.prompt) != 1:
+            raise Refused("prompt", "one prompt per request (a list of one string)")
+        context = body.prompt[0]
+    else:
+        context = body.prompt
+    given = {name: getattr(body, name if name == "lam" else RENAMED.get(name, flag[2:].replace("-", "_")), None)
+             for name, flag, *_ in OPTIONS if name not in STANDARD and name not in ("temperature", "top_p")}
+    given.update(temperature=body.temperature, top_p=body.top_p,
+                 max_new_tokens=body.max_tokens or body.max_completion_tokens)
+    base = TASKS[body.task]() if body.task else DBSConfig.paper() if body.paper else DBSConfig()
+    if body.n > (given.get("beams") or base.beams):
+        raise Refused("n", f"`n` ({body.n}) is more than the beams searched ({given.get('beams') or base.beams})")
+    return {"context": context, "keywords": body.keywords, "ban": body.ban,
+            "seed": 0 if body.seed is None else body.seed, "given": given, "base": base, "timeout": body.timeout,
+            "stream": body.stream, "names": {**STANDARD, **RENAMED}, "stops": stops}
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """`text` up to the first stop sequence, and whether one was found."""
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (text[:min(cuts)], True) if cuts else (text, False)
+
+
+def safe_prefix(text: str, stops: list[str]) -> str:
+    """The part of a growing `text` that is final under `stops`: cut at a stop sequence, and
+    without a tail that could still become the start of one."""
+    text, found = cut_at_stop(text, stops)
+    if found or not stops:
+        return text
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[:len(text) - hold]
+
+
+class Reply:
+    """The OpenAI-shaped answer of one request: the final JSON, or the stream's chunks."""
+
+    def __init__(self, chat: bool, model: str, stops: list[str], n: int):
+        self.chat, self.model, self.stops, self.n = chat, model, stops, n
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.sent = ""
+
+    def _finish(self, stopped: str, cut: bool) -> str:
+        return "stop" if cut or stopped in ("sentence", "eos", "trimmed") else "length"
+
+    @staticmethod
+    def usage(result: dict) -> dict:
+        prompt, new = result["prompt_tokens"], result["new_tokens"]
+        return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
+
+    @staticmethod
+    def dbs(result: dict) -> dict:
+        return {"keywords": result["keywords"], "found": {k: v is not None for k, v in result["found"].items()},
+                "success_rate": result["success_rate"], "stopped": result["stopped"], "seconds": result["seconds"],
+                "candidate_tokens": round(result["candidate_tokens_per_second"] * result["seconds"])}
+
+    def final(self, result: dict) -> dict:
+        texts = [result["generated"]] + [b["text"] for b in result["beams"][1:]]
+        seen, choices = set(), []
+        for i, t in enumerate(texts):
+            text, cut = cut_at_stop(t, self.stops)
+            if text in seen:
+                continue
+            seen.add(text)
+            finish = self._finish(result["stopped"] if i == 0 else "max", cut)
+            choices.append({"index": len(choices), "finish_reason": finish, "logprobs": None,
+                            **({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})})
+            if len(choices) == self.n:
+                break
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": self.usage(result), "dbs": self.dbs(result)}
+
+    def _chunk(self, delta: str | None, finish: str | None = None, role: bool = False) -> str:
+        if self.chat:
+            d = {"role": "assistant"} if role else {}
+            if delta:
+                d["content"] = delta
+            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": [choice]}
+        return f"data: {json.dumps(obj)}\n\n"
+
+    def start(self) -> str | None:
+        return self._chunk(None, role=True) if self.chat else None
+
+    def certain(self, text: str) -> str | None:
+        """A chunk with the new certain text, if any: appended to what was sent, never revised."""
+        text = safe_prefix(text, self.stops)
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return None
+        delta, self.sent = text[len(self.sent):], text
+        return self._chunk(delta)
+
+    def end(self, result: dict, include_usage: bool) -> list[str]:
+        """The rest of the winning beam with its finish reason, the usage if asked, then [DONE]."""
+        text, cut = cut_at_stop(result["generated"], self.stops)
+        rest = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent += rest
+        out = [self._chunk(rest, self._finish(result["stopped"], cut))]
+        if include_usage:
+            obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                   "created": self.created, "model": self.model, "choices": [], "usage": self.usage(result),
+                   "dbs": self.dbs(result)}
+            out.append(f"data: {json.dumps(obj)}\n\n")
+        return out + ["data: [DONE]\n\n"]
+
+    @staticmethod
+    def error(status: int, detail) -> list[str]:
+        err = {"error": {"message": str(detail), "type": "server_error" if status >= 500 else "invalid_request_error",
+                         "code": status}}
+        return [f"data: {json.dumps(err)}\n\n", "data: [DONE]\n\n"]

@@ -1,0 +1,249 @@
+"""The OpenAI-compatible endpoints through the real `openai` SDK, over loopback, with an API key."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from test_service import Server, _wait  # noqa: E402
+
+from dbs_fast.api import DirectedBeamSearch  # noqa: E402
+from dbs_fast.service import ServiceOptions, create_app  # noqa: E402
+
+KEY = "test-key"
+SMALL = {"beams": 3, "candidates": 3, "chunk": 3}
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(exported, tmp_path_factory):
+    """The tiny GPT-2 export with a chat template, as an Instruct model's export carries one."""
+    d = tmp_path_factory.mktemp("chat") / "gpt2"
+    shutil.copytree(exported["gpt2"], d)
+    (d / "chat_template.jinja").write_text(TEMPLATE)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    dbs = DirectedBeamSearch(model_dir)
+    s = Server(create_app(ServiceOptions(model=str(model_dir), max_rows=24, max_queue=8, api_key=KEY),
+                          dbs=dbs)).wait_ready()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _name(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_models_lists_the_served_model(client, model_dir):
+    assert [m.id for m in client.models.list().data] == [model_dir.name]
+
+
+def test_completion_with_keywords_as_extra_body(client):
+    r = client.completions.create(model=_name(client), prompt="It is", max_tokens=16, seed=1,
+                                  extra_body={"keywords": ["colony", "enemy"], "guarantee": True, **SMALL})
+    text = r.choices[0].text
+    assert "colon" in text.lower() and "enem" in text.lower(), text
+    assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    dbs = r.model_extra["dbs"]
+    assert dbs["found"] == {"colony": True, "enemy": True} and dbs["success_rate"] == 1.0
+    assert dbs["candidate_tokens"] > 0 and dbs["seconds"] > 0
+
+
+def test_chat_goes_through_the_models_template(client, server):
+    r = client.chat.completions.create(model=_name(client), messages=[{"role": "user", "content": "Tell me"}],
+                                       max_tokens=16, seed=2,
+                                       extra_body={"keywords": "river", "guarantee": True, **SMALL})
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and "river" in msg.content.lower()
+    # the rendered prompt is the context: the same text as /v1/generate given that context
+    plain = httpx.post(server.url + "/v1/generate", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                       json={"context": "<|user|>Tell me\n<|assistant|>", "keywords": "river", "seed": 2,
+                             "guarantee": True, "max_new_tokens": 16, **SMALL}).json()
+    assert plain["generated"] == msg.content and r.usage.prompt_tokens == plain["prompt_tokens"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_deltas_join_to_the_same_text(client, chat):
+    """Deltas are only text no later chunk can change: joined, they are the non-streamed text."""
+    for seed in range(4):
+        kw = dict(model=_name(client), max_tokens=24, seed=seed,
+                  extra_body={"keywords": ["colony", "mouth"], "stop_at": "max", **SMALL})
+        if chat:
+            kw["messages"] = [{"role": "user", "content": "Go"}]
+            whole = client.chat.completions.create(**kw).choices[0].message.content
+            chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        else:
+            kw["prompt"] = "It is"
+            whole = client.completions.create(**kw).choices[0].text
+            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            deltas = [c.choices[0].text for c in chunks if c.choices]
+        assert "".join(deltas) == whole
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_n_returns_distinct_choices(client):
+    r = client.completions.create(model=_name(client), prompt="It is", max_tokens=12, seed=0, n=3,
+                                  extra_body={"keywords": "river", "beams": 4, "candidates": 3, "chunk": 3})
+    texts = [c.text for c in r.choices]
+    assert 1 < len(texts) <= 3 and len(set(texts)) == len(texts)
+    assert [c.index for c in r.choices] == list(range(len(texts)))
+
+
+def test_stop_sequences_cut_the_text(client):
+    kw = dict(model=_name(client), prompt="It is", max_tokens=24, seed=5,
+              extra_body={"keywords": "colony", "stop_at": "max", **SMALL})
+    whole = client.completions.create(**kw).choices[0].text
+    stop = whole[len(whole) // 2: len(whole) // 2 + 2]
+    cut = client.completions.create(stop=[stop], **kw).choices[0]
+    assert cut.text == whole[:whole.find(stop)] and cut.finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=[stop], stream=True, **kw))
+    assert streamed == cut.text
+
+
+def test_no_key_is_401(server):
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="x", prompt="It is", extra_body={"keywords": "colony"})
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200          # open unless --auth-health
+
+
+@pytest.mark.parametrize("extra,field", [({"beams": 0}, "beams"), ({"seed": -1}, "seed"),
+                                         ({"max_tokens": 100000}, "max_tokens"), ({"lambda": -1}, "lambda"),
+                                         ({"stop_at": "never"}, "stop_at")])
+def test_bad_values_are_422_naming_the_field(client, extra, field):
+    standard = {k: extra.pop(k) for k in ("seed", "max_tokens") if k in extra}
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.completions.create(model=_name(client), prompt="It is", **standard,
+                                  extra_body={"keywords": "colony", **extra})
+    assert field in json.dumps(e.value.body)
+
+
+@pytest.mark.parametrize("kw,field", [({"logprobs": 2}, "logprobs"), ({"temperature": 0.0}, "temperature"),
+                                      ({"presence_penalty": 0.5}, "presence_penalty"),
+                                      ({"extra_body": {}}, "keywords"), ({"n": 9}, "n"),
+                                      ({"extra_body": {"keywords": "x", "task": "poetry"}}, "task")])
+def test_what_cannot_be_honoured_is_400_naming_it(client, kw, field):
+    kw = {"extra_body": {"keywords": "colony"}, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=_name(client), prompt="It is", max_tokens=8, **kw)
+    assert e.value.body["param"] == field
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="It is", extra_body={"keywords": "colony"})
+
+
+def test_a_body_over_the_limit_is_413(exported):
+    dbs = DirectedBeamSearch(exported["gpt2"])
+    s = Server(create_app(ServiceOptions(max_rows=24, max_body_bytes=200), dbs=dbs)).wait_ready()
+    try:
+        big = {"context": "It is " * 100, "keywords": "colony"}
+        assert httpx.post(s.url + "/v1/generate", json=big, timeout=30).status_code == 413
+        chunked = httpx.post(s.url + "/v1/generate", content=iter([json.dumps(big).encode()]), timeout=30,
+                             headers={"content-type": "application/json"})
+        assert chunked.status_code == 413
+        small = httpx.post(s.url + "/v1/generate", json={"keywords": "colony", "max_new_tokens": 4, "beams": 2,
+                                                               "candidates": 3}, timeout=30)
+        assert small.status_code == 200
+        assert "access-control-allow-origin" not in small.headers          # CORS off unless asked
+    finally:
+        s.stop()
+
+
+def test_docs_page_is_served_from_local_files(server):
+    page = httpx.get(server.url + "/docs")
+    assert page.status_code == 200 and "/docs-assets/swagger-ui-bundle.js" in page.text
+    assert httpx.get(server.url + "/docs-assets/swagger-ui-bundle.js").status_code == 200
+    assert "//cdn" not in page.text and "unpkg" not in page.text
+
+
+def test_a_full_queue_is_the_sdks_rate_limit_error(exported):
+    dbs = DirectedBeamSearch(exported["gpt2"])
+    model = dbs.decoder or dbs.backend
+    step = model.step
+    model.step = lambda *a, **k: (time.sleep(0.02), step(*a, **k))[1]
+    s = Server(create_app(ServiceOptions(model=str(exported["gpt2"]), max_rows=6, max_queue=1), dbs=dbs)).wait_ready()
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    name = c.models.list().data[0].id
+    long = dict(model=name, prompt="It is", max_tokens=200, extra_body={"keywords": "colony", "beams": 1,
+                                                                         "candidates": 6, "chunk": 1, "stop_at": "max"})
+    try:
+        stream = c.completions.create(stream=True, **long)
+        next(iter(stream))                                                       # running: every row is taken
+        waiting = threading.Thread(target=lambda: c.completions.create(**{**long, "max_tokens": 2}))
+        waiting.start()
+        _wait(lambda: httpx.get(s.url + "/health").json()["queue"] == 1)
+        with pytest.raises(openai.RateLimitError):
+            c.completions.create(**{**long, "max_tokens": 2})
+        stream.close()
+        waiting.join(60)
+    finally:
+        model.step = step
+        s.stop()
+
+
+def _random_value(rng):
+    pick = rng.integers(9)
+    if pick == 0:
+        return int(rng.integers(-2**40, 2**40))
+    if pick == 1:
+        return float(rng.normal() * 10 ** rng.integers(0, 12))
+    if pick == 2:
+        return "".join(chr(int(c)) for c in rng.integers(1, 0x2FFF, rng.integers(0, 40)))   # unicode, controls
+    if pick == 3:
+        return "word " * int(rng.integers(0, 3000))                                         # long strings
+    if pick == 4:
+        return [_random_value(rng) for _ in range(rng.integers(0, 4))]
+    if pick == 5:
+        return {"role": "user", "content": _random_value(rng)}
+    if pick == 6:
+        return None
+    if pick == 7:
+        return bool(rng.integers(2))
+    return "colony,enemy"
+
+
+def test_no_input_is_a_server_error(server):
+    """1,000 random bodies (types, ranges, unicode, long strings) to the generation endpoints: every
+    answer is a 2xx or a 4xx, never a 500."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    fields = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream",
+              "keywords", "ban", "beams", "candidates", "chunk", "lambda", "order", "guarantee", "stop_at", "task",
+              "logprobs", "context", "max_new_tokens", "user", "stream_options"]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    statuses = []
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+        for i in range(1000):
+            body = {f: _random_value(rng) for f in rng.choice(fields, rng.integers(0, 8), replace=False)}
+            if rng.integers(3) == 0:                       # a third start from a valid request
+                body = {"model": "gpt2", "prompt": "It is", "max_tokens": 4, "keywords": "colony", "beams": 2,
+                        "candidates": 2, **body}
+            path = ["/v1/completions", "/v1/chat/completions", "/v1/generate"][i % 3]
+            r = http.post(path, json=body)
+            statuses.append(r.status_code)
+            assert r.status_code < 500, (path, body, r.text[:300])
+    assert statuses.count(200) > 0 and any(400 <= s < 500 for s in statuses)
