@@ -14,6 +14,9 @@ with N concurrent asyncio clients (httpx), each sending `--per-client` requests 
   after sending; counts every answer, checks the server survives, reports its RSS start/end.
 - engine: in process, n small requests as one batch: seconds and model ms per step vs rows; and
   one decode step's milliseconds by rows and cache length.
+`--openai`: every request goes through the `openai` SDK to /v1/completions, with an API key (the
+servers start with `--api-key`): the context is the prompt, the constraints and settings go in
+`extra_body`, a malformed request is a bad extra field or a standard one the engine refuses.
 Throughput: requests/s and candidate tokens/s (the server's /metrics counter over the arm's
 wall time); latency p50/p95 per request. For the small arm, the same requests of every level are
 also sent one at a time by one client to the one-at-a-time server ("alone": no queue, no merging;
@@ -46,7 +49,44 @@ SMALL = {"beams": 2, "candidates": 2, "order": "any", "max_new_tokens": 32, "con
 PAPER = {"paper": True, "beams": 7, "candidates": 10, "chunk": 5, "max_new_tokens": 90, "context": "It is"}
 MALFORMED = [{"keywords": "run|"}, {"keywords": "dog", "beams": 0}, {"keywords": "dog", "top_p": 2},
              {"keywords": "dog", "ban": "dogs"}, {"context": "A"}, {"keywords": "dog", "beams": "x"},
-             {"keywords": "dog", "order": "sideways"}, {"keywords": "dog", "unknown": 1}]
+             {"keywords": "dog", "order": "sideways"}, {"keywords": "dog", "unknown": 1},
+             {"keywords": "dog", "seed": -1}, {"keywords": "dog", "temperature": 0}]
+API_KEY = "load-test-key"
+
+
+class Sender:
+    """One request, as JSON to /v1/generate (httpx) or through the `openai` SDK to /v1/completions."""
+
+    def __init__(self, url: str, openai_sdk: bool):
+        import httpx
+
+        self.url, self.sdk = url, None
+        self.http = httpx.AsyncClient(headers={"Authorization": f"Bearer {API_KEY}"} if openai_sdk else None)
+        if openai_sdk:
+            import openai
+
+            self.sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=None)
+
+    async def send(self, body: dict) -> tuple[int, str | None]:
+        """(HTTP status, the error message or None)."""
+        if self.sdk is None:
+            r = await self.http.post(self.url + "/v1/generate", json=body, timeout=None)
+            return r.status_code, (r.json().get("detail") if r.status_code != 200 else None)
+        import openai
+
+        std = {k: body[k] for k in ("seed", "temperature") if k in body}
+        extra = {k: v for k, v in body.items() if k not in ("context", "max_new_tokens", "seed", "temperature")}
+        try:
+            await self.sdk.completions.create(model="default", prompt=body.get("context", "It is"),
+                                              max_tokens=body.get("max_new_tokens"), extra_body=extra, **std)
+            return 200, None
+        except openai.APIStatusError as e:
+            return e.status_code, json.dumps(e.body)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        if self.sdk is not None:
+            await self.sdk.close()
 
 
 def free_port() -> int:
@@ -56,12 +96,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, max_rows: int, threads: int | None, log: Path, admit_wait: float | None = None):
+    def __init__(self, model: str, max_rows: int, threads: int | None, log: Path, admit_wait: float | None = None,
+                 api_key: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "dbs_fast.cli", "serve", "--model", model, "--port", str(self.port),
                "--max-rows", str(max_rows), "--max-queue", "1024"] + (["--threads", str(threads)] if threads else []) + (
-                   ["--admit-wait", str(admit_wait)] if admit_wait is not None else [])
+                   ["--admit-wait", str(admit_wait)] if admit_wait is not None else []) + (
+                   ["--api-key", api_key] if api_key else [])
         env = {**os.environ, "PYTHONSAFEPATH": "1"}       # a checkout's dbs_fast/ must not shadow the package
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -111,32 +153,31 @@ def bodies(kind: str, n: int, seed0: int = 0) -> list[dict]:
     return [{**PAPER, "keywords": sets[i % len(sets)], "seed": seed0 + i} for i in range(n)]
 
 
-async def drive(url: str, work: list[dict], clients: int, deadline: float) -> list[dict]:
+async def drive(url: str, work: list[dict], clients: int, deadline: float, openai_sdk: bool = False) -> list[dict]:
     """`clients` concurrent clients take requests from `work` in order until none is left."""
-    import httpx
-
     queue, out = list(enumerate(work)), []
+    sender = Sender(url, openai_sdk)
 
-    async def client(c: httpx.AsyncClient):
+    async def client():
         while queue and time.time() < deadline:
             i, body = queue.pop(0)
             t = time.perf_counter()
-            r = await c.post(url + "/v1/generate", json=body, timeout=None)
-            out.append({"i": i, "status": r.status_code, "latency": time.perf_counter() - t})
+            status, _ = await sender.send(body)
+            out.append({"i": i, "status": status, "latency": time.perf_counter() - t})
 
-    async with httpx.AsyncClient() as c:
-        await asyncio.gather(*(client(c) for _ in range(clients)))
+    await asyncio.gather(*(client() for _ in range(clients)))
+    await sender.close()
     return out
 
 
 def arm(server: ServerProcess, kind: str, clients: int, per_client: int, max_seconds: float,
-        senders: int | None = None) -> dict:
+        senders: int | None = None, openai_sdk: bool = False) -> dict:
     """The work of `clients` clients x `per_client` requests, sent by `senders` concurrent clients
     (default `clients`; 1 measures each of the same requests alone, one after another)."""
     work = bodies(kind, clients * per_client, seed0=1000 * clients)
     chunks0 = server.metric("dbs_chunk_seconds_count")
     tok0, t0 = server.metric("dbs_candidate_tokens_total"), time.perf_counter()
-    res = asyncio.run(drive(server.url, work, senders or clients, time.time() + max_seconds))
+    res = asyncio.run(drive(server.url, work, senders or clients, time.time() + max_seconds, openai_sdk))
     wall = time.perf_counter() - t0
     tokens, chunks = server.metric("dbs_candidate_tokens_total") - tok0, server.metric("dbs_chunk_seconds_count") - chunks0
     lat = np.array([r["latency"] for r in res if r["status"] == 200])
@@ -192,9 +233,9 @@ async def join_test(url: str) -> dict:
             "a_total_s": a_end - marks["a"][0], "b_events": len(marks["b"])}
 
 
-async def soak(url: str, n: int, clients: int, rss=None, seed: int = 0) -> dict:
-    import httpx
+async def soak(url: str, n: int, clients: int, rss=None, seed: int = 0, openai_sdk: bool = False) -> dict:
 
+    sender = Sender(url, openai_sdk)
     rng = random.Random(seed)
     good = bodies("small", n, seed0=5000)
     plan = []
@@ -204,7 +245,7 @@ async def soak(url: str, n: int, clients: int, rss=None, seed: int = 0) -> dict:
                     ("disconnect", good[i]) if u < 0.15 else ("good", good[i]))
     queue, out, rss_at = list(enumerate(plan)), [], {}
 
-    async def client(c):
+    async def client():
         while queue:
             i, (kind, body) = queue.pop(0)
             if rss and i % 50 == 0:
@@ -212,20 +253,18 @@ async def soak(url: str, n: int, clients: int, rss=None, seed: int = 0) -> dict:
             rec = {"i": i, "kind": kind}
             try:
                 if kind == "disconnect":       # sends, then goes away before the answer
-                    await asyncio.wait_for(c.post(url + "/v1/generate", json=body, timeout=None), 0.3)
+                    await asyncio.wait_for(sender.send(body), 0.3)
                     rec["status"] = "answered before the client left"
                 else:
-                    r = await c.post(url + "/v1/generate", json=body, timeout=None)
-                    rec["status"] = r.status_code
-                    rec["detail"] = r.json().get("detail") if r.status_code != 200 else None
+                    rec["status"], rec["detail"] = await sender.send(body)
             except asyncio.TimeoutError:
                 rec["status"] = "left"
-            except httpx.HTTPError as e:
+            except Exception as e:   # noqa: BLE001 -- a transport error is counted, the soak goes on
                 rec["status"] = f"error: {type(e).__name__}"
             out.append(rec)
 
-    async with httpx.AsyncClient() as c:
-        await asyncio.gather(*(client(c) for _ in range(clients)))
+    await asyncio.gather(*(client() for _ in range(clients)))
+    await sender.close()
     good_ok = sum(r["kind"] == "good" and r["status"] == 200 for r in out)
     bad_4xx = sum(r["kind"] == "malformed" and isinstance(r["status"], int) and 400 <= r["status"] < 500
                   and bool(r["detail"]) for r in out)
@@ -325,7 +364,12 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated: engine, small, paper, join, soak")
     ap.add_argument("--admit-wait", type=float, default=None,
                     help="the servers' --admit-wait (seconds; default: the server's default)")
+    ap.add_argument("--openai", action="store_true",
+                    help="requests through the openai SDK to /v1/completions, with an API key")
     a = ap.parse_args(argv)
+    key = API_KEY if a.openai else None
+    if a.openai:                                  # the paper arm and the join test speak /v1/generate's own stream
+        a.skip = ",".join(filter(None, [a.skip, "paper", "join"]))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, a.skip.split(",")))
@@ -333,7 +377,8 @@ def main(argv=None) -> int:
     res = {"small": {}, "paper": {}}
     if (out / "load.json").is_file():            # arms not run this time keep their earlier results
         res = json.loads((out / "load.json").read_text())
-    res.update({"machine": {"cpu": machine(), "python": platform.python_version()},
+    res.update({"machine": {"cpu": machine(), "python": platform.python_version()}, "client": (
+                    "openai SDK -> /v1/completions, API key" if a.openai else "httpx -> /v1/generate"),
                 "model": a.model, "small_request": SMALL, "paper_request": PAPER,
                 "admit_wait": a.admit_wait if a.admit_wait is not None else ServiceOptions().admit_wait})
     res.setdefault("dates", {})
@@ -349,7 +394,7 @@ def main(argv=None) -> int:
             if kind in skip:
                 continue
             srv = ServerProcess(a.model, rows[kind], a.threads, out / f"server-{mode}-{kind}.log",
-                                a.admit_wait).wait_ready()
+                                a.admit_wait, key).wait_ready()
             try:
                 lv = levels if kind == "small" else [1, 4]
                 per = a.per_client if kind == "small" else 2
@@ -358,11 +403,12 @@ def main(argv=None) -> int:
                 if alone:
                     res[kind]["alone"] = []
                 for n in lv:
-                    r = arm(srv, kind, n, per, a.max_seconds)
+                    r = arm(srv, kind, n, per, a.max_seconds, openai_sdk=a.openai)
                     res[kind][mode].append(r)
                     print(mode, kind, json.dumps(r), flush=True)
                     if alone:
-                        res[kind]["alone"].append(arm(srv, kind, n, per, a.max_seconds, senders=1))
+                        res[kind]["alone"].append(arm(srv, kind, n, per, a.max_seconds, senders=1,
+                                                      openai_sdk=a.openai))
                 if kind == "paper" and mode == "continuous" and "join" not in skip:
                     res["join"] = asyncio.run(join_test(srv.url))
                     print("join", json.dumps(res["join"]), flush=True)
@@ -378,10 +424,10 @@ def main(argv=None) -> int:
                                    **(latency_ratios(x, z) if z and "latency_s" in x else {})}
                                   for x, y, z in zip(c, s, alone)]
     if "soak" not in skip:
-        srv = ServerProcess(a.model, 140, a.threads, out / "server-soak.log", a.admit_wait).wait_ready()
+        srv = ServerProcess(a.model, 140, a.threads, out / "server-soak.log", a.admit_wait, key).wait_ready()
         try:
             rss0 = srv.rss()
-            res["soak"] = asyncio.run(soak(srv.url, a.soak, 8, srv.rss))
+            res["soak"] = asyncio.run(soak(srv.url, a.soak, 8, srv.rss, openai_sdk=a.openai))
             res["soak"].update(rss_start_gb=rss0, rss_end_gb=srv.rss(), server_alive=srv.proc.poll() is None,
                                health=__import__("httpx").get(srv.url + "/health", timeout=30).status_code,
                                statuses={k: srv.metric(f'dbs_requests_total{{status="{k}"}}')
