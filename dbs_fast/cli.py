@@ -97,7 +97,8 @@ def config_from_args(a, **extra):
     """DBSConfig from the parsed flags: the default (or --paper) preset, then what was given."""
     from dataclasses import replace
 
-    base = DBSConfig.paper() if a.paper else DBSConfig()
+    task = getattr(a, "task", None)
+    base = DBSConfig.commongen() if task == "commongen" else DBSConfig.paper() if a.paper else DBSConfig()
     given = {name: getattr(a, name) for name, *_ in OPTIONS if getattr(a, name) is not None}
     return replace(base, **given, **extra)
 
@@ -115,7 +116,12 @@ def _add_generate(sub):
     p.add_argument("--keywords", required=True, help=f'guide words, e.g. "enemy,speed,meet": {KEYWORD_SYNTAX}')
     p.add_argument("--ban", default=None, help='words that must not appear, e.g. "war,gun" (same syntax; every '
                                                'case and leading-space variant is banned)')
-    p.add_argument("--context", default="It is", help="text to continue; '' starts a new document")
+    p.add_argument("--context", default=None, help="text to continue; '' starts a new document (default: It is; "
+                                                   "with --task commongen, the task's context)")
+    p.add_argument("--task", default=None, choices=["commongen"],
+                   help="a task preset: commongen = one sentence from unordered concepts (--order any --match lemma "
+                        "--lambda 8 --max-new-tokens 40 --reserve-per-keyword 6 and the task's context, as `eval "
+                        "--sets commongen-dev`; flags given override)")
     p.add_argument("--model", default="default", help="exported model dir, or `default` (embedded SmolLM2)")
     p.add_argument("--scorer", default="self", help="`self` or an exported model dir sharing the tokenizer")
     p.add_argument("--embeddings", default="default", help="`default` (GloVe 6B 50-d), GloVe .txt, word2vec .txt/.bin")
@@ -179,6 +185,9 @@ class Progress:
 
 def _run_generate(a) -> int:
     fmt = "json" if a.json else a.format
+    if a.task == "commongen" and a.paper:
+        raise DBSError("--task commongen and --paper are two presets: give one")
+    a.context = (COMMONGEN_CONTEXT if a.task == "commongen" else "It is") if a.context is None else a.context
     cfg = config_from_args(a, guided=not a.unguided)
     from .api import DirectedBeamSearch, parse_constraints, preflight
 

@@ -8,6 +8,7 @@ results.jsonl as they finish (a re-run skips finished sets), then summary.json +
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from dbs_fast.errors import DBSError
 from dbs_fast.metrics import coverage, distinct_n, rep_n
+from dbs_fast.words import words
 
 # NLTK's English stop-word list (the corpus download is not available offline).
 STOP_WORDS = set("""i me my myself we our ours ourselves you you're you've you'll you'd your yours yourself
@@ -55,7 +57,7 @@ def read_sets(path: str) -> list[list[str]]:
 # Built-in keyword sets, copied into the package (dbs_fast/data/README.md gives their sources).
 BUILTIN_SETS = {"paper": "paper_50_keyword_sets.txt", "roc": "roc_20_storylines.txt",
                 "commongen-dev": "commongen_dev.txt"}
-BUILTIN_REFS = {"commongen-dev": "commongen_dev_refs.txt"}   # one reference sentence per set
+BUILTIN_REFS = {"commongen-dev": "commongen_dev_all_refs.jsonl"}   # every human reference of each set
 
 
 def _data(name: str) -> str:
@@ -70,24 +72,67 @@ def builtin_sets(name: str) -> list[list[str]]:
     return read_sets(_data(BUILTIN_SETS[name]))
 
 
-def builtin_refs(name: str) -> list[str] | None:
-    return Path(_data(BUILTIN_REFS[name])).read_text().splitlines() if name in BUILTIN_REFS else None
+def builtin_refs(name: str) -> list[list[str]] | None:
+    """Every human reference of each set, in the sets' order (CommonGen dev: 2-8 a set)."""
+    if name not in BUILTIN_REFS:
+        return None
+    return [json.loads(line)["references"] for line in Path(_data(BUILTIN_REFS[name])).read_text().splitlines()]
 
 
-def commongen_scores(rows, refs: list[str]) -> dict:
-    """CommonGen's metrics for one run: coverage (lemma match) of the generated text and corpus
-    BLEU-4 (sacrebleu, one reference per set) of the sentence: the generated text after the
-    context's last line (a context "A" is the sentence's first word; a prompt that ends in a line
-    break is not part of it)."""
-    import sacrebleu
+# CommonGen's scores: BLEU-4 and CIDEr-D by pycocoevalcap (the code of CommonGen's official script)
+# over lower-cased word and punctuation tokens (the official script uses spaCy's tokens, cased),
+# every reference of a set at once; BLEU-4 x 100 and CIDEr-D x 10, as papers report them.
+TOKENISATION = "lower-cased word and punctuation tokens (regex \\w+|[^\\w\\s])"
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+_FIRST_SENTENCE = re.compile(r"\s*(.*?[.!?][\"')\]”’]*)(?=\s|$)", re.S)
 
 
+def caption_tokens(text: str) -> str:
+    return " ".join(_TOKEN.findall(text.lower()))
+
+
+def first_sentence(text: str) -> str:
+    """The text up to its first sentence end (all of it when it has none)."""
+    m = _FIRST_SENTENCE.match(text)
+    return (m.group(1) if m else text).strip()
+
+
+def caption_scores(hyps: list[str], refs: list[list[str]]) -> dict:
+    """Corpus BLEU-4 and CIDEr-D of `hyps` against all of each one's `refs` (pycocoevalcap)."""
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+
+    gts = {i: [caption_tokens(r) for r in rs] for i, rs in enumerate(refs)}
+    res = {i: [caption_tokens(h)] for i, h in enumerate(hyps)}
+    bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
+    cider, _ = Cider().compute_score(gts, res)
+    return {"bleu4": 100 * float(bleu[3]), "cider": 10 * float(cider)}
+
+
+def commongen_scores(rows, refs: list[list[str]]) -> dict:
+    """CommonGen's metrics for one run, on the output sentence: the text after the context's last
+    line (a context "A" is the sentence's first word; a prompt ending in a line break is not part
+    of it) up to its first sentence end. BLEU-4 and CIDEr-D against all of each set's references;
+    coverage by lemma of the sentence and of the whole generated text; words per sentence."""
     rs = sorted(rows, key=lambda r: r["set"])
-    hyps = [(r["context"].rpartition("\n")[2] + r["generated"]).strip() for r in rs]
-    bleu = sacrebleu.corpus_bleu(hyps, [[refs[r["set"]] for r in rs]])
-    return {"coverage": float(np.mean([coverage(r["generated"], r["keywords"]) for r in rs])) if rs else float("nan"),
-            "all_covered": float(np.mean([coverage(r["generated"], r["keywords"]) == 1.0 for r in rs])) if rs else
-            float("nan"), "bleu4": float(bleu.score), "bleu_signature": str(bleu.format(signature=True))}
+    if not rs:
+        return {}
+    sentences = [first_sentence(r["context"].rpartition("\n")[2] + r["generated"]) for r in rs]
+    cov = [coverage(s, r["keywords"]) for s, r in zip(sentences, rs)]
+    return {"coverage": float(np.mean(cov)), "all_covered": float(np.mean([c == 1.0 for c in cov])),
+            "coverage_text": float(np.mean([coverage(r["generated"], r["keywords"]) for r in rs])),
+            **caption_scores(sentences, [refs[r["set"]] for r in rs]),
+            "words": float(np.mean([len(words(s)) for s in sentences])), "tokenisation": TOKENISATION}
+
+
+def human_anchor(sets, refs: list[list[str]]) -> dict:
+    """The same scores for people: each set's first reference against its other references
+    (sets with at least two), by the same code."""
+    idx = [i for i in range(len(sets)) if len(refs[i]) >= 2]
+    hyps = [refs[i][0] for i in idx]
+    return {"sets": len(idx), "coverage": float(np.mean([coverage(h, sets[i]) for h, i in zip(hyps, idx)])),
+            **caption_scores(hyps, [refs[i][1:] for i in idx]),
+            "words": float(np.mean([len(words(h)) for h in hyps]))}
 
 
 def _row(i, kws, mode, r, n_batch, context) -> dict:
@@ -166,10 +211,11 @@ def judge_rows(path: Path, judge, quiet=False) -> list[dict]:
     return rows
 
 
-def reference_scores(sets, refs: list[str], context: str, judge) -> dict:
-    """The human reference sentences of `sets` under the same judge and context as the generated
-    text, and their coverage by lemma: what text a person would keep scores on this ruler."""
-    refs = refs[:len(sets)]
+def reference_scores(sets, refs: list[list[str]], context: str, judge) -> dict:
+    """The human reference sentences of `sets` (each set's first) under the same judge and context
+    as the generated text, and their coverage by lemma: what text a person would keep scores on
+    this ruler."""
+    refs = [r[0] for r in refs[:len(sets)]]
     ppl = [p for i in range(0, len(refs), 16) for p in judge.perplexity([(context, r) for r in refs[i:i + 16]])]
     return {"judge_ppl": _aggregate([{"judge_ppl": p} for p in ppl], ("judge_ppl",))["judge_ppl"],
             "coverage": float(np.mean([coverage(r, kw) for r, kw in zip(refs, sets)]))}
@@ -190,9 +236,10 @@ def keyword_misses(rows) -> dict:
 
 
 def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed=0, judge=None, quiet=False,
-             refs: list[str] | None = None) -> dict:
+             refs: list[list[str]] | None = None) -> dict:
     """Every run of `configs` ({name: DBSConfig}) on every set; judged, with degeneration metrics;
-    with `refs` (CommonGen), coverage by lemma and BLEU-4 too."""
+    with `refs` (CommonGen: every reference of each set), coverage by lemma, BLEU-4 and CIDEr-D,
+    beside the same scores of the human references."""
     path = out / "results.jsonl"
     rows = run_modes(dbs, sets, configs, path, context, batch, seed, quiet)
     if judge is not None:
@@ -211,6 +258,8 @@ def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed
         if refs is not None:
             agg["commongen"] = commongen_scores(rs, refs)
         summary[mode] = agg
+    if refs is not None:
+        summary["human"] = human_anchor(sets, refs)
     if refs is not None and judge is not None:
         summary["reference"] = reference_scores(sets, refs, context, judge)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -227,16 +276,23 @@ def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed
                      f"{a['distinct_4']:.3f} | {a['success_length']['mean']:.1f} | {a['new_tokens']['mean']:.1f} | "
                      f"{a['ends_at_sentence']:.2f} | {a['seconds']['mean']:.1f} |")
     if refs is not None:
-        lines += ["", "CommonGen: coverage = concepts used, by lemma (lemminflect); all = sets with every concept; "
-                  "BLEU-4 = sacrebleu corpus BLEU against the one reference per set "
-                  f"({summary[next(iter(configs))]['commongen']['bleu_signature']}).", "",
-                  "| run | coverage | all concepts | BLEU-4 |", "|---|---|---|---|"]
+        lines += ["", "CommonGen, on the output sentence (the text after the context's last line, up to its first "
+                  "sentence end): coverage = concepts used, by lemma (lemminflect), in the sentence and in the whole "
+                  "text; all = sets with every concept in the sentence; BLEU-4 (x100) and CIDEr-D (x10) by "
+                  f"pycocoevalcap against all references of each set, on {TOKENISATION}. Human: each set's first "
+                  "reference against its other references, by the same code.", "",
+                  "| run | coverage (sentence) | coverage (text) | all concepts | BLEU-4 | CIDEr-D | words |",
+                  "|---|---|---|---|---|---|---|"]
         for mode in configs:
             c = summary[mode]["commongen"]
-            lines.append(f"| {mode} | {c['coverage']:.3f} | {c['all_covered']:.3f} | {c['bleu4']:.1f} |")
+            lines.append(f"| {mode} | {c['coverage']:.3f} | {c['coverage_text']:.3f} | {c['all_covered']:.3f} | "
+                         f"{c['bleu4']:.1f} | {c['cider']:.2f} | {c['words']:.1f} |")
+        h = summary["human"]
+        lines.append(f"| human ({h['sets']} sets) | {h['coverage']:.3f} | | | {h['bleu4']:.1f} | {h['cider']:.2f} | "
+                     f"{h['words']:.1f} |")
         if "reference" in summary:
             ref = summary["reference"]
-            lines += ["", f"The human references of these sets (one sentence each), read by the same judge after the "
+            lines += ["", f"The human references of these sets (the first of each), read by the same judge after the "
                           f"same context: judge ppl {ref['judge_ppl']['mean']:.1f} / {ref['judge_ppl']['median']:.1f} "
                           f"(mean / median), coverage {ref['coverage']:.3f}."]
     for mode in configs:

@@ -18,10 +18,10 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Literal, Optional, Union
 
 from .batcher import Batcher, Job
-from .config import OPTIONS, DBSConfig, parse_bool
+from .config import COMMONGEN_CONTEXT, OPTIONS, DBSConfig, parse_bool
 from .errors import DBSError
 from .prefix_cache import KV_LAYOUTS
 
@@ -81,7 +81,10 @@ def request_model():
 
     types = {int: int, float: float, str: str, parse_bool: bool, "switch": bool}
     fields = {
-        "context": (str, Field("It is", description="text to continue (empty: a new document)")),
+        "context": (Optional[str], Field(None, description="text to continue (empty: a new document; default "
+                                                           "\"It is\", or the task's context)")),
+        "task": (Optional[Literal["commongen"]], Field(None, description="a task preset: commongen (one sentence "
+                                                                         "from unordered concepts)")),
         "keywords": (Union[str, list[str]], Field(..., description='"enemy,speed" or a list; "a|b" alternatives, '
                                                                   'spaces make a phrase')),
         "ban": (Optional[Union[str, list[str]]], Field(None, description="words that must not appear")),
@@ -186,8 +189,12 @@ class Service:
         given = {name: getattr(body, name if FIELD_OF[name] == "lambda" else FIELD_OF[name]) for name in FIELD_OF}
         if body.unguided:
             given["guided"] = False
-        return self.make_job(body.context, body.keywords, body.ban, body.seed, given,
-                             DBSConfig.paper() if body.paper else DBSConfig(), body.timeout, body.stream)
+        if body.task == "commongen":
+            base, context = DBSConfig.commongen(), COMMONGEN_CONTEXT
+        else:
+            base, context = (DBSConfig.paper() if body.paper else DBSConfig()), "It is"
+        context = context if body.context is None else body.context
+        return self.make_job(context, body.keywords, body.ban, body.seed, given, base, body.timeout, body.stream)
 
     def make_job(self, context, keywords, ban, seed, given: dict, base: DBSConfig, timeout=None,
                  stream: bool = False, names: dict | None = None) -> "Job":

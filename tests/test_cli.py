@@ -90,3 +90,19 @@ def test_format_marks_keywords_only_where_asked(exported, capsys, fmt):
     out = capsys.readouterr().out.splitlines()[0]
     assert "colon" in out.lower()
     assert ("**" in out) == (fmt == "markdown") and "\033[" not in out
+
+
+def test_task_commongen_applies_the_eval_preset(exported, capsys):
+    """`generate --task commongen` runs what `eval --sets commongen-dev` runs: the task's context
+    and settings, flags given overriding them."""
+    import json
+
+    from dbs_fast.config import COMMONGEN_CONTEXT
+
+    assert cli(["generate", "--model", str(exported["gpt2"]), "--keywords", "colony,enemy", "--task", "commongen",
+                "--beams", "2", "--candidates", "2", "--max-new-tokens", "8", "--format", "json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["context"] == COMMONGEN_CONTEXT and r["new_tokens"] <= 8
+    assert cli(["generate", "--model", str(exported["gpt2"]), "--keywords", "colony", "--task", "commongen",
+                "--paper"]) == 2
+    assert cli(["generate", "--model", str(exported["gpt2"]), "--keywords", "colony", "--task", "poetry"]) == 2

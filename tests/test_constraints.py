@@ -280,7 +280,7 @@ def test_commongen_coverage_by_lemma():
 
 
 def test_eval_commongen_at_toy_size(exported, tmp_path, capsys):
-    pytest.importorskip("sacrebleu")
+    pytest.importorskip("pycocoevalcap")
     pytest.importorskip("lemminflect")
     out = tmp_path / "cg"
     argv = ["eval", "--model", str(exported["gpt2"]), "--sets", "commongen-dev", "--limit", "2", "--out", str(out),
@@ -292,12 +292,43 @@ def test_eval_commongen_at_toy_size(exported, tmp_path, capsys):
 
     assert s["sets"] == 2 and s["context"] == COMMONGEN_CONTEXT and s["configs"]["dbs"]["order"] == "any"
     assert s["configs"]["dbs"]["lam"] == COMMONGEN["lam"]                # the task's defaults
-    assert s["guarantee"]["commongen"]["coverage"] == 1.0             # guaranteed
-    assert 0.0 <= s["dbs"]["commongen"]["bleu4"] <= 100.0
-    # the human references on the same ruler: sets 0-1's sentences use all their concepts
+    assert s["guarantee"]["commongen"]["coverage_text"] == 1.0        # guaranteed in the text
+    c = s["dbs"]["commongen"]
+    assert 0.0 <= c["bleu4"] <= 100.0 and c["cider"] >= 0.0 and c["words"] > 0 and "lower-cased" in c["tokenisation"]
+    # the human references on the same ruler: sets 0-1's sentences use all their concepts, and the
+    # first reference of each scored against the others, by the same code
     assert s["reference"]["coverage"] == 1.0 and s["reference"]["judge_ppl"]["median"] > 1.0
+    assert s["human"]["sets"] == 2 and s["human"]["bleu4"] > 0 and s["human"]["cider"] > 0
     printed = capsys.readouterr().out
-    assert "BLEU-4" in printed and "human references" in printed
+    assert "BLEU-4" in printed and "CIDEr-D" in printed and "| human (2 sets)" in printed and "human references" in printed
+
+
+def test_commongen_scores_are_the_librarys_over_all_references():
+    """BLEU-4 and CIDEr-D by pycocoevalcap on hand-made sentences: against every reference of a
+    set at once, on lower-cased word and punctuation tokens, x100 and x10; the output sentence is
+    the text up to its first sentence end."""
+    pytest.importorskip("pycocoevalcap")
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+
+    from dbs_fast.evaluation import caption_scores, commongen_scores, first_sentence
+
+    refs = [["The dog catches the frisbee.", "A man throws a frisbee to his dog."],
+            ["Kids dance in the room.", "The kid loves to dance in her room.", "Two kids dance."]]
+    hyps = ["A dog catches a frisbee.", "The kids dance in a room."]
+    got = caption_scores(hyps, refs)
+    gts = {0: ["the dog catches the frisbee .", "a man throws a frisbee to his dog ."],
+           1: ["kids dance in the room .", "the kid loves to dance in her room .", "two kids dance ."]}
+    res = {0: ["a dog catches a frisbee ."], 1: ["the kids dance in a room ."]}
+    assert got["bleu4"] == pytest.approx(100 * Bleu(4).compute_score(gts, res, verbose=0)[0][3])
+    assert got["cider"] == pytest.approx(10 * Cider().compute_score(gts, res)[0])
+    one = caption_scores(hyps, [[r[0]] for r in refs])
+    assert got["bleu4"] > one["bleu4"]                     # more references, more matches
+    assert first_sentence('He said "stop." Then he left.') == 'He said "stop."'
+    rows = [{"set": 0, "context": "Scene:\nA", "generated": " dog catches a frisbee. Later a cat.",
+             "keywords": ["dog", "frisbee", "cat"]}]
+    c = commongen_scores(rows, refs)
+    assert c["coverage"] == pytest.approx(2 / 3) and c["coverage_text"] == 1.0 and c["words"] == 5
 
 
 def test_ban_table_groups_are_bans_then_glue_then_eos_per_request():

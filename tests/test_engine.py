@@ -66,9 +66,15 @@ def test_select_best_keeps_top_cumulative_scores_per_request():
     search.cfg = DBSConfig(beams=2)
     cum = np.array([0.1, 0.9, 0.5, 0.7, 0.3, 0.2, 0.8])
     req = np.array([0, 0, 0, 0, 1, 1, 1])
-    rows = Rows(req, np.zeros(7, int), cum, np.zeros(7, bool), np.zeros((7, 0), int), np.zeros((7, 0)), np.zeros(7, int),
+    tokens = np.arange(7)[:, None]                                   # seven different texts of one token
+    rows = Rows(req, np.zeros(7, int), cum, np.zeros(7, bool), tokens, np.zeros((7, 1)), np.ones(7, int),
                 np.full(7, -1), np.zeros(7, int), np.zeros(7, bool), np.zeros(7, int))
     assert list(search._select_best(rows)) == [1, 3, 4, 6]
+    # identical texts count once: row 3 wrote what row 1 did, so the next different one is kept
+    tokens[3] = tokens[1]
+    assert list(search._select_best(rows)) == [1, 2, 4, 6]
+    tokens[:4] = 5                                                   # one text in all of request 0
+    assert list(search._select_best(rows)) == [1, 4, 6]
 
 
 @pytest.mark.parametrize("layout", ["rows", "prefix"])

@@ -119,6 +119,7 @@ def test_requests_served_together_get_the_text_they_get_alone(server, dbs):
     ({"keywords": "colony", "max_new_tokens": 100000}, "max_new_tokens"),      # past the model's window
     ({"keywords": "colony", "context": "word " * 300}, "context"),
     ({"keywords": [f"w{i}" for i in range(63)]}, "keywords"),
+    ({"keywords": "colony", "task": "poetry"}, "task"),
 ])
 def test_bad_input_is_a_422_naming_the_field(server, body, field):
     r = httpx.post(server.url + "/v1/generate", json=body, timeout=30)

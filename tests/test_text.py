@@ -89,3 +89,16 @@ def test_default_glove_loads():
     assert e.dim == 50 and "colony" in e and len(e.index) == 400000
     sim = float(e.vector("colony") @ e.vector("colonies"))
     assert sim > 0.6
+
+
+def test_an_underscore_piece_continues_the_word_before_it():
+    """"music" + "_making" is one string, not the keyword and a new word: a token that starts with
+    an underscore counts as a word piece, so it is never boosted as a word start and never glued
+    onto a keyword just completed."""
+    from dbs_fast.occurrence import word_piece_tokens
+    from dbs_fast.words import starts_word
+
+    assert starts_word("_making") and starts_word("ing") and starts_word("9")
+    assert not starts_word(" making") and not starts_word(".") and not starts_word("")
+    pieces = ["_making", " making", "making", "-making", "_"]
+    assert word_piece_tokens(lambda i: pieces[i], len(pieces)).tolist() == [True, False, True, False, True]
