@@ -79,7 +79,7 @@ def test_every_flag_explains_itself(capsys):
         build_parser().parse_args(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "{next,any}" in out and "{max,sentence}" in out and "{stem,lemma}" in out
-    assert "(default: It is)" in out and "(default: 0)" in out
+    assert "(default: It is;" in out and "(default: 0)" in out
 
 
 @pytest.mark.parametrize("fmt", ["markdown", "text"])
