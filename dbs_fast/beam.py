@@ -661,16 +661,12 @@ class BeamSearch:
         return rows
 
     def _select_best(self, rows: Rows) -> np.ndarray:
-        """Best `beams` rows of every request by cumulative score (stable on ties), identical texts
-        counted once: a candidate that wrote the same tokens as a better one of its request is
-        dropped, so b beams are b different texts (fewer when fewer differ)."""
+        """Best `beams` rows of every request by cumulative score (stable on ties). Identical
+        candidates may both be kept: a beam kept twice gets twice the candidates next chunk, which
+        measured better than dropping the copy (docs/design/decisions.md); the result's beams are
+        made distinct instead (`result.build_result`)."""
         order = np.lexsort((np.arange(len(rows.req)), -rows.cum, rows.req))
-        kept, seen, count = [], set(), defaultdict(int)
-        for i in order:
-            q = int(rows.req[i])
-            key = (q, rows.generated(i).tobytes())
-            if count[q] < self.cfg.beams and key not in seen:
-                seen.add(key)
-                count[q] += 1
-                kept.append(i)
-        return np.sort(np.asarray(kept, np.int64))
+        req_sorted = rows.req[order]
+        starts = np.searchsorted(req_sorted, req_sorted, side="left")
+        rank = np.arange(len(order)) - starts
+        return np.sort(order[rank < self.cfg.beams])

@@ -28,7 +28,7 @@ class GenerationResult:
     #                               sentence end after the keywords at max_new_tokens; "max": budget
     perplexity: float             # exp(-mean scorer log-prob) of the generated tokens
     new_tokens: int
-    beams: list[dict]             # every final beam: text, score
+    beams: list[dict]             # every different final beam, best first: text, score
     seconds: float
     tokens_per_second: float      # generated tokens of the result / seconds
     candidate_tokens_per_second: float  # all sampled candidate tokens / seconds (batch-wide)
@@ -91,8 +91,11 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
     hits = [found[k.text]["token"] for k in kws if found[k.text] is not None]   # a keyword listed twice counts twice
     success_length = max(hits) if len(hits) == len(kws) else cfg.max_new_tokens
     lp = rows.logp[best, :n_gen]
-    beams = [{"text": t, "score": float(rows.cum[i])} for i, t in
-             zip(order, decode_batch([rows.tokens[i, : rows.n_tok[i]] for i in order]))]
+    beams, seen = [], set()                 # every different final beam, best first (copies once)
+    for i, t in zip(order, decode_batch([rows.tokens[i, : rows.n_tok[i]] for i in order])):
+        if t not in seen:
+            seen.add(t)
+            beams.append({"text": t, "score": float(rows.cum[i])})
     return GenerationResult(
         text=context + generated, context=context, generated=generated, keywords=[k.text for k in kws],
         found=found, success_rate=len(hits) / len(kws), success_length=int(success_length), stopped=stopped,
