@@ -141,7 +141,8 @@ def _row(i, kws, mode, r, n_batch, context) -> dict:
             "perplexity": r.perplexity, "success_length": r.success_length, "seconds": r.seconds / n_batch,
             "batch_seconds": r.seconds, "batch_sets": n_batch, "new_tokens": r.new_tokens, "stopped": r.stopped,
             "rep_2": rep_n(r.generated, 2), "rep_4": rep_n(r.generated, 4),
-            "context": context, "generated": r.generated, "text": r.text, "found": r.found}
+            "context": context, "generated": r.generated, "text": r.text, "found": r.found,
+            "distinct_beams": len({b["text"] for b in r.beams})}
 
 
 def run_modes(dbs, sets, configs: dict, path: Path, context="It is", batch=4, seed=0, quiet=False,
@@ -255,6 +256,8 @@ def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed
         agg["natural_stop"] = float(np.mean([r.get("stopped") in ("sentence", "eos") for r in rs]))
         agg["ends_at_sentence"] = float(np.mean([r.get("stopped") in ("sentence", "eos", "trimmed") for r in rs]))
         agg["misses"] = keyword_misses(rs)
+        have = [r["distinct_beams"] for r in rs if "distinct_beams" in r]
+        agg["distinct_beams"] = float(np.mean(have)) if have else None      # different final texts per set
         if refs is not None:
             agg["commongen"] = commongen_scores(rs, refs)
         summary[mode] = agg
@@ -295,6 +298,9 @@ def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed
             lines += ["", f"The human references of these sets (the first of each), read by the same judge after the "
                           f"same context: judge ppl {ref['judge_ppl']['mean']:.1f} / {ref['judge_ppl']['median']:.1f} "
                           f"(mean / median), coverage {ref['coverage']:.3f}."]
+    lines += ["", "Different final beams per set (mean): " + ", ".join(
+        f"{m} {summary[m]['distinct_beams']:.2f} of {configs[m].beams}" for m in configs
+        if summary[m]["distinct_beams"] is not None)]
     for mode in configs:
         miss = summary[mode]["misses"]
         lines += ["", f"{mode}: miss rate by keyword position: " + ", ".join(

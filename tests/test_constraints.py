@@ -299,8 +299,10 @@ def test_eval_commongen_at_toy_size(exported, tmp_path, capsys):
     # first reference of each scored against the others, by the same code
     assert s["reference"]["coverage"] == 1.0 and s["reference"]["judge_ppl"]["median"] > 1.0
     assert s["human"]["sets"] == 2 and s["human"]["bleu4"] > 0 and s["human"]["cider"] > 0
+    assert 1 <= s["dbs"]["distinct_beams"] <= 2                       # different final texts, at most b
     printed = capsys.readouterr().out
     assert "BLEU-4" in printed and "CIDEr-D" in printed and "| human (2 sets)" in printed and "human references" in printed
+    assert "Different final beams per set" in printed
 
 
 def test_commongen_scores_are_the_librarys_over_all_references():
