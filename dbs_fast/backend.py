@@ -61,6 +61,12 @@ class Backend(Protocol):
     def trim(self, cache):
         """The cache without the leading columns that are padding in every row."""
 
+    def gather(self, logits, cache, rows: np.ndarray) -> tuple[Any, Any]:
+        """The model's state at rows `rows`: the next-token logits and the cache, in one call."""
+
+    def join(self, logits, cache, new_logits, new_cache) -> tuple[Any, Any]:
+        """The state of running rows, then of joining ones (between chunks)."""
+
     def release(self) -> None:
         """The batch is empty: let go of what binds its cache."""
 
@@ -124,6 +130,12 @@ class OnnxBackend:
     def release(self) -> None:
         """Nothing binds a row cache between runs."""
 
+    def gather(self, logits, cache, rows: np.ndarray):
+        return self.take(logits, rows), self.select(cache, rows)
+
+    def join(self, logits, cache, new_logits, new_cache):
+        return self.concat(logits, new_logits), self.merge(cache, new_cache)
+
     def sample(self, logits, uniforms, row_word, csr, cfg, history=None, history_start=None, boost_first=None,
                bans=None, row_ban=None, force=None):
         ptr, ids, vals = csr
@@ -157,7 +169,7 @@ class PrefixBackend(OnnxBackend):
     """The ONNX model on the prefix cache (`dbs_fast.prefix_cache`): each beam's prefix once, each
     candidate's chunk on its own. The scheduler's rows are the `live` rows of a PrefixCache laid
     out as beams of `s` rows; `select` (keep + repeat, drop, admission) regroups them. Prefill
-    runs through the same graph (`PrefixCache.prefill`), so model.onnx is never opened. Sampling,
+    runs through the same graph (`PrefixDecoder.prefill`), so model.onnx is never opened. Sampling,
     tokens and logits rows are the row backend's."""
 
     name = "onnx-prefix"
@@ -169,7 +181,7 @@ class PrefixBackend(OnnxBackend):
     def prefill(self, contexts: list[list[int]]):
         ids, mask = left_pad(contexts, self.pad_id)
         m = self.model
-        logits, cache = PrefixCache.prefill(self.decoder, ids, mask, m.kv_heads, m.head_dim, self.s, self.k, self.reserve)
+        logits, cache = self.decoder.prefill(ids, mask, m.kv_heads, m.head_dim, self.s, self.k, self.reserve)
         return logits, Layout(cache, np.arange(len(contexts)) * self.s)
 
     def step(self, tokens: np.ndarray, lay: "Layout"):

@@ -235,7 +235,7 @@ class BeamSearch:
         grow = np.repeat(keep[~leave[rows.req[keep]]], s)   # keep and repeat: one gather
         self.rows = rows.take(grow)
         if len(grow):
-            self.pending, self.cache = self.be.take(self.pending, grow), self.be.select(self.cache, grow)
+            self.pending, self.cache = self.be.gather(self.pending, self.cache, grow)
             self.scorer.select(grow)
         dup = self.rows.ended & (np.arange(len(grow)) % s > 0)
         self.rows.cum[dup] = -np.inf                        # an ended beam is one candidate, not s
@@ -264,14 +264,14 @@ class BeamSearch:
         contexts = [r.context_ids for r in requests]
         pending, cache = self.be.prefill(contexts)                   # (Q, V)
         first = np.repeat(np.arange(len(requests)), self.cfg.beams)  # step 1: b beams per request
-        pending, cache = self.be.take(pending, first), self.be.select(cache, first)
+        pending, cache = self.be.gather(pending, cache, first)
         self.scorer.admit(contexts, first)
         rows = Rows.new(first + len(self.slots), 0 if self.rows is None else self.rows.tokens.shape[1], self.pad)
         if self.rows is None:
             self.rows, self.pending, self.cache = rows, pending, cache
         else:
             self.rows = Rows.concat([self.rows, rows])
-            self.pending, self.cache = self.be.concat(self.pending, pending), self.be.merge(self.cache, cache)
+            self.pending, self.cache = self.be.join(self.pending, self.cache, pending, cache)
         self.slots += [Slot(r, np.random.default_rng(r.seed), t0, self.candidate_tokens) for r in requests]
         self._index()
 
@@ -282,7 +282,7 @@ class BeamSearch:
             return
         stay = np.flatnonzero(~gone[self.rows.req])
         self.rows = self.rows.take(stay)
-        self.pending, self.cache = self.be.take(self.pending, stay), self.be.select(self.cache, stay)
+        self.pending, self.cache = self.be.gather(self.pending, self.cache, stay)
         self.scorer.select(stay)
         self._leave(gone)
 

@@ -11,6 +11,10 @@ import numpy as np
 from .prefix_cache import HOST, PrefixCache
 from .runtime import make_session
 
+# context columns per prefill call: the attention scores of a call are (rows, heads, slice, slice +
+# columns before it), so slices keep a long context's transient memory linear in its length
+PREFILL_SLICE = 256
+
 
 @dataclass(frozen=True)
 class _Bound:
@@ -96,6 +100,27 @@ class PrefixDecoder:
         self._io.clear_binding_inputs()
         self._io.clear_binding_outputs()
         self._bound = {}
+
+    def prefill(self, ids: np.ndarray, mask: np.ndarray, kv_heads: int, head_dim: int, s: int, k: int,
+                reserve: int = 0) -> tuple[np.ndarray, PrefixCache]:
+        """Left-padded contexts (Q, T) through the decode graph as new tokens: the last logits (Q,
+        vocab) and a cache with the contexts as prefixes, s rows each, room for k chunk tokens and
+        `reserve` more prefix columns. One call per `PREFILL_SLICE` columns, each over the columns
+        before it as the prefix (padding stays masked): no second graph, no second copy of the weights."""
+        Q, T = ids.shape
+        ops = self.ops
+        empty = ops.zeros((Q, kv_heads, 1, head_dim))                      # one masked column
+        pc = PrefixCache([empty] * (2 * self.layers), np.zeros((Q, 1), np.int64),
+                         [ops.zeros((1, Q, kv_heads, 1, head_dim)) for _ in range(2 * self.layers)],
+                         np.zeros((Q, 1), np.int64), 1, ops=ops)
+        pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+        for t in range(0, T, PREFILL_SLICE):
+            cols = slice(t, min(t + PREFILL_SLICE, T))
+            logits, new = self.run(ids[:, cols], pc, positions=pos[:, cols], new_mask=mask[:, cols])
+            # new (Q, kv, 1, L, d): one row per context, so dropping the s axis is a reshape
+            pc.prefix = [ops.concat(p, x.reshape(x.shape[:2] + x.shape[3:]), 2) for p, x in zip(pc.prefix, new)]
+            pc.mask = np.concatenate([pc.mask, mask[:, cols]], axis=1)
+        return logits.copy(), PrefixCache.start([ops.cols(p, 1) for p in pc.prefix], mask, s, k, reserve, ops)
 
     def step(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None,
              new_mask: np.ndarray | None = None) -> np.ndarray:

@@ -18,23 +18,16 @@ masks and the logits between host and device (`PrefixDecoder.host_bytes` counts 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import DBSError
 from .kv_copy import extend_prefix
 
-if TYPE_CHECKING:
-    from .decoder import PrefixDecoder
-
 DECODE_GRAPH = "decode.onnx"      # beside model.onnx in an exported model dir
 # auto: this layout where the export has its decode graph, else rows (one cache row per candidate:
 # an export without a decode graph, the PyTorch baseline)
 KV_LAYOUTS = ("auto", "rows", "prefix")
-# context columns per prefill call: the attention scores of a call are (rows, heads, slice, slice +
-# columns before it), so slices keep a long context's transient memory linear in its length
-PREFILL_SLICE = 256
 
 
 class HostOps:
@@ -228,28 +221,6 @@ class PrefixCache:
                            [ops.concat(x, y, 1) for x, y in zip(a.chunk, b.chunk)],
                            np.concatenate([a.chunk_mask, b.chunk_mask]), a.s,
                            capacity=T + max(c.capacity - c.mask.shape[1] for c in (a, b)), ops=ops)
-
-    @classmethod
-    def prefill(cls, decoder: "PrefixDecoder", ids: np.ndarray, mask: np.ndarray, kv_heads: int, head_dim: int,
-                s: int, k: int, reserve: int = 0) -> tuple[np.ndarray, "PrefixCache"]:
-        """Left-padded contexts (Q, T) through the decode graph as new tokens: the last logits (Q,
-        vocab) and the cache with the contexts as prefixes, s rows each. One call per
-        `PREFILL_SLICE` columns, each over the columns before it as the prefix (padding stays
-        masked), no second graph and no second copy of the weights."""
-        Q, T = ids.shape
-        ops = decoder.ops
-        empty = ops.zeros((Q, kv_heads, 1, head_dim))                      # one masked column
-        pc = cls([empty] * (2 * decoder.layers), np.zeros((Q, 1), np.int64),
-                 [ops.zeros((1, Q, kv_heads, 1, head_dim)) for _ in range(2 * decoder.layers)],
-                 np.zeros((Q, 1), np.int64), 1, ops=ops)
-        pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-        for t in range(0, T, PREFILL_SLICE):
-            cols = slice(t, min(t + PREFILL_SLICE, T))
-            logits, new = decoder.run(ids[:, cols], pc, positions=pos[:, cols], new_mask=mask[:, cols])
-            # new (Q, kv, 1, L, d): one row per context, so dropping the s axis is a reshape
-            pc.prefix = [ops.concat(p, x.reshape(x.shape[:2] + x.shape[3:]), 2) for p, x in zip(pc.prefix, new)]
-            pc.mask = np.concatenate([pc.mask, mask[:, cols]], axis=1)
-        return logits.copy(), cls.start([ops.cols(p, 1) for p in pc.prefix], mask, s, k, reserve, ops)
 
     def trim(self) -> None:
         """Drop the leading prefix columns that are padding in every beam."""

@@ -116,6 +116,12 @@ class TorchBackend:
     def release(self):
         """Nothing binds the cache between runs."""
 
+    def gather(self, logits, cache, rows):
+        return self.take(logits, rows), self.select(cache, rows)
+
+    def join(self, logits, cache, new_logits, new_cache):
+        return self.concat(logits, new_logits), self.merge(cache, new_cache)
+
     def feed(self, tokens, cache):
         raise DBSError("the PyTorch baseline is a generator, not a second-LM scorer")
 

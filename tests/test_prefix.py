@@ -142,19 +142,18 @@ def test_one_call_prefill_equals_column_by_column_and_the_full_model(kind, decod
     the full model's last logits and the same cache as the graph run one column per call;
     decoding on from either agrees; so does a prefill in slices (a long context), each slice over
     the ones before it."""
-    from dbs_fast import prefix_cache as prefix
+    from dbs_fast import decoder as prefix
     from dbs_fast.decoder import PrefixDecoder
     from dbs_fast.model import OnnxModel
-    from dbs_fast.prefix_cache import PrefixCache
 
     full = OnnxModel(exported[kind])
     one, per = PrefixDecoder(decoders[kind]), PrefixDecoder(decoders[kind])
     ctx = np.array([[0, 0, 0, 0, 31, 32], [41, 42, 43, 44, 45, 46], [0, 0, 0, 0, 0, 51]])
     mask = (np.arange(6)[None] >= np.array([4, 0, 5])[:, None]).astype(np.int64)
     ref, _ = full.forward(ctx, full.empty_cache(3), mask)
-    a = PrefixCache.prefill(one, ctx, mask, full.kv_heads, full.head_dim, s=2, k=3)
+    a = one.prefill(ctx, mask, full.kv_heads, full.head_dim, s=2, k=3)
     monkeypatch.setattr(prefix, "PREFILL_SLICE", 1)    # one column per call
-    b = PrefixCache.prefill(per, ctx, mask, full.kv_heads, full.head_dim, s=2, k=3)
+    b = per.prefill(ctx, mask, full.kv_heads, full.head_dim, s=2, k=3)
     np.testing.assert_allclose(a[0], ref[:, -1], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(a[0], b[0], rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(a[1].mask, mask)
@@ -163,7 +162,7 @@ def test_one_call_prefill_equals_column_by_column_and_the_full_model(kind, decod
     tok = np.arange(6) + 7
     np.testing.assert_allclose(one.step(tok, a[1]), per.step(tok, b[1]), rtol=1e-4, atol=1e-4)
     monkeypatch.setattr(prefix, "PREFILL_SLICE", 4)    # a long context in slices: 4 columns, then 2
-    c = PrefixCache.prefill(one, ctx, mask, full.kv_heads, full.head_dim, s=2, k=3)
+    c = one.prefill(ctx, mask, full.kv_heads, full.head_dim, s=2, k=3)
     np.testing.assert_allclose(c[0], ref[:, -1], rtol=1e-4, atol=1e-4)
     for x, y in zip(c[1].prefix, b[1].prefix):
         np.testing.assert_allclose(x * mask[:, None, :, None], y * mask[:, None, :, None], rtol=1e-4, atol=1e-5)
@@ -369,7 +368,6 @@ def test_a_step_on_the_device_moves_only_ids_masks_and_logits(decoders):
     ids, positions and masks, and takes the logits back; the NumPy cache binds its chunk slots
     and mask anew each step (the prefix once a chunk), which on a GPU would all be copied."""
     from dbs_fast.decoder import PrefixDecoder
-    from dbs_fast.prefix_cache import PrefixCache
 
     ids = np.array([[11, 12, 13, 14, 15], [0, 0, 0, 21, 22]])
     mask = (ids > 0).astype(np.int64)
@@ -377,7 +375,7 @@ def test_a_step_on_the_device_moves_only_ids_masks_and_logits(decoders):
     for where in (None, "cpu"):
         dec = PrefixDecoder(decoders["gpt2"], "cpu", kv_device=where)
         kv, d = next(i.shape for i in dec.session.get_inputs() if i.name == "prefix.0.key")[1::2]
-        _, cache = PrefixCache.prefill(dec, ids, mask, kv, d, s, k)
+        _, cache = dec.prefill(ids, mask, kv, d, s, k)
         steps = []
         for _ in range(k):
             logits = dec.step(np.full(2 * s, 7), cache)

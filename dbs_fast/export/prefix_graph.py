@@ -364,7 +364,7 @@ def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0) -> dict:
     V = full.vocab_size
     ctx, mask = rng.integers(1, V, (2, 4)), np.array([[1, 1, 1, 1], [0, 0, 1, 1]])
     ref, past = full.forward(ctx, full.empty_cache(2), mask)
-    got, _ = PrefixCache.prefill(dec, ctx, mask, full.kv_heads, full.head_dim, s, k)
+    got, _ = dec.prefill(ctx, mask, full.kv_heads, full.head_dim, s, k)
     diff, kls = float(np.abs(ref[:, -1] - got).max()), [_kl(ref[:, -1], got)]
     pc, rows = PrefixCache.start(past.tensors, past.mask, s, k), past.repeat(s)
     for chunk in range(2):
