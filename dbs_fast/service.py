@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal, Optional, Union
 
+from . import openai_api as oa
 from .batcher import Batcher, Job
 from .config import COMMONGEN_CONTEXT, OPTIONS, DBSConfig, parse_bool
 from .errors import DBSError
@@ -235,8 +236,6 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
         from starlette.concurrency import run_in_threadpool
     except ImportError as e:
         raise DBSError(f"the service needs the serve extra: {SERVE_EXTRA} (missing: {e.name})") from None
-    from . import openai_api as oa
-
     GenerateRequest = request_model()          # evaluated below as the bodies' annotations
     CompletionRequest, ChatRequest = oa.completion_model(), oa.chat_model()
     opts = opts or ServiceOptions()
