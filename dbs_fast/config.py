@@ -139,6 +139,14 @@ def _is_int(v, least: int) -> bool:
 OPTIONS = tuple((f.name, f.metadata["flag"], f.metadata["type"], f.metadata["help"])
                 for f in fields(DBSConfig) if "flag" in f.metadata)
 CHOICES = {f.name: f.metadata["choices"] for f in fields(DBSConfig) if f.metadata.get("choices")}
+# the name of each option in a JSON body ("--top-p" -> "top_p"); "lambda", a Python keyword, is
+# the alias of a body attribute named like the field (`body_attr`)
+JSON_NAMES = {name: flag[2:].replace("-", "_") for name, flag, *_ in OPTIONS}
+
+
+def body_attr(name: str, key: str) -> str:
+    """The attribute of a parsed body that holds the option `name`, sent as `key`."""
+    return name if key == "lambda" else key
 
 # The presets: the paper's protocol, and the CommonGen task's defaults (where flags leave them open).
 # CommonGen: unordered concepts, one sentence. Guide towards all at once, gently (lambda 20 over the

@@ -22,13 +22,16 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from .chat import ChatTemplate
-from .config import OPTIONS, DBSConfig, parse_bool
+from .config import JSON_NAMES, OPTIONS, DBSConfig, body_attr, parse_bool
 from .home import EMBEDDED_DIRS
 
 # DBSConfig fields the standard fields set, and the name a 422 gives them here
 STANDARD = {"max_new_tokens": "max_tokens"}
 RENAMED = {"stop": "stop_at"}                     # the engine's stop rule; `stop` is OpenAI's stop sequences
 TASKS = {"commongen": DBSConfig.commongen}
+# the options sent as extra body fields: all but those the standard fields set
+EXTRA = {name: RENAMED.get(name, key) for name, key in JSON_NAMES.items()
+         if name not in STANDARD and name not in ("temperature", "top_p")}
 # standard fields the engine cannot honour, with the value that asks for nothing
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
@@ -42,11 +45,11 @@ def _extra_fields() -> dict:
 
     types = {int: int, float: float, str: str, parse_bool: bool, "switch": bool}
     fields = {}
-    for name, flag, typ, text in OPTIONS:
-        key = RENAMED.get(name, flag[2:].replace("-", "_"))
-        if name in STANDARD or name in ("temperature", "top_p"):
+    for name, _, typ, text in OPTIONS:
+        if name not in EXTRA:
             continue
-        fields[name if key == "lambda" else key] = (Optional[types[typ]], Field(
+        key = EXTRA[name]
+        fields[body_attr(name, key)] = (Optional[types[typ]], Field(
             None, description=text, alias=key if key == "lambda" else None))
     return fields
 
@@ -148,8 +151,7 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
         context = body.prompt[0]
     else:
         context = body.prompt
-    given = {name: getattr(body, name if name == "lam" else RENAMED.get(name, flag[2:].replace("-", "_")), None)
-             for name, flag, *_ in OPTIONS if name not in STANDARD and name not in ("temperature", "top_p")}
+    given = {name: getattr(body, body_attr(name, key)) for name, key in EXTRA.items()}
     given.update(temperature=body.temperature, top_p=body.top_p,
                  max_new_tokens=body.max_tokens or body.max_completion_tokens)
     base = TASKS[body.task]() if body.task else DBSConfig.paper() if body.paper else DBSConfig()

@@ -13,6 +13,7 @@ queue and wait. With an API key, /v1/* needs `Authorization: Bearer <key>`.
 
 import asyncio
 import functools
+import hmac
 import json
 import threading
 import time
@@ -22,7 +23,14 @@ from typing import TYPE_CHECKING, Literal, Optional, Union
 
 from . import openai_api as oa
 from .batcher import Batcher, Job
-from .config import COMMONGEN_CONTEXT, OPTIONS, DBSConfig, parse_bool
+from .config import (
+    COMMONGEN_CONTEXT,
+    JSON_NAMES,
+    OPTIONS,
+    DBSConfig,
+    body_attr,
+    parse_bool,
+)
 from .errors import DBSError
 from .prefix_cache import KV_LAYOUTS
 
@@ -67,11 +75,7 @@ class ServiceOptions:
             raise DBSError(f"`--kv-layout` must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
 
 
-def json_name(flag: str) -> str:
-    return flag[2:].replace("-", "_")
-
-
-FIELD_OF = {name: json_name(flag) for name, flag, *_ in OPTIONS}   # DBSConfig field -> JSON field
+FIELD_OF = JSON_NAMES                                        # DBSConfig field -> JSON field
 
 
 @functools.cache
@@ -95,10 +99,10 @@ def request_model():
         "unguided": (bool, Field(False, description="the baseline: no boosts")),
         "timeout": (Optional[float], Field(None, gt=0, description="seconds; at most the server's --timeout")),
     }
-    for name, flag, typ, text in OPTIONS:
-        key = json_name(flag)
-        fields[name if key == "lambda" else key] = (Optional[types[typ]], Field(None, description=text,
-                                                                             alias=key if key == "lambda" else None))
+    for name, _, typ, text in OPTIONS:
+        key = JSON_NAMES[name]
+        fields[body_attr(name, key)] = (Optional[types[typ]], Field(None, description=text,
+                                                                    alias=key if key == "lambda" else None))
     return create_model("GenerateRequest", __config__=ConfigDict(extra="forbid"), **fields)
 
 
@@ -187,7 +191,7 @@ class Service:
     # -- validation: every bad field a 422 that names it -------------------------------------
     def job(self, body) -> "Job":
         """A job from the body of POST /v1/generate."""
-        given = {name: getattr(body, name if FIELD_OF[name] == "lambda" else FIELD_OF[name]) for name in FIELD_OF}
+        given = {name: getattr(body, body_attr(name, key)) for name, key in JSON_NAMES.items()}
         if body.unguided:
             given["guided"] = False
         if body.task == "commongen":
@@ -451,8 +455,6 @@ def _guard(app, opts: ServiceOptions, svc: "Service") -> None:
 
     async def check(request, call_next):
         if expected and request.url.path.startswith(protected):
-            import hmac
-
             if not hmac.compare_digest(request.headers.get("authorization", ""), expected):
                 svc.metrics.finished("unauthorized")
                 return JSONResponse({"error": {"message": "a valid API key is needed: `Authorization: Bearer <key>`",
