@@ -6,9 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import constraints, occurrence
+from . import constraints, occurrence, prompt
 from .backend import OnnxBackend, onnx_backend
 from .beam import BeamSearch, Finished, Request
+from .chat import ChatTemplate
 from .config import DBSConfig
 from .decoder import PrefixDecoder
 from .embeddings import Embeddings, SimilarityTable
@@ -23,7 +24,7 @@ from .scorer import OnnxScorer, SelfScorer
 
 MAX_KEYWORDS = 62           # one bit each in the scheduler's int64 masks
 SEED_MAX = 2**63 - 1        # numpy's generators take seeds in 0..2**63-1
-_START_TOKENS = ("<|endoftext|>", "<bos>", "<s>")   # an empty context starts a document with one
+_START_TOKENS = ("<|endoftext|>", "<bos>", "<s>")   # a plain-text context starts a document with one
 _EMB_CACHE: dict[str, Embeddings] = {}
 
 
@@ -129,6 +130,8 @@ class DirectedBeamSearch:
         self.subword_fallback = self._subwords if subword_fallback else None
         self._sentence_end = None
         self._word_piece = None
+        self._special = self._token_texts = None
+        self._chat = False     # the chat template, read on first use (None: the export has none)
         self.scorer_name = scorer
         self.scorer = self._make_scorer(scorer, provider, threads, kv_layout)
 
@@ -181,18 +184,62 @@ class DirectedBeamSearch:
         return self.generate_batch([(context, keywords)], seeds=[seed], config=config, progress=progress,
                                    bans=[ban])[0]
 
-    def _context_ids(self, context: str) -> list[int]:
-        """The context's tokens; an empty context is the model's document-start token."""
+    @property
+    def special_ids(self) -> frozenset:
+        """The tokenizer's special tokens (document and turn markers, ...)."""
+        if self._special is None:
+            added = self.backend.tokenizer.get_added_tokens_decoder()
+            self._special = frozenset(i for i, t in added.items() if t.special)
+        return self._special
+
+    @property
+    def token_texts(self) -> constraints.TokenTexts:
+        """Every token's text, sorted, for token healing (built on first use)."""
+        if self._token_texts is None:
+            self._token_texts = constraints.TokenTexts(self.backend.decode_one, self.backend.vocab_size,
+                                                       self.special_ids)
+        return self._token_texts
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        if self._chat is False:
+            self._chat = ChatTemplate.of(self.model_dir)
+        return self._chat
+
+    def _prompted_ids(self, context: str, kws, cfg: DBSConfig) -> tuple[list[int], bool]:
+        """The tokens the model reads: the hidden prompt of `cfg.prompt_style` (`dbs_fast.prompt`),
+        then the context; and whether the context's end may be healed (a plain-text context of
+        its own, not empty)."""
         if not isinstance(context, str):
             raise DBSError(f"the context must be a string, got {context!r}", "context", context)
-        ids = self.backend.encode(context) if context else []
-        if not context or not ids:
-            start = [i for i in (self.backend.tokenizer.token_to_id(t) for t in _START_TOKENS) if i is not None]
-            if context or not start:
-                raise DBSError("the context encodes to no tokens: give some text, e.g. --context \"It is\"",
-                               "context", context)
-            ids = start[:1]
-        return ids
+        text = prompt.prompt_text(cfg.prompt_style, kws, context, self.chat_template)
+        if not text:
+            return self._context_ids(context)
+        head, _ = self._context_ids(text)          # a chat template frames itself
+        ctx = self._pieces(context) if context else []
+        return head + ctx, bool(ctx) and ctx[0] not in self.special_ids
+
+    def _context_ids(self, context: str) -> tuple[list[int], bool]:
+        """The context's tokens as the model reads a document, its document-start token then the
+        text, and True; a context that starts with a special token (a rendered chat template)
+        frames itself: its tokens as they are, and False."""
+        ids = self._pieces(context) if context else []
+        if ids and ids[0] in self.special_ids:
+            return ids, False
+        start = [i for i in (self.backend.tokenizer.token_to_id(t) for t in _START_TOKENS) if i in self.special_ids]
+        if not (start or ids):
+            raise DBSError("the context encodes to no tokens: give some text, e.g. --context \"It is\"",
+                           "context", context)
+        return start[:1] + ids, True
+
+    def _heal(self, ids: list[int], cfg: DBSConfig, forced_tokens: int) -> constraints.Healing | None:
+        """Token healing of a plain-text context (`cfg.heal`), where the budget leaves room for
+        the token that re-writes the context's end (with `guarantee`, besides the keywords)."""
+        if not cfg.heal or ids[-1] in self.special_ids:
+            return None
+        if cfg.guarantee and forced_tokens >= cfg.max_new_tokens:
+            return None
+        return self.token_texts.heal(ids, self.backend.decode_one(ids[-1]))
 
     def request(self, context, keywords, ban=None, seed: int = 0, config: DBSConfig | None = None) -> Request:
         """One request with its constraints tokenised and its boosts built; DBSError names what
@@ -201,7 +248,7 @@ class DirectedBeamSearch:
         if not (isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) and 0 <= seed <= SEED_MAX):
             raise DBSError(f"`seed` must be an integer in 0..{SEED_MAX}, got {seed!r}", "seed", seed)
         kws, bans = parse_constraints(keywords, ban)
-        ids = self._context_ids(context)
+        ids, plain = self._prompted_ids(context, kws, cfg)
         check_size(cfg, len(ids), self.manifest)
         enc = self._pieces
         force = [constraints.keyword_tokens(enc, k)[0] for k in kws]
@@ -220,8 +267,13 @@ class DirectedBeamSearch:
                                             lenient=cfg.guarantee, allowed=allowed,
                                             own=constraints.first_tokens(enc, k) if cfg.complete_words else ())
                   for k in kws]
-        return Request(ids, kws, int(seed), boosts, force, phrases,
-                       constraints.ban_sequences(enc, bans), context)
+        ban_seqs = constraints.ban_sequences(enc, bans)
+        heal = self._heal(ids, cfg, sum(map(len, force))) if plain else None
+        if heal is not None and ban_seqs:     # the bans leave no token that re-writes the context's end: no healing
+            allowed = np.setdiff1d(np.arange(self.backend.vocab_size), heal.ban)
+            heal = None if np.isin(allowed, [b[0] for b in ban_seqs if len(b) == 1]).all() else heal
+        return Request(heal.context_ids if heal else ids, kws, int(seed), boosts, force, phrases,
+                       ban_seqs, context, heal=heal)
 
     def batch(self, config: DBSConfig | None = None, progress=None) -> "Batch":
         """An empty running batch that requests can join and leave between chunks."""

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import occurrence
 from .config import DBSConfig
-from .constraints import BoostTable, Keyword, SequenceTable
+from .constraints import BoostTable, Healing, Keyword, SequenceTable
 
 
 @dataclass(eq=False)
@@ -31,6 +31,7 @@ class Request:
     phrases: list[tuple] = field(default_factory=list)  # (keyword index, first word's tokens, phrase's tokens)
     bans: list[tuple] = field(default_factory=list)     # banned token sequences
     context: str = ""                                   # the context as given (for the result)
+    heal: Healing | None = None                         # token healing: the first token re-writes `heal.tail`
     merged: dict = field(default_factory=dict, repr=False)  # order="any": mask -> merged boost, cached
 
 
@@ -162,7 +163,7 @@ class BeamSearch:
     def __init__(self, backend, scorer, cfg: DBSConfig, requests: list[Request] = (), progress=None,
                  sentence_end: np.ndarray | None = None, word_piece: np.ndarray | None = None):
         self.be, self.scorer, self.cfg = backend, scorer.fresh(cfg), cfg
-        if cfg.stop == "sentence" and sentence_end is None:   # (V,) bool; the API passes a cached one
+        if (cfg.stop == "sentence" or cfg.sentence_deadline) and sentence_end is None:   # (V,) bool; the API passes a cached one
             sentence_end = occurrence.sentence_end_tokens(backend.decode_one, backend.vocab_size)
         self.sentence_end = sentence_end
         if cfg.guarantee and word_piece is None:   # (V,) bool; the API passes a cached one
@@ -254,7 +255,7 @@ class BeamSearch:
         if self.cfg.stop == "sentence":
             ends = np.flatnonzero(self.sentence_end[seqs[0][:n]]) if n else []
             n = int(ends[-1]) + 1 if len(ends) else 0
-        return self.be.decode_batch([seqs[0][:n]])[0].rstrip("\ufffd") if n else ""
+        return self.be.decode_batch([seqs[0][:n]])[0][self.tail[q]:].rstrip("\ufffd") if n else ""
 
     # -- requests joining and leaving ---------------------------------------------------------
     @timed("prefill")
@@ -327,6 +328,7 @@ class BeamSearch:
         for q, r in enumerate(reqs):
             self.ctx[q, self.ctx.shape[1] - len(r.context_ids):] = r.context_ids
         self.ctx_start = (self.ctx.shape[1] - ctx_len).astype(np.int32)
+        self.tail = np.array([len(r.heal.tail) if r.heal else 0 for r in reqs])   # healed text per request
         self.n_kw = np.array([len(r.keywords) for r in reqs])
         self.full = (np.left_shift(1, self.n_kw) - 1).astype(np.int64)   # every keyword's bit
         self.word_base = np.concatenate([[0], np.cumsum(self.n_kw)[:-1]]).astype(np.int64)
@@ -337,7 +339,13 @@ class BeamSearch:
     # -- steps ------------------------------------------------------------------------------
     @timed("text")
     def _texts(self, rows: Rows) -> list[str]:
-        return self.be.decode_batch([rows.generated(i) for i in range(len(rows.req))])
+        return self._generated_texts(rows, range(len(rows.req)))
+
+    def _generated_texts(self, rows: Rows, idx) -> list[str]:
+        """The text each row in `idx` added to its context (decoded whole: no broken boundaries;
+        a healed context's end, which the first token re-wrote, left out)."""
+        cut = self.tail[rows.req[list(idx)]]
+        return [t[c:] for t, c in zip(self.be.decode_batch([rows.generated(i) for i in idx]), cut)]
 
     # -- constraints: which keywords guide a row, which tokens are forced or banned -----------
     def _constraint_tables(self, requests: list[Request]) -> None:
@@ -357,11 +365,12 @@ class BeamSearch:
             self.rows.fseq[on] = [forced.add(self.forced.seqs[i]) for i in self.rows.fseq[on]]
             assert len(forced.seqs) == n, "a row forces a sequence of no request in the batch"
         self.forced = forced
-        # ban groups 4q + 2 * glue + eos: request q's bans, plus (guarantee) EOS while a keyword is
-        # missing, plus tokens that would glue onto a keyword just completed ("hockey" + "rink",
-        # "pet" + "rified"), so that it stays the word that was counted
+        # ban groups 8q + 4 * heal + 2 * glue + eos: request q's bans, plus (guarantee) EOS while a
+        # keyword is missing (with a sentence deadline, every sentence end too), plus tokens that would glue onto a keyword just completed ("hockey" +
+        # "rink", "pet" + "rified"), so that it stays the word that was counted, plus (token healing,
+        # the first token) every token that does not re-write the context's last one
         self.bans = None
-        if any(r.bans for r in requests) or self.word_piece is not None:
+        if any(r.bans or r.heal for r in requests) or self.word_piece is not None:
             self.bans = self._ban_table(requests)
         self.multi_bans = any(len(b) > 1 for r in requests for b in r.bans)
 
@@ -370,17 +379,19 @@ class BeamSearch:
         time a request joins or leaves, and the glue group holds one sequence per word-piece token
         (tens of thousands), so Python lists here cost ~15 ms per request in the batch."""
         eos = np.array([e for e in self.eos if e >= 0], np.int32)
+        if self.cfg.sentence_deadline and self.cfg.guarantee:
+            eos = np.union1d(eos, np.flatnonzero(self.sentence_end)).astype(np.int32)
         glue = np.zeros(0, np.int32) if self.word_piece is None else np.flatnonzero(self.word_piece).astype(np.int32)
         n_seqs, lens, toks = [], [], []
         for r in requests:
             own_len = np.array([len(b) for b in r.bans], np.int64)
             own_tok = np.array([t for b in r.bans for t in b], np.int32)
-            for g in (0, 1):
-                for e in (0, 1):
-                    extra = np.concatenate([glue[:len(glue) * g], eos[:len(eos) * e]])   # one-token sequences
-                    n_seqs.append(len(own_len) + len(extra))
-                    lens += [own_len, np.ones(len(extra), np.int64)]
-                    toks += [own_tok, extra]
+            heal = np.zeros(0, np.int32) if r.heal is None else r.heal.ban
+            for h, g, e in np.ndindex(2, 2, 2):               # group 8q + 4h + 2g + e
+                extra = np.concatenate([heal[:len(heal) * h], glue[:len(glue) * g], eos[:len(eos) * e]])
+                n_seqs.append(len(own_len) + len(extra))
+                lens += [own_len, np.ones(len(extra), np.int64)]
+                toks += [own_tok, extra]
         return (np.concatenate([[0], np.cumsum(n_seqs)]).astype(np.int64),
                 np.concatenate([[0], np.cumsum(np.concatenate(lens))]).astype(np.int64),
                 np.concatenate(toks).astype(np.int32))
@@ -413,7 +424,8 @@ class BeamSearch:
             for i in range(self.need.shape[1]):
                 need += (rem >> i & 1) * self.need[rows.req, i]
             left = self.cfg.max_new_tokens - n_done
-            start = np.flatnonzero(~on & ~rows.ended & (rem != 0) & (left > 0) & (left <= need))
+            due = left if not self.cfg.sentence_deadline else np.minimum(left, self.cfg.sentence_deadline - n_done)
+            start = np.flatnonzero(~on & ~rows.ended & (rem != 0) & (left > 0) & (due <= need))
             if len(start):
                 bit = popcount(lowest_bit(rem[start]) - 1)      # index of the lowest remaining keyword
                 rows.fseq[start], rows.fpos[start] = self.force_idx[rows.req[start], bit], 0
@@ -450,25 +462,26 @@ class BeamSearch:
         out[go] = self.word_piece[self.seq_tok[p[go]]]
         return out
 
-    def _ban_groups(self, rows: Rows, rem: np.ndarray):
+    def _ban_groups(self, rows: Rows, rem: np.ndarray, healing: np.ndarray):
         if self.bans is None:
             return None
-        return 4 * rows.req + 2 * rows.glue + (self.cfg.guarantee & (rem != 0))
+        return 8 * rows.req + 4 * healing + 2 * rows.glue + (self.cfg.guarantee & (rem != 0) & ~healing)
 
     def _uniforms(self, rows: Rows) -> np.ndarray:
         counts = np.bincount(rows.req, minlength=len(self.slots))
         return np.concatenate([s.rng.random(n) for s, n in zip(self.slots, counts)])
 
-    def _history(self, rows: Rows, col: int):
+    def _history(self, rows: Rows, col: int, healing: np.ndarray):
         """Each row's tokens so far (context + generated, left-padded) for the kernel's
-        repetition rules and multi-token bans."""
+        repetition rules and multi-token bans; empty for a row re-writing its context's end (the
+        context's own tokens: no repetition of the model's)."""
         if not (self.cfg.shapes_logits or self.multi_bans):
             return None, None
         hist = np.concatenate([self.ctx[rows.req], rows.tokens[:, :col]], axis=1)
         if rows.col0.any():    # a row that joined at column c: its context moves right past c pads
             W, c, j = self.ctx.shape[1], rows.col0[:, None], np.arange(hist.shape[1])[None]
             hist = np.take_along_axis(hist, np.where(j < W + c, (j - c) % (W + c), j), axis=1)
-        return hist, (self.ctx_start[rows.req] + rows.col0).astype(np.int32)
+        return hist, np.where(healing, hist.shape[1], self.ctx_start[rows.req] + rows.col0).astype(np.int32)
 
     def _sample_chunk(self, rows: Rows, prefix: list[str], k: int, last: bool):
         R = len(rows.req)
@@ -490,12 +503,14 @@ class BeamSearch:
         """The next token of every row: guidance, forcing, bans and repetition rules, then the kernel."""
         rem = self._remaining(rows, seen)
         cand = self._candidates(rem, seen)
-        word = self._guide_words(cand, rows)
         n_done = col - rows.col0                     # the row's tokens so far
+        healing = (n_done == 0) & (self.tail[rows.req] > 0)   # the model alone re-writes the context's end
+        word = np.where(healing, -1, self._guide_words(cand, rows)).astype(np.int32)
         force = self._forced(rows, rem, n_done)
-        hist, hstart = self._history(rows, col)
+        hist, hstart = self._history(rows, col, healing)
         ids, lp = self.be.sample(self.pending, self._uniforms(rows), word, self.table.csr, self.cfg, hist, hstart,
-                                 boost_first, bans=self.bans, row_ban=self._ban_groups(rows, rem), force=force)
+                                 boost_first, bans=self.bans, row_ban=self._ban_groups(rows, rem, healing),
+                                 force=force)
         return Draw(ids, lp, rem, cand, word, force, n_done)
 
     def _append(self, rows: Rows, d: Draw, col: int) -> np.ndarray:
@@ -568,9 +583,8 @@ class BeamSearch:
         return rows.ended | (rows.n_tok >= self.cfg.max_new_tokens)
 
     def _chunk_texts(self, rows: Rows, prefix, idx) -> list[str]:
-        """Text each row in `idx` added after its prefix (decoded whole: no broken boundaries)."""
-        full = self.be.decode_batch([rows.generated(i) for i in idx])
-        return [f[len(prefix[i]):] for f, i in zip(full, idx)]
+        """Text each row in `idx` added after its prefix."""
+        return [f[len(prefix[i]):] for f, i in zip(self._generated_texts(rows, idx), idx)]
 
     def _score(self, rows: Rows, prefix: list[str], chunk: np.ndarray, last: bool) -> Rows:
         """Quality Q of every candidate's chunk, added to its parent's cumulative score."""
@@ -630,7 +644,8 @@ class BeamSearch:
     def _on_time(self, rows: Rows, col: int) -> np.ndarray:
         """Rows ahead of their deadline: once the tokens up to column `col` are generated, at
         least `reserve_per_keyword` tokens are left per keyword still to place."""
-        left = self.cfg.max_new_tokens - np.minimum(col - rows.col0, self.cfg.max_new_tokens)
+        end = min(self.cfg.sentence_deadline or self.cfg.max_new_tokens, self.cfg.max_new_tokens)
+        left = end - np.minimum(col - rows.col0, end)
         return left >= popcount(self._remaining(rows, 0)) * self.cfg.reserve_per_keyword
 
     def _alphas(self, rows: Rows) -> np.ndarray:

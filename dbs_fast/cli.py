@@ -365,12 +365,24 @@ def _add_bench(sub):
     p.add_argument("--one-by-one", action="store_true",
                    help="run each contender on its own, one after another (default: onnx-fp32, onnx-int8 and "
                         "torch-fp32 stay loaded together and take turns, generation by generation)")
+    p.add_argument("--contexts", default=None, help="only the context-length arm on the embedded default, e.g. "
+                   "2,256,1024,2048: seconds per generation, KV bytes and peak RSS per length (contexts.md)")
     p.set_defaults(func=_run_bench)
 
 
 def _run_bench(a) -> int:
     from pathlib import Path
 
+    if a.contexts is not None:
+        try:
+            lengths = [int(x) for x in a.contexts.split(",") if x.strip()]
+            assert lengths and min(lengths) >= 2 and max(lengths) <= 100_000
+        except (ValueError, AssertionError):
+            raise DBSError(f"--contexts must be comma-separated token counts in 2..100000, got {a.contexts!r}") from None
+        from .bench.contexts import run_contexts
+
+        run_contexts(sorted(lengths), Path(a.out), Path(a.workdir), repeats=a.repeats or 2, threads=a.threads)
+        return 0
     try:
         from .bench.suite import CONTENDERS, run_bench
     except ImportError as e:

@@ -19,6 +19,7 @@ BOOST_ORDERS = ("filter_then_boost", "boost_then_filter")
 STOPS = ("max", "sentence")
 ORDERS = ("next", "any")
 MATCHES = ("stem", "lemma")
+PROMPT_STYLES = ("none", "instruction", "chat", "few-shot")   # dbs_fast.prompt
 
 
 def parse_bool(v: str) -> bool:
@@ -67,6 +68,17 @@ class DBSConfig:
                         "the paper) or lemma (lemminflect lemmas meet: CommonGen's coverage rule)", MATCHES)
     guarantee: bool = option(False, "--guarantee", "switch", "force each keyword's tokens when the budget left "
                              "is what the remaining keywords need: every keyword appears")
+    prompt_style: str = option("none", "--prompt-style", str, "a hidden prompt before the context that names the "
+                               "keywords: none, instruction (one line), chat (the model's chat template) or "
+                               "few-shot (examples from CommonGen train); the text still continues the context",
+                               PROMPT_STYLES)
+    heal: bool = option(True, "--heal", parse_bool, "true/false: token healing: the context's last token is "
+                        "taken back and the first generated token re-writes it, so a new word never glues "
+                        "onto the context (\"The\" + \"Bella\") and a word the context ends in can be finished")
+    sentence_deadline: int = option(0, "--sentence-deadline", int, "for one-sentence tasks: the keywords' deadline "
+                                    "is this many tokens, not the budget's end (0 = the budget); with --guarantee "
+                                    "every keyword is then forced in time and sentence ends are banned while one is "
+                                    "missing, so all are in the first sentence")
     repetition_penalty: float = option(1.0, "--repetition-penalty", float,
                                        "> 1 discourages tokens already used (1 = off)")
     no_repeat_ngram_size: int = option(3, "--no-repeat-ngram-size", int,
@@ -102,6 +114,8 @@ class DBSConfig:
             v = getattr(self, name)
             if v is not None and v < 0:
                 bad(name, "must be >= 0")
+        if not _is_int(self.sentence_deadline, 0):
+            bad("sentence_deadline", "must be an integer >= 0 (0 = off)")
         if not _is_int(self.reserve_per_keyword, 0):
             bad("reserve_per_keyword", "must be an integer >= 0")
         if self.boost_cutoff < 0:
@@ -114,7 +128,7 @@ class DBSConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 bad(f.name, f"must be one of {choices}")
-        for name in ("complete_words", "guarantee"):
+        for name in ("complete_words", "guarantee", "heal"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")
         if self.match == "lemma":

@@ -20,10 +20,15 @@ similarity of " rode" to "rodeo" alone would give it a boost of about 1 at lambd
 Bans (the sequences the kernel never completes): every case and leading-space variant of a
 banned word, tokenised; a one-token variant is never drawn, a longer one's last token is never
 drawn after the rest.
+
+Token healing (`Healing`): the context's last token is taken back and the first generated token
+must re-write its text, so a context that ends mid-word or with a space is continued as the model
+would have tokenised the whole text (" teach" -> " teacher"), not glued onto ("TheBella").
 """
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import numpy as np
@@ -283,3 +288,40 @@ def banned_tokens(history, ban_seqs) -> set[int]:
         if len(seq) - 1 <= len(h) and (len(seq) == 1 or h[len(h) - len(seq) + 1:] == seq[:-1]):
             out.add(int(seq[-1]))
     return out
+
+
+@dataclass(frozen=True)
+class Healing:
+    """A healed context: its tokens without the last one, that token's text (`tail`), and the
+    tokens the first generated one may not be (every token whose text does not start with `tail`)."""
+    context_ids: list[int]
+    tail: str
+    ban: np.ndarray          # (n,) int32, sorted
+
+
+class TokenTexts:
+    """Every token's text, sorted: the tokens whose text starts with a given string, by bisection."""
+
+    def __init__(self, decode_one, vocab_size: int, special=()):
+        texts = [decode_one(i) for i in range(vocab_size)]
+        special = set(special)
+        order = sorted((i for i in range(vocab_size) if i not in special), key=texts.__getitem__)
+        self.texts = [texts[i] for i in order]
+        self.ids = np.array(order, np.int32)
+        self.vocab_size = vocab_size
+
+    def starting_with(self, prefix: str) -> np.ndarray:
+        lo = bisect_left(self.texts, prefix)
+        hi = bisect_left(self.texts, prefix + "\U0010ffff", lo)
+        return np.sort(self.ids[lo:hi])
+
+    def heal(self, ids: list[int], tail: str) -> Healing | None:
+        """The context `ids` healed at its last token (whose text is `tail`), or None where that
+        cannot be done (one token only, a partial character)."""
+        if len(ids) < 2 or not tail or "\ufffd" in tail:
+            return None
+        allowed = self.starting_with(tail)
+        if ids[-1] not in allowed:        # a token the tokenizer writes differently alone: leave it
+            return None
+        ban = np.setdiff1d(np.arange(self.vocab_size, dtype=np.int32), allowed)
+        return Healing(list(ids[:-1]), tail, ban)

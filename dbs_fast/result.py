@@ -72,11 +72,16 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
     """The result of a request that left the batch: its best beam, trimmed, with its stats.
     `sentence_end`: (V,) bool, needed with stop="sentence"."""
     rows, seconds, context, kws = fin.rows, fin.seconds, fin.request.context, fin.request.keywords
+    tail = len(fin.request.heal.tail) if fin.request.heal else 0   # the healed context's end: not generated
+
+    def decode(seqs):
+        return [t[tail:] for t in decode_batch(seqs)]
+
     order = np.argsort(-rows.cum, kind="stable")
     best = order[0]
     n_gen = int(rows.n_tok[best])
     toks = rows.tokens[best, :n_gen]
-    texts = decode_batch([toks[:n] for n in range(1, len(toks) + 1)]) or [""]
+    texts = decode([toks[:n] for n in range(1, len(toks) + 1)]) or [""]
     found = found_at(texts, kws, cfg.match)
     stopped = "max"
     if rows.ended[best]:
@@ -92,7 +97,7 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
     success_length = max(hits) if len(hits) == len(kws) else cfg.max_new_tokens
     lp = rows.logp[best, :n_gen]
     beams, seen = [], set()                 # every different final beam, best first (copies once)
-    for i, t in zip(order, decode_batch([rows.tokens[i, : rows.n_tok[i]] for i in order])):
+    for i, t in zip(order, decode([rows.tokens[i, : rows.n_tok[i]] for i in order])):
         if t not in seen:
             seen.add(t)
             beams.append({"text": t, "score": float(rows.cum[i])})

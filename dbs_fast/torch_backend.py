@@ -150,13 +150,18 @@ class TorchBackend:
         return out
 
     def ban(self, logits, history, history_start, bans, row_ban):
-        """Banned sequences per row, by `constraints.banned_tokens` (the kernel's rule)."""
+        """Banned sequences per row, by `constraints.banned_tokens` (the kernel's rule); a group's
+        one-token sequences (tens of thousands under token healing) by one index per row."""
         gptr, sptr, stok = bans
         out = logits.clone()
         for r, g in enumerate(row_ban):
+            if g < 0:
+                continue
+            q = np.arange(gptr[g], gptr[g + 1])
+            one = sptr[q + 1] - sptr[q] == 1
+            out[r, self.torch.as_tensor(stok[sptr[q[one]]].astype(np.int64), device=out.device)] = -float("inf")
             h = None if history is None else history[r, history_start[r]:]
-            seqs = [stok[sptr[q]:sptr[q + 1]] for q in range(gptr[g], gptr[g + 1])] if g >= 0 else ()
-            for t in banned_tokens(h, seqs):
+            for t in banned_tokens(h, [stok[sptr[i]:sptr[i + 1]] for i in q[~one]]):
                 out[r, t] = -float("inf")
         return out
 

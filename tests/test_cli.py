@@ -18,6 +18,7 @@ BAD_OPTION = {
     "order": ("sideways", "--order"), "match": ("prefix", "--match"),
     "repetition_penalty": ("0", "`repetition_penalty`"), "no_repeat_ngram_size": ("-1", "`no_repeat_ngram_size`"),
     "stop": ("eventually", "--stop"), "beams_type": ("many", "--beams"),
+    "prompt_style": ("loud", "--prompt-style"), "heal": ("maybe", "--heal"),
 }
 FLAG = {name: flag for name, flag, *_ in OPTIONS}
 

@@ -134,6 +134,28 @@ def test_guarantee_places_every_keyword_at_any_lambda(dbs, order, lam):
         assert min(plain) < 1.0          # the test bites: unguided by boosts, the random model misses
 
 
+@pytest.mark.parametrize("order", ["next", "any"])
+def test_sentence_deadline_puts_every_keyword_in_the_first_sentence(dbs, order):
+    """With a sentence deadline under guarantee, no sentence ends while a keyword is missing and
+    the keywords are forced in time for it: all of them are in the first sentence. Without it the
+    random model ends sentences early (the test bites)."""
+    from dataclasses import replace
+
+    from dbs_fast.evaluation import first_sentence
+
+    cfg = replace(dbs.config, order=order, guarantee=True, stop="max", max_new_tokens=30, lam=0.0)
+    deadline = replace(cfg, sentence_deadline=10)
+    hits, before = [], []
+    for seed in range(6):
+        r = dbs.generate("It is", KW, seed=seed, config=deadline)
+        s = first_sentence(r.generated)
+        hits.append(all(occurrence.count(s, parse_keyword(k)) for k in KW))
+        assert max(f["token"] for f in r.found.values()) <= 10 + 2, r.found    # forced in time
+        s = first_sentence(dbs.generate("It is", KW, seed=seed, config=cfg).generated)
+        before.append(all(occurrence.count(s, parse_keyword(k)) for k in KW))
+    assert all(hits) and not all(before), (hits, before)
+
+
 def test_guarantee_with_phrases_alternatives_and_a_word_the_embeddings_lack(dbs):
     from dataclasses import replace
 
@@ -246,13 +268,15 @@ def test_banned_word_never_appears_and_the_test_bites(dbs):
     from dataclasses import replace
 
     cfg = replace(dbs.config, guided=False, max_new_tokens=16)
-    texts = [dbs.generate("It is", ["colony"], seed=s, config=cfg).generated for s in range(8)]
-    common = [w for w, _ in Counter(w for t in texts for w in words(t) if w.isalpha()).most_common(3)]
+    # words of the whole text: token healing may finish the context's last word ("It isolate")
+    texts = [dbs.generate("It is", ["colony"], seed=s, config=cfg).text for s in range(8)]
+    common = [w for w, _ in Counter(w for t in texts for w in words(t) if w.isalpha() and w not in ("it", "is"))
+              .most_common(3)]
     assert common, texts
     before = sum(words(t).count(w) for t in texts for w in common)
     assert before > 0                                                 # the words do appear unbanned
     for s in range(8):
-        t = dbs.generate("It is", ["colony"], seed=s, config=cfg, ban=common).generated
+        t = dbs.generate("It is", ["colony"], seed=s, config=cfg, ban=common).text
         assert not set(words(t)) & set(common), (common, t)
 
 
@@ -333,23 +357,43 @@ def test_commongen_scores_are_the_librarys_over_all_references():
     assert c["coverage"] == pytest.approx(2 / 3) and c["coverage_text"] == 1.0 and c["words"] == 5
 
 
-def test_ban_table_groups_are_bans_then_glue_then_eos_per_request():
+def test_ban_table_groups_are_bans_then_heal_glue_eos_per_request():
     """The ban groups of a batch (rebuilt with NumPy whenever a request joins or leaves) are the
-    plain construction: per request, group 4q + 2 * glue + eos = its own bans, then (glue) every
-    word-piece token, then (eos) every EOS token, each a sequence of its own."""
+    plain construction: per request, group 8q + 4 * heal + 2 * glue + eos = its own bans, then
+    (heal, token healing's first token) every token that does not re-write the context's end,
+    then (glue) every word-piece token, then (eos) every EOS token, each a sequence of its own."""
     from types import SimpleNamespace
+
+    from dbs_fast.constraints import Healing
 
     word_piece = np.zeros(50, bool)
     word_piece[[3, 17, 41]] = True
-    search = SimpleNamespace(eos=np.array([7, -1]), word_piece=word_piece)
-    requests = [SimpleNamespace(bans=[(5,), (9, 10)]), SimpleNamespace(bans=[]), SimpleNamespace(bans=[(1, 2, 3)])]
+    search = SimpleNamespace(eos=np.array([7, -1]), word_piece=word_piece, cfg=DBSConfig())
+    heal = Healing([1], " x", np.array([20, 21], np.int32))
+    requests = [SimpleNamespace(bans=[(5,), (9, 10)], heal=None), SimpleNamespace(bans=[], heal=heal),
+                SimpleNamespace(bans=[(1, 2, 3)], heal=None)]
     got = BeamSearch._ban_table(search, requests)
 
     glue, eos = [(3,), (17,), (41,)], [(7,)]
-    groups = [list(r.bans) + glue * g + eos * e for r in requests for g in (0, 1) for e in (0, 1)]
+    healed = [[(20,), (21,)] if r.heal else [] for r in requests]
+    groups = [list(r.bans) + hb * h + glue * g + eos * e
+              for r, hb in zip(requests, healed) for h in (0, 1) for g in (0, 1) for e in (0, 1)]
     seqs = [s for grp in groups for s in grp]
     want = (np.cumsum([0] + [len(grp) for grp in groups]), np.cumsum([0] + [len(s) for s in seqs]),
             [t for s in seqs for t in s])
     for g, w, dtype in zip(got, want, (np.int64, np.int64, np.int32)):
         assert g.dtype == dtype and np.array_equal(g, w)
-    assert len(got[0]) == 4 * len(requests) + 1
+    assert len(got[0]) == 8 * len(requests) + 1
+
+
+def test_token_texts_heal_bans_every_token_that_does_not_rewrite_the_tail():
+    from dbs_fast.constraints import TokenTexts
+
+    vocab = [" teach", " teacher", " te", "teach", " teaching", "<s>", " tea", "\ufffd", " teachers"]
+    tt = TokenTexts(lambda i: vocab[i], len(vocab), special={5})
+    assert tt.starting_with(" teach").tolist() == [0, 1, 4, 8]
+    h = tt.heal([5, 2, 0], " teach")
+    assert h.context_ids == [5, 2] and h.tail == " teach"
+    assert h.ban.tolist() == [i for i in range(len(vocab)) if not vocab[i].startswith(" teach") or i == 5]
+    assert tt.heal([0], " teach") is None                  # nothing left to read
+    assert tt.heal([5, 7], "\ufffd") is None               # a partial character

@@ -214,3 +214,57 @@ def test_a_results_beams_are_different_texts(dbs):
     texts = [b["text"] for b in r.beams]
     assert texts and len(set(texts)) == len(texts)
     assert [b["score"] for b in r.beams] == sorted((b["score"] for b in r.beams), reverse=True)
+
+
+@pytest.mark.parametrize("context", ["The", "It is", "Yesterday I", "The teach", "It is "])
+def test_token_healing_first_token_rewrites_the_contexts_end(dbs, context):
+    """The context's last token is taken back; every beam's first token re-writes its text (ONNX
+    kernel and the PyTorch baseline alike), and the result continues the context as given."""
+    req = dbs.request(context, KW, seed=1)
+    assert req.heal is not None and dbs.backend.decode_batch([req.context_ids])[0] + req.heal.tail == context
+    search = dbs.search(SMALL)
+    search.admit([req])
+    fin = search.run()[0]
+    firsts = dbs.backend.decode_batch([[t] for t in fin.rows.tokens[:, 0]])
+    assert all(f.startswith(req.heal.tail) for f in firsts), firsts
+    r = dbs.generate(context, KW, seed=1)
+    assert r.text.startswith(context) and r.text == context + r.generated
+    off = dbs.generate(context, KW, seed=1, config=DBSConfig(**{**SMALL.to_dict(), "heal": False}))
+    assert off.text.startswith(context)
+
+
+def test_token_healing_is_the_same_in_the_pytorch_baseline(exported, dbs):
+    tb = DirectedBeamSearch(exported["gpt2"], config=SMALL, backend="torch")
+    for context in ("The teach", "It is "):
+        a, b = dbs.generate(context, KW, seed=2), tb.generate(context, KW, seed=2)
+        assert a.text == b.text and [x["text"] for x in a.beams] == [x["text"] for x in b.beams]
+
+
+def test_a_context_reads_as_a_document_and_a_chat_frames_itself(dbs):
+    """A plain context starts with the model's document-start token (never a chat-turn marker
+    the tokenizer would add); a context that starts with a special token is taken as it is and
+    not healed; with --heal false or guarantee's budget all taken, no healing either."""
+    start = dbs.backend.tokenizer.token_to_id("<|endoftext|>")
+    ids, plain = dbs._context_ids("It is")
+    assert plain and ids[0] == start and ids[1:] == dbs._pieces("It is")
+    chat = "<|endoftext|>It is"
+    ids, plain = dbs._context_ids(chat)
+    assert not plain and ids == dbs._pieces(chat)
+    assert dbs.request(chat, KW).heal is None
+    assert dbs.request("It is", KW, config=DBSConfig(**{**SMALL.to_dict(), "heal": False})).heal is None
+    tight = DBSConfig(**{**SMALL.to_dict(), "guarantee": True, "max_new_tokens": 3})
+    assert dbs.request("It is", KW, config=tight).heal is None
+    assert dbs.request("", KW).heal is None and dbs.request("", KW).context_ids == [start]
+
+
+def test_no_healing_where_the_bans_leave_no_token_to_rewrite_the_end(dbs):
+    """A context ending in a word whose every completion is banned is read as given."""
+    req = dbs.request("It is", KW, seed=1)
+    allowed = sorted(set(range(dbs.backend.vocab_size)) - set(req.heal.ban.tolist()))
+    words = sorted({dbs.backend.decode_one(t).strip() for t in allowed})
+    assert all(w.isalpha() for w in words), words
+    blocked = dbs.request("It is", KW, seed=1, ban=words)
+    assert blocked.heal is None and blocked.context_ids == req.context_ids + [dbs._pieces(" is")[0]]
+    assert dbs.request("It is", KW, seed=1, ban=words[:1]).heal is not None
+    r = dbs.generate("It is", KW, seed=1, ban=words)
+    assert r.text.startswith("It is")

@@ -37,3 +37,22 @@ def test_guidance_beats_unguided_on_the_default(default_dir):
     p = np.mean([r.success_rate for r in plain])
     assert g >= 0.7 and g >= p + 0.5, (g, p)
     assert all(np.isfinite(r.perplexity) for r in guided)
+
+
+def test_no_word_glued_onto_the_context_on_the_default(default_dir):
+    """Token healing and the document-start token: the word at the context's end, as the model
+    finished it, is a word the embeddings know ("The teach" -> "teacher"/"teaching", "The" never
+    -> "TheBella"), for every seed of four contexts."""
+    import re
+
+    from dbs_fast import DBSConfig, DirectedBeamSearch
+    from dbs_fast.embeddings import Embeddings
+
+    glove = Embeddings.load("default")
+    dbs = DirectedBeamSearch(default_dir, config=DBSConfig(beams=3, candidates=4, max_new_tokens=15))
+    contexts = ["The", "It is", "Yesterday I", "The teach"]
+    res = dbs.generate_batch([(c, "teacher,apple,lesson") for c in contexts for _ in range(3)], seeds=range(12))
+    for r in res:
+        start = len(r.context.rsplit(" ", 1)[0]) if " " in r.context else 0
+        word = re.match(r"\s*([A-Za-z]+?)(?:n't)?\b", r.text[start:]).group(1)
+        assert word.lower() in glove, (r.context, r.text)

@@ -7,7 +7,6 @@ import threading
 import time
 from dataclasses import replace
 
-import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")

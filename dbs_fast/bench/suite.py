@@ -159,7 +159,8 @@ def worker_engine(spec: dict, order=None) -> dict:
                              kv_layout=layout, provider=provider)
     init = time.perf_counter() - t0
     sets = spec["keyword_sets"]
-    first = dbs.generate(CONTEXT, sets[0], seed=0)
+    context = spec.get("context", CONTEXT)
+    first = dbs.generate(context, sets[0], seed=0)
     # The same-load roofline: the step's weight matmuls timed (best of 7, as the run's roofline)
     # right after each generation, in a child process (not counted in this one's peak RSS), so that
     # a slow spell of the machine slows both.
@@ -169,7 +170,7 @@ def worker_engine(spec: dict, order=None) -> dict:
         dbs.decoder.host_bytes_total = dbs.decoder.calls = 0
     for i in (range(spec["repeats"]) if order is None else order):
         started.append(time.time())
-        runs.append(dbs.generate(CONTEXT, sets[i % len(sets)], seed=i))
+        runs.append(dbs.generate(context, sets[i % len(sets)], seed=i))
         if same_load:
             matmul_s.append(_matmul_step_in_child(spec["model_dir"], cfg.beams * cfg.candidates,
                                                   "int8" in spec["contender"], spec.get("threads")))
@@ -195,6 +196,7 @@ def worker_engine(spec: dict, order=None) -> dict:
         "success_rate": statistics.mean(r.success_rate for r in runs),
         "perplexity": statistics.median(r.perplexity for r in runs),
         "texts": [r.generated for r in runs],
+        "prompt_tokens": first.prompt_tokens,
         "provider": provider,
         # what a graph call bound from host memory: on CUDA the bytes copied across (PrefixDecoder.host_bytes)
         "host_mb_per_call": (dbs.decoder.host_bytes_total / max(1, dbs.decoder.calls) / 1e6
@@ -205,7 +207,7 @@ def worker_engine(spec: dict, order=None) -> dict:
     }
     sweep = []
     for b, s in spec.get("sweep", []):
-        r = dbs.generate(CONTEXT, sets[0], seed=0, config=replace(cfg, beams=b, candidates=s))
+        r = dbs.generate(context, sets[0], seed=0, config=replace(cfg, beams=b, candidates=s))
         sweep.append({"beams": b, "candidates": s, "rows": b * s, "seconds": r.seconds,
                       "kv_cache_bytes": r.kv_cache_bytes})
     out["sweep"] = sweep

@@ -1,0 +1,96 @@
+"""`dbs-fast bench --contexts 2,256,1024,2048`: what a longer prompt costs.
+
+One loaded worker per context length (the engine's own `worker_engine`, the embedded default),
+taking turns generation by generation so that the machine's load falls on every length alike:
+the paper's search (b=7, s=10, k=5), 40 new tokens, `stop="max"`, keywords river/doctor/winter,
+after English text cut to N tokens (sentences of CommonGen train, packaged). Reported per length:
+seconds per generation, the KV cache's peak bytes, the worker's peak RSS; and the growth against
+the shortest context, beside one copy of the longest context's K/V (what a cache that holds the
+request's context once would add).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from dbs_fast.api import resolve_model_dir
+from dbs_fast.bench.machine import machine
+from dbs_fast.bench.suite import run_in_turns
+from dbs_fast.config import DBSConfig
+from dbs_fast.prompt import train_pool
+
+KEYWORDS = ["river", "doctor", "winter"]
+
+
+def context_text(tokenizer, n: int) -> str:
+    """English text of about `n` tokens (the model reads its document-start token before it)."""
+    text = " ".join(s for _, s in train_pool())
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    while len(ids) < n:
+        ids = ids + ids
+    return tokenizer.decode(ids[:max(n - 1, 1)])
+
+
+def kv_bytes_per_token(manifest: dict) -> int:
+    """K and V of one token over every layer, float32."""
+    return 2 * manifest["num_layers"] * manifest["num_kv_heads"] * manifest["head_dim"] * 4
+
+
+def run_contexts(lengths: list[int], out: Path, workdir: Path, repeats: int = 2, threads: int | None = None,
+                 model: str = "default") -> dict:
+    from tokenizers import Tokenizer
+
+    model_dir = resolve_model_dir(model)
+    manifest = json.loads((model_dir / "dbs_fast_model.json").read_text())
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    cfg = DBSConfig.paper(max_new_tokens=40)
+    specs = [{"point": "contexts", "contender": f"context-{n}", "config": cfg.to_dict(),
+              "keyword_sets": [KEYWORDS], "repeats": repeats, "threads": threads, "model_dir": str(model_dir),
+              "context": context_text(tok, n), "same_load": False, "sweep": []} for n in lengths]
+    out.mkdir(parents=True, exist_ok=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    done = run_in_turns(specs, workdir, repeats)
+    rows = []
+    for n in lengths:
+        r = done[f"context-{n}"]
+        if "error" in r:
+            rows.append({"context_tokens": n, "error": r["error"]})
+            continue
+        rows.append({"context_tokens": r["prompt_tokens"], "asked": n, "seconds": r["seconds_min"],
+                     "seconds_all": r["seconds_all"], "kv_cache_bytes": r["kv_cache_bytes"],
+                     "peak_rss_bytes": r["peak_rss_bytes"], "success_rate": r["success_rate"]})
+    ok = [r for r in rows if "error" not in r]
+    if ok:
+        base, top = ok[0], ok[-1]
+        one_copy = kv_bytes_per_token(manifest) * top["context_tokens"]
+        for r in ok:
+            r["seconds_x"] = r["seconds"] / base["seconds"]
+            r["kv_extra_bytes"] = r["kv_cache_bytes"] - base["kv_cache_bytes"]
+            r["kv_extra_over_one_copy"] = r["kv_extra_bytes"] / (kv_bytes_per_token(manifest) * max(
+                r["context_tokens"] - base["context_tokens"], 1))
+    report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "model": str(model_dir),
+              "config": cfg.to_dict(), "keywords": KEYWORDS, "repeats": repeats,
+              "kv_bytes_per_context_token": kv_bytes_per_token(manifest),
+              "one_copy_of_longest_context_bytes": one_copy if ok else None, "rows": rows}
+    (out / "contexts.json").write_text(json.dumps(report, indent=2))
+    (out / "contexts.md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Context length: {report['date']}, {report['machine']}; the paper's search "
+             f"(b={report['config']['beams']}, s={report['config']['candidates']}, k={report['config']['chunk']}), "
+             f"{report['config']['max_new_tokens']} new tokens, keywords {', '.join(report['keywords'])}; best of "
+             f"{report['repeats']} per length, the lengths taking turns.", "",
+             "| context tokens | s / generation | x shortest | KV cache MB | KV added / one copy of the added context | "
+             "peak RSS MB |", "|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['context_tokens']} | failed: {r['error']} | | | | |")
+            continue
+        lines.append(f"| {r['context_tokens']} | {r['seconds']:.2f} | {r['seconds_x']:.2f} | "
+                     f"{r['kv_cache_bytes'] / 1e6:.0f} | {r['kv_extra_over_one_copy']:.1f} | "
+                     f"{r['peak_rss_bytes'] / 1e6:.0f} |")
+    return "\n".join(lines) + "\n"
