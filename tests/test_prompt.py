@@ -1,0 +1,71 @@
+"""Prompt styles: a hidden prompt that names the keywords before the context, never in the result."""
+from __future__ import annotations
+
+from dataclasses import replace
+from importlib.resources import files
+
+import pytest
+
+from dbs_fast import DBSConfig, DirectedBeamSearch
+from dbs_fast.cli import main as cli
+from dbs_fast.constraints import parse_keywords
+from dbs_fast.errors import DBSError
+from dbs_fast.prompt import SHOTS, few_shot, prompt_text, train_pool
+
+KW = parse_keywords("dog,ice cream|gelato,park")
+SMALL = DBSConfig(beams=2, candidates=3, chunk=3, max_new_tokens=9)
+
+
+class Template:
+    def render(self, messages):
+        return "<|endoftext|>" + "".join(f"[{m['role']}] {m['content']}\n" for m in messages) + "[assistant] "
+
+
+def test_each_style_names_the_keywords_and_only_none_is_empty():
+    assert prompt_text("none", KW, "It is") == ""
+    for style in ("instruction", "few-shot", "chat"):
+        text = prompt_text(style, KW, "It is", Template())
+        assert all(w in text for w in ("dog", "ice cream", "park")) and "gelato" not in text, style
+    assert prompt_text("chat", KW, "x", Template()).startswith("<|endoftext|>[user] Write")
+    with pytest.raises(DBSError, match="chat template") as e:
+        prompt_text("chat", KW, "It is", None)
+    assert e.value.field == "prompt_style"
+
+
+def test_few_shot_examples_come_from_train_never_from_dev():
+    pool = train_pool()
+    dev = {frozenset(line.split()) for line in
+           files("dbs_fast").joinpath("data/commongen_dev.txt").read_text().splitlines() if line}
+    assert len(pool) == 200 and not any(frozenset(c) in dev for c, _ in pool)
+    text = few_shot(["dog", "park"], "Scene:\n")
+    assert text.count("Words: ") == SHOTS + 1 and text.endswith("Words: dog, park\n")
+    assert f"Scene:\n{pool[0][1]}\n" in text                  # the examples follow the same context
+    assert f"\n{pool[0][1]}\n" in few_shot(["dog"], "It is")   # a context that cannot lead in: not repeated
+
+
+@pytest.fixture(scope="module")
+def dbs(exported):
+    return DirectedBeamSearch(exported["gpt2"], config=SMALL)
+
+
+@pytest.mark.parametrize("style", ["instruction", "few-shot"])
+def test_the_prompt_is_read_but_the_result_continues_the_context(dbs, style):
+    cfg = replace(SMALL, prompt_style=style)
+    req = dbs.request("It is", "dog,park", config=cfg)
+    read = dbs.backend.decode_batch([req.context_ids])[0] + req.heal.tail
+    assert read == prompt_text(style, parse_keywords("dog,park"), "It is") + "It is"
+    r = dbs.generate("It is", "dog,park", seed=0, config=cfg)
+    assert r.text == "It is" + r.generated and "Words:" not in r.text and "Write" not in r.text
+    assert r.prompt_tokens == len(req.context_ids) > len(dbs.request("It is", "dog,park").context_ids)
+
+
+def test_a_chat_style_without_a_template_is_a_clear_error(exported, capsys):
+    argv = ["generate", "--model", str(exported["gpt2"]), "--keywords", "dog", "--prompt-style", "chat"]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert "chat template" in err and "Traceback" not in err
+
+
+def test_bench_contexts_takes_token_counts_only(capsys):
+    assert cli(["bench", "--contexts", "2,x"]) == 2
+    assert "--contexts" in capsys.readouterr().err
