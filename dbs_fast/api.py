@@ -212,7 +212,7 @@ class DirectedBeamSearch:
         its own, not empty)."""
         if not isinstance(context, str):
             raise DBSError(f"the context must be a string, got {context!r}", "context", context)
-        text = prompt.prompt_text(cfg.prompt_style, kws, context, self.chat_template)
+        text = prompt.prompt_text(cfg.prompt_style, kws, context, self.chat_template, cfg.shots)
         if not text:
             return self._context_ids(context)
         head, _ = self._context_ids(text)          # a chat template frames itself

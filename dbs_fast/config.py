@@ -20,6 +20,7 @@ STOPS = ("max", "sentence")
 ORDERS = ("next", "any")
 MATCHES = ("stem", "lemma")
 PROMPT_STYLES = ("none", "instruction", "chat", "few-shot")   # dbs_fast.prompt
+FEW_SHOT_POOL = 200                                            # examples in data/commongen_train_pool.tsv
 
 
 def parse_bool(v: str) -> bool:
@@ -72,6 +73,7 @@ class DBSConfig:
                                "keywords: none, instruction (one line), chat (the model's chat template) or "
                                "few-shot (examples from CommonGen train); the text still continues the context",
                                PROMPT_STYLES)
+    shots: int = option(3, "--shots", int, "examples in the few-shot prompt (1..200, from CommonGen train)")
     heal: bool = option(True, "--heal", parse_bool, "true/false: token healing: the context's last token is "
                         "taken back and the first generated token re-writes it, so a new word never glues "
                         "onto the context (\"The\" + \"Bella\") and a word the context ends in can be finished")
@@ -114,6 +116,8 @@ class DBSConfig:
             v = getattr(self, name)
             if v is not None and v < 0:
                 bad(name, "must be >= 0")
+        if not (_is_int(self.shots, 1) and self.shots <= FEW_SHOT_POOL):
+            bad("shots", f"must be an integer in 1..{FEW_SHOT_POOL} (the examples packaged from CommonGen train)")
         if not _is_int(self.sentence_deadline, 0):
             bad("sentence_deadline", "must be an integer >= 0 (0 = off)")
         if not _is_int(self.reserve_per_keyword, 0):

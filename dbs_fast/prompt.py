@@ -8,7 +8,8 @@ it); the prompt is never part of it. Styles (`DBSConfig.prompt_style`):
 - `chat`: the model's chat template (rendered with Jinja, `dbs_fast.chat`) with that instruction
   as the user's turn; the context opens the assistant's answer;
 - `few-shot`: worked examples from CommonGen's training split (`data/commongen_train_pool.tsv`,
-  never dev or test), each its words and a sentence, then the request's words and the context.
+  never dev or test; `shots` of them), each its words and a sentence, then the request's words
+  and the context.
 
 Every style's text depends only on the keywords and the context, so requests with the same
 prompt share its tokens (a prefix cache can keep them).
@@ -22,7 +23,6 @@ from .config import PROMPT_STYLES
 from .constraints import Keyword
 from .errors import DBSError
 
-SHOTS = 3            # few-shot examples per prompt
 
 
 def _words(keywords: list[str]) -> str:
@@ -40,7 +40,7 @@ def train_pool() -> list[tuple[list[str], str]]:
     return [(c.split(), s) for c, s in (line.split("\t") for line in text.splitlines() if line)]
 
 
-def few_shot(keywords: list[str], context: str, shots: int = SHOTS) -> str:
+def few_shot(keywords: list[str], context: str, shots: int = 3) -> str:
     """`shots` examples, each "Words: ..." then its sentence after the context where the context
     can lead into a sentence (empty, or ending in a space or a line break), then the request's words."""
     lead = context if not context or context[-1].isspace() else ""
@@ -48,7 +48,7 @@ def few_shot(keywords: list[str], context: str, shots: int = SHOTS) -> str:
     return f"{examples}Words: {', '.join(keywords)}\n"
 
 
-def prompt_text(style: str, keywords: list[Keyword], context: str, template=None) -> str:
+def prompt_text(style: str, keywords: list[Keyword], context: str, template=None, shots: int = 3) -> str:
     """The text before `context` for `style` (the first alternative of each keyword names it)."""
     words = [k.phrases[0] for k in keywords]
     if style == "none":
@@ -56,7 +56,7 @@ def prompt_text(style: str, keywords: list[Keyword], context: str, template=None
     if style == "instruction":
         return instruction(words) + "\n"
     if style == "few-shot":
-        return few_shot(words, context)
+        return few_shot(words, context, shots)
     if style == "chat":
         if template is None:
             raise DBSError("prompt style 'chat' needs a model with a chat template (this export has none)",

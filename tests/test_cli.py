@@ -18,7 +18,8 @@ BAD_OPTION = {
     "order": ("sideways", "--order"), "match": ("prefix", "--match"),
     "repetition_penalty": ("0", "`repetition_penalty`"), "no_repeat_ngram_size": ("-1", "`no_repeat_ngram_size`"),
     "stop": ("eventually", "--stop"), "beams_type": ("many", "--beams"),
-    "prompt_style": ("loud", "--prompt-style"), "heal": ("maybe", "--heal"),
+    "prompt_style": ("loud", "--prompt-style"), "heal": ("maybe", "--heal"), "shots": ("201", "`shots`"),
+    "sentence_deadline": ("-1", "`sentence_deadline`"),
 }
 FLAG = {name: flag for name, flag, *_ in OPTIONS}
 

@@ -10,7 +10,7 @@ from dbs_fast import DBSConfig, DirectedBeamSearch
 from dbs_fast.cli import main as cli
 from dbs_fast.constraints import parse_keywords
 from dbs_fast.errors import DBSError
-from dbs_fast.prompt import SHOTS, few_shot, prompt_text, train_pool
+from dbs_fast.prompt import few_shot, prompt_text, train_pool
 
 KW = parse_keywords("dog,ice cream|gelato,park")
 SMALL = DBSConfig(beams=2, candidates=3, chunk=3, max_new_tokens=9)
@@ -38,7 +38,7 @@ def test_few_shot_examples_come_from_train_never_from_dev():
            files("dbs_fast").joinpath("data/commongen_dev.txt").read_text().splitlines() if line}
     assert len(pool) == 200 and not any(frozenset(c) in dev for c, _ in pool)
     text = few_shot(["dog", "park"], "Scene:\n")
-    assert text.count("Words: ") == SHOTS + 1 and text.endswith("Words: dog, park\n")
+    assert text.count("Words: ") == 3 + 1 and few_shot(["dog"], "", 7).count("Words: ") == 8 and text.endswith("Words: dog, park\n")
     assert f"Scene:\n{pool[0][1]}\n" in text                  # the examples follow the same context
     assert f"\n{pool[0][1]}\n" in few_shot(["dog"], "It is")   # a context that cannot lead in: not repeated
 
