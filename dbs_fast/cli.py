@@ -252,6 +252,9 @@ def _add_eval(sub):
     p.add_argument("--grid-k", default="2,5,10", help="chunk sizes k of --grid bsk")
     p.add_argument("--stories", action="store_true",
                    help="the paper's four ROC story contexts and keywords, printed with keywords highlighted")
+    p.add_argument("--frontier", default=None,
+                   help="comma-separated --out folders of CommonGen evals: no generation; BLEU-4 against judge "
+                        "perplexity for every run in them, beside the human anchor (frontier.md, frontier.png in --out)")
     p.set_defaults(func=_run_eval)
 
 
@@ -290,6 +293,11 @@ def _run_eval(a) -> int:
     from .api import DirectedBeamSearch
     from .evaluation import run_eval
 
+    if a.frontier is not None:
+        from .evaluation import frontier
+
+        frontier([Path(d) for d in a.frontier.split(",") if d.strip()], Path(a.out))
+        return 0
     if a.batch < 1:
         raise DBSError(f"`--batch` must be >= 1, got {a.batch}")
     if a.limit is not None and a.limit < 1:

@@ -340,6 +340,66 @@ def quality_plot(summary, modes, path: Path) -> None:
     plt.close(fig)
 
 
+def frontier(dirs: list[Path], out: Path) -> list[dict]:
+    """BLEU-4 against judge median perplexity for every run of the CommonGen evals in `dirs`
+    (their summary.json), beside the human anchor: frontier.md and frontier.png in `out`."""
+    points, human = [], None
+    for d in dirs:
+        f = d / "summary.json"
+        if not f.is_file():
+            raise DBSError(f"--frontier: {f} not found (give the --out folders of CommonGen evals)")
+        s = json.loads(f.read_text())
+        cfgs = s.get("configs", {})
+        for run, v in s.items():
+            cg = v.get("commongen") if isinstance(v, dict) else None
+            if not cg or "judge_ppl" not in v:
+                continue
+            c = cfgs.get(run, {})
+            points.append({"eval": d.name, "run": run, "prompt_style": c.get("prompt_style", "none"),
+                           "lam": c.get("lam"), "guarantee": c.get("guarantee"), "bleu4": cg["bleu4"],
+                           "cider": cg["cider"], "coverage": cg["coverage"], "words": cg["words"],
+                           "judge_ppl_median": v["judge_ppl"]["median"], "rep_4": v["rep_4"]["mean"],
+                           "sets": s["sets"]})
+        if human is None and "human" in s and "reference" in s:
+            human = {**s["human"], "judge_ppl_median": s["reference"]["judge_ppl"]["median"]}
+    if not points:
+        raise DBSError("--frontier: no CommonGen runs with judge scores in " + ", ".join(map(str, dirs)))
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["| eval | run | prompt style | lambda | guarantee | BLEU-4 | CIDEr-D | coverage (sentence) | words | "
+             "judge ppl (median) | rep-4 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        lines.append(f"| {p['eval']} | {p['run']} | {p['prompt_style']} | {p['lam']} | {p['guarantee']} | "
+                     f"{p['bleu4']:.1f} | {p['cider']:.2f} | {p['coverage']:.3f} | {p['words']:.1f} | "
+                     f"{p['judge_ppl_median']:.1f} | {p['rep_4']:.3f} |")
+    if human:
+        lines.append(f"| human | first reference vs the others | | | | {human['bleu4']:.1f} | {human['cider']:.2f} | "
+                     f"{human['coverage']:.3f} | {human['words']:.1f} | {human['judge_ppl_median']:.1f} | |")
+    (out / "frontier.md").write_text("\n".join(lines) + "\n")
+    (out / "frontier.json").write_text(json.dumps({"points": points, "human": human}, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for p in points:
+        ax.scatter(p["judge_ppl_median"], p["bleu4"], marker="s" if p["guarantee"] else "o")
+        ax.annotate(f"{p['eval']}/{p['run']}", (p["judge_ppl_median"], p["bleu4"]), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
+    if human:
+        ax.scatter(human["judge_ppl_median"], human["bleu4"], marker="*", s=200, color="black")
+        ax.annotate("human", (human["judge_ppl_median"], human["bleu4"]), xytext=(4, -10), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("judge perplexity, median (lower: likelier text)")
+    ax.set_ylabel("BLEU-4 against all references")
+    ax.set_title(f"CommonGen dev ({points[0]['sets']} sets): BLEU-4 against judge perplexity")
+    fig.tight_layout()
+    fig.savefig(out / "frontier.png", dpi=120)
+    plt.close(fig)
+    print("\n".join(lines))
+    return points
+
+
 # -- hyper-parameter grids (the paper's Figure 1 and Figures 2-3) -------------------------------
 LAMBDAS = (5.0, 10.0, 15.0, 20.0, 25.0)
 BS_VALUES = (3, 5, 7, 10)

@@ -24,7 +24,6 @@ from .constraints import Keyword
 from .errors import DBSError
 
 
-
 def _words(keywords: list[str]) -> str:
     return keywords[0] if len(keywords) == 1 else ", ".join(keywords[:-1]) + " and " + keywords[-1]
 

@@ -327,6 +327,12 @@ def test_eval_commongen_at_toy_size(exported, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "BLEU-4" in printed and "CIDEr-D" in printed and "| human (2 sets)" in printed and "human references" in printed
     assert "Different final beams per set" in printed
+    # the frontier of the runs: one point per run, from the same summary, beside the human anchor
+    assert cli(["eval", "--frontier", str(out), "--out", str(tmp_path / "fr")]) == 0
+    fr = json.loads((tmp_path / "fr" / "frontier.json").read_text())
+    assert [(p["run"], p["bleu4"]) for p in fr["points"]] == [(r, s[r]["commongen"]["bleu4"]) for r in ("dbs", "guarantee")]
+    assert fr["human"]["bleu4"] == s["human"]["bleu4"] and (tmp_path / "fr" / "frontier.png").stat().st_size > 0
+    assert cli(["eval", "--frontier", str(tmp_path / "nothing"), "--out", str(tmp_path / "fr")]) == 2
 
 
 def test_commongen_scores_are_the_librarys_over_all_references():
