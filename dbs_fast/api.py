@@ -299,7 +299,8 @@ class DirectedBeamSearch:
         if self.decoder is not None:
             be = onnx_backend(self.backend.model, self.decoder, cfg)
         return BeamSearch(be, self.scorer, cfg, (), progress,
-                          self.sentence_end if cfg.stop == "sentence" else None,
+                          self.sentence_end if cfg.stop == "sentence" or cfg.sentence_deadline or cfg.min_sentence
+                          else None,
                           self.word_piece if cfg.guarantee or cfg.boost_word_starts else None)
 
 class Batch:

@@ -163,7 +163,7 @@ class BeamSearch:
     def __init__(self, backend, scorer, cfg: DBSConfig, requests: list[Request] = (), progress=None,
                  sentence_end: np.ndarray | None = None, word_piece: np.ndarray | None = None):
         self.be, self.scorer, self.cfg = backend, scorer.fresh(cfg), cfg
-        if (cfg.stop == "sentence" or cfg.sentence_deadline) and sentence_end is None:   # (V,) bool; the API passes a cached one
+        if (cfg.stop == "sentence" or cfg.sentence_deadline or cfg.min_sentence) and sentence_end is None:   # (V,) bool; the API passes a cached one
             sentence_end = occurrence.sentence_end_tokens(backend.decode_one, backend.vocab_size)
         self.sentence_end = sentence_end
         if cfg.guarantee and word_piece is None:   # (V,) bool; the API passes a cached one
@@ -366,11 +366,12 @@ class BeamSearch:
             assert len(forced.seqs) == n, "a row forces a sequence of no request in the batch"
         self.forced = forced
         # ban groups 8q + 4 * heal + 2 * glue + eos: request q's bans, plus (guarantee) EOS while a
-        # keyword is missing (with a sentence deadline, every sentence end too), plus tokens that would glue onto a keyword just completed ("hockey" +
+        # keyword is missing (with a sentence deadline, every sentence end too) or before `min_sentence`
+        # tokens (EOS and every sentence end), plus tokens that would glue onto a keyword just completed ("hockey" +
         # "rink", "pet" + "rified"), so that it stays the word that was counted, plus (token healing,
         # the first token) every token that does not re-write the context's last one
         self.bans = None
-        if any(r.bans or r.heal for r in requests) or self.word_piece is not None:
+        if any(r.bans or r.heal for r in requests) or self.word_piece is not None or self.cfg.min_sentence:
             self.bans = self._ban_table(requests)
         self.multi_bans = any(len(b) > 1 for r in requests for b in r.bans)
 
@@ -379,7 +380,7 @@ class BeamSearch:
         time a request joins or leaves, and the glue group holds one sequence per word-piece token
         (tens of thousands), so Python lists here cost ~15 ms per request in the batch."""
         eos = np.array([e for e in self.eos if e >= 0], np.int32)
-        if self.cfg.sentence_deadline and self.cfg.guarantee:
+        if (self.cfg.sentence_deadline and self.cfg.guarantee) or self.cfg.min_sentence:
             eos = np.union1d(eos, np.flatnonzero(self.sentence_end)).astype(np.int32)
         glue = np.zeros(0, np.int32) if self.word_piece is None else np.flatnonzero(self.word_piece).astype(np.int32)
         n_seqs, lens, toks = [], [], []
@@ -462,10 +463,11 @@ class BeamSearch:
         out[go] = self.word_piece[self.seq_tok[p[go]]]
         return out
 
-    def _ban_groups(self, rows: Rows, rem: np.ndarray, healing: np.ndarray):
+    def _ban_groups(self, rows: Rows, rem: np.ndarray, healing: np.ndarray, n_done: np.ndarray):
         if self.bans is None:
             return None
-        return 8 * rows.req + 4 * healing + 2 * rows.glue + (self.cfg.guarantee & (rem != 0) & ~healing)
+        end = (self.cfg.guarantee & (rem != 0)) | (n_done < self.cfg.min_sentence)   # no end (of a sentence) yet
+        return 8 * rows.req + 4 * healing + 2 * rows.glue + (end & ~healing)
 
     def _uniforms(self, rows: Rows) -> np.ndarray:
         counts = np.bincount(rows.req, minlength=len(self.slots))
@@ -509,7 +511,7 @@ class BeamSearch:
         force = self._forced(rows, rem, n_done)
         hist, hstart = self._history(rows, col, healing)
         ids, lp = self.be.sample(self.pending, self._uniforms(rows), word, self.table.csr, self.cfg, hist, hstart,
-                                 boost_first, bans=self.bans, row_ban=self._ban_groups(rows, rem, healing),
+                                 boost_first, bans=self.bans, row_ban=self._ban_groups(rows, rem, healing, n_done),
                                  force=force)
         return Draw(ids, lp, rem, cand, word, force, n_done)
 

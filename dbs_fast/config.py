@@ -81,6 +81,8 @@ class DBSConfig:
                                     "is this many tokens, not the budget's end (0 = the budget); with --guarantee "
                                     "every keyword is then forced in time and sentence ends are banned while one is "
                                     "missing, so all are in the first sentence")
+    min_sentence: int = option(0, "--min-sentence", int, "no sentence end and no EOS before this many new tokens "
+                               "(0 = off); under --guarantee sentence ends then also wait for every keyword")
     repetition_penalty: float = option(1.0, "--repetition-penalty", float,
                                        "> 1 discourages tokens already used (1 = off)")
     no_repeat_ngram_size: int = option(3, "--no-repeat-ngram-size", int,
@@ -118,6 +120,8 @@ class DBSConfig:
                 bad(name, "must be >= 0")
         if not (_is_int(self.shots, 1) and self.shots <= FEW_SHOT_POOL):
             bad("shots", f"must be an integer in 1..{FEW_SHOT_POOL} (the examples packaged from CommonGen train)")
+        if not _is_int(self.min_sentence, 0):
+            bad("min_sentence", "must be an integer >= 0 (0 = off)")
         if not _is_int(self.sentence_deadline, 0):
             bad("sentence_deadline", "must be an integer >= 0 (0 = off)")
         if not _is_int(self.reserve_per_keyword, 0):

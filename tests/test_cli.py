@@ -19,7 +19,7 @@ BAD_OPTION = {
     "repetition_penalty": ("0", "`repetition_penalty`"), "no_repeat_ngram_size": ("-1", "`no_repeat_ngram_size`"),
     "stop": ("eventually", "--stop"), "beams_type": ("many", "--beams"),
     "prompt_style": ("loud", "--prompt-style"), "heal": ("maybe", "--heal"), "shots": ("201", "`shots`"),
-    "sentence_deadline": ("-1", "`sentence_deadline`"),
+    "sentence_deadline": ("-1", "`sentence_deadline`"), "min_sentence": ("-1", "`min_sentence`"),
 }
 FLAG = {name: flag for name, flag, *_ in OPTIONS}
 

@@ -268,3 +268,21 @@ def test_no_healing_where_the_bans_leave_no_token_to_rewrite_the_end(dbs):
     assert dbs.request("It is", KW, seed=1, ban=words[:1]).heal is not None
     r = dbs.generate("It is", KW, seed=1, ban=words)
     assert r.text.startswith("It is")
+
+
+def test_min_sentence_keeps_sentence_ends_and_eos_out_of_the_first_tokens(exported):
+    """No token that ends a sentence (here: a third of the vocabulary, marked so) and no EOS
+    among a row's first `min_sentence` tokens; without it they come at once (the test bites)."""
+    d = DirectedBeamSearch(exported["gpt2"], config=SMALL)
+    d._sentence_end = np.arange(d.backend.vocab_size) % 3 == 0
+    stop = d._sentence_end.copy()
+    stop[list(d.backend.eos_ids)] = True
+
+    def first_tokens(cfg):
+        search = d.search(cfg)
+        search.admit([d.request("It is", KW, seed=s, config=cfg) for s in range(3)])
+        return np.concatenate([f.rows.tokens[:, :6] for f in search.run()])
+
+    base = DBSConfig(**{**SMALL.to_dict(), "lam": 0.0, "heal": False})
+    assert stop[first_tokens(base)].any()
+    assert not stop[first_tokens(DBSConfig(**{**base.to_dict(), "min_sentence": 6}))].any()
