@@ -11,7 +11,7 @@ from .backend import OnnxBackend, onnx_backend
 from .beam import BeamSearch, Finished, Request
 from .chat import ChatTemplate
 from .config import DBSConfig
-from .decoder import PrefixDecoder
+from .decoder import ContextStore, PrefixDecoder
 from .embeddings import Embeddings, SimilarityTable
 from .errors import DBSError
 from .home import EMBEDDED_DIRS, embedded_model_dir
@@ -108,7 +108,7 @@ class DirectedBeamSearch:
     def __init__(self, model: str | Path = "default", embeddings: str = "default",
                  config: DBSConfig | None = None, scorer: str = "self", backend: str = "onnx",
                  provider: str = "cpu", threads: int | None = None, subword_fallback: bool = False,
-                 quiet: bool = True, kv_layout: str = "auto"):
+                 quiet: bool = True, kv_layout: str = "auto", context_cache_mb: int = 256):
         self.config = config or DBSConfig()
         self.model_dir = resolve_model_dir(model, quiet)
         self.manifest = read_manifest(self.model_dir)
@@ -116,6 +116,8 @@ class DirectedBeamSearch:
         self.decoder = None
         if backend == "onnx":
             self.decoder = self._decoder(self.model_dir, kv_layout, provider, threads)
+            if self.decoder is not None and context_cache_mb:      # prefilled contexts kept across requests
+                self.decoder.store = ContextStore(context_cache_mb * 2**20)
             self.backend = OnnxBackend(OnnxModel(self.model_dir, provider, threads, lazy=self.decoder is not None))
         elif backend == "torch":
             from .torch_backend import TorchBackend

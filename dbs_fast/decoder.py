@@ -3,6 +3,7 @@ over a `PrefixCache`: inputs bound in place, the new token's K/V written straigh
 next chunk slot, outputs into buffers kept from step to step (no allocation, no host copy)."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,58 @@ from .runtime import make_session
 # context columns per prefill call: the attention scores of a call are (rows, heads, slice, slice +
 # columns before it), so slices keep a long context's transient memory linear in its length
 PREFILL_SLICE = 256
+
+
+class ContextStore:
+    """Prefilled contexts' K/V kept across requests (automatic prefix caching): a request whose
+    context starts with the tokens of one prefilled before reuses that one's K/V up to the last
+    whole prefill slice they share, and prefills only the rest. The slices then start where an
+    uncached prefill's would, so the result is the same to the bit. An LRU bounded in bytes;
+    `hits`, `lookups` and `reused_tokens` / `context_tokens` are its hit rates."""
+
+    def __init__(self, max_bytes: int, granule: int = PREFILL_SLICE):
+        self.max_bytes, self.granule = int(max_bytes), granule
+        self.entries: OrderedDict[int, tuple[np.ndarray, list]] = OrderedDict()
+        self.nbytes = self.hits = self.lookups = self.reused_tokens = self.context_tokens = 0
+        self._key = 0
+
+    def lookup(self, tokens: np.ndarray) -> tuple[int, list | None]:
+        """(P, the K/V of tokens[:P] as (1, kv, >= P, d) arrays) for the longest stored prefix of
+        `tokens` in whole slices, leaving at least one token to prefill; (0, None) on a miss."""
+        self.lookups += 1
+        self.context_tokens += len(tokens)
+        best, hit = 0, None
+        for key, (toks, past) in self.entries.items():
+            n = min(len(toks), len(tokens) - 1)
+            same = toks[:n] == tokens[:n]
+            common = n if same.all() else int(np.argmin(same))
+            p = common // self.granule * self.granule
+            if p > best:
+                best, hit = p, key
+        if hit is None:
+            return 0, None
+        self.entries.move_to_end(hit)
+        self.hits += 1
+        self.reused_tokens += best
+        return best, self.entries[hit][1]
+
+    def put(self, tokens: np.ndarray, past: list) -> None:
+        """Keep the K/V `past` ((1, kv, len(tokens), d) per tensor, not written to later) of `tokens`."""
+        n = sum(p.nbytes for p in past)
+        if len(tokens) <= self.granule or n > self.max_bytes:
+            return
+        for key, (toks, _) in list(self.entries.items()):    # one this context extends is redundant
+            if len(toks) <= len(tokens) and np.array_equal(toks, tokens[:len(toks)]):
+                self._drop(key)
+        self._key += 1
+        self.entries[self._key] = (np.array(tokens), past)
+        self.nbytes += n
+        while self.nbytes > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+
+    def _drop(self, key: int) -> None:
+        _, past = self.entries.pop(key)
+        self.nbytes -= sum(p.nbytes for p in past)
 
 
 @dataclass(frozen=True)
@@ -55,6 +108,7 @@ class PrefixDecoder:
             self.ops = DeviceOps(kv_device)
         self.host_bytes = 0       # bytes bound from host memory (inputs bound again, outputs) in the last call
         self.host_bytes_total, self.calls = 0, 0                    # ... and over all calls
+        self.store: ContextStore | None = None      # prefilled contexts kept across requests (host cache only)
 
     def _buffers(self, cache: PrefixCache, L: int, new: bool = True) -> list[np.ndarray]:
         """Logits (N, vocab) and, with `new`, the new K/V (b, kv, s, L, d) per tensor, reused while
@@ -107,20 +161,49 @@ class PrefixDecoder:
         vocab) and a cache with the contexts as prefixes, s rows each, room for k chunk tokens and
         `reserve` more prefix columns. One call per `PREFILL_SLICE` columns, each over the columns
         before it as the prefix (padding stays masked): no second graph, no second copy of the weights."""
+        if self.store is not None and self.ops is HOST:
+            return self._prefill_stored(ids, mask, kv_heads, head_dim, s, k, reserve)
+        logits, past = self._prefill_slices(ids, mask, kv_heads, head_dim)
+        return logits, PrefixCache.start(past, mask, s, k, reserve, self.ops)
+
+    def _prefill_slices(self, ids: np.ndarray, mask: np.ndarray, kv_heads: int, head_dim: int,
+                        start: int = 0, before: list | None = None) -> tuple[np.ndarray, list]:
+        """Columns `start`: of the contexts through the graph, one call per `PREFILL_SLICE`, after
+        `before` (the K/V of the first `start` columns, (Q, kv, >= start, d) per tensor): the last
+        logits (Q, vocab) and the K/V of all T columns."""
         Q, T = ids.shape
         ops = self.ops
         empty = ops.zeros((Q, kv_heads, 1, head_dim))                      # one masked column
-        pc = PrefixCache([empty] * (2 * self.layers), np.zeros((Q, 1), np.int64),
+        prefix = [empty] * (2 * self.layers) if not start else \
+            [np.concatenate([empty, b[:, :, :start]], axis=2) for b in before]
+        pc = PrefixCache(prefix, np.concatenate([np.zeros((Q, 1), np.int64), mask[:, :start]], axis=1),
                          [ops.zeros((1, Q, kv_heads, 1, head_dim)) for _ in range(2 * self.layers)],
                          np.zeros((Q, 1), np.int64), 1, ops=ops)
         pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-        for t in range(0, T, PREFILL_SLICE):
+        for t in range(start, T, PREFILL_SLICE):
             cols = slice(t, min(t + PREFILL_SLICE, T))
             logits, new = self.run(ids[:, cols], pc, positions=pos[:, cols], new_mask=mask[:, cols])
             # new (Q, kv, 1, L, d): one row per context, so dropping the s axis is a reshape
             pc.prefix = [ops.concat(p, x.reshape(x.shape[:2] + x.shape[3:]), 2) for p, x in zip(pc.prefix, new)]
             pc.mask = np.concatenate([pc.mask, mask[:, cols]], axis=1)
-        return logits.copy(), PrefixCache.start([ops.cols(p, 1) for p in pc.prefix], mask, s, k, reserve, ops)
+        return logits.copy(), [ops.cols(p, 1) for p in pc.prefix]
+
+    def _prefill_stored(self, ids, mask, kv_heads, head_dim, s, k, reserve) -> tuple[np.ndarray, PrefixCache]:
+        """`prefill` through the context store: each context on its own, from the longest prefix
+        of it the store holds; then left-padded together as one batch's cache."""
+        Q, T = ids.shape
+        logits, pasts = [], []
+        for q in range(Q):
+            toks = ids[q, mask[q] == 1]
+            n = len(toks)
+            start, before = self.store.lookup(toks)
+            lg, past = self._prefill_slices(toks[None], np.ones((1, n), np.int64), kv_heads, head_dim, start, before)
+            past = [np.ascontiguousarray(p) for p in past]
+            self.store.put(toks, past)
+            logits.append(lg[0])
+            pasts.append([np.pad(p, ((0, 0), (0, 0), (T - n, 0), (0, 0))) for p in past])
+        past = [np.concatenate([p[i] for p in pasts]) for i in range(2 * self.layers)]
+        return np.stack(logits), PrefixCache.start(past, mask, s, k, reserve, self.ops)
 
     def step(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None,
              new_mask: np.ndarray | None = None) -> np.ndarray:

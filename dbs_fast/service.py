@@ -135,6 +135,15 @@ class Metrics:
                              "--provider cuda: copied between host and GPU; the prefix cache only)", registry=r)
         self.chunks = Histogram("dbs_chunk_seconds", "seconds per chunk of a running batch", registry=r,
                                 buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30))
+        self.store = None                  # the engine's ContextStore, once loaded (None: off)
+        for name, what, stat in (("hits", "prefills that reused a stored context prefix", "hits"),
+                                 ("lookups", "prefills that looked in the context store", "lookups"),
+                                 ("reused_tokens", "context tokens taken from the store instead of prefilled",
+                                  "reused_tokens"),
+                                 ("context_tokens", "context tokens of the prefills that looked", "context_tokens"),
+                                 ("bytes", "bytes the context store holds", "nbytes")):
+            Gauge(f"dbs_context_cache_{name}", what, registry=r).set_function(
+                lambda stat=stat: getattr(self.store, stat, 0))
         self.latency = Histogram("dbs_request_latency_seconds", "seconds from arrival to the result",
                                  registry=r, buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300))
 
@@ -175,6 +184,7 @@ class Service:
                                                         kv_layout=self.opts.kv_layout)
             dbs.word_piece, dbs.sentence_end                           # built once, before the first request
             dbs.generate("It is", "day", config=DBSConfig(beams=1, candidates=1, max_new_tokens=8, stop="max"))  # warm-up
+            self.metrics.store = dbs.decoder.store if dbs.decoder is not None else None
             self.batcher = Batcher(dbs, self.opts.max_rows, self.opts.max_queue, self.metrics, self.opts.admit_wait)
             self.dbs = dbs
         except Exception as e:   # noqa: BLE001 -- reported by /health, the server stays up

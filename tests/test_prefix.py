@@ -420,3 +420,51 @@ def test_device_ops_equal_their_numpy_references():
     np.testing.assert_array_equal(ops.zeros((2, 3)).numpy(), np.zeros((2, 3)))
     np.testing.assert_array_equal(ops.lead(C[0], 2).numpy(), c[:2])
     np.testing.assert_array_equal(ops.at(C[0], 1, (b, kv, s, 1, d)).numpy(), c[1][:, :, :, None])
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_context_store_reuses_a_shared_prefix_to_the_bit(kind, decoders, exported, monkeypatch):
+    """A context that starts with one prefilled before takes that one's K/V for the whole slices
+    they share and prefills the rest: logits and cache equal to the bit to the same prefill
+    without a hit (the slices start where they would), and close to the full model; contexts of
+    different lengths in one batch come out left-padded as the batched prefill's; the store stays
+    within its bytes, dropping the least recently used."""
+    from dbs_fast import decoder as prefix
+    from dbs_fast.decoder import ContextStore, PrefixDecoder
+    from dbs_fast.model import OnnxModel
+
+    monkeypatch.setattr(prefix, "PREFILL_SLICE", 4)
+    full = OnnxModel(exported[kind])
+    dec, cold = PrefixDecoder(decoders[kind]), PrefixDecoder(decoders[kind])
+    dec.store = ContextStore(10**9, granule=4)
+    shared = list(range(30, 41))                                           # 11 tokens: two whole slices
+    ctx = [shared + [50, 51, 52], shared[:9] + [60], list(range(70, 76))]
+    T = max(map(len, ctx))
+    ids = np.array([[0] * (T - len(c)) + c for c in ctx])
+    mask = (ids > 0).astype(np.int64)
+    kv = (full.kv_heads, full.head_dim)
+    dec.prefill(ids[:1], mask[:1], *kv, s=2, k=3)                          # the first: a miss, stored
+    assert (dec.store.hits, dec.store.lookups) == (0, 1) and len(dec.store.entries) == 1
+    hot = dec.prefill(ids, mask, *kv, s=2, k=3)
+    assert dec.store.hits == 2 and dec.store.reused_tokens == 12 + 8       # 3 slices of 14, 2 of 10; none of 6
+    cold.store = ContextStore(10**9, granule=4)                            # the same, every context a miss
+    ref = [cold.prefill(ids[i:i + 1], mask[i:i + 1], *kv, s=2, k=3) for i in range(3)]
+    cold.store = None
+    batched = cold.prefill(ids, mask, *kv, s=2, k=3)
+    full_ref, _ = full.forward(ids, full.empty_cache(3), mask)
+    for i, (lg, cache) in enumerate(ref):
+        np.testing.assert_array_equal(hot[0][i], lg[0])
+        for x, y in zip(hot[1].prefix, cache.prefix):                     # both left-padded to T
+            np.testing.assert_array_equal(x[i:i + 1], y)
+    np.testing.assert_allclose(hot[0], full_ref[:, -1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(hot[0], batched[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(hot[1].mask, batched[1].mask)
+    tok = np.arange(6) + 7
+    np.testing.assert_allclose(dec.step(tok, hot[1]), cold.step(tok, batched[1]), rtol=1e-4, atol=1e-4)
+
+    one = sum(p.nbytes for p in dec.store.entries[next(iter(dec.store.entries))][1])
+    small = ContextStore(int(one * 1.5), granule=4)
+    small.put(np.array(ctx[0]), dec.store.entries[next(iter(dec.store.entries))][1])
+    small.put(np.array(ctx[0][:-1] + [99]), dec.store.entries[next(iter(dec.store.entries))][1])
+    assert len(small.entries) == 1 and small.nbytes <= small.max_bytes     # the older one dropped
+    assert small.lookup(np.array(ctx[0]))[0] == 12                          # 13 tokens shared -> 3 slices

@@ -160,6 +160,11 @@ def test_metrics_and_health(server):
     # the decode graph counts what it binds from host memory (on a GPU: what crosses the bus)
     moved = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("dbs_host_device_bytes_total"))
     assert moved > 0
+    # the context store: every prefill looked in it (its hit rate: hits / lookups, reused / context tokens)
+    stat = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("dbs_context_cache_")}
+    assert stat["dbs_context_cache_lookups"] >= 1 and stat["dbs_context_cache_context_tokens"] >= 1
+    assert 0 <= stat["dbs_context_cache_hits"] <= stat["dbs_context_cache_lookups"]
 
 
 # -- back-pressure, disconnects, timeouts, failures: a server whose model steps slowly ------------
