@@ -375,6 +375,8 @@ def _add_bench(sub):
                         "torch-fp32 stay loaded together and take turns, generation by generation)")
     p.add_argument("--contexts", default=None, help="only the context-length arm on the embedded default, e.g. "
                    "2,256,1024,2048: seconds per generation, KV bytes and peak RSS per length (contexts.md)")
+    p.add_argument("--shared", type=int, default=None, help="with --contexts: also the time to the first chunk "
+                   "of a request whose first N context tokens another request's context shares (the context store)")
     p.set_defaults(func=_run_bench)
 
 
@@ -389,7 +391,8 @@ def _run_bench(a) -> int:
             raise DBSError(f"--contexts must be comma-separated token counts in 2..100000, got {a.contexts!r}") from None
         from .bench.contexts import run_contexts
 
-        run_contexts(sorted(lengths), Path(a.out), Path(a.workdir), repeats=a.repeats or 2, threads=a.threads)
+        run_contexts(sorted(lengths), Path(a.out), Path(a.workdir), repeats=a.repeats or 2, threads=a.threads,
+                     shared=a.shared)
         return 0
     try:
         from .bench.suite import CONTENDERS, run_bench

@@ -7,6 +7,10 @@ after English text cut to N tokens (sentences of CommonGen train, packaged). Rep
 seconds per generation, the KV cache's peak bytes, the worker's peak RSS; and the growth against
 the shortest context, beside one copy of the longest context's K/V (what a cache that holds the
 request's context once would add).
+
+`shared_prefix` (`--shared 1000`): the time to the first chunk of a request whose context shares
+its first tokens with one prefilled before (the context store hits), against the same request
+with an empty store, in turns.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from dbs_fast.api import resolve_model_dir
 from dbs_fast.bench.machine import machine
 from dbs_fast.bench.suite import run_in_turns
 from dbs_fast.config import DBSConfig
+from dbs_fast.decoder import ContextStore
+from dbs_fast.errors import DBSError
 from dbs_fast.prompt import train_pool
 
 KEYWORDS = ["river", "doctor", "winter"]
@@ -38,7 +44,7 @@ def kv_bytes_per_token(manifest: dict) -> int:
 
 
 def run_contexts(lengths: list[int], out: Path, workdir: Path, repeats: int = 2, threads: int | None = None,
-                 model: str = "default") -> dict:
+                 model: str = "default", shared: int | None = None) -> dict:
     from tokenizers import Tokenizer
 
     model_dir = resolve_model_dir(model)
@@ -72,7 +78,8 @@ def run_contexts(lengths: list[int], out: Path, workdir: Path, repeats: int = 2,
     report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "model": str(model_dir),
               "config": cfg.to_dict(), "keywords": KEYWORDS, "repeats": repeats,
               "kv_bytes_per_context_token": kv_bytes_per_token(manifest),
-              "one_copy_of_longest_context_bytes": one_copy if ok else None, "rows": rows}
+              "one_copy_of_longest_context_bytes": one_copy if ok else None, "rows": rows,
+              "shared_prefix": shared_prefix(shared, threads=threads, model=model) if shared else None}
     (out / "contexts.json").write_text(json.dumps(report, indent=2))
     (out / "contexts.md").write_text(markdown(report))
     print(markdown(report))
@@ -93,4 +100,49 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['context_tokens']} | {r['seconds']:.2f} | {r['seconds_x']:.2f} | "
                      f"{r['kv_cache_bytes'] / 1e6:.0f} | {r['kv_extra_over_one_copy']:.1f} | "
                      f"{r['peak_rss_bytes'] / 1e6:.0f} |")
+    sp = report.get("shared_prefix")
+    if sp:
+        lines += ["", f"A request of {sp['context_tokens']} context tokens whose first {sp['shared_tokens']} another "
+                  f"request's context shares ({sp['reused_tokens']} taken from the context store): time to its first "
+                  f"chunk {sp['warm_seconds']:.2f} s against {sp['cold_seconds']:.2f} s with an empty store "
+                  f"({sp['ratio']:.2f}x; best of {len(sp['cold_all'])}, in turns)."]
     return "\n".join(lines) + "\n"
+
+
+def shared_prefix(shared: int, tail: int = 100, repeats: int = 3, threads: int | None = None,
+                  model: str = "default") -> dict:
+    """Seconds to the first chunk (prefill + one chunk, the paper's search) of a context of
+    `shared` + `tail` tokens: with an empty context store (cold) and after another context with
+    the same first `shared` tokens was prefilled (warm); best of `repeats`, alternating."""
+    from dbs_fast.api import DirectedBeamSearch
+
+    cfg = DBSConfig.paper(max_new_tokens=40)
+    dbs = DirectedBeamSearch(model, config=cfg, threads=threads)
+    if dbs.decoder is None:
+        raise DBSError("--shared needs the prefix cache (an export with decode.onnx)")
+    tok = dbs.backend.tokenizer
+    text = context_text(tok, shared + 2 * tail + 2)
+    ids = tok.encode(text, add_special_tokens=False).ids
+    first, second = tok.decode(ids[:shared] + ids[shared + tail:shared + 2 * tail]), tok.decode(ids[:shared + tail])
+
+    def first_chunk(context: str) -> float:
+        batch = dbs.batch(cfg)
+        t0 = time.perf_counter()
+        batch.admit([dbs.request(context, KEYWORDS, seed=0, config=cfg)])
+        batch.decode_chunk()
+        seconds = time.perf_counter() - t0
+        batch.drop(batch.requests)
+        return seconds
+
+    first_chunk("It is")                                         # warm-up: kernels compiled, sessions loaded
+    cold, warm, reused = [], [], []
+    for _ in range(repeats):
+        dbs.decoder.store = ContextStore(2**30)
+        cold.append(first_chunk(second))
+        dbs.decoder.store = ContextStore(2**30)
+        first_chunk(first)
+        warm.append(first_chunk(second))
+        reused.append(dbs.decoder.store.reused_tokens)
+    return {"shared_tokens": shared, "context_tokens": len(dbs.request(second, KEYWORDS).context_ids) + 1,
+            "reused_tokens": reused[-1], "cold_seconds": min(cold), "warm_seconds": min(warm),
+            "cold_all": cold, "warm_all": warm, "ratio": min(warm) / min(cold)}
