@@ -455,33 +455,59 @@ def _swagger_assets() -> str | None:
     return str(swagger_ui_path)
 
 
+class Guard:
+    """API key and request body size, before any route runs: a plain ASGI middleware (no task or
+    body copy per request, as Starlette's BaseHTTPMiddleware makes); a body without a length is
+    read only up to the limit."""
+
+    def __init__(self, app, opts: ServiceOptions, svc: "Service"):
+        self.app, self.opts, self.svc = app, opts, svc
+        self.protected = ("/v1/",) + (("/health", "/metrics") if opts.auth_health else ())
+        self.expected = f"Bearer {opts.api_key}" if opts.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        from starlette.datastructures import Headers
+        from starlette.responses import JSONResponse
+
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers, limit = Headers(scope=scope), self.opts.max_body_bytes
+        too_big = JSONResponse({"detail": f"the request body is over {limit} bytes"}, 413)
+        if self.expected and scope["path"].startswith(self.protected) and \
+                not hmac.compare_digest(headers.get("authorization", ""), self.expected):
+            self.svc.metrics.finished("unauthorized")
+            return await JSONResponse(
+                {"error": {"message": "a valid API key is needed: `Authorization: Bearer <key>`",
+                           "type": "authentication_error", "param": None, "code": "invalid_api_key"}},
+                401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        size = headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > limit):
+            self.svc.metrics.finished("invalid")
+            return await too_big(scope, receive, send)
+        if size is None and scope["method"] == "POST":     # a chunked body: read it up to the limit
+            got, n = [], 0
+            while True:
+                message = await receive()
+                got.append(message)
+                if message["type"] != "http.request":
+                    break
+                n += len(message.get("body", b""))
+                if n > limit:
+                    self.svc.metrics.finished("invalid")
+                    return await too_big(scope, receive, send)
+                if not message.get("more_body", False):
+                    break
+
+            async def replay():
+                return got.pop(0) if got else await receive()
+
+            return await self.app(scope, replay, send)
+        return await self.app(scope, receive, send)
+
+
 def _guard(app, opts: ServiceOptions, svc: "Service") -> None:
     """API key, request body size and CORS, before any route runs."""
-    from starlette.middleware.base import BaseHTTPMiddleware
-    from starlette.responses import JSONResponse
-
-    protected = ("/v1/",) + (("/health", "/metrics") if opts.auth_health else ())
-    expected = f"Bearer {opts.api_key}" if opts.api_key else None
-
-    async def check(request, call_next):
-        if expected and request.url.path.startswith(protected):
-            if not hmac.compare_digest(request.headers.get("authorization", ""), expected):
-                svc.metrics.finished("unauthorized")
-                return JSONResponse({"error": {"message": "a valid API key is needed: `Authorization: Bearer <key>`",
-                                               "type": "authentication_error", "param": None, "code": "invalid_api_key"}},
-                                    401, headers={"WWW-Authenticate": "Bearer"})
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > opts.max_body_bytes):
-            svc.metrics.finished("invalid")
-            return JSONResponse({"detail": f"the request body is over {opts.max_body_bytes} bytes"}, 413)
-        if size is None and request.method == "POST":
-            body = await request.body()           # a chunked body: read it, then judge its size
-            if len(body) > opts.max_body_bytes:
-                svc.metrics.finished("invalid")
-                return JSONResponse({"detail": f"the request body is over {opts.max_body_bytes} bytes"}, 413)
-        return await call_next(request)
-
-    app.add_middleware(BaseHTTPMiddleware, dispatch=check)
+    app.add_middleware(Guard, opts=opts, svc=svc)
     if opts.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
