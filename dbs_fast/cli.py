@@ -119,8 +119,8 @@ def _add_generate(sub):
     p.add_argument("--context", default=None, help="text to continue; '' starts a new document (default: It is; "
                                                    "with --task commongen, the task's context)")
     p.add_argument("--task", default=None, choices=["commongen"],
-                   help="a task preset: commongen = one sentence from unordered concepts (--order any --match lemma "
-                        "--lambda 8 --max-new-tokens 40 --reserve-per-keyword 6 and the task's context, as `eval "
+                   help="a task preset: commongen = one sentence from unordered concepts (" + " ".join(
+                       f"{FLAG[k]} {v}" for k, v in COMMONGEN.items()) + " and the task's context, as `eval "
                         "--sets commongen-dev`; flags given override)")
     p.add_argument("--model", default="default", help="exported model dir, or `default` (embedded SmolLM2)")
     p.add_argument("--scorer", default="self", help="`self` or an exported model dir sharing the tokenizer")
