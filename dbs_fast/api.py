@@ -234,14 +234,16 @@ class DirectedBeamSearch:
                            "context", context)
         return start[:1] + ids, True
 
-    def _heal(self, ids: list[int], cfg: DBSConfig, forced_tokens: int) -> constraints.Healing | None:
+    def _heal(self, ids: list[int], cfg: DBSConfig, forced_tokens: int, ban_seqs) -> constraints.Healing | None:
         """Token healing of a plain-text context (`cfg.heal`), where the budget leaves room for
-        the token that re-writes the context's end (with `guarantee`, besides the keywords)."""
+        the token that re-writes the context's end (with `guarantee`, besides the keywords) and
+        the bans leave one that can."""
         if not cfg.heal or ids[-1] in self.special_ids:
             return None
         if cfg.guarantee and forced_tokens >= cfg.max_new_tokens:
             return None
-        return self.token_texts.heal(ids, self.backend.decode_one(ids[-1]))
+        banned = [b[0] for b in ban_seqs if len(b) == 1]
+        return self.token_texts.heal(ids, self.backend.decode_one(ids[-1]), banned)
 
     def request(self, context, keywords, ban=None, seed: int = 0, config: DBSConfig | None = None) -> Request:
         """One request with its constraints tokenised and its boosts built; DBSError names what
@@ -270,10 +272,7 @@ class DirectedBeamSearch:
                                             own=constraints.first_tokens(enc, k) if cfg.complete_words else ())
                   for k in kws]
         ban_seqs = constraints.ban_sequences(enc, bans)
-        heal = self._heal(ids, cfg, sum(map(len, force))) if plain else None
-        if heal is not None and ban_seqs:     # the bans leave no token that re-writes the context's end: no healing
-            allowed = np.setdiff1d(np.arange(self.backend.vocab_size), heal.ban)
-            heal = None if np.isin(allowed, [b[0] for b in ban_seqs if len(b) == 1]).all() else heal
+        heal = self._heal(ids, cfg, sum(map(len, force)), ban_seqs) if plain else None
         return Request(heal.context_ids if heal else ids, kws, int(seed), boosts, force, phrases,
                        ban_seqs, context, heal=heal)
 
@@ -301,8 +300,7 @@ class DirectedBeamSearch:
         if self.decoder is not None:
             be = onnx_backend(self.backend.model, self.decoder, cfg)
         return BeamSearch(be, self.scorer, cfg, (), progress,
-                          self.sentence_end if cfg.stop == "sentence" or cfg.sentence_deadline or cfg.min_sentence
-                          else None,
+                          self.sentence_end if cfg.needs_sentence_ends else None,
                           self.word_piece if cfg.guarantee or cfg.boost_word_starts else None)
 
 class Batch:

@@ -163,7 +163,7 @@ class BeamSearch:
     def __init__(self, backend, scorer, cfg: DBSConfig, requests: list[Request] = (), progress=None,
                  sentence_end: np.ndarray | None = None, word_piece: np.ndarray | None = None):
         self.be, self.scorer, self.cfg = backend, scorer.fresh(cfg), cfg
-        if (cfg.stop == "sentence" or cfg.sentence_deadline or cfg.min_sentence) and sentence_end is None:   # (V,) bool; the API passes a cached one
+        if cfg.needs_sentence_ends and sentence_end is None:   # (V,) bool; the API passes a cached one
             sentence_end = occurrence.sentence_end_tokens(backend.decode_one, backend.vocab_size)
         self.sentence_end = sentence_end
         if cfg.guarantee and word_piece is None:   # (V,) bool; the API passes a cached one

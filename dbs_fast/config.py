@@ -145,6 +145,11 @@ class DBSConfig:
                 raise DBSError("`match` lemma needs lemminflect: pip install 'dbs-fast[bench]'", "match", self.match)
 
     @property
+    def needs_sentence_ends(self) -> bool:
+        """Whether the search reads the sentence-end token table (stopping, deadlines, bans)."""
+        return self.stop == "sentence" or bool(self.sentence_deadline) or bool(self.min_sentence)
+
+    @property
     def shapes_logits(self) -> bool:
         return self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0
 

@@ -315,13 +315,15 @@ class TokenTexts:
         hi = bisect_left(self.texts, prefix + "\U0010ffff", lo)
         return np.sort(self.ids[lo:hi])
 
-    def heal(self, ids: list[int], tail: str) -> Healing | None:
+    def heal(self, ids: list[int], tail: str, banned=()) -> Healing | None:
         """The context `ids` healed at its last token (whose text is `tail`), or None where that
-        cannot be done (one token only, a partial character)."""
+        cannot be done (one token only, a partial character, every completion in `banned`)."""
         if len(ids) < 2 or not tail or "\ufffd" in tail:
             return None
         allowed = self.starting_with(tail)
         if ids[-1] not in allowed:        # a token the tokenizer writes differently alone: leave it
+            return None
+        if len(banned) and np.isin(allowed, banned).all():
             return None
         ban = np.setdiff1d(np.arange(self.vocab_size, dtype=np.int32), allowed)
         return Healing(list(ids[:-1]), tail, ban)

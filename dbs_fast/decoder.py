@@ -51,7 +51,8 @@ class ContextStore:
         return best, self.entries[hit][1]
 
     def put(self, tokens: np.ndarray, past: list) -> None:
-        """Keep the K/V `past` ((1, kv, len(tokens), d) per tensor, not written to later) of `tokens`."""
+        """Keep the K/V `past` ((1, kv, len(tokens), d) per tensor, arrays of the prefill that made them,
+        which nothing writes to later) of `tokens`."""
         n = sum(p.nbytes for p in past)
         if len(tokens) <= self.granule or n > self.max_bytes:
             return
@@ -198,7 +199,6 @@ class PrefixDecoder:
             n = len(toks)
             start, before = self.store.lookup(toks)
             lg, past = self._prefill_slices(toks[None], np.ones((1, n), np.int64), kv_heads, head_dim, start, before)
-            past = [np.ascontiguousarray(p) for p in past]
             self.store.put(toks, past)
             logits.append(lg[0])
             pasts.append([np.pad(p, ((0, 0), (0, 0), (T - n, 0), (0, 0))) for p in past])
