@@ -3,9 +3,9 @@ layers at the paper setting (checked before writing our own).
 
 Arms, each one ONNX graph of L attention layers (distinct K/V per layer, so the caches are as
 cold as in a real step), the projections left out (the same in every arm):
-  prefix `export/prefix_graph.attend` (what decode.onnx runs): each beam's prefix once,
-         (b, kv, T, d), and each row's chunk, slot-major, its `used` decoded slots bound
-         (used, b, kv, s, d); plain ONNX ops
+  prefix `export/prefix_graph.attend` (what decode.onnx runs): the request's context once (here
+         two masked columns), each beam's prefix once, (b, kv, T, d), and each row's chunk,
+         slot-major, its `used` decoded slots bound (used, b, kv, s, d); plain ONNX ops
   dmmha  com.microsoft.DecoderMaskedMultiHeadAttention with cache_indirection: one cache row per
          candidate, (N, H, max_len, d), written in place (past and present share one buffer
          through IO binding), each row reading its ancestors' positions through the indirection
@@ -51,28 +51,32 @@ def _data(L, H, d, b, s, T, K=K_CHUNK, used=USED, seed=0):
 def prefix_session(x, path: Path, threads):
     import torch
 
-    from dbs_fast.export.prefix_graph import Dims, attend, block_biases
+    from dbs_fast.export.prefix_graph import MASKED, Biases, Dims, attend, block_biases
     from dbs_fast.runtime import make_session
 
     L = len(x["pk"])
     scale = 1.0 / np.sqrt(x["q"].shape[-1])
 
     (b, H, T, d), N, U = x["pk"][0].shape, x["q"].shape[0], x["used"]
-    dims = Dims(N, 1, b, N // b, T, U, H, H, d)
+    C = 2              # one request's context, the third level, masked: the same keys as the other arms
+    dims = Dims(N, 1, b, N // b, T, U, 1, b, C, H, H, d)
 
     class Layers(torch.nn.Module):
-        def forward(self, q, k, v, pbias, cbias, nbias, *kv):
+        def forward(self, q, k, v, xbias, pbias, cbias, nbias, beams, slot, *kv):
             q, k, v = q[:, None], k[:, None], v[:, None]
-            return tuple(attend(q, k, v, *kv[4 * i:4 * i + 4], pbias, cbias, nbias, float(scale), dims)[0]
-                         for i in range(L))
+            biases = Biases(xbias, pbias, cbias, nbias, beams, slot)
+            return tuple(attend(q, k, v, *kv[6 * i:6 * i + 6], biases, float(scale), dims)[0] for i in range(L))
 
     cmask = np.ones((N, U), np.int64)                 # the decoded slots, as a step binds them
     cbias, nbias = (t.numpy() for t in block_biases(torch.from_numpy(cmask), torch.ones(N, 1, 1, dtype=torch.bool), dims))
-    feed = {"q": x["q"], "k": x["k"], "v": x["v"], "pbias": np.zeros((b, T), np.float32), "cbias": cbias,
-            "nbias": nbias}
+    feed = {"q": x["q"], "k": x["k"], "v": x["v"], "xbias": np.full((1, 1, 1, C), MASKED, np.float32),
+            "pbias": np.zeros((b, 1, 1, T), np.float32), "cbias": cbias, "nbias": nbias,
+            "beams": np.arange(b)[None], "slot": np.arange(b)}
+    ctx = np.random.default_rng(1).standard_normal((2 * L, 1, H, C, d)).astype(np.float32)
     slots = lambda c: np.ascontiguousarray(c[:, :, :U].reshape(b, -1, H, U, d).transpose(3, 0, 2, 1, 4))  # noqa: E731
     for i in range(L):
-        feed.update({f"pk{i}": x["pk"][i], f"pv{i}": x["pv"][i], f"ck{i}": slots(x["ck"][i]),
+        feed.update({f"xk{i}": ctx[2 * i], f"xv{i}": ctx[2 * i + 1], f"pk{i}": x["pk"][i], f"pv{i}": x["pv"][i],
+                     f"ck{i}": slots(x["ck"][i]),
                      f"cv{i}": slots(x["cv"][i])})
     names = list(feed)
     with torch.no_grad():

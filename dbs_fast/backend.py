@@ -229,12 +229,14 @@ class Layout:
 
     @property
     def mask(self) -> np.ndarray:
-        """(beams, T): the prefixes' mask (0 = left padding)."""
-        return self.cache.mask
+        """(beams, C + T): what each beam attends to before its chunk, its context's columns then
+        its prefix's (0 = left padding)."""
+        c = self.cache
+        return np.concatenate([c.context_mask[c.beam_context], c.mask], axis=1)
 
     @property
     def length(self) -> int:
-        return self.cache.mask.shape[1]
+        return self.cache.context_mask.shape[1] + self.cache.mask.shape[1]
 
     @property
     def nbytes(self) -> int:

@@ -159,9 +159,10 @@ class PrefixDecoder:
     def prefill(self, ids: np.ndarray, mask: np.ndarray, kv_heads: int, head_dim: int, s: int, k: int,
                 reserve: int = 0) -> tuple[np.ndarray, PrefixCache]:
         """Left-padded contexts (Q, T) through the decode graph as new tokens: the last logits (Q,
-        vocab) and a cache with the contexts as prefixes, s rows each, room for k chunk tokens and
-        `reserve` more prefix columns. One call per `PREFILL_SLICE` columns, each over the columns
-        before it as the prefix (padding stays masked): no second graph, no second copy of the weights."""
+        vocab) and a cache with the contexts as its context level, one beam of s rows each, room for
+        k chunk tokens and `reserve` prefix columns. One call per `PREFILL_SLICE` columns, each over
+        the columns before it as the context (padding stays masked): no second graph, no second
+        copy of the weights."""
         if self.store is not None and self.ops is HOST:
             return self._prefill_stored(ids, mask, kv_heads, head_dim, s, k, reserve)
         logits, past = self._prefill_slices(ids, mask, kv_heads, head_dim)
@@ -175,9 +176,10 @@ class PrefixDecoder:
         Q, T = ids.shape
         ops = self.ops
         empty = ops.zeros((Q, kv_heads, 1, head_dim))                      # one masked column
-        prefix = [empty] * (2 * self.layers) if not start else \
+        context = [empty] * (2 * self.layers) if not start else \
             [np.concatenate([empty, b[:, :, :start]], axis=2) for b in before]
-        pc = PrefixCache(prefix, np.concatenate([np.zeros((Q, 1), np.int64), mask[:, :start]], axis=1),
+        pc = PrefixCache(context, np.concatenate([np.zeros((Q, 1), np.int64), mask[:, :start]], axis=1),
+                         np.arange(Q), [empty] * (2 * self.layers), np.zeros((Q, 1), np.int64),
                          [ops.zeros((1, Q, kv_heads, 1, head_dim)) for _ in range(2 * self.layers)],
                          np.zeros((Q, 1), np.int64), 1, ops=ops)
         pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
@@ -185,13 +187,14 @@ class PrefixDecoder:
             cols = slice(t, min(t + PREFILL_SLICE, T))
             logits, new = self.run(ids[:, cols], pc, positions=pos[:, cols], new_mask=mask[:, cols])
             # new (Q, kv, 1, L, d): one row per context, so dropping the s axis is a reshape
-            pc.prefix = [ops.concat(p, x.reshape(x.shape[:2] + x.shape[3:]), 2) for p, x in zip(pc.prefix, new)]
-            pc.mask = np.concatenate([pc.mask, mask[:, cols]], axis=1)
-        return logits.copy(), [ops.cols(p, 1) for p in pc.prefix]
+            pc.context = [ops.concat(p, x.reshape(x.shape[:2] + x.shape[3:]), 2) for p, x in zip(pc.context, new)]
+            pc.context_mask = np.concatenate([pc.context_mask, mask[:, cols]], axis=1)
+        return logits.copy(), [ops.cols(p, 1) for p in pc.context]
 
     def _prefill_stored(self, ids, mask, kv_heads, head_dim, s, k, reserve) -> tuple[np.ndarray, PrefixCache]:
         """`prefill` through the context store: each context on its own, from the longest prefix
-        of it the store holds; then left-padded together as one batch's cache."""
+        of it the store holds; then left-padded together as one batch's cache (a lone context's
+        arrays are the store's own: a context is never written to)."""
         Q, T = ids.shape
         logits, pasts = [], []
         for q in range(Q):
@@ -201,8 +204,8 @@ class PrefixDecoder:
             lg, past = self._prefill_slices(toks[None], np.ones((1, n), np.int64), kv_heads, head_dim, start, before)
             self.store.put(toks, past)
             logits.append(lg[0])
-            pasts.append([np.pad(p, ((0, 0), (0, 0), (T - n, 0), (0, 0))) for p in past])
-        past = [np.concatenate([p[i] for p in pasts]) for i in range(2 * self.layers)]
+            pasts.append([np.pad(p, ((0, 0), (0, 0), (T - n, 0), (0, 0))) if n < T else p for p in past])
+        past = pasts[0] if Q == 1 else [np.concatenate([p[i] for p in pasts]) for i in range(2 * self.layers)]
         return np.stack(logits), PrefixCache.start(past, mask, s, k, reserve, self.ops)
 
     def step(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None,
@@ -227,13 +230,15 @@ class PrefixDecoder:
         io = self._io
         self.host_bytes, self.calls = 0, self.calls + 1
         chunk, chunk_mask = cache.slots()
+        context_beams, beam_slot = cache.blocks()
         feeds = {"input_ids": ids,
                  "position_ids": cache.positions() if positions is None else positions,
+                 "context_mask": cache.context_mask, "context_beams": context_beams, "beam_slot": beam_slot,
                  "prefix_mask": cache.mask, "chunk_mask": chunk_mask,
                  "new_mask": np.ones(ids.shape, np.int64) if new_mask is None else new_mask.astype(np.int64)}
         for i in range(self.layers):
-            feeds.update({f"prefix.{i}.key": cache.prefix[2 * i], f"prefix.{i}.value": cache.prefix[2 * i + 1],
-                          f"chunk.{i}.key": chunk[2 * i], f"chunk.{i}.value": chunk[2 * i + 1]})
+            for level, tensors in (("context", cache.context), ("prefix", cache.prefix), ("chunk", chunk)):
+                feeds.update({f"{level}.{i}.key": tensors[2 * i], f"{level}.{i}.value": tensors[2 * i + 1]})
         for name, arr in feeds.items():
             self._bind(name, np.ascontiguousarray(arr) if isinstance(arr, np.ndarray) else arr)
         if self.ops is not HOST and not in_place:      # a prefill: the new K/V stay on the device

@@ -1,11 +1,15 @@
-"""The prefix KV cache: each beam's prefix stored once, each candidate's chunk in its own buffer.
+"""The three-level KV cache: each request's context stored once, each beam's generated prefix
+once, each candidate's chunk in its own buffer.
 
-`PrefixCache` holds b prefixes (b, kv_heads, T, head_dim) per layer and the N = b * s rows'
-preallocated chunks, slot-major (k, b, kv_heads, s, head_dim); row r is candidate r % s of beam
-r // s. A decode step (`PrefixDecoder.step`, the graph of `export/prefix_graph.py`) reads the
-prefixes and the chunk's decoded slots in place (the first slots of the buffer: a contiguous
-view) and writes the new token's K/V straight into the chunk's next slot (its output is bound
-there), so a step copies nothing on the host. At the chunk boundary
+`PrefixCache` holds R contexts (R, kv_heads, C, head_dim) per layer (one per request, shared by
+all its beams: `beam_context` says whose), b prefixes (b, kv_heads, T, head_dim) of the tokens
+each beam generated, and the N = b * s rows' preallocated chunks, slot-major (k, b, kv_heads, s,
+head_dim); row r is candidate r % s of beam r // s. A context is never written after its prefill
+(a context store may hold the same arrays). A decode step (`PrefixDecoder.step`, the graph of
+`export/prefix_graph.py`) reads the contexts, the prefixes and the chunk's decoded slots in place
+(the first slots of the buffer: a contiguous view) and writes the new token's K/V straight into
+the chunk's next slot (its output is bound there), so a step copies nothing on the host. At the
+chunk boundary
 `keep(rows)` builds the next prefixes from the kept candidates: their parent beam's prefix plus
 their own chunk (a gather of b prefixes and b chunks of <= k tokens), and empties the chunks.
 The s candidates of a kept beam are then the s rows that follow it, with no copy at all.
@@ -28,6 +32,22 @@ DECODE_GRAPH = "decode.onnx"      # beside model.onnx in an exported model dir
 # auto: this layout where the export has its decode graph, else rows (one cache row per candidate:
 # an export without a decode graph, the PyTorch baseline)
 KV_LAYOUTS = ("auto", "rows", "prefix")
+
+
+def context_blocks(beam_context: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray]:
+    """For beams of contexts `beam_context` (b,) among R: (R, M) the beams of each context in M
+    blocks (M = the most beams a context has; a context with fewer repeats its first beam, whose
+    extra results the graph drops), and (b,) each beam's block r * M + m."""
+    bc = np.asarray(beam_context, np.int64)
+    order = np.argsort(bc, kind="stable")
+    counts = np.bincount(bc, minlength=R)
+    first = np.cumsum(counts) - counts
+    M = max(1, int(counts.max(initial=0)))
+    rank = np.empty(len(bc), np.int64)
+    rank[order] = np.arange(len(bc)) - np.repeat(first, counts)
+    beams = np.repeat(np.where(counts > 0, order[np.minimum(first, max(len(bc) - 1, 0))], 0)[:, None], M, axis=1)
+    beams[bc, rank] = np.arange(len(bc))
+    return beams, bc * M + rank
 
 
 class HostOps:
@@ -70,29 +90,36 @@ HOST = HostOps()
 
 @dataclass
 class PrefixCache:
-    prefix: list[np.ndarray]   # [k0, v0, k1, v1, ...], (b, kv, T, d) each
+    context: list[np.ndarray]  # [k0, v0, k1, v1, ...], (R, kv, C, d) each: one per request
+    context_mask: np.ndarray   # (R, C) int64, 0 = left padding
+    beam_context: np.ndarray   # (b,) int64: the context of each beam
+    prefix: list[np.ndarray]   # [k0, v0, k1, v1, ...], (b, kv, T, d) each: the tokens each beam generated
     mask: np.ndarray           # (b, T) int64, 0 = left padding
     chunk: list[np.ndarray]    # [k0, v0, ...], (K, b, kv, s, d) each: row r = candidate r % s of beam r // s
     chunk_mask: np.ndarray     # (N, K) int64, 1 = decoded in this chunk
     s: int
     used: int = 0              # tokens decoded in this chunk
-    capacity: int = 0          # prefix columns expected at most (context + max_new_tokens): the buffers' size
+    capacity: int = 0          # prefix columns expected at most (max_new_tokens + 1): the buffers' size
     ops: object = HOST         # where the tensors live: HOST (NumPy) or a dbs_fast.device.DeviceOps
     # flat buffers the cache allocated itself: `_own` backs `prefix`, `_spare` is free. The chunk
     # boundary writes the next prefixes into the spare ones and swaps (ping-pong): one copy, no
     # allocation, so no page faults, at most boundaries.
     _own: list | None = field(default=None, repr=False)
     _spare: list | None = field(default=None, repr=False)
+    _blocks: tuple | None = field(default=None, repr=False)     # (key, blocks()) of the last step
 
     @classmethod
     def start(cls, past: list, mask: np.ndarray, s: int, k: int, reserve: int = 0, ops=HOST) -> "PrefixCache":
-        """From a prefill's present K/V (one row per beam) with s candidates per beam, room for k
-        tokens per chunk and `reserve` more prefix columns (max_new_tokens) in its buffers."""
-        b, T = mask.shape
+        """From a prefill's present K/V (one row per context, which becomes its context level, taken
+        as it is) with one beam per context, s candidates per beam, room for k tokens per chunk and
+        `reserve` prefix columns (max_new_tokens) in its buffers. The beams' prefixes start as one
+        masked column (a graph input is never empty)."""
+        b = mask.shape[0]
         chunk = [ops.zeros((k, b, t.shape[1], s, t.shape[3])) for t in past]
         past = [np.ascontiguousarray(t) for t in past] if ops is HOST else past
-        return cls(past, np.asarray(mask, np.int64), chunk, np.zeros((b * s, k), np.int64), s,
-                   capacity=T + reserve, ops=ops)
+        prefix = [ops.zeros((b, t.shape[1], 1, t.shape[3])) for t in past]
+        return cls(past, np.asarray(mask, np.int64), np.arange(b), prefix, np.zeros((b, 1), np.int64), chunk,
+                   np.zeros((b * s, k), np.int64), s, capacity=1 + reserve, ops=ops)
 
     @property
     def beams(self) -> int:
@@ -100,13 +127,24 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the prefix buffers (with their headroom and the spare ones) and the chunks."""
-        held = (self._own or self.prefix) + (self._spare or [])
+        """Bytes held: the contexts, the prefix buffers (with their headroom and the spare ones) and
+        the chunks."""
+        held = self.context + (self._own or self.prefix) + (self._spare or [])
         return sum(t.nbytes for t in held) + sum(t.nbytes for t in self.chunk)
 
     def positions(self) -> np.ndarray:
-        """(N, 1) position of each row's next token: its prefix's real tokens + the chunk so far."""
-        return np.repeat(self.mask.sum(1), self.s)[:, None] + self.used
+        """(N, 1) position of each row's next token: its context's and prefix's real tokens + the
+        chunk so far."""
+        before = self.context_mask.sum(1)[self.beam_context] + self.mask.sum(1)
+        return np.repeat(before, self.s)[:, None] + self.used
+
+    def blocks(self) -> tuple[np.ndarray, np.ndarray]:
+        """The gathers between beams and contexts a step takes (`context_blocks`), kept while the
+        beams' contexts are the same array (so that a step binds them again only after a boundary)."""
+        key = (self.beam_context, self.context_mask.shape[0])
+        if self._blocks is None or self._blocks[0][0] is not key[0] or self._blocks[0][1] != key[1]:
+            self._blocks = (key, context_blocks(*key))
+        return self._blocks[1]
 
     def slots(self) -> tuple[list[np.ndarray], np.ndarray]:
         """The chunk as a decode step reads it: each tensor's first U = max(1, used) slots (a
@@ -159,12 +197,14 @@ class PrefixCache:
         beam = (np.cumsum(per) - per)[g] + slot // s
         src = np.empty(int(per.sum()), np.int64)
         src[beam] = key                                         # the key each new beam copies
+        parent = src // s if j else src
         if j:
             self._extend(src, j)
-            self.mask = np.concatenate([self.mask[src // s], np.ones((len(src), j), np.int64)], axis=1)
+            self.mask = np.concatenate([self.mask[parent], np.ones((len(src), j), np.int64)], axis=1)
         else:
             self._release([self.ops.take(p, src) for p in self.prefix])
             self.mask = self.mask[src]
+        self._contexts(self.beam_context[parent])
         n = len(src) * s
         if n != self.chunk_mask.shape[0]:
             self.chunk = [self.ops.zeros((c.shape[0], len(src)) + tuple(c.shape[2:])) for c in self.chunk]
@@ -196,6 +236,20 @@ class PrefixCache:
             own.append(buf)
         self._spare, self._own = self._own, own
 
+    def _contexts(self, beam_context: np.ndarray) -> None:
+        """The beams now belong to `beam_context`: contexts no beam uses any more (their requests
+        left) go, and the context columns that are padding in every remaining one."""
+        used = np.unique(beam_context)
+        if len(used) < self.context_mask.shape[0]:
+            self.context = [self.ops.take(x, used) for x in self.context]
+            self.context_mask = self.context_mask[used]
+            beam_context = np.searchsorted(used, beam_context)
+            z = int(np.argmax(self.context_mask.any(axis=0)))
+            if z:
+                self.context = [self.ops.cols(x, z) for x in self.context]
+                self.context_mask = self.context_mask[:, z:].copy()
+        self.beam_context = beam_context
+
     def _release(self, prefix: list[np.ndarray]) -> None:
         """`prefix` (new arrays) replaces the pooled one, whose buffers become spare."""
         self.prefix = prefix
@@ -208,23 +262,27 @@ class PrefixCache:
             raise DBSError("prefix caches merge only between chunks, with the same s and chunk size")
         if a.ops is not b.ops:
             raise DBSError("prefix caches merge only on the same device")
-        T, ops = max(a.mask.shape[1], b.mask.shape[1]), a.ops
+        ops = a.ops
 
-        def pad(c: "PrefixCache", t):
-            return ops.pad_cols(t, T - c.mask.shape[1])
+        def joined(x: list, mx: np.ndarray, y: list, my: np.ndarray) -> tuple[list, np.ndarray]:
+            """Tensors (n, kv, cols, d) of both, the shorter left-padded, and their masks."""
+            T = max(mx.shape[1], my.shape[1])
+            tensors = [ops.concat(ops.pad_cols(p, T - mx.shape[1]), ops.pad_cols(q, T - my.shape[1]), 0)
+                       for p, q in zip(x, y)]
+            return tensors, np.concatenate([np.pad(m, [(0, 0), (T - m.shape[1], 0)]) for m in (mx, my)])
 
-        def pad_mask(c: "PrefixCache"):
-            return np.pad(c.mask, [(0, 0), (T - c.mask.shape[1], 0)])
-
-        return PrefixCache([ops.concat(pad(a, x), pad(b, y), 0) for x, y in zip(a.prefix, b.prefix)],
-                           np.concatenate([pad_mask(a), pad_mask(b)]),
+        return PrefixCache(*joined(a.context, a.context_mask, b.context, b.context_mask),
+                           np.concatenate([a.beam_context, b.beam_context + a.context_mask.shape[0]]),
+                           *joined(a.prefix, a.mask, b.prefix, b.mask),
                            [ops.concat(x, y, 1) for x, y in zip(a.chunk, b.chunk)],
                            np.concatenate([a.chunk_mask, b.chunk_mask]), a.s,
-                           capacity=T + max(c.capacity - c.mask.shape[1] for c in (a, b)), ops=ops)
+                           capacity=max(a.mask.shape[1], b.mask.shape[1]) + max(c.capacity - c.mask.shape[1] for c in (a, b)),
+                           ops=ops)
 
     def trim(self) -> None:
-        """Drop the leading prefix columns that are padding in every beam."""
-        z = int(np.argmax(self.mask.any(axis=0))) if self.mask.any() else self.mask.shape[1]
+        """Drop the leading prefix columns that are padding in every beam (keeping one)."""
+        z = min(int(np.argmax(self.mask.any(axis=0))) if self.mask.any() else self.mask.shape[1],
+                self.mask.shape[1] - 1)
         if z:
             self._release([self.ops.cols(p, z) for p in self.prefix])
             self.mask = self.mask[:, z:].copy()

@@ -21,71 +21,106 @@ def _slot_major(x, b):
     return np.ascontiguousarray(x.reshape(b, -1, *x.shape[1:]).transpose(3, 0, 2, 1, 4))
 
 
-def _attend(q, k, v, pk, pv, ck, cv, pmask, cmask, seen, scale):
+def _attend(q, k, v, xk, xv, pk, pv, ck, cv, xmask, beam_context, pmask, cmask, seen, scale):
     """`attend` on NumPy inputs with the chunks given row-major and the masks as booleans."""
-    from dbs_fast.export.prefix_graph import MASKED, Dims, attend, block_biases
+    from dbs_fast.export.prefix_graph import (
+        Biases,
+        Dims,
+        attend,
+        block_biases,
+        mask_bias,
+    )
+    from dbs_fast.prefix_cache import context_blocks
 
     t = torch.from_numpy
-    (N, L, H, d), (b, kv, T, _), K = q.shape, pk.shape, ck.shape[2]
-    dims = Dims(N, L, b, N // b, T, K, H, kv, d)
-    cbias, nbias = block_biases(t(cmask.astype(np.int64)), t(seen), dims)
-    o, kn, vn = attend(t(q), t(k), t(v), t(pk), t(pv), t(_slot_major(ck, b)), t(_slot_major(cv, b)),
-                       t((~pmask) * np.float32(MASKED)), cbias, nbias, scale, dims)
+    (N, L, H, d), (b, kv, T, _), K, (R, C) = q.shape, pk.shape, ck.shape[2], xmask.shape
+    beams, slot = context_blocks(beam_context, R)
+    dims = Dims(N, L, b, N // b, T, K, R, beams.shape[1], C, H, kv, d)
+    biases = Biases(mask_bias(t(xmask))[:, None, None, :], mask_bias(t(pmask))[:, None, None, :],
+                    *block_biases(t(cmask.astype(np.int64)), t(seen), dims), t(beams), t(slot))
+    o, kn, vn = attend(t(q), t(k), t(v), t(xk), t(xv), t(pk), t(pv), t(_slot_major(ck, b)), t(_slot_major(cv, b)),
+                       biases, scale, dims)
     for new, x in ((kn, k), (vn, v)):         # the new K/V come back beam-major, (b, kv, s, L, d)
         np.testing.assert_array_equal(new.numpy(), _beam_major(x.transpose(0, 2, 1, 3), b))
     return o.numpy()
 
 
-def test_attend_equals_full_attention_over_the_concatenation():
-    rng = np.random.default_rng(0)
-    b, s, H, kv, d, T, K = 3, 4, 6, 2, 8, 7, 5
-    N = b * s
-    q, k, v = (rng.standard_normal(sh).astype(np.float32) for sh in ((N, H, d), (N, kv, d), (N, kv, d)))
+def _levels(rng, b, s, kv, d, T, K, C, beam_context):
+    """Random contexts (R, kv, C, d) with left padding, prefixes (b, kv, T, d) with left padding,
+    chunks (N, kv, K, d) row-major, and their masks."""
+    R = int(max(beam_context)) + 1
+    xk, xv = (rng.standard_normal((R, kv, C, d)).astype(np.float32) for _ in range(2))
     pk, pv = (rng.standard_normal((b, kv, T, d)).astype(np.float32) for _ in range(2))
-    ck, cv = (rng.standard_normal((N, kv, K, d)).astype(np.float32) for _ in range(2))
+    ck, cv = (rng.standard_normal((b * s, kv, K, d)).astype(np.float32) for _ in range(2))
+    xmask = np.ones((R, C), bool)
+    xmask[-1, :C - 2] = False                 # a shorter context, left-padded
     pmask = np.ones((b, T), bool)
-    pmask[1, :3] = False                      # left padding
-    pmask[2, :6] = False
+    pmask[min(1, b - 1), :3] = False          # left padding
+    pmask[-1, :] = False                      # a beam that has generated nothing yet
+    return xk, xv, pk, pv, ck, cv, xmask, pmask
+
+
+def _reference(q, keys_of, r, i, xmask, pmask, cmask, seen, beam_context, s):
+    """Plain attention of row r's query i over [its context | its beam's prefix | its chunk | new]."""
+    keys, values = keys_of(r)
+    mask = np.concatenate([xmask[beam_context[r // s]], pmask[r // s], cmask[r], seen[r, i]])
+    return attention_ref(q[r, i], keys, values, mask)
+
+
+@pytest.mark.parametrize("beam_context", [[0, 0, 1], [1, 0, 0, 2], [0]])
+def test_attend_equals_full_attention_over_the_three_levels(beam_context):
+    """One new token per row: attention over the request's context (one copy for all its beams),
+    the beam's prefix, the row's chunk and the token itself equals plain attention over their
+    concatenation; contexts with different numbers of beams, in any order."""
+    rng = np.random.default_rng(len(beam_context))
+    b, s, H, kv, d, T, K, C = len(beam_context), 4, 6, 2, 8, 7, 5, 6
+    N = b * s
+    bc = np.array(beam_context)
+    q, k, v = (rng.standard_normal(sh).astype(np.float32) for sh in ((N, H, d), (N, kv, d), (N, kv, d)))
+    xk, xv, pk, pv, ck, cv, xmask, pmask = _levels(rng, b, s, kv, d, T, K, C, bc)
     cmask = np.zeros((N, K), bool)
     cmask[:, :2] = True                       # two chunk tokens decoded so far
-    cmask[5, 2] = True
-    got = _attend(q[:, None], k[:, None], v[:, None], pk, pv, ck, cv, pmask, cmask, np.ones((N, 1, 1), bool),
+    cmask[min(5, N - 1), 2] = True
+    seen = np.ones((N, 1, 1), bool)
+    got = _attend(q[:, None], k[:, None], v[:, None], xk, xv, pk, pv, ck, cv, xmask, bc, pmask, cmask, seen,
                   1 / np.sqrt(d))[:, 0]
+
+    def keys_of(r):
+        return tuple(np.concatenate([x[bc[r // s]], p[r // s], c[r], n[r][:, None]], axis=1)
+                     for x, p, c, n in ((xk, pk, ck, k), (xv, pv, cv, v)))
     for r in range(N):
-        keys = np.concatenate([pk[r // s], ck[r], k[r][:, None]], axis=1)
-        values = np.concatenate([pv[r // s], cv[r], v[r][:, None]], axis=1)
-        mask = np.concatenate([pmask[r // s], cmask[r], [True]])
-        np.testing.assert_allclose(got[r], attention_ref(q[r], keys, values, mask), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[r], _reference(q[:, None], keys_of, r, 0, xmask, pmask, cmask, seen, bc, s),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_attend_of_several_new_tokens_is_causal_full_attention():
-    """L new tokens per row (a prefill): token i attends to the beam's prefix, the row's chunk and
-    the new tokens up to i that are not padding, as plain attention over the concatenation."""
+    """L new tokens per row (a prefill): token i attends to the context, the beam's prefix, the
+    row's chunk and the new tokens up to i that are not padding, as plain attention over the
+    concatenation."""
     rng = np.random.default_rng(2)
-    b, s, L, H, kv, d, T, K = 2, 3, 4, 6, 3, 8, 5, 3
+    b, s, L, H, kv, d, T, K, C = 3, 3, 4, 6, 3, 8, 5, 3, 4
     N = b * s
+    bc = np.array([0, 1, 1])
     q = rng.standard_normal((N, L, H, d)).astype(np.float32)
     k, v = (rng.standard_normal((N, L, kv, d)).astype(np.float32) for _ in range(2))
-    pk, pv = (rng.standard_normal((b, kv, T, d)).astype(np.float32) for _ in range(2))
-    ck, cv = (rng.standard_normal((N, kv, K, d)).astype(np.float32) for _ in range(2))
-    pmask = np.ones((b, T), bool)
-    pmask[1, :2] = False
+    xk, xv, pk, pv, ck, cv, xmask, pmask = _levels(rng, b, s, kv, d, T, K, C, bc)
     cmask = np.zeros((N, K), bool)
     cmask[:, 0] = True
     cmask[4, 1] = True
     nmask = np.ones((N, L), bool)
     nmask[4, :2] = False                       # a left-padded row of new tokens
     seen = np.tril(np.ones((L, L), bool))[None] & nmask[:, None, :]               # (N, L, L)
-    got = _attend(q, k, v, pk, pv, ck, cv, pmask, cmask, seen, 1 / np.sqrt(d))
+    got = _attend(q, k, v, xk, xv, pk, pv, ck, cv, xmask, bc, pmask, cmask, seen, 1 / np.sqrt(d))
     assert got.shape == (N, L, H * d)
+
+    def keys_of(r):
+        return tuple(np.concatenate([x[bc[r // s]], p[r // s], c[r], n[r].transpose(1, 0, 2)], axis=1)
+                     for x, p, c, n in ((xk, pk, ck, k), (xv, pv, cv, v)))
     for r in range(N):
-        keys = np.concatenate([pk[r // s], ck[r], k[r].transpose(1, 0, 2)], axis=1)
-        values = np.concatenate([pv[r // s], cv[r], v[r].transpose(1, 0, 2)], axis=1)
         for i in range(L):
-            if not nmask[r, i]:
-                continue                       # a padding query: its output is never used
-            mask = np.concatenate([pmask[r // s], cmask[r], seen[r, i]])
-            np.testing.assert_allclose(got[r, i], attention_ref(q[r, i], keys, values, mask), rtol=1e-5, atol=1e-5)
+            if nmask[r, i]:                    # a padding query's output is never used
+                np.testing.assert_allclose(got[r, i], _reference(q, keys_of, r, i, xmask, pmask, cmask, seen, bc, s),
+                                           rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +168,11 @@ def test_prefix_decode_equals_full_recompute(kind, decoders, exported):
         keep = [4, 4] if chunk == 0 else [1, 3]          # both beams from one candidate; then a swap
         cache.keep(keep)
         seqs = [list(seqs[keep[r // s]]) for r in range(len(keep) * s)]
-    assert cache.mask.shape == (2, 5 + 3 * k) and cache.used == 0 and not cache.chunk_mask.any()
+    # both beams descend from the second context now: the first is gone, the second is trimmed
+    # to its two tokens, held once; each beam's prefix is one masked column, then what it generated
+    assert cache.context_mask.shape == (1, 2) and cache.context[0].shape[0] == 1
+    np.testing.assert_array_equal(cache.beam_context, [0, 0])
+    assert cache.mask.shape == (2, 1 + 3 * k) and cache.used == 0 and not cache.chunk_mask.any()
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
@@ -156,15 +195,15 @@ def test_one_call_prefill_equals_column_by_column_and_the_full_model(kind, decod
     b = per.prefill(ctx, mask, full.kv_heads, full.head_dim, s=2, k=3)
     np.testing.assert_allclose(a[0], ref[:, -1], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(a[0], b[0], rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(a[1].mask, mask)
-    for x, y in zip(a[1].prefix, b[1].prefix):
+    np.testing.assert_array_equal(a[1].context_mask, mask)
+    for x, y in zip(a[1].context, b[1].context):
         np.testing.assert_allclose(x * mask[:, None, :, None], y * mask[:, None, :, None], rtol=1e-4, atol=1e-5)
     tok = np.arange(6) + 7
     np.testing.assert_allclose(one.step(tok, a[1]), per.step(tok, b[1]), rtol=1e-4, atol=1e-4)
     monkeypatch.setattr(prefix, "PREFILL_SLICE", 4)    # a long context in slices: 4 columns, then 2
     c = one.prefill(ctx, mask, full.kv_heads, full.head_dim, s=2, k=3)
     np.testing.assert_allclose(c[0], ref[:, -1], rtol=1e-4, atol=1e-4)
-    for x, y in zip(c[1].prefix, b[1].prefix):
+    for x, y in zip(c[1].context, b[1].context):
         np.testing.assert_allclose(x * mask[:, None, :, None], y * mask[:, None, :, None], rtol=1e-4, atol=1e-5)
 
 
@@ -254,7 +293,8 @@ def test_a_decode_graph_over_the_protobuf_limit_keeps_its_weights_in_one_data_fi
 def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers():
     """Eight chunk boundaries (the prefix buffers are reused from the third on), with repeats, a
     trim and a regroup before any token in between: every beam's prefix is its parent's plus the
-    kept row's chunk, as a plain list of token vectors says."""
+    kept row's chunk, as a plain list of token vectors says, and its context is its first
+    ancestor's, held once (contexts no beam descends from any more are dropped)."""
     from dbs_fast.prefix_cache import PrefixCache
 
     rng = np.random.default_rng(3)
@@ -264,12 +304,13 @@ def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers(
     mask = np.ones((b, T), np.int64)
     mask[1, 0] = 0                                                  # left padding survives
     pc = PrefixCache.start(past, mask, s, k)
-    seq = [[p[i] for p in past] for i in range(b)]                  # per beam: (kv, T, d) per tensor
+    seq = [[np.zeros((kv, 1, d), np.float32) for _ in past] for i in range(b)]  # per beam: (kv, T, d) per tensor
+    ctx = np.arange(b)                                              # per beam: the context it descends from
     bufs = set()
     for boundary in range(8):
         if boundary == 4:
             pc.regroup(np.arange(b * s)[::-1])                      # before any token: beams reversed
-            seq = seq[::-1]
+            seq, ctx = seq[::-1], ctx[::-1]
         new = [rng.standard_normal((b * s, kv, 1, d)).astype(np.float32) for _ in range(2 * layers)]
         for _ in range(k):                                          # a step writes in place, then counts
             for slot, x in zip(pc.next_slot(), new):
@@ -279,10 +320,14 @@ def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers(
         pc.keep(rows)
         seq = [[np.concatenate([seq[r // s][t], np.repeat(new[t][r], k, axis=1)], axis=1) for t in range(2 * layers)]
                for r in rows]
+        ctx = ctx[rows // s]
         bufs.update(id(o) for o in pc._own)
         for i in range(b):
             for t in range(2 * layers):
                 np.testing.assert_array_equal(pc.prefix[t][i], seq[i][t])
+                C = pc.context_mask.shape[1]
+                np.testing.assert_array_equal(pc.context[t][pc.beam_context[i]], past[t][ctx[i]][:, T - C:])
+        assert len(pc.context[0]) == len(set(ctx)) == pc.context_mask.shape[0]
         assert pc.mask.shape == (b, pc.prefix[0].shape[2]) and not pc.chunk_mask.any()
     assert len(bufs) < 8 * 2 * layers                               # buffers were reused, not reallocated
     pc.trim()
@@ -384,7 +429,8 @@ def test_a_step_on_the_device_moves_only_ids_masks_and_logits(decoders):
         dec.step(np.full(2 * s, 7), cache)
         moved[where], caches[where] = steps + [dec.host_bytes], cache
     N, T = 2 * s, ids.shape[1] + k
-    small = 8 * (N + N + 2 * T + N * k)                  # ids, positions, prefix mask, chunk mask at most
+    C = ids.shape[1]
+    small = 8 * (N + N + 2 * T + N * k + 2 * (C + s + 1))  # ids, positions, masks, context blocks at most
     assert all(logits.nbytes <= m <= logits.nbytes + small for m in moved["cpu"])
     slot = 2 * dec.layers * 2 * kv * s * d * 4           # one chunk slot of every tensor (2 beams)
     assert moved[None][1] >= logits.nbytes + 2 * slot     # the NumPy cache: its chunk's used slots rebound
@@ -454,11 +500,11 @@ def test_the_context_store_reuses_a_shared_prefix_to_the_bit(kind, decoders, exp
     full_ref, _ = full.forward(ids, full.empty_cache(3), mask)
     for i, (lg, cache) in enumerate(ref):
         np.testing.assert_array_equal(hot[0][i], lg[0])
-        for x, y in zip(hot[1].prefix, cache.prefix):                     # both left-padded to T
+        for x, y in zip(hot[1].context, cache.context):                     # both left-padded to T
             np.testing.assert_array_equal(x[i:i + 1], y)
     np.testing.assert_allclose(hot[0], full_ref[:, -1], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(hot[0], batched[0], rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(hot[1].mask, batched[1].mask)
+    np.testing.assert_array_equal(hot[1].context_mask, batched[1].context_mask)
     tok = np.arange(6) + 7
     np.testing.assert_allclose(dec.step(tok, hot[1]), cold.step(tok, batched[1]), rtol=1e-4, atol=1e-4)
 

@@ -1,35 +1,41 @@
-"""The decode graph: each beam's prefix K/V stored once, each candidate's chunk on its own.
+"""The decode graph: a request's context K/V stored once, each beam's generated prefix once, each
+candidate's chunk on its own.
 
-The row layout's graph (model.onnx) takes one past per row, so the s candidates of a beam carry s copies of the same
-prefix, gathered every chunk and re-copied (past + new -> present) every step. This graph takes
+The row layout's graph (model.onnx) takes one past per row, so the b x s candidates of a request
+carry b x s copies of its context, gathered every chunk and re-copied (past + new -> present)
+every step. This graph takes three levels of cache:
 
     input_ids, position_ids   (N, L)          N = b * s rows, row r a candidate of beam r // s
+    context_mask              (R, C)  int64   R contexts (one per request), 0 = left padding
+    context_beams             (R, M)  int64   the beams of each context, M blocks (one repeated where fewer)
+    beam_slot                 (b,)    int64   each beam's block among the R * M
     prefix_mask               (b, T)  int64   0 = left padding
     chunk_mask                (N, U)  int64   1 = a token of this chunk already decoded
     new_mask                  (N, L)  int64   0 = left padding among the new tokens
-    prefix.L.key/value        (b, kv_heads, T, head_dim)   shared by the s candidates of a beam
+    context.L.key/value       (R, kv_heads, C, head_dim)   shared by every beam and candidate of a request
+    prefix.L.key/value        (b, kv_heads, T, head_dim)   the tokens a beam generated, shared by its s candidates
     chunk.L.key/value         (U, b, kv_heads, s, head_dim)   each row's own chunk so far, slot-major:
                                                               the first U slots of the (K, ...) buffer
 
 and returns `logits` (N, vocab) of each row's last new token and only the new tokens'
 `new.L.key/value` (b, kv_heads, s, L, head_dim): with L = 1 that is one slot of the chunk buffer,
 and the host binds it there, so the graph writes the new K/V in place; the kept rows' chunks are
-appended to the prefixes once per chunk (`dbs_fast.prefix_cache.PrefixCache`). Nothing per step copies
-the prefix, and the chunk is bound only as far as it is decoded (U = max(1, slots used), a
-contiguous view of the slot-major buffer). A decode step has L = 1; a prefill runs a
-(left-padded) context as L new tokens per call over the columns before them as prefix.
+appended to the prefixes once per chunk (`dbs_fast.prefix_cache.PrefixCache`). Nothing per step
+copies the context or the prefix, and the chunk is bound only as far as it is decoded (U = max(1,
+slots used), a contiguous view of the slot-major buffer). A decode step has L = 1; a prefill
+runs a (left-padded) context as L new tokens per call over the columns before them as context.
 
-Attention (Hydragen's decomposition): the s candidates of a beam, their L new tokens and the g
-query heads of a kv head are extra query rows of one batched matmul over the beam's prefix,
-(b, kv, s*L*g, d) x (b, kv, d, T); the same rows are scored against the beam's s rows of new
-keys, block-diagonal by their bias (a row sees its own new tokens, causal by position), and each
-row against its own chunk slots elementwise; one softmax over [prefix | chunk | new]; the
-weighted sums are added (`attend`). RoPE (Llama family) is
-applied before anything is cached, so cached keys are position-final, as in Hugging Face's
-cache, by ORT's contrib `RotaryEmbedding` (CPU and CUDA kernels; `_rotary`). The attention is
-plain ONNX ops (MatMul, Softmax, ...), no contrib ops: `benchmarks/attention.py` measured
-ORT's DecoderMaskedMultiHeadAttention (cache indirection) at 11.8x and MultiHeadAttention on the
-row layout at 3.4x this attention's time, with 9.5x and 5x its cache (`benchmarks/attention.py`).
+Attention (Hydragen's decomposition, at two levels): all query rows of a request are rows of one
+batched matmul over its context, and those of a beam (its s candidates, their L new tokens and
+the g query heads of a kv head) of one over the beam's prefix; the same rows are scored against
+the beam's s rows of new keys, block-diagonal by their bias (a row sees its own new tokens,
+causal by position), and each row against its own chunk slots elementwise; one softmax over
+[context | prefix | chunk | new], merged from two parts by their maxima and sums (`attend`). RoPE
+(Llama family) is applied before anything is cached, so cached keys are position-final, as in
+Hugging Face's cache, by ORT's contrib `RotaryEmbedding` (CPU and CUDA kernels; `_rotary`). The
+attention is plain ONNX ops (MatMul, Softmax, ...), no contrib ops: `benchmarks/attention.py`
+measured ORT's DecoderMaskedMultiHeadAttention (cache indirection) at 11.8x and
+MultiHeadAttention on the row layout at 3.4x this attention's time, with 9.5x and 5x its cache.
 """
 from __future__ import annotations
 
@@ -55,10 +61,10 @@ def family(config) -> str:
 
 
 class Dims(NamedTuple):
-    """The sizes a layer's attention reshapes by. The export takes the dynamic ones (N, L, b, s, T, K)
-    once from the graph's inputs and the static ones (H, kv, d) from the config, so that the shape
-    arithmetic is one copy that every layer shares (ORT merges the identical nodes), not a
-    Shape/Gather/Unsqueeze/Concat chain per layer and tensor: on the default, 2206 nodes per step
+    """The sizes a layer's attention reshapes by. The export takes the dynamic ones (N, L, b, s, T,
+    K, R, M, C) once from the graph's inputs and the static ones (H, kv, d) from the config, so that
+    the shape arithmetic is one copy that every layer shares (ORT merges the identical nodes), not
+    a Shape/Gather/Unsqueeze/Concat chain per layer and tensor: on the default, 2206 nodes per step
     after ORT's optimisations instead of 3619."""
     N: object
     L: object
@@ -66,6 +72,9 @@ class Dims(NamedTuple):
     s: object
     T: object
     K: object
+    R: object      # contexts (requests)
+    M: object      # query blocks per context: the most beams any one context has
+    C: object      # context columns
     H: int
     kv: int
     d: int
@@ -79,7 +88,7 @@ def block_biases(chunk_mask, seen, dims: Dims):
     token, query head of the kv head), new keys (candidate, column)."""
     import torch
 
-    _, L, b, s, _, _, H, kv, _ = dims
+    L, b, s, H, kv = dims.L, dims.b, dims.s, dims.H, dims.kv
     g = H // kv
     col = torch.arange(s)
     own = (col[:, None] == col[None, :])[None, :, None, None, :, None]               # (1, s_q, 1, 1, s_k, 1)
@@ -87,50 +96,87 @@ def block_biases(chunk_mask, seen, dims: Dims):
     sees_new = sees_new.expand(b, s, L, g, s, L).reshape(b, 1, s * L * g, -1)
     sees_chunk = (chunk_mask.reshape(b, s, 1, 1, -1) > 0).expand(b, s, L, g, chunk_mask.shape[1])
 
-    def bias(m):
-        return (1.0 - m.to(torch.float32)) * MASKED
-
-    return bias(sees_chunk).reshape(b, 1, s * L * g, -1), bias(sees_new)
+    return mask_bias(sees_chunk).reshape(b, 1, s * L * g, -1), mask_bias(sees_new)
 
 
-def attend(q, k, v, pk, pv, ck, cv, prefix_bias, chunk_bias, new_bias, scale: float, dims: Dims | None = None):
-    """Attention of L new tokens per row, row r = candidate r % s of beam r // s. q (N, L, H, d);
-    k, v (N, L, kv, d): the new tokens'; pk, pv (b, kv, T, d); ck, cv (U, b, kv, s, d): the
-    chunks' first U slots, slot-major; prefix_bias (b, T); chunk_bias, new_bias from
-    `block_biases`. Returns the output (N, L, H * d) and the new keys and values (b, kv, s, L, d),
-    one chunk slot's layout when L = 1.
+def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims):
+    """Attention of L new tokens per row, row r = candidate r % s of beam r // s, over three levels:
+    its request's context, its beam's generated prefix and its own chunk (then its new tokens).
+    q (N, L, H, d); k, v (N, L, kv, d): the new tokens'; xk, xv (R, kv, C, d): the contexts, one
+    copy per request; pk, pv (b, kv, T, d): the beams' prefixes; ck, cv (U, b, kv, s, d): the
+    chunks' first U slots, slot-major; `biases` (`Biases`). Returns the output (N, L, H * d) and
+    the new keys and values (b, kv, s, L, d), one chunk slot's layout when L = 1.
 
-    Every query of a beam (its s candidates x L new tokens x g query heads per kv head) is a row
-    of one batched matmul against the beam's prefix, (b, kv, s*L*g, d) x (b, kv, d, T), and of
-    one against its s rows of new keys, block-diagonal by its bias (s*L columns, not T). Each
-    row scores its own chunk slots elementwise (a product and a sum over d per slot): only the
-    U slots bound, not all K, and not the s*K columns of a block-diagonal matmul over the beam's
-    chunks, which took ~40% of the attention at the paper setting (GPT-2 large, AVX2 EPYC, a
-    one-off variant of `benchmarks/attention.py`). So q, the new K/V and the output are
-    transposed, once each, and no score tensor is but the small chunk part. The chunk's weighted
-    values are summed over the slots by a (1, U) x (U, ...) MatMul of ones: ONNX Runtime's
-    ReduceSum over the leading axis was slower (GPT-2 large, 36 layers, 7 x 10 rows, the attention
-    alone: 36.2 vs 41.6 ms at prefix 82 on a Zen 4, 49.6 vs 54.0 on a Zen 2)."""
+    Every query of a request (its beams x s candidates x L new tokens x g query heads per kv head)
+    is a row of one batched matmul against the request's context, (R, kv, M*s*L*g, d) x (R, kv, d,
+    C) (Hydragen's decomposition, one level up): the beams' query rows are gathered into M blocks
+    per context (`Biases.context_beams`; a context with fewer beams repeats one, whose extra rows
+    are computed and dropped) and their results gathered back (`beam_slot`). Every query of a
+    beam is a row of one matmul against the beam's prefix, (b, kv, s*L*g, d) x (b, kv, d, T), and
+    of one against its s rows of new keys, block-diagonal by its bias (s*L columns); each row
+    scores its own chunk slots elementwise (a product and a sum over d per slot: only the U slots
+    bound, not the s*K columns of a block-diagonal matmul over the beam's chunks, which took ~40%
+    of the attention at the paper setting). The two parts are one softmax: each keeps its maximum
+    and its sum of exponentials, and the outputs are merged by them (the log-sum-exp merge of
+    split attention), so no score tensor is transposed; only q, the outputs and two numbers per
+    query row are. The chunk's weighted values are summed over the slots by a (1, U) x (U, ...)
+    MatMul of ones: ONNX Runtime's ReduceSum over the leading axis was slower (GPT-2 large, 36
+    layers, 7 x 10 rows, the attention alone: 36.2 vs 41.6 ms at prefix 82 on a Zen 4, 49.6 vs
+    54.0 on a Zen 2)."""
     import torch
 
-    if dims is None:
-        dims = Dims(*q.shape[:2], pk.shape[0], ck.shape[3], pk.shape[2], ck.shape[0], q.shape[2], pk.shape[1],
-                    q.shape[3])
-    N, L, b, s, T, U, H, kv, d = dims
+    N, L, b, s, T, U, R, M, C, H, kv, d = dims
     g = H // kv
     q6 = q.reshape(b, s, L, kv, g, d).permute(0, 3, 1, 2, 4, 5)                          # (b, kv, s, L, g, d)
     qg = q6.reshape(b, kv, -1, d)                                                        # (b, kv, s*L*g, d)
     kn, vn = (x.reshape(b, s, L, kv, d).permute(0, 3, 1, 2, 4) for x in (k, v))          # (b, kv, s, L, d)
-    sp = torch.matmul(qg, pk.transpose(2, 3)) * scale + prefix_bias[:, None, None, :]    # (b, kv, s*L*g, T)
+    # the context: a request's query rows as one matmul over its one copy
+    qx = torch.index_select(qg, 0, biases.context_beams.reshape(-1)).reshape(R, M, kv, -1, d).transpose(1, 2)
+    qx = qx.reshape(R, kv, -1, d)
+    sx = torch.matmul(qx, xk.transpose(2, 3)) * scale + biases.context                   # (R, kv, M*s*L*g, C)
+    mx = sx.max(dim=-1, keepdim=True).values
+    ex = torch.exp(sx - mx)
+    ox = torch.cat([torch.matmul(ex, xv), mx, ex.sum(dim=-1, keepdim=True)], dim=-1)    # (R, kv, M*s*L*g, d+2)
+    ox = torch.index_select(ox.reshape(R, kv, M, -1, d + 2).transpose(1, 2).reshape(R * M, kv, -1, d + 2), 0,
+                            biases.beam_slot)
+    # the beam: its prefix, each row's chunk, its rows' new tokens
+    sp = torch.matmul(qg, pk.transpose(2, 3)) * scale + biases.prefix                   # (b, kv, s*L*g, T)
     sc = (q6.reshape(b, kv, s, L * g, d)[None] * ck[:, :, :, :, None, :]).sum(-1)        # (U, b, kv, s, L*g)
-    sc = sc.permute(1, 2, 3, 4, 0).reshape(b, kv, s * L * g, U) * scale + chunk_bias
-    sn = torch.matmul(qg, kn.reshape(b, kv, -1, d).transpose(2, 3)) * scale + new_bias   # (.., s*L)
-    w = torch.softmax(torch.cat([sp, sc, sn], dim=-1), dim=-1)
+    sc = sc.permute(1, 2, 3, 4, 0).reshape(b, kv, s * L * g, U) * scale + biases.chunk
+    sn = torch.matmul(qg, kn.reshape(b, kv, -1, d).transpose(2, 3)) * scale + biases.new  # (.., s*L)
+    z = torch.cat([sp, sc, sn], dim=-1)
+    mb = z.max(dim=-1, keepdim=True).values
+    w = torch.exp(z - mb)
     wc = w[..., T:T + U].reshape(b, kv, s, L * g, U).permute(4, 0, 1, 2, 3)[..., None]  # (U, b, kv, s, L*g, 1)
     terms = (wc * cv[:, :, :, :, None, :]).reshape(U, -1)                                # (U, b*kv*s*L*g*d)
     oc = torch.matmul(torch.ones_like(terms[:, :1]).transpose(0, 1), terms).reshape(b, kv, s * L * g, d)
-    o = torch.matmul(w[..., :T], pv) + oc + torch.matmul(w[..., T + U:], vn.reshape(b, kv, -1, d))
+    ob = torch.matmul(w[..., :T], pv) + oc + torch.matmul(w[..., T + U:], vn.reshape(b, kv, -1, d))
+    # one softmax over both: rescale each part to the larger maximum
+    top = torch.maximum(mb, ox[..., d:d + 1])
+    fb, fx = torch.exp(mb - top), torch.exp(ox[..., d:d + 1] - top)
+    o = (ob * fb + ox[..., :d] * fx) / (w.sum(dim=-1, keepdim=True) * fb + ox[..., d + 1:] * fx)
     return o.reshape(b, kv, s, L, g, d).permute(0, 2, 3, 1, 4, 5).reshape(N, L, H * d), kn, vn
+
+
+class Biases(NamedTuple):
+    """What a step's attention takes besides the tensors, built once for all layers: the additive
+    biases of the context (R, 1, 1, C), the prefixes (b, 1, 1, T), the chunks and the new tokens
+    (`block_biases`), and the gathers between beams and contexts: `context_beams` (R, M), the beam
+    whose query rows fill each of a context's M blocks, and `beam_slot` (b,), each beam's block
+    (r * M + m)."""
+    context: object
+    prefix: object
+    chunk: object
+    new: object
+    context_beams: object
+    beam_slot: object
+
+
+def mask_bias(mask):
+    """0 where `mask` is 1, MASKED where 0, as float32."""
+    import torch
+
+    return (1.0 - mask.to(torch.float32)) * MASKED
 
 
 def _decoder(model):
@@ -144,15 +190,15 @@ def _decoder(model):
             super().__init__()
             self.model = model
 
-        def forward(self, input_ids, position_ids, prefix_mask, chunk_mask, new_mask, *kv):
-            pbias = (1.0 - prefix_mask.to(torch.float32)) * MASKED
+        def forward(self, input_ids, position_ids, context_mask, context_beams, beam_slot, prefix_mask, chunk_mask,
+                    new_mask, *kv):
             # new key j is seen by new query i when it is a token (not padding) at or before i
             seen = (position_ids[:, None, :] <= position_ids[:, :, None]) & (new_mask[:, None, :] > 0)
-            dims = Dims(*input_ids.shape, prefix_mask.shape[0], kv[2].shape[3], prefix_mask.shape[1],
-                        chunk_mask.shape[1], *heads)
-            cbias, nbias = block_biases(chunk_mask, seen, dims)
-            return (_gpt2 if fam == "gpt2" else _llama)(self.model, input_ids, position_ids, pbias, cbias, nbias,
-                                                        kv, dims)
+            dims = Dims(*input_ids.shape, prefix_mask.shape[0], kv[4].shape[3], prefix_mask.shape[1],
+                        chunk_mask.shape[1], *context_beams.shape, context_mask.shape[1], *heads)
+            biases = Biases(mask_bias(context_mask)[:, None, None, :], mask_bias(prefix_mask)[:, None, None, :],
+                            *block_biases(chunk_mask, seen, dims), context_beams, beam_slot)
+            return (_gpt2 if fam == "gpt2" else _llama)(self.model, input_ids, position_ids, biases, kv, dims)
 
     return PrefixDecoder().eval()
 
@@ -165,7 +211,7 @@ def _heads(cfg) -> tuple[int, int, int]:
 
 # The hidden states are (N * L, D) throughout, so every weight matmul is one 2-D Gemm/MatMul with
 # no reshape around it; only the attention sees (N, L, heads, d).
-def _llama(model, ids, pos, pbias, cbias, nbias, kv, dims):
+def _llama(model, ids, pos, biases, kv, dims):
     m = model.model
     N, L, H, KV, d = dims.N, dims.L, dims.H, dims.kv, dims.d
     h = m.embed_tokens(ids.reshape(-1))                                # (N * L, D)
@@ -177,7 +223,7 @@ def _llama(model, ids, pos, pbias, cbias, nbias, kv, dims):
         q = rope(a.q_proj(x), H)                                       # (N, L, H, d)
         k = rope(a.k_proj(x), KV)                                      # (N, L, KV, d)
         v = a.v_proj(x).reshape(N, L, KV, d)
-        o, kn, vn = attend(q, k, v, *kv[4 * i:4 * i + 4], pbias, cbias, nbias, a.scaling, dims)
+        o, kn, vn = attend(q, k, v, *kv[6 * i:6 * i + 6], biases, a.scaling, dims)
         h = h + a.o_proj(o.reshape(-1, H * d))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         new += [kn, vn]                                                # (b, KV, s, L, d)
@@ -236,7 +282,7 @@ def _rotary(model, h, pos, dims: Dims):
     return lambda y, heads: Rotary.apply(y.reshape(N, L, -1), pos, tc, ts, heads).reshape(N, L, heads, d)
 
 
-def _gpt2(model, ids, pos, pbias, cbias, nbias, kv, dims):
+def _gpt2(model, ids, pos, biases, kv, dims):
     import torch
 
     t = model.transformer
@@ -247,7 +293,7 @@ def _gpt2(model, ids, pos, pbias, cbias, nbias, kv, dims):
     new = []
     for i, block in enumerate(t.h):
         q, k, v = (y.reshape(N, L, H, d) for y in conv(block.attn.c_attn, block.ln_1(h)).split(D, dim=1))
-        o, kn, vn = attend(q, k, v, *kv[4 * i:4 * i + 4], pbias, cbias, nbias, 1.0 / math.sqrt(d), dims)
+        o, kn, vn = attend(q, k, v, *kv[6 * i:6 * i + 6], biases, 1.0 / math.sqrt(d), dims)
         h = h + conv(block.attn.c_proj, o.reshape(-1, D))
         mlp = block.mlp
         h = h + conv(mlp.c_proj, mlp.act(conv(mlp.c_fc, block.ln_2(h))))
@@ -311,10 +357,11 @@ def save(g, path: Path) -> None:
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    ins = ["input_ids", "position_ids", "prefix_mask", "chunk_mask", "new_mask"]
+    ins = ["input_ids", "position_ids", "context_mask", "context_beams", "beam_slot", "prefix_mask", "chunk_mask",
+           "new_mask"]
     outs = ["logits"]
     for i in range(num_layers):
-        ins += [f"prefix.{i}.key", f"prefix.{i}.value", f"chunk.{i}.key", f"chunk.{i}.value"]
+        ins += [f"{level}.{i}.{t}" for level in ("context", "prefix", "chunk") for t in ("key", "value")]
         outs += [f"new.{i}.key", f"new.{i}.value"]
     return ins, outs
 
@@ -327,19 +374,22 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
     dec = _decoder(model)
     L = cfg.num_hidden_layers
     H, KV, d = _heads(cfg)
-    b, s, T, K, n = 2, 3, 5, 4, 2          # n new tokens per row (dynamic, like the rest)
+    b, s, T, K, n, C = 2, 3, 5, 4, 2, 6    # n new tokens per row (dynamic, like the rest); one context
     N = b * s
-    args = [torch.zeros(N, n, dtype=torch.int64), T + torch.arange(n).repeat(N, 1),
+    args = [torch.zeros(N, n, dtype=torch.int64), C + T + torch.arange(n).repeat(N, 1),
+            torch.ones(1, C, dtype=torch.int64), torch.arange(b)[None], torch.arange(b),
             torch.ones(b, T, dtype=torch.int64), torch.zeros(N, K, dtype=torch.int64), torch.ones(N, n, dtype=torch.int64)]
     for _ in range(L):
-        args += [torch.zeros(b, KV, T, d), torch.zeros(b, KV, T, d), torch.zeros(K, b, KV, s, d),
-                 torch.zeros(K, b, KV, s, d)]
+        args += [torch.zeros(1, KV, C, d), torch.zeros(1, KV, C, d), torch.zeros(b, KV, T, d), torch.zeros(b, KV, T, d),
+                 torch.zeros(K, b, KV, s, d), torch.zeros(K, b, KV, s, d)]
     ins, outs = io_names(L)
     axes = {"input_ids": {0: "rows", 1: "new"}, "position_ids": {0: "rows", 1: "new"},
-            "prefix_mask": {0: "beams", 1: "prefix"}, "chunk_mask": {0: "rows", 1: "slots"},
+            "context_mask": {0: "contexts", 1: "context"}, "context_beams": {0: "contexts", 1: "blocks"},
+            "beam_slot": {0: "beams"}, "prefix_mask": {0: "beams", 1: "prefix"}, "chunk_mask": {0: "rows", 1: "slots"},
             "new_mask": {0: "rows", 1: "new"}, "logits": {0: "rows"}}
     for i in range(L):
-        axes.update({f"prefix.{i}.key": {0: "beams", 2: "prefix"}, f"prefix.{i}.value": {0: "beams", 2: "prefix"},
+        axes.update({**{f"context.{i}.{t}": {0: "contexts", 2: "context"} for t in ("key", "value")},
+                     f"prefix.{i}.key": {0: "beams", 2: "prefix"}, f"prefix.{i}.value": {0: "beams", 2: "prefix"},
                      **{f"chunk.{i}.{t}": {0: "slots", 1: "beams", 3: "candidates"} for t in ("key", "value")},
                      **{f"new.{i}.{t}": {0: "beams", 2: "candidates", 3: "new"} for t in ("key", "value")}})
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -349,8 +399,8 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
     saved = share_tied_head(path)
     rope = {"rope": rope_kind(model)} if family(cfg) == "llama" else {}
     return {"graph": path.name, "family": family(cfg), "layers": L, "opset": opset, **rope,
-            "inputs": "input_ids, position_ids, prefix_mask, chunk_mask, new_mask, prefix.L.key/value, "
-                      "chunk.L.key/value", "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved}
+            "inputs": "input_ids, position_ids, context_mask, context_beams, beam_slot, prefix_mask, chunk_mask, "
+                      "new_mask, context.L.key/value, prefix.L.key/value, chunk.L.key/value", "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved}
 
 
 def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0) -> dict:
