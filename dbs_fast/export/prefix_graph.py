@@ -30,7 +30,7 @@ batched matmul over its context, and those of a beam (its s candidates, their L 
 the g query heads of a kv head) of one over the beam's prefix; the same rows are scored against
 the beam's s rows of new keys, block-diagonal by their bias (a row sees its own new tokens,
 causal by position), and each row against its own chunk slots elementwise; one softmax over
-[context | prefix | chunk | new], merged from two parts by their maxima and sums (`attend`). RoPE
+[context | prefix | chunk | new], the context entering it by its log-sum-exp (`attend`). RoPE
 (Llama family) is applied before anything is cached, so cached keys are position-final, as in
 Hugging Face's cache, by ORT's contrib `RotaryEmbedding` (CPU and CUDA kernels; `_rotary`). The
 attention is plain ONNX ops (MatMul, Softmax, ...), no contrib ops: `benchmarks/attention.py`
@@ -116,10 +116,10 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims):
     of one against its s rows of new keys, block-diagonal by its bias (s*L columns); each row
     scores its own chunk slots elementwise (a product and a sum over d per slot: only the U slots
     bound, not the s*K columns of a block-diagonal matmul over the beam's chunks, which took ~40%
-    of the attention at the paper setting). The two parts are one softmax: each keeps its maximum
-    and its sum of exponentials, and the outputs are merged by them (the log-sum-exp merge of
-    split attention), so no score tensor is transposed; only q, the outputs and two numbers per
-    query row are. The chunk's weighted values are summed over the slots by a (1, U) x (U, ...)
+    of the attention at the paper setting). The two parts are one softmax: the context's part
+    enters the beam's softmax as one more key per query row, scored by the log-sum-exp of its
+    scores, with its normalised output as the value (exactly the split-softmax merge, in one
+    Softmax node), so no score tensor is transposed; only q and d + 1 numbers per query row are. The chunk's weighted values are summed over the slots by a (1, U) x (U, ...)
     MatMul of ones: ONNX Runtime's ReduceSum over the leading axis was slower (GPT-2 large, 36
     layers, 7 x 10 rows, the attention alone: 36.2 vs 41.6 ms at prefix 82 on a Zen 4, 49.6 vs
     54.0 on a Zen 2)."""
@@ -130,31 +130,29 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims):
     q6 = q.reshape(b, s, L, kv, g, d).permute(0, 3, 1, 2, 4, 5)                          # (b, kv, s, L, g, d)
     qg = q6.reshape(b, kv, -1, d)                                                        # (b, kv, s*L*g, d)
     kn, vn = (x.reshape(b, s, L, kv, d).permute(0, 3, 1, 2, 4) for x in (k, v))          # (b, kv, s, L, d)
-    # the context: a request's query rows as one matmul over its one copy
+    # the context: a request's query rows as one matmul over its one copy; per query row its
+    # normalised output and the log of its sum of exponentials
     qx = torch.index_select(qg, 0, biases.context_beams.reshape(-1)).reshape(R, M, kv, -1, d).transpose(1, 2)
     qx = qx.reshape(R, kv, -1, d)
     sx = torch.matmul(qx, xk.transpose(2, 3)) * scale + biases.context                   # (R, kv, M*s*L*g, C)
-    mx = sx.max(dim=-1, keepdim=True).values
-    ex = torch.exp(sx - mx)
-    ox = torch.cat([torch.matmul(ex, xv), mx, ex.sum(dim=-1, keepdim=True)], dim=-1)    # (R, kv, M*s*L*g, d+2)
-    ox = torch.index_select(ox.reshape(R, kv, M, -1, d + 2).transpose(1, 2).reshape(R * M, kv, -1, d + 2), 0,
-                            biases.beam_slot)
-    # the beam: its prefix, each row's chunk, its rows' new tokens
+    px = torch.softmax(sx, dim=-1)
+    # log sum_j exp(sx_j) = sx_j - log(px_j) for any j; at the largest score px_j >= 1 / C
+    lse = sx.max(dim=-1, keepdim=True).values - torch.log(px.max(dim=-1, keepdim=True).values)
+    ox = torch.cat([torch.matmul(px, xv), lse], dim=-1)                                  # (R, kv, M*s*L*g, d+1)
+    ox = torch.index_select(ox.reshape(R, kv, M, -1, d + 1).transpose(1, 2).reshape(R * M, kv, -1, d + 1), 0,
+                            biases.beam_slot)                                            # (b, kv, s*L*g, d+1)
+    # the beam: its prefix, each row's chunk, its rows' new tokens; the context joins the softmax
+    # as one more key whose score is its log-sum-exp and whose value is its normalised output
     sp = torch.matmul(qg, pk.transpose(2, 3)) * scale + biases.prefix                   # (b, kv, s*L*g, T)
     sc = (q6.reshape(b, kv, s, L * g, d)[None] * ck[:, :, :, :, None, :]).sum(-1)        # (U, b, kv, s, L*g)
     sc = sc.permute(1, 2, 3, 4, 0).reshape(b, kv, s * L * g, U) * scale + biases.chunk
     sn = torch.matmul(qg, kn.reshape(b, kv, -1, d).transpose(2, 3)) * scale + biases.new  # (.., s*L)
-    z = torch.cat([sp, sc, sn], dim=-1)
-    mb = z.max(dim=-1, keepdim=True).values
-    w = torch.exp(z - mb)
+    w = torch.softmax(torch.cat([sp, sc, sn, ox[..., d:]], dim=-1), dim=-1)
     wc = w[..., T:T + U].reshape(b, kv, s, L * g, U).permute(4, 0, 1, 2, 3)[..., None]  # (U, b, kv, s, L*g, 1)
     terms = (wc * cv[:, :, :, :, None, :]).reshape(U, -1)                                # (U, b*kv*s*L*g*d)
     oc = torch.matmul(torch.ones_like(terms[:, :1]).transpose(0, 1), terms).reshape(b, kv, s * L * g, d)
-    ob = torch.matmul(w[..., :T], pv) + oc + torch.matmul(w[..., T + U:], vn.reshape(b, kv, -1, d))
-    # one softmax over both: rescale each part to the larger maximum
-    top = torch.maximum(mb, ox[..., d:d + 1])
-    fb, fx = torch.exp(mb - top), torch.exp(ox[..., d:d + 1] - top)
-    o = (ob * fb + ox[..., :d] * fx) / (w.sum(dim=-1, keepdim=True) * fb + ox[..., d + 1:] * fx)
+    o = (torch.matmul(w[..., :T], pv) + oc + torch.matmul(w[..., T + U:-1], vn.reshape(b, kv, -1, d))
+         + w[..., -1:] * ox[..., :d])
     return o.reshape(b, kv, s, L, g, d).permute(0, 2, 3, 1, 4, 5).reshape(N, L, H * d), kn, vn
 
 
