@@ -1,0 +1,90 @@
+"""Two checkouts of dbs-fast generating in turns: a change's cost per generation, under the same load.
+
+Each checkout runs in its own process, kept loaded (the engine of that checkout on the export in
+its own DBS_FAST_HOME, re-exported there if its format differs); the two generate the same
+request in turns, the order swapped every round, so the machine's load falls on both alike. The
+paper's search (b=7, s=10, k=5), 40 new tokens, context "It is", keywords river, doctor, winter
+(`--context`, `--keywords` to change). Reports each one's median seconds per generation (and of it,
+decode), the median of the paired ratios B / A, and how many texts were the same.
+
+    python -m benchmarks.checkouts --a /path/to/old/checkout --a-home /tmp/home-a \\
+        --b . --b-home /tmp/home-b [--rounds 8] [--out FILE.json]
+
+A checkout of an older commit: `git worktree add /tmp/old COMMIT`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from dbs_fast.bench.machine import machine
+
+WORKER = """
+import json, sys
+from dbs_fast.api import DirectedBeamSearch
+from dbs_fast.config import DBSConfig
+cfg = DBSConfig.paper(max_new_tokens=40)
+dbs = DirectedBeamSearch("default", config=cfg)
+context, keywords = sys.argv[1], sys.argv[2].split(",")
+dbs.generate(context, keywords, seed=0)
+print("ready", flush=True)
+for line in sys.stdin:
+    r = dbs.generate(context, keywords, seed=int(line))
+    print(json.dumps([r.seconds, r.seconds - r.timings.get("prefill", 0.0), r.generated]), flush=True)
+"""
+
+
+def worker(checkout: Path, home: Path, context: str, keywords: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(checkout.resolve()), DBS_FAST_HOME=str(home))
+    p = subprocess.Popen([sys.executable, "-c", WORKER, context, keywords], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=env, cwd=str(checkout))
+    if p.stdout.readline().strip() != "ready":
+        raise SystemExit(f"the worker of {checkout} did not start")
+    return p
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--a", type=Path, required=True, help="checkout A (the baseline)")
+    ap.add_argument("--a-home", type=Path, required=True, help="DBS_FAST_HOME of A")
+    ap.add_argument("--b", type=Path, required=True, help="checkout B (the change)")
+    ap.add_argument("--b-home", type=Path, required=True, help="DBS_FAST_HOME of B")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--context", default="It is")
+    ap.add_argument("--keywords", default="river,doctor,winter")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    procs = {"A": worker(args.a, args.a_home, args.context, args.keywords),
+             "B": worker(args.b, args.b_home, args.context, args.keywords)}
+    runs = {"A": [], "B": []}
+    for i in range(args.rounds):
+        for k in ("A", "B") if i % 2 == 0 else ("B", "A"):
+            procs[k].stdin.write(f"{i}\n")
+            procs[k].stdin.flush()
+            runs[k].append(json.loads(procs[k].stdout.readline()))
+    for p in procs.values():
+        p.stdin.close()
+        p.wait()
+    report = {"machine": machine(), "a": str(args.a), "b": str(args.b), "rounds": args.rounds,
+              "context": args.context, "keywords": args.keywords,
+              **{k: {"seconds_median": statistics.median(r[0] for r in v),
+                     "decode_seconds_median": statistics.median(r[1] for r in v), "seconds_all": [r[0] for r in v]}
+                 for k, v in runs.items()},
+              "paired_ratio_median": statistics.median(b[0] / a[0] for a, b in zip(runs["A"], runs["B"])),
+              "same_texts": sum(a[2] == b[2] for a, b in zip(runs["A"], runs["B"]))}
+    print(f"{report['machine']}: A {report['A']['seconds_median']:.2f} s/generation (decode "
+          f"{report['A']['decode_seconds_median']:.2f}), B {report['B']['seconds_median']:.2f} (decode "
+          f"{report['B']['decode_seconds_median']:.2f}); B / A paired, median of {args.rounds}: "
+          f"{report['paired_ratio_median']:.3f}; same texts {report['same_texts']} of {args.rounds}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
