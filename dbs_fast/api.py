@@ -276,6 +276,18 @@ class DirectedBeamSearch:
         return Request(heal.context_ids if heal else ids, kws, int(seed), boosts, force, phrases,
                        ban_seqs, context, heal=heal)
 
+    def prefill_left(self, request: Request) -> int:
+        """Context tokens that `request`'s admission would prefill now (all but what the context
+        store holds; 0 where nothing can be prefilled ahead)."""
+        return 0 if self.decoder is None else self.decoder.prefill_left(request.context_ids)
+
+    def prefill_ahead(self, request: Request) -> bool:
+        """Prefill one more slice of `request`'s context into the context store, so that a long
+        context joins a running batch in pieces between its chunks; False when the store cannot
+        keep it (admit it whole then)."""
+        m = self.backend.model
+        return self.decoder.prefill_ahead(request.context_ids, m.kv_heads, m.head_dim)
+
     def batch(self, config: DBSConfig | None = None, progress=None) -> "Batch":
         """An empty running batch that requests can join and leave between chunks."""
         return Batch(self, config or self.config, progress)

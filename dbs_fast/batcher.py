@@ -2,7 +2,9 @@
 
 Jobs wait in a bounded queue; between chunks the loop drops cancelled and timed-out jobs,
 admits queued ones while the row budget allows (first come, first served), and decodes one
-chunk of every running batch (one batch per config: all requests of a batch share it, so
+chunk of every running batch. A context longer than one prefill slice that would join a running
+batch is prefilled in pieces first, one slice into the context store between chunks
+(`DirectedBeamSearch.prefill_ahead`), so that the running requests wait at most one slice for it (one batch per config: all requests of a batch share it, so
 requests with other settings take turns chunk by chunk). At a boundary where requests have
 just ended, it first waits up to `admit_wait` seconds for their clients' next requests
 (`_await_returns`). A job leaves with its result when its request ends. Events go back to the asyncio side through `Job.send`; the loop never blocks
@@ -19,6 +21,7 @@ from . import occurrence
 from .api import Batch, DirectedBeamSearch
 from .beam import Request
 from .config import DBSConfig
+from .decoder import PREFILL_SLICE
 
 
 @dataclass(eq=False)
@@ -31,6 +34,7 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: str | None = None  # why: "disconnected", "timeout", "shutdown"
     chunks: int = 0
+    ahead: bool = True            # its context may be prefilled in pieces before it joins
 
     @property
     def rows(self) -> int:
@@ -107,9 +111,14 @@ class Batcher:
                 self._await_returns(ended)
                 if self.stopping and not self.batches and not self.queue:
                     return
-                admit = self._take_admissible()
+                admit, ahead = self._take_admissible()
             self._drop_cancelled()
             self._admit(admit)
+            if ahead is not None:                   # one slice of a long context, then the chunk
+                try:
+                    ahead.ahead = self.dbs.prefill_ahead(ahead.request)
+                except Exception:                   # noqa: BLE001 -- its admission prefills it whole (or fails it)
+                    ahead.ahead = False
             ended = sum(self._step(cfg) for cfg in list(self.batches))
             self._gauges()
 
@@ -127,9 +136,11 @@ class Batcher:
                 return
             self.cond.wait(left)
 
-    def _take_admissible(self) -> list[Job]:
+    def _take_admissible(self) -> tuple[list[Job], Job | None]:
         """Queued jobs that fit the row budget, in order (the first that does not fit waits, and
-        so does everything behind it: no starvation of large requests)."""
+        so does everything behind it: no starvation of large requests); and the job whose context
+        to prefill a piece of first, when it would join running requests with more than one
+        prefill slice to compute (it and those behind it wait)."""
         out, free = [], self.max_rows - self.rows
         while self.queue:
             job = self.queue[0]
@@ -141,9 +152,11 @@ class Batcher:
                 continue
             if job.rows > free:
                 break
+            if job.ahead and self.batches and self.dbs.prefill_left(job.request) > PREFILL_SLICE:
+                return out, job
             free -= job.rows
             out.append(self.queue.popleft())
-        return out
+        return out, None
 
     def _admit(self, jobs: list[Job]) -> None:
         by_cfg: dict[DBSConfig, list[Job]] = {}

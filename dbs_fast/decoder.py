@@ -35,6 +35,16 @@ class ContextStore:
         `tokens` in whole slices, leaving at least one token to prefill; (0, None) on a miss."""
         self.lookups += 1
         self.context_tokens += len(tokens)
+        best, hit = self.peek(tokens)
+        if hit is None:
+            return 0, None
+        self.entries.move_to_end(hit)
+        self.hits += 1
+        self.reused_tokens += best
+        return best, self.entries[hit][1]
+
+    def peek(self, tokens: np.ndarray) -> tuple[int, int | None]:
+        """`lookup` without counting or touching the LRU order: (P, the entry's key or None)."""
         best, hit = 0, None
         for key, (toks, past) in self.entries.items():
             n = min(len(toks), len(tokens) - 1)
@@ -43,18 +53,13 @@ class ContextStore:
             p = common // self.granule * self.granule
             if p > best:
                 best, hit = p, key
-        if hit is None:
-            return 0, None
-        self.entries.move_to_end(hit)
-        self.hits += 1
-        self.reused_tokens += best
-        return best, self.entries[hit][1]
+        return best, hit
 
     def put(self, tokens: np.ndarray, past: list) -> None:
         """Keep the K/V `past` ((1, kv, len(tokens), d) per tensor, arrays of the prefill that made them,
         which nothing writes to later) of `tokens`."""
         n = sum(p.nbytes for p in past)
-        if len(tokens) <= self.granule or n > self.max_bytes:
+        if len(tokens) < self.granule or n > self.max_bytes:
             return
         for key, (toks, _) in list(self.entries.items()):    # one this context extends is redundant
             if len(toks) <= len(tokens) and np.array_equal(toks, tokens[:len(toks)]):
@@ -190,6 +195,27 @@ class PrefixDecoder:
             pc.context = [ops.concat(p, x.reshape(x.shape[:2] + x.shape[3:]), 2) for p, x in zip(pc.context, new)]
             pc.context_mask = np.concatenate([pc.context_mask, mask[:, cols]], axis=1)
         return logits.copy(), [ops.cols(p, 1) for p in pc.context]
+
+    def prefill_left(self, tokens) -> int:
+        """Tokens of a context that its prefill would compute now: all but what the context store
+        holds of it (0 where nothing can be prefilled ahead: no store, a cache on a device)."""
+        if self.store is None or self.ops is not HOST:
+            return 0
+        return len(tokens) - self.store.peek(np.asarray(tokens, np.int64))[0]
+
+    def prefill_ahead(self, tokens, kv_heads: int, head_dim: int) -> bool:
+        """One `PREFILL_SLICE` more of a context into the context store, after the longest prefix of
+        it the store holds, so that a long context's prefill can go in pieces between a running
+        batch's chunks (its admission then takes them from the store, to the bit the same as a
+        prefill in one go). False when the store did not keep it (too small): prefill it whole."""
+        tokens = np.asarray(tokens, np.int64)
+        start, key = self.store.peek(tokens)
+        before = self.store.entries[key][1] if key is not None else None
+        end = min(start + PREFILL_SLICE, len(tokens) - 1)
+        _, past = self._prefill_slices(tokens[None, :end], np.ones((1, end), np.int64), kv_heads, head_dim, start,
+                                       before)
+        self.store.put(tokens[:end], past)
+        return self.store.peek(tokens)[0] > start
 
     def _prefill_stored(self, ids, mask, kv_heads, head_dim, s, k, reserve) -> tuple[np.ndarray, PrefixCache]:
         """`prefill` through the context store: each context on its own, from the longest prefix

@@ -336,3 +336,40 @@ def test_serve_refuses_bad_options_with_exit_2_before_starting(flag, value, caps
 
     assert main(["serve", flag, value]) == 2
     assert f"`{flag}` must be" in capsys.readouterr().err
+
+
+def test_a_long_context_joins_a_running_batch_in_pieces_between_its_chunks(exported, monkeypatch):
+    """A context of several prefill slices that would join a running batch is prefilled one slice
+    per chunk boundary into the context store (the running request's chunks go on between the
+    pieces), then admitted; its result is the one it gets alone with no store at all."""
+    from dbs_fast import batcher, decoder
+    from dbs_fast.batcher import Batcher, Job
+    from dbs_fast.decoder import ContextStore
+
+    monkeypatch.setattr(decoder, "PREFILL_SLICE", 4)
+    monkeypatch.setattr(batcher, "PREFILL_SLICE", 4)
+    dbs = DirectedBeamSearch(exported["gpt2"])
+    dbs.decoder.store = ContextStore(10**9, granule=4)
+    long = replace(DBSConfig(), **{**SMALL, "max_new_tokens": 64, "stop": "max"})
+    short = replace(DBSConfig(), **SMALL)
+    context = "The river ran past the old mill, where the miller and his children sat on the bank and"
+    events, done, result = [], threading.Event(), {}
+    ahead = dbs.prefill_ahead
+    monkeypatch.setattr(dbs, "prefill_ahead", lambda r: (events.append("piece"), ahead(r))[1])
+    b = Batcher(dbs, max_rows=24, max_queue=8)
+    try:
+        b.submit(Job(dbs.request("It is", "colony", None, 0, long), long, stream=True,
+                     send=lambda k, p: events.append("chunk") if k == "chunk" else None))
+        _wait(lambda: b.rows > 0)
+        joiner = dbs.request(context, "river", None, 1, short)
+        b.submit(Job(joiner, short, send=lambda k, p: (result.update({k: p}), done.set())))
+        assert done.wait(60)
+    finally:
+        b.stop(0.0)
+    n = len(joiner.context_ids)
+    assert events.count("piece") == (n - 1) // 4 >= 3          # all but the last slice, one at a time
+    first, last = events.index("piece"), len(events) - 1 - events[::-1].index("piece")
+    between = events[first:last + 1]
+    assert all(between[i + 1] == "chunk" for i, e in enumerate(between[:-1]) if e == "piece"), events
+    alone = DirectedBeamSearch(exported["gpt2"], context_cache_mb=0).generate(context, "river", seed=1, config=short)
+    assert result["result"]["generated"] == alone.generated
