@@ -10,6 +10,9 @@ with N concurrent asyncio clients (httpx), each sending `--per-client` requests 
 - paper: paper-setting requests (b = 7, s = 10, k = 5, 90 tokens, the paper's 50 sets) at 1 and
   4 clients, both servers; and the join test: request B (streamed) arrives while A runs, the
   delay to B's first event against the merged batch's chunk time (B's event spacing);
+- long-join: request B with a `--join-context`-token context joins while A (paper setting,
+  streamed) runs, against a server that prefills it in pieces between A's chunks and one that
+  prefills it whole (`--no-chunked-prefill`): A's largest event gap while B joins, in A's chunk times;
 - soak: `--soak` requests (small) from 8 clients, 10% malformed, 5% clients that disconnect
   after sending; counts every answer, checks the server survives, reports its RSS start/end.
 - engine: in process, n small requests as one batch: seconds and model ms per step vs rows; and
@@ -97,13 +100,13 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, model: str, max_rows: int, threads: int | None, log: Path, admit_wait: float | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, chunked_prefill: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "dbs_fast.cli", "serve", "--model", model, "--port", str(self.port),
                "--max-rows", str(max_rows), "--max-queue", "1024"] + (["--threads", str(threads)] if threads else []) + (
                    ["--admit-wait", str(admit_wait)] if admit_wait is not None else []) + (
-                   ["--api-key", api_key] if api_key else [])
+                   ["--api-key", api_key] if api_key else []) + ([] if chunked_prefill else ["--no-chunked-prefill"])
         env = {**os.environ, "PYTHONSAFEPATH": "1"}       # a checkout's dbs_fast/ must not shadow the package
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -231,6 +234,38 @@ async def join_test(url: str) -> dict:
     first = marks["b"][0] - t_b
     return {"b_first_event_s": first, "merged_chunk_s": chunk, "first_event_in_chunks": first / chunk,
             "a_total_s": a_end - marks["a"][0], "b_events": len(marks["b"])}
+
+
+async def long_join_test(url: str, context: str) -> dict:
+    """A runs (paper setting, streamed); B, with a long context, arrives after A's first event.
+    How long A's events stall while B's context is prefilled (A's largest gap from B's arrival to
+    B's first event, against A's median gap before B came) and B's first event delay."""
+    import httpx
+
+    a_body, b_body = bodies("paper", 2, seed0=91)
+    b_body = {**b_body, "context": context, "max_new_tokens": 10}
+    marks: dict[str, list[float]] = {"a": [], "b": []}
+    b_sent = asyncio.Event()
+
+    async def stream(c, name, body):
+        async with c.stream("POST", url + "/v1/generate", json={**body, "stream": True}, timeout=None) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("event: "):
+                    marks[name].append(time.perf_counter())
+                    if name == "a" and len(marks["a"]) == 4:
+                        b_sent.set()
+
+    async with httpx.AsyncClient() as c:
+        ta = asyncio.create_task(stream(c, "a", a_body))
+        await b_sent.wait()
+        t_b = time.perf_counter()
+        await asyncio.gather(ta, stream(c, "b", b_body))
+    a, b_first = np.array(marks["a"]), marks["b"][0]
+    gaps = np.diff(a)
+    before = gaps[a[1:] <= t_b]                                      # A's chunk time before B came
+    joining = gaps[(a[1:] > t_b) & (a[:-1] < b_first)]               # gaps that overlap B's arrival..first event
+    return {"a_gap_before_s": float(np.median(before)), "a_gap_max_while_b_joins_s": float(joining.max()),
+            "stall_in_chunks": float(joining.max() / np.median(before)), "b_first_event_s": b_first - t_b}
 
 
 async def soak(url: str, n: int, clients: int, rss=None, seed: int = 0, openai_sdk: bool = False) -> dict:
@@ -361,7 +396,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=240, help="per arm: clients stop taking work after this")
     ap.add_argument("--soak", type=int, default=500)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--skip", default="", help="comma-separated: engine, small, paper, join, soak")
+    ap.add_argument("--skip", default="", help="comma-separated: engine, small, paper, join, long-join, soak")
+    ap.add_argument("--join-context", type=int, default=2000,
+                    help="context tokens of the request that joins in the long-join arm (default 2000)")
     ap.add_argument("--admit-wait", type=float, default=None,
                     help="the servers' --admit-wait (seconds; default: the server's default)")
     ap.add_argument("--openai", action="store_true",
@@ -369,7 +406,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     key = API_KEY if a.openai else None
     if a.openai:                                  # the paper arm and the join test speak /v1/generate's own stream
-        a.skip = ",".join(filter(None, [a.skip, "paper", "join"]))
+        a.skip = ",".join(filter(None, [a.skip, "paper", "join", "long-join"]))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, a.skip.split(",")))
@@ -382,7 +419,7 @@ def main(argv=None) -> int:
                 "model": a.model, "small_request": SMALL, "paper_request": PAPER,
                 "admit_wait": a.admit_wait if a.admit_wait is not None else ServiceOptions().admit_wait})
     res.setdefault("dates", {})
-    for arm_name in {"engine", "small", "paper", "join", "soak"} - skip:
+    for arm_name in {"engine", "small", "paper", "join", "long-join", "soak"} - skip:
         res["dates"][arm_name] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if "engine" not in skip:
         res["engine_scaling"] = engine_scaling(a.model, levels, a.threads)
@@ -423,6 +460,26 @@ def main(argv=None) -> int:
                                    "p95_over_single": x["p95_s"] / s[0]["p50_s"],
                                    **(latency_ratios(x, z) if z and "latency_s" in x else {})}
                                   for x, y, z in zip(c, s, alone)]
+    if "long-join" not in skip:
+        from tokenizers import Tokenizer
+
+        from dbs_fast.api import resolve_model_dir
+        from dbs_fast.bench.contexts import context_text
+
+        tok = Tokenizer.from_file(str(resolve_model_dir(a.model) / "tokenizer.json"))
+        text = context_text(tok, a.join_context)
+        res["long_join"] = {"context_tokens": a.join_context}
+        for chunked in (True, False):
+            srv = ServerProcess(a.model, 140, a.threads, out / f"server-long-join-{chunked}.log", a.admit_wait, key,
+                                chunked_prefill=chunked).wait_ready()
+            try:
+                asyncio.run(long_join_test(srv.url, "It is"))           # warm-up: kernels compiled
+                r = asyncio.run(long_join_test(srv.url, text))
+            finally:
+                srv.stop()
+            res["long_join"]["pieces" if chunked else "whole"] = r
+            print("long-join", "pieces" if chunked else "whole", json.dumps(r), flush=True)
+        (out / "load.json").write_text(json.dumps(res, indent=2))
     if "soak" not in skip:
         srv = ServerProcess(a.model, 140, a.threads, out / "server-soak.log", a.admit_wait, key).wait_ready()
         try:

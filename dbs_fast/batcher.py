@@ -44,8 +44,10 @@ class Job:
 class Batcher:
     """Continuous batching at chunk boundaries over one `DirectedBeamSearch`."""
 
-    def __init__(self, dbs: DirectedBeamSearch, max_rows: int, max_queue: int, metrics=None, admit_wait: float = 0.0):
+    def __init__(self, dbs: DirectedBeamSearch, max_rows: int, max_queue: int, metrics=None, admit_wait: float = 0.0,
+                 chunked_prefill: bool = True):
         self.dbs, self.max_rows, self.max_queue, self.admit_wait = dbs, max_rows, max_queue, admit_wait
+        self.chunked_prefill = chunked_prefill
         self.metrics = metrics
         self.queue: deque[Job] = deque()
         self.batches: dict[DBSConfig, Batch] = {}
@@ -152,7 +154,8 @@ class Batcher:
                 continue
             if job.rows > free:
                 break
-            if job.ahead and self.batches and self.dbs.prefill_left(job.request) > PREFILL_SLICE:
+            if (job.ahead and self.chunked_prefill and self.batches
+                    and self.dbs.prefill_left(job.request) > PREFILL_SLICE):
                 return out, job
             free -= job.rows
             out.append(self.queue.popleft())

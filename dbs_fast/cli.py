@@ -454,6 +454,9 @@ def _add_serve(sub):
     p.add_argument("--admit-wait", type=float, default=d.admit_wait,
                    help=f"seconds to wait at a chunk boundary where requests ended for their clients' next requests "
                         f"(default {d.admit_wait}; 0: never wait)")
+    p.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
+                   help="admit a long context joining running requests in one prefill (default: one 256-token "
+                        "slice per chunk boundary, so the running requests wait at most one slice)")
     p.add_argument("--api-key", default=None,
                    help="requests to /v1/* need `Authorization: Bearer KEY` (default: $DBS_FAST_API_KEY; unset: open)")
     p.add_argument("--auth-health", action="store_true", help="/health and /metrics need the API key too")
@@ -480,7 +483,7 @@ def _run_serve(a) -> int:
     key = a.api_key if a.api_key is not None else os.environ.get("DBS_FAST_API_KEY") or None
     opts = ServiceOptions(model=a.model, embeddings=a.embeddings, max_rows=a.max_rows, max_queue=a.max_queue,
                           threads=a.threads, provider=a.provider, timeout=a.timeout, grace=a.grace,
-                          kv_layout=a.kv_layout, admit_wait=a.admit_wait, api_key=key, auth_health=a.auth_health,
+                          kv_layout=a.kv_layout, admit_wait=a.admit_wait, chunked_prefill=a.chunked_prefill, api_key=key, auth_health=a.auth_health,
                           max_body_bytes=a.max_body_bytes, cors_origins=tuple(a.cors_origin))
     if not 0 < a.port < 65536:
         raise DBSError(f"`--port` must be in 1..65535, got {a.port}")

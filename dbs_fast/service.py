@@ -54,6 +54,7 @@ class ServiceOptions:
     grace: float = 30.0            # at shutdown: seconds to finish running requests before cancelling them
     admit_wait: float = 0.05       # at a boundary where requests ended: seconds to wait for their clients' next
     #                                ones (closed-loop clients), so that they join this chunk, not the next
+    chunked_prefill: bool = True   # a long context joins a running batch one prefill slice per chunk boundary
     api_key: Optional[str] = None  # requests to /v1/* need `Authorization: Bearer <key>` (None: open)
     auth_health: bool = False      # /health and /metrics need the key too
     max_body_bytes: int = 1 << 20  # a larger request body is refused (413) before it is read
@@ -185,7 +186,8 @@ class Service:
             dbs.word_piece, dbs.sentence_end                           # built once, before the first request
             dbs.generate("It is", "day", config=DBSConfig(beams=1, candidates=1, max_new_tokens=8, stop="max"))  # warm-up
             self.metrics.store = dbs.decoder.store if dbs.decoder is not None else None
-            self.batcher = Batcher(dbs, self.opts.max_rows, self.opts.max_queue, self.metrics, self.opts.admit_wait)
+            self.batcher = Batcher(dbs, self.opts.max_rows, self.opts.max_queue, self.metrics, self.opts.admit_wait,
+                                   self.opts.chunked_prefill)
             self.dbs = dbs
         except Exception as e:   # noqa: BLE001 -- reported by /health, the server stays up
             self.error = f"{type(e).__name__}: {e}"
