@@ -17,6 +17,10 @@ with N concurrent asyncio clients (httpx), each sending `--per-client` requests 
   after sending; counts every answer, checks the server survives, reports its RSS start/end.
 - engine: in process, n small requests as one batch: seconds and model ms per step vs rows; and
   one decode step's milliseconds by rows and cache length.
+`--task commongen`: the small arm's requests are the CommonGen task preset (b = s = 2; its hidden
+few-shot prompt, 40 tokens, one sentence) instead. `--server-checkout DIR HOME`: the servers run the
+engine of another checkout (an older commit, `git worktree add`), with its own DBS_FAST_HOME.
+Every arm reports the server's RSS at its end.
 `--openai`: every request goes through the `openai` SDK to /v1/completions, with an API key (the
 servers start with `--api-key`): the context is the prompt, the constraints and settings go in
 `extra_body`, a malformed request is a bad extra field or a standard one the engine refuses.
@@ -98,6 +102,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVER_CHECKOUT: tuple | None = None     # (checkout dir, its DBS_FAST_HOME) that servers run from
+
+
 class ServerProcess:
     def __init__(self, model: str, max_rows: int, threads: int | None, log: Path, admit_wait: float | None = None,
                  api_key: str | None = None, chunked_prefill: bool = True):
@@ -108,6 +115,8 @@ class ServerProcess:
                    ["--admit-wait", str(admit_wait)] if admit_wait is not None else []) + (
                    ["--api-key", api_key] if api_key else []) + ([] if chunked_prefill else ["--no-chunked-prefill"])
         env = {**os.environ, "PYTHONSAFEPATH": "1"}       # a checkout's dbs_fast/ must not shadow the package
+        if SERVER_CHECKOUT:                              # `--server-checkout`: another commit's engine serves
+            env.update(PYTHONPATH=str(SERVER_CHECKOUT[0]), DBS_FAST_HOME=str(SERVER_CHECKOUT[1]))
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
@@ -146,6 +155,9 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+TASK = {"task": "commongen", "beams": 2, "candidates": 2}   # `--task commongen`: the preset's few-shot prompt
 
 
 def bodies(kind: str, n: int, seed0: int = 0) -> list[dict]:
@@ -192,7 +204,8 @@ def arm(server: ServerProcess, kind: str, clients: int, per_client: int, max_sec
             "candidate_tokens_per_chunk": tokens / chunks if chunks else None,
             "p50_s": float(np.percentile(lat, 50)) if len(lat) else None,
             "p95_s": float(np.percentile(lat, 95)) if len(lat) else None,
-            "latency_s": {str(r["i"]): r["latency"] for r in res if r["status"] == 200}}
+            "latency_s": {str(r["i"]): r["latency"] for r in res if r["status"] == 200},
+            "server_rss_gib": server.rss()}
 
 
 def latency_ratios(cont: dict, alone: dict) -> dict:
@@ -397,6 +410,10 @@ def main(argv=None) -> int:
     ap.add_argument("--soak", type=int, default=500)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip", default="", help="comma-separated: engine, small, paper, join, long-join, soak")
+    ap.add_argument("--task", choices=["commongen"], default=None,
+                    help="the small arm's requests use this task preset (CommonGen: its few-shot prompt, 40 tokens)")
+    ap.add_argument("--server-checkout", nargs=2, metavar=("DIR", "HOME"), default=None,
+                    help="servers run the engine of another checkout, with its own DBS_FAST_HOME (an A/B of commits)")
     ap.add_argument("--join-context", type=int, default=2000,
                     help="context tokens of the request that joins in the long-join arm (default 2000)")
     ap.add_argument("--admit-wait", type=float, default=None,
@@ -404,6 +421,11 @@ def main(argv=None) -> int:
     ap.add_argument("--openai", action="store_true",
                     help="requests through the openai SDK to /v1/completions, with an API key")
     a = ap.parse_args(argv)
+    global SMALL, SERVER_CHECKOUT
+    if a.task:
+        SMALL = TASK
+    if a.server_checkout:
+        SERVER_CHECKOUT = tuple(a.server_checkout)
     key = API_KEY if a.openai else None
     if a.openai:                                  # the paper arm and the join test speak /v1/generate's own stream
         a.skip = ",".join(filter(None, [a.skip, "paper", "join", "long-join"]))
