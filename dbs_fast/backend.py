@@ -1,8 +1,9 @@
 """Backends: a model with a KV cache plus a sampler, behind one contract (`Backend`).
 
 Three implement it: `OnnxBackend` (one cache row per candidate: model.onnx), `PrefixBackend`
-(each beam's prefix once, each candidate's chunk on its own: decode.onnx) and the PyTorch
-baseline (`dbs_fast.torch_backend.TorchBackend`), which runs fixed batches only.
+(each request's context once, each beam's prefix once, each candidate's chunk on its own:
+decode.onnx) and the PyTorch baseline (`dbs_fast.torch_backend.TorchBackend`), which runs fixed
+batches only.
 """
 from __future__ import annotations
 
@@ -166,8 +167,8 @@ class OnnxBackend:
 
 
 class PrefixBackend(OnnxBackend):
-    """The ONNX model on the prefix cache (`dbs_fast.prefix_cache`): each beam's prefix once, each
-    candidate's chunk on its own. The scheduler's rows are the `live` rows of a PrefixCache laid
+    """The ONNX model on the prefix cache (`dbs_fast.prefix_cache`): each request's context once,
+    each beam's prefix once, each candidate's chunk on its own. The scheduler's rows are the `live` rows of a PrefixCache laid
     out as beams of `s` rows; `select` (keep + repeat, drop, admission) regroups them. Prefill
     runs through the same graph (`PrefixDecoder.prefill`), so model.onnx is never opened. Sampling,
     tokens and logits rows are the row backend's."""

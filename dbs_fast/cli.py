@@ -107,7 +107,7 @@ def _add_kv_layout(p):
     from .prefix_cache import KV_LAYOUTS
 
     p.add_argument("--kv-layout", default="auto", choices=KV_LAYOUTS,
-                   help="KV cache: prefix = the prefix cache (each beam's prefix once; needs decode.onnx from this "
+                   help="KV cache: prefix = the prefix cache (each request's context and each beam's prefix once; needs decode.onnx from this "
                         "version's export), rows = one cache row per candidate, auto = prefix where available")
 
 
