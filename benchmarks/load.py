@@ -218,12 +218,11 @@ def latency_ratios(cont: dict, alone: dict) -> dict:
             "slowdown_p50": float(np.percentile(slow, 50)), "slowdown_p95": float(np.percentile(slow, 95))}
 
 
-async def join_test(url: str) -> dict:
-    """A runs (paper setting, streamed); B arrives after A's first event. B's first event delay
-    against the merged batch's chunk time (the spacing of B's events while A still runs)."""
+async def a_then_b(url: str, a_body: dict, b_body: dict, after: int) -> tuple[dict, float]:
+    """A streams; B is sent (streamed) after A's `after`-th event. The times of each one's events
+    and when B was sent."""
     import httpx
 
-    a_body, b_body = bodies("paper", 2, seed0=77)
     marks: dict[str, list[float]] = {"a": [], "b": []}
     b_sent = asyncio.Event()
 
@@ -232,7 +231,7 @@ async def join_test(url: str) -> dict:
             async for line in r.aiter_lines():
                 if line.startswith("event: "):
                     marks[name].append(time.perf_counter())
-                    if name == "a" and len(marks["a"]) == 1:
+                    if name == "a" and len(marks["a"]) == after:
                         b_sent.set()
 
     async with httpx.AsyncClient() as c:
@@ -240,6 +239,13 @@ async def join_test(url: str) -> dict:
         await b_sent.wait()
         t_b = time.perf_counter()
         await asyncio.gather(ta, stream(c, "b", b_body))
+    return marks, t_b
+
+
+async def join_test(url: str) -> dict:
+    """A runs (paper setting, streamed); B arrives after A's first event. B's first event delay
+    against the merged batch's chunk time (the spacing of B's events while A still runs)."""
+    marks, t_b = await a_then_b(url, *bodies("paper", 2, seed0=77), after=1)
     a_end = marks["a"][-1]
     both = [t for t in marks["b"] if t <= a_end]
     gaps = np.diff(both) if len(both) > 2 else np.diff(marks["b"])
@@ -250,29 +256,11 @@ async def join_test(url: str) -> dict:
 
 
 async def long_join_test(url: str, context: str) -> dict:
-    """A runs (paper setting, streamed); B, with a long context, arrives after A's first event.
+    """A runs (paper setting, streamed); B, with a long context, arrives after A's fourth event.
     How long A's events stall while B's context is prefilled (A's largest gap from B's arrival to
     B's first event, against A's median gap before B came) and B's first event delay."""
-    import httpx
-
     a_body, b_body = bodies("paper", 2, seed0=91)
-    b_body = {**b_body, "context": context, "max_new_tokens": 10}
-    marks: dict[str, list[float]] = {"a": [], "b": []}
-    b_sent = asyncio.Event()
-
-    async def stream(c, name, body):
-        async with c.stream("POST", url + "/v1/generate", json={**body, "stream": True}, timeout=None) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("event: "):
-                    marks[name].append(time.perf_counter())
-                    if name == "a" and len(marks["a"]) == 4:
-                        b_sent.set()
-
-    async with httpx.AsyncClient() as c:
-        ta = asyncio.create_task(stream(c, "a", a_body))
-        await b_sent.wait()
-        t_b = time.perf_counter()
-        await asyncio.gather(ta, stream(c, "b", b_body))
+    marks, t_b = await a_then_b(url, a_body, {**b_body, "context": context, "max_new_tokens": 10}, after=4)
     a, b_first = np.array(marks["a"]), marks["b"][0]
     gaps = np.diff(a)
     before = gaps[a[1:] <= t_b]                                      # A's chunk time before B came
