@@ -365,13 +365,15 @@ class BeamSearch:
             self.rows.fseq[on] = [forced.add(self.forced.seqs[i]) for i in self.rows.fseq[on]]
             assert len(forced.seqs) == n, "a row forces a sequence of no request in the batch"
         self.forced = forced
-        # ban groups 8q + 4 * heal + 2 * glue + eos: request q's bans, plus (guarantee) EOS while a
-        # keyword is missing (with a sentence deadline, every sentence end too) or before `min_sentence`
-        # tokens (EOS and every sentence end), plus tokens that would glue onto a keyword just completed ("hockey" +
+        # ban groups 8q + 4 * heal + 2 * glue + eos: request q's bans, plus EOS while a keyword is
+        # missing (under guarantee: to the budget's end; with a sentence deadline: every sentence end
+        # too, to the deadline without guarantee) or before `min_sentence` tokens (EOS and every
+        # sentence end), plus tokens that would glue onto a keyword just completed ("hockey" +
         # "rink", "pet" + "rified"), so that it stays the word that was counted, plus (token healing,
         # the first token) every token that does not re-write the context's last one
         self.bans = None
-        if any(r.bans or r.heal for r in requests) or self.word_piece is not None or self.cfg.min_sentence:
+        if (any(r.bans or r.heal for r in requests) or self.word_piece is not None or self.cfg.min_sentence
+                or self.cfg.sentence_deadline):
             self.bans = self._ban_table(requests)
         self.multi_bans = any(len(b) > 1 for r in requests for b in r.bans)
 
@@ -380,7 +382,7 @@ class BeamSearch:
         time a request joins or leaves, and the glue group holds one sequence per word-piece token
         (tens of thousands), so Python lists here cost ~15 ms per request in the batch."""
         eos = np.array([e for e in self.eos if e >= 0], np.int32)
-        if (self.cfg.sentence_deadline and self.cfg.guarantee) or self.cfg.min_sentence:
+        if self.cfg.sentence_deadline or self.cfg.min_sentence:
             eos = np.union1d(eos, np.flatnonzero(self.sentence_end)).astype(np.int32)
         glue = np.zeros(0, np.int32) if self.word_piece is None else np.flatnonzero(self.word_piece).astype(np.int32)
         n_seqs, lens, toks = [], [], []
@@ -466,7 +468,9 @@ class BeamSearch:
     def _ban_groups(self, rows: Rows, rem: np.ndarray, healing: np.ndarray, n_done: np.ndarray):
         if self.bans is None:
             return None
-        end = (self.cfg.guarantee & (rem != 0)) | (n_done < self.cfg.min_sentence)   # no end (of a sentence) yet
+        cfg = self.cfg                                                  # no end (of a sentence) yet:
+        missing = (rem != 0) & (cfg.guarantee | (n_done < cfg.sentence_deadline))   # a keyword still to place
+        end = missing | (n_done < cfg.min_sentence)
         return 8 * rows.req + 4 * healing + 2 * rows.glue + (end & ~healing)
 
     def _uniforms(self, rows: Rows) -> np.ndarray:

@@ -223,7 +223,9 @@ def _add_eval(sub):
                             f"{FLAG[k]} {v!r}" for k, v in COMMONGEN.items())
                         + f", --context {COMMONGEN_CONTEXT!r}; coverage and BLEU-4 reported); a number N: "
                         "N sets sampled from wordfreq ranks 501-1000 without stop words (with --seed)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N sets")
+    p.add_argument("--limit", type=int, default=None, help="only the first N sets (after --start)")
+    p.add_argument("--start", type=int, default=0, help="skip the first N sets: --start 893 --limit 100 takes "
+                                                        "sets 893-992")
     p.add_argument("--seed", type=seed, default=0, help="seed of the generations and of sampled keyword sets")
     p.add_argument("--keywords-file", help="one keyword set per line, comma-separated (or space-separated single "
                                            "words) (instead of --sets)")
@@ -302,6 +304,8 @@ def _run_eval(a) -> int:
         raise DBSError(f"`--batch` must be >= 1, got {a.batch}")
     if a.limit is not None and a.limit < 1:
         raise DBSError(f"`--limit` must be >= 1, got {a.limit}")
+    if a.start < 0:
+        raise DBSError(f"`--start` must be >= 0, got {a.start}")
     commongen = a.sets == "commongen-dev" and not a.keywords_file
     if commongen:                       # the task's defaults, where the flags leave them open
         for name, value in {**COMMONGEN, "context": COMMONGEN_CONTEXT}.items():
@@ -309,7 +313,10 @@ def _run_eval(a) -> int:
     a.context = "It is" if a.context is None else a.context
     cfg = config_from_args(a)
     configs = eval_configs(cfg, a.runs)
-    sets = _eval_sets(a)[: a.limit]
+    sets = _eval_sets(a)
+    if a.start >= len(sets):
+        raise DBSError(f"`--start` must be below the number of sets ({len(sets)}), got {a.start}")
+    sets = sets[a.start:][: a.limit]
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads, kv_layout=a.kv_layout)
     if a.stories:
         from .evaluation import run_stories
@@ -341,9 +348,9 @@ def _run_eval(a) -> int:
                       threads=a.threads)
     from .evaluation import builtin_refs
 
-    refs = builtin_refs(a.sets) if commongen else None
-    s = run_eval(dbs, sets, Path(a.out), configs, context=a.context, batch=a.batch, seed=a.seed, judge=judge,
-                 refs=refs)
+    refs = builtin_refs(a.sets)[a.start:] if commongen else None
+    s = run_eval(dbs, sets, Path(a.out), configs, context=a.context, batch=a.batch, seed=a.seed + a.start,
+                 judge=judge, refs=refs)            # set i's seed is seed + i, as in a run from the first set
     print((Path(a.out) / "summary.md").read_text())
     print(f"judge: {s['judge']}; model: {s['model']}; plot: {Path(a.out) / 'quality.png'}")
     return 0

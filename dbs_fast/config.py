@@ -78,9 +78,10 @@ class DBSConfig:
                         "taken back and the first generated token re-writes it, so a new word never glues "
                         "onto the context (\"The\" + \"Bella\") and a word the context ends in can be finished")
     sentence_deadline: int = option(0, "--sentence-deadline", int, "for one-sentence tasks: the keywords' deadline "
-                                    "is this many tokens, not the budget's end (0 = the budget); with --guarantee "
-                                    "every keyword is then forced in time and sentence ends are banned while one is "
-                                    "missing, so all are in the first sentence")
+                                    "is this many tokens, not the budget's end (0 = the budget): no sentence end "
+                                    "and no EOS while a keyword is missing before it; with --guarantee every keyword "
+                                    "is forced in time and sentence ends wait for all, so all are in the first "
+                                    "sentence")
     min_sentence: int = option(0, "--min-sentence", int, "no sentence end and no EOS before this many new tokens "
                                "(0 = off); under --guarantee sentence ends then also wait for every keyword")
     repetition_penalty: float = option(1.0, "--repetition-penalty", float,

@@ -335,6 +335,31 @@ def test_eval_commongen_at_toy_size(exported, tmp_path, capsys):
     assert cli(["eval", "--frontier", str(tmp_path / "nothing"), "--out", str(tmp_path / "fr")]) == 2
 
 
+def test_eval_start_takes_later_sets_with_their_references_and_seeds(exported, tmp_path):
+    """`--start 7 --limit 1` evaluates set 7 alone: its concepts, scored against set 7's references
+    (the human anchor too), under seed 7, the seed it has in a run from the first set."""
+    pytest.importorskip("pycocoevalcap")
+    pytest.importorskip("lemminflect")
+    from dbs_fast.evaluation import builtin_refs, builtin_sets
+
+    out = tmp_path / "cg"
+    argv = ["eval", "--model", str(exported["gpt2"]), "--sets", "commongen-dev", "--start", "7", "--limit", "1",
+            "--out", str(out), "--beams", "2", "--candidates", "2", "--chunk", "3", "--max-new-tokens", "12",
+            "--runs", "dbs", "--judge", "none"]
+    assert cli(argv) == 0
+    row = json.loads((out / "results.jsonl").read_text().splitlines()[0])
+    assert row["keywords"] == builtin_sets("commongen-dev")[7]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["sets"] == 1 and s["human"]["sets"] == (1 if len(builtin_refs("commongen-dev")[7]) >= 2 else 0)
+    from dbs_fast.api import DirectedBeamSearch
+    from dbs_fast.config import DBSConfig
+
+    cfg = DBSConfig(**s["configs"]["dbs"])
+    alone = DirectedBeamSearch(exported["gpt2"]).generate(row["context"], row["keywords"], seed=7, config=cfg)
+    assert alone.generated == row["generated"]
+    assert cli(argv[:5] + ["--start", "993"] + argv[7:]) == 2          # past the last set: one line, exit 2
+
+
 def test_commongen_scores_are_the_librarys_over_all_references():
     """BLEU-4 and CIDEr-D by pycocoevalcap on hand-made sentences: against every reference of a
     set at once, on lower-cased word and punctuation tokens, x100 and x10; the output sentence is

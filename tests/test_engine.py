@@ -286,3 +286,24 @@ def test_min_sentence_keeps_sentence_ends_and_eos_out_of_the_first_tokens(export
     base = DBSConfig(**{**SMALL.to_dict(), "lam": 0.0, "heal": False})
     assert stop[first_tokens(base)].any()
     assert not stop[first_tokens(DBSConfig(**{**base.to_dict(), "min_sentence": 6}))].any()
+
+
+def test_sentence_deadline_keeps_sentence_ends_out_while_a_keyword_is_missing(exported):
+    """Without --guarantee, a sentence deadline bans sentence ends and EOS while a keyword is
+    missing, up to the deadline (the random model finds none at lambda 0); after the deadline they
+    are allowed again; without it they come at once (the test bites)."""
+    d = DirectedBeamSearch(exported["gpt2"], config=SMALL)
+    d._sentence_end = np.arange(d.backend.vocab_size) % 3 == 0
+    stop = d._sentence_end.copy()
+    stop[list(d.backend.eos_ids)] = True
+
+    def tokens(cfg):
+        search = d.search(cfg)
+        search.admit([d.request("It is", KW, seed=s, config=cfg) for s in range(3)])
+        return np.concatenate([f.rows.tokens for f in search.run()])
+
+    base = DBSConfig(**{**SMALL.to_dict(), "lam": 0.0, "heal": False, "stop": "max", "max_new_tokens": 12})
+    assert stop[tokens(base)[:, :6]].any()
+    held = tokens(DBSConfig(**{**base.to_dict(), "sentence_deadline": 6}))
+    assert not stop[held[:, :6]].any()
+    assert stop[held[:, 6:]].any()
