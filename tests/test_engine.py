@@ -270,28 +270,9 @@ def test_no_healing_where_the_bans_leave_no_token_to_rewrite_the_end(dbs):
     assert r.text.startswith("It is")
 
 
-def test_min_sentence_keeps_sentence_ends_and_eos_out_of_the_first_tokens(exported):
-    """No token that ends a sentence (here: a third of the vocabulary, marked so) and no EOS
-    among a row's first `min_sentence` tokens; without it they come at once (the test bites)."""
-    d = DirectedBeamSearch(exported["gpt2"], config=SMALL)
-    d._sentence_end = np.arange(d.backend.vocab_size) % 3 == 0
-    stop = d._sentence_end.copy()
-    stop[list(d.backend.eos_ids)] = True
-
-    def first_tokens(cfg):
-        search = d.search(cfg)
-        search.admit([d.request("It is", KW, seed=s, config=cfg) for s in range(3)])
-        return np.concatenate([f.rows.tokens[:, :6] for f in search.run()])
-
-    base = DBSConfig(**{**SMALL.to_dict(), "lam": 0.0, "heal": False})
-    assert stop[first_tokens(base)].any()
-    assert not stop[first_tokens(DBSConfig(**{**base.to_dict(), "min_sentence": 6}))].any()
-
-
-def test_sentence_deadline_keeps_sentence_ends_out_while_a_keyword_is_missing(exported):
-    """Without --guarantee, a sentence deadline bans sentence ends and EOS while a keyword is
-    missing, up to the deadline (the random model finds none at lambda 0); after the deadline they
-    are allowed again; without it they come at once (the test bites)."""
+def _marked_sentence_ends(exported):
+    """The tiny GPT-2 with a third of its vocabulary marked as sentence ends; the stop tokens
+    (those and EOS); and each row's generated tokens for a config, three seeds in one batch."""
     d = DirectedBeamSearch(exported["gpt2"], config=SMALL)
     d._sentence_end = np.arange(d.backend.vocab_size) % 3 == 0
     stop = d._sentence_end.copy()
@@ -301,7 +282,23 @@ def test_sentence_deadline_keeps_sentence_ends_out_while_a_keyword_is_missing(ex
         search = d.search(cfg)
         search.admit([d.request("It is", KW, seed=s, config=cfg) for s in range(3)])
         return np.concatenate([f.rows.tokens for f in search.run()])
+    return stop, tokens
 
+
+def test_min_sentence_keeps_sentence_ends_and_eos_out_of_the_first_tokens(exported):
+    """No token that ends a sentence and no EOS among a row's first `min_sentence` tokens;
+    without it they come at once (the test bites)."""
+    stop, tokens = _marked_sentence_ends(exported)
+    base = DBSConfig(**{**SMALL.to_dict(), "lam": 0.0, "heal": False})
+    assert stop[tokens(base)[:, :6]].any()
+    assert not stop[tokens(DBSConfig(**{**base.to_dict(), "min_sentence": 6}))[:, :6]].any()
+
+
+def test_sentence_deadline_keeps_sentence_ends_out_while_a_keyword_is_missing(exported):
+    """Without --guarantee, a sentence deadline bans sentence ends and EOS while a keyword is
+    missing, up to the deadline (the random model finds none at lambda 0); after the deadline they
+    are allowed again; without it they come at once (the test bites)."""
+    stop, tokens = _marked_sentence_ends(exported)
     base = DBSConfig(**{**SMALL.to_dict(), "lam": 0.0, "heal": False, "stop": "max", "max_new_tokens": 12})
     assert stop[tokens(base)[:, :6]].any()
     held = tokens(DBSConfig(**{**base.to_dict(), "sentence_deadline": 6}))
