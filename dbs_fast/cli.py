@@ -350,7 +350,7 @@ def _run_eval(a) -> int:
 
     refs = builtin_refs(a.sets)[a.start:] if commongen else None
     s = run_eval(dbs, sets, Path(a.out), configs, context=a.context, batch=a.batch, seed=a.seed + a.start,
-                 judge=judge, refs=refs)            # set i's seed is seed + i, as in a run from the first set
+                 judge=judge, refs=refs, first_set=a.start)   # set i's seed: seed + i, as in a run from set 0
     print((Path(a.out) / "summary.md").read_text())
     print(f"judge: {s['judge']}; model: {s['model']}; plot: {Path(a.out) / 'quality.png'}")
     return 0

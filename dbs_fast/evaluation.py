@@ -237,16 +237,17 @@ def keyword_misses(rows) -> dict:
 
 
 def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed=0, judge=None, quiet=False,
-             refs: list[list[str]] | None = None) -> dict:
+             refs: list[list[str]] | None = None, first_set: int = 0) -> dict:
     """Every run of `configs` ({name: DBSConfig}) on every set; judged, with degeneration metrics;
     with `refs` (CommonGen: every reference of each set), coverage by lemma, BLEU-4 and CIDEr-D,
-    beside the same scores of the human references."""
+    beside the same scores of the human references. `first_set`: the number of `sets[0]` in its
+    collection (the reports name sets by it)."""
     path = out / "results.jsonl"
     rows = run_modes(dbs, sets, configs, path, context, batch, seed, quiet)
     if judge is not None:
         rows = current_rows(judge_rows(path, judge, quiet), configs)
     summary = {"scorer": dbs.scorer_name, "judge": judge.name if judge else None, "model": str(dbs.model_dir),
-               "sets": len(sets), "context": context, "date": time.strftime("%Y-%m-%d"),
+               "sets": len(sets), "first_set": first_set, "context": context, "date": time.strftime("%Y-%m-%d"),
                "configs": {m: c.to_dict() for m, c in configs.items()}}
     for mode in configs:
         rs = [r for r in rows if r["mode"] == mode and r["set"] < len(sets)]
@@ -266,7 +267,8 @@ def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed
     if refs is not None and judge is not None:
         summary["reference"] = reference_scores(sets, refs, context, judge)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    lines = [f"{len(sets)} keyword sets, context {context!r}; judge: {summary['judge']} (perplexity of the "
+    span = f" (sets {first_set}-{first_set + len(sets) - 1})" if first_set else ""
+    lines = [f"{len(sets)} keyword sets{span}, context {context!r}; judge: {summary['judge']} (perplexity of the "
              f"generated text given the context, judge's own tokenizer); self ppl: the generator grading itself.", "",
              "| run | success rate | judge ppl (mean / median) | self ppl | rep-2 | rep-4 | distinct-2 | distinct-4 | "
              "success length | new tokens | ends at sentence/EOS | seconds/set |",
@@ -309,7 +311,7 @@ def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed
     lines += ["", "Examples (sets picked by numpy default_rng(seed), unedited):", ""]
     rng = np.random.default_rng(seed)
     for i in sorted(rng.choice(len(sets), size=min(3, len(sets)), replace=False).tolist()):
-        lines.append(f"- set {i}: {', '.join(sets[i])}")
+        lines.append(f"- set {first_set + i}: {', '.join(sets[i])}")
         for mode in configs:
             r = next((r for r in rows if r["mode"] == mode and r["set"] == i), None)
             if r is not None:
