@@ -317,6 +317,7 @@ def _run_eval(a) -> int:
     if a.start >= len(sets):
         raise DBSError(f"`--start` must be below the number of sets ({len(sets)}), got {a.start}")
     sets = sets[a.start:][: a.limit]
+    seed = a.seed + a.start               # set i's seed is seed + i, as in a run from set 0
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads, kv_layout=a.kv_layout)
     if a.stories:
         from .evaluation import run_stories
@@ -336,7 +337,7 @@ def _run_eval(a) -> int:
         except ValueError:
             raise DBSError("--grid-lambdas, --grid-bs and --grid-k are comma-separated numbers") from None
         grid = grid_configs(cfg, a.grid, lams, bs, ks)
-        run_grid(dbs, sets, Path(a.out), grid, batch=a.batch, seed=a.seed)
+        run_grid(dbs, sets, Path(a.out), grid, batch=a.batch, seed=seed)
         print((Path(a.out) / "grid.md").read_text())
         print(f"scorer: {dbs.scorer_name}; model: {dbs.model_dir}; plots in {a.out}")
         return 0
@@ -349,8 +350,8 @@ def _run_eval(a) -> int:
     from .evaluation import builtin_refs
 
     refs = builtin_refs(a.sets)[a.start:] if commongen else None
-    s = run_eval(dbs, sets, Path(a.out), configs, context=a.context, batch=a.batch, seed=a.seed + a.start,
-                 judge=judge, refs=refs, first_set=a.start)   # set i's seed: seed + i, as in a run from set 0
+    s = run_eval(dbs, sets, Path(a.out), configs, context=a.context, batch=a.batch, seed=seed, judge=judge,
+                 refs=refs, first_set=a.start)
     print((Path(a.out) / "summary.md").read_text())
     print(f"judge: {s['judge']}; model: {s['model']}; plot: {Path(a.out) / 'quality.png'}")
     return 0

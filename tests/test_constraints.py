@@ -350,7 +350,8 @@ def test_eval_start_takes_later_sets_with_their_references_and_seeds(exported, t
     row = json.loads((out / "results.jsonl").read_text().splitlines()[0])
     assert row["keywords"] == builtin_sets("commongen-dev")[7]
     s = json.loads((out / "summary.json").read_text())
-    assert "(sets 7-7)" in (out / "summary.md").read_text() and "- set 7:" in (out / "summary.md").read_text()
+    report = (out / "summary.md").read_text()
+    assert "(sets 7-7)" in report and "- set 7:" in report
     assert s["sets"] == 1 and s["first_set"] == 7 and s["human"]["sets"] == (1 if len(builtin_refs("commongen-dev")[7]) >= 2 else 0)
     from dbs_fast.api import DirectedBeamSearch
     from dbs_fast.config import DBSConfig
