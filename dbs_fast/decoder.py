@@ -18,35 +18,48 @@ PREFILL_SLICE = 256
 
 
 class ContextStore:
-    """Prefilled contexts' K/V kept across requests (automatic prefix caching): a request whose
-    context starts with the tokens of one prefilled before reuses that one's K/V up to the last
-    whole prefill slice they share, and prefills only the rest. The slices then start where an
-    uncached prefill's would, so the result is the same to the bit. An LRU bounded in bytes;
-    `hits`, `lookups` and `reused_tokens` / `context_tokens` are its hit rates."""
+    """Prefilled contexts' K/V kept across requests (automatic prefix caching), an LRU bounded in
+    bytes. A request whose context is one prefilled before, token for token, takes its K/V and its
+    last logits and computes nothing (a service's shared system prompt, an eval's one context). One
+    whose context starts with the tokens of one prefilled before reuses that one's K/V up to the
+    last whole prefill slice they share, and prefills only the rest: the slices then start where
+    an uncached prefill's would, so either way the result is the same to the bit. `hits`,
+    `lookups` and `reused_tokens` / `context_tokens` are its hit rates."""
 
     def __init__(self, max_bytes: int, granule: int = PREFILL_SLICE):
         self.max_bytes, self.granule = int(max_bytes), granule
-        self.entries: OrderedDict[int, tuple[np.ndarray, list]] = OrderedDict()
+        # key -> (tokens, K/V of the tokens, the last token's logits or None for a part of a context)
+        self.entries: OrderedDict[int, tuple[np.ndarray, list, np.ndarray | None]] = OrderedDict()
+        self.whole: dict[bytes, int] = {}           # the tokens of a whole prefilled context -> its key
         self.nbytes = self.hits = self.lookups = self.reused_tokens = self.context_tokens = 0
         self._key = 0
 
-    def lookup(self, tokens: np.ndarray) -> tuple[int, list | None]:
-        """(P, the K/V of tokens[:P] as (1, kv, >= P, d) arrays) for the longest stored prefix of
-        `tokens` in whole slices, leaving at least one token to prefill; (0, None) on a miss."""
+    def lookup(self, tokens: np.ndarray) -> tuple[int, list | None, np.ndarray | None]:
+        """(P, the K/V of tokens[:P] as (1, kv, >= P, d) arrays, the logits after tokens[:P]):
+        P = len(tokens) with the logits when the store holds this whole context; else the longest
+        stored prefix of `tokens` in whole slices, leaving at least one token to prefill, and None
+        for the logits; (0, None, None) on a miss."""
         self.lookups += 1
         self.context_tokens += len(tokens)
         best, hit = self.peek(tokens)
         if hit is None:
-            return 0, None
+            return 0, None, None
         self.entries.move_to_end(hit)
         self.hits += 1
         self.reused_tokens += best
-        return best, self.entries[hit][1]
+        _, past, logits = self.entries[hit]
+        return best, past, logits if best == len(tokens) else None
 
     def peek(self, tokens: np.ndarray) -> tuple[int, int | None]:
         """`lookup` without counting or touching the LRU order: (P, the entry's key or None)."""
+        tokens = np.asarray(tokens, np.int64)
+        whole = self.whole.get(tokens.tobytes())
+        if whole is not None:
+            return len(tokens), whole
         best, hit = 0, None
-        for key, (toks, past) in self.entries.items():
+        for key, (toks, _, _) in self.entries.items():
+            if len(toks) < self.granule:
+                continue
             n = min(len(toks), len(tokens) - 1)
             same = toks[:n] == tokens[:n]
             common = n if same.all() else int(np.argmin(same))
@@ -55,24 +68,31 @@ class ContextStore:
                 best, hit = p, key
         return best, hit
 
-    def put(self, tokens: np.ndarray, past: list) -> None:
+    def put(self, tokens: np.ndarray, past: list, logits: np.ndarray | None = None) -> None:
         """Keep the K/V `past` ((1, kv, len(tokens), d) per tensor, arrays of the prefill that made them,
-        which nothing writes to later) of `tokens`."""
-        n = sum(p.nbytes for p in past)
-        if len(tokens) < self.granule or n > self.max_bytes:
+        which nothing writes to later) of `tokens`; with `logits` (the last token's), `tokens` is a
+        whole context, kept at any length; without, a part of one, kept from one slice up."""
+        tokens = np.asarray(tokens, np.int64)
+        n = sum(p.nbytes for p in past) + (0 if logits is None else logits.nbytes)
+        if (logits is None and len(tokens) < self.granule) or n > self.max_bytes:
             return
-        for key, (toks, _) in list(self.entries.items()):    # one this context extends is redundant
-            if len(toks) <= len(tokens) and np.array_equal(toks, tokens[:len(toks)]):
+        for key, (toks, _, lg) in list(self.entries.items()):   # a part this context extends is redundant
+            if len(toks) <= len(tokens) and np.array_equal(toks, tokens[:len(toks)]) \
+                    and (lg is None or len(toks) == len(tokens)):
                 self._drop(key)
         self._key += 1
-        self.entries[self._key] = (np.array(tokens), past)
+        self.entries[self._key] = (tokens.copy(), past, logits)
+        if logits is not None:
+            self.whole[tokens.tobytes()] = self._key
         self.nbytes += n
         while self.nbytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
 
     def _drop(self, key: int) -> None:
-        _, past = self.entries.pop(key)
-        self.nbytes -= sum(p.nbytes for p in past)
+        toks, past, logits = self.entries.pop(key)
+        if logits is not None:
+            del self.whole[toks.tobytes()]
+        self.nbytes -= sum(p.nbytes for p in past) + (0 if logits is None else logits.nbytes)
 
 
 @dataclass(frozen=True)
@@ -210,6 +230,8 @@ class PrefixDecoder:
         prefill in one go). False when the store did not keep it (too small): prefill it whole."""
         tokens = np.asarray(tokens, np.int64)
         start, key = self.store.peek(tokens)
+        if start >= len(tokens) - 1:                       # all there (a whole context stored)
+            return True
         before = self.store.entries[key][1] if key is not None else None
         end = min(start + PREFILL_SLICE, len(tokens) - 1)
         _, past = self._prefill_slices(tokens[None, :end], np.ones((1, end), np.int64), kv_heads, head_dim, start,
@@ -219,17 +241,21 @@ class PrefixDecoder:
 
     def _prefill_stored(self, ids, mask, kv_heads, head_dim, s, k, reserve) -> tuple[np.ndarray, PrefixCache]:
         """`prefill` through the context store: each context on its own, from the longest prefix
-        of it the store holds; then left-padded together as one batch's cache (a lone context's
-        arrays are the store's own: a context is never written to)."""
+        of it the store holds (a context it holds whole is not computed at all: the contexts of a
+        batch that are the same are computed once); then left-padded together as one batch's cache
+        (a lone context's arrays are the store's own: a context is never written to)."""
         Q, T = ids.shape
         logits, pasts = [], []
         for q in range(Q):
             toks = ids[q, mask[q] == 1]
             n = len(toks)
-            start, before = self.store.lookup(toks)
-            lg, past = self._prefill_slices(toks[None], np.ones((1, n), np.int64), kv_heads, head_dim, start, before)
-            self.store.put(toks, past)
-            logits.append(lg[0])
+            start, past, last = self.store.lookup(toks)
+            if last is None:
+                lg, past = self._prefill_slices(toks[None], np.ones((1, n), np.int64), kv_heads, head_dim, start,
+                                                past)
+                last = lg[0]
+                self.store.put(toks, past, last)
+            logits.append(last)
             pasts.append([np.pad(p, ((0, 0), (0, 0), (T - n, 0), (0, 0))) if n < T else p for p in past])
         past = pasts[0] if Q == 1 else [np.concatenate([p[i] for p in pasts]) for i in range(2 * self.layers)]
         return np.stack(logits), PrefixCache.start(past, mask, s, k, reserve, self.ops)

@@ -386,9 +386,10 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
 
     `bans` = (group_ptr, seq_ptr, seq_tok): group g holds banned token sequences
     group_ptr[g]:group_ptr[g+1], sequence q is seq_tok[seq_ptr[q]:seq_ptr[q+1]]; `row_ban[r]` is
-    the row's group or -1. A banned one-token sequence is never drawn; a longer one's last token
-    is never drawn when the history ends with the rest. `force[r]` >= 0 makes the row emit that
-    token (its returned log-prob is still the model's own); the row's uniform is then unused.
+    the row's group or -1; every sequence has at least one token. A banned one-token sequence is
+    never drawn; a longer one's last token is never drawn when the history ends with the rest.
+    `force[r]` >= 0 makes the row emit that token (its returned log-prob is still the model's
+    own); the row's uniform is then unused.
     `boost_exp`: `dense_boost_exp` of the whole table, if the caller keeps one (else built per call
     for the words the rows use).
     """
@@ -405,7 +406,7 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
         raise ValueError("repetition_penalty / no_repeat_ngram_size need the rows' token history")
     if bans is None or row_ban is None:
         bans, row_ban = (np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int32)), np.full(R, -1)
-    multi = bool((np.diff(bans[1]) > 1).any())
+    multi = int(bans[1][-1] - bans[1][0]) > len(bans[1]) - 1    # more tokens than (non-empty) sequences
     if multi and history is None and (np.asarray(row_ban) >= 0).any():
         raise ValueError("bans of more than one token need the rows' token history")
     if not (shaped or multi) or history is None:

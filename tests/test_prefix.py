@@ -470,9 +470,10 @@ def test_device_ops_equal_their_numpy_references():
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_the_context_store_reuses_a_shared_prefix_to_the_bit(kind, decoders, exported, monkeypatch):
-    """A context that starts with one prefilled before takes that one's K/V for the whole slices
-    they share and prefills the rest: logits and cache equal to the bit to the same prefill
-    without a hit (the slices start where they would), and close to the full model; contexts of
+    """A context prefilled before, token for token, takes its K/V and logits and computes nothing;
+    one that starts with one prefilled before takes that one's K/V for the whole slices they share
+    and prefills the rest: logits and cache equal to the bit to the same prefill without a hit (the
+    slices start where they would), and close to the full model; contexts of
     different lengths in one batch come out left-padded as the batched prefill's; the store stays
     within its bytes, dropping the least recently used."""
     from dbs_fast import decoder as prefix
@@ -491,8 +492,13 @@ def test_the_context_store_reuses_a_shared_prefix_to_the_bit(kind, decoders, exp
     kv = (full.kv_heads, full.head_dim)
     dec.prefill(ids[:1], mask[:1], *kv, s=2, k=3)                          # the first: a miss, stored
     assert (dec.store.hits, dec.store.lookups) == (0, 1) and len(dec.store.entries) == 1
+    calls = dec.calls
     hot = dec.prefill(ids, mask, *kv, s=2, k=3)
-    assert dec.store.hits == 2 and dec.store.reused_tokens == 12 + 8       # 3 slices of 14, 2 of 10; none of 6
+    assert dec.store.hits == 2 and dec.store.reused_tokens == 14 + 8       # all 14 (stored whole), 2 slices of 10
+    assert dec.calls - calls == 1 + 2                                     # none for the first; 1 + 2 slices of the rest
+    again = dec.prefill(ids[2:], mask[2:], *kv, s=2, k=3)
+    assert dec.calls - calls == 3 and dec.store.reused_tokens == 14 + 8 + 6   # the third, now whole in the store
+    np.testing.assert_array_equal(again[0][0], hot[0][2])
     cold.store = ContextStore(10**9, granule=4)                            # the same, every context a miss
     ref = [cold.prefill(ids[i:i + 1], mask[i:i + 1], *kv, s=2, k=3) for i in range(3)]
     cold.store = None
