@@ -365,7 +365,7 @@ class BeamSearch:
             self.rows.fseq[on] = [forced.add(self.forced.seqs[i]) for i in self.rows.fseq[on]]
             assert len(forced.seqs) == n, "a row forces a sequence of no request in the batch"
         self.forced = forced
-        # ban groups 8q + 4 * heal + 2 * glue + eos: request q's bans, plus EOS while a keyword is
+        # ban groups ban_group[q, 4 * heal + 2 * glue + eos]: request q's bans, plus EOS while a keyword is
         # missing (under guarantee: to the budget's end; with a sentence deadline: every sentence end
         # too, to the deadline without guarantee) or before `min_sentence` tokens (EOS and every
         # sentence end), plus tokens that would glue onto a keyword just completed ("hockey" +
@@ -374,30 +374,39 @@ class BeamSearch:
         self.bans = None
         if (any(r.bans or r.heal for r in requests) or self.word_piece is not None or self.cfg.min_sentence
                 or self.cfg.sentence_deadline):
-            self.bans = self._ban_table(requests)
+            self.bans, self.ban_group = self._ban_table(requests)
         self.multi_bans = any(len(b) > 1 for r in requests for b in r.bans)
 
     def _ban_table(self, requests: list[Request]):
-        """(group_ptr, seq_ptr, seq_tok) of the ban groups, built with NumPy: it is rebuilt each
-        time a request joins or leaves, and the glue group holds one sequence per word-piece token
-        (tens of thousands), so Python lists here cost ~15 ms per request in the batch."""
+        """((group_ptr, seq_ptr, seq_tok) of the ban groups, group_of (Q, 8): the group of request q
+        for 4 * heal + 2 * glue + eos), built with NumPy: it is rebuilt each time a request joins
+        or leaves, and the glue and heal groups hold one sequence per token (tens of thousands),
+        so Python lists here cost ~15 ms per request in the batch. A group the same as one built
+        already (requests with the same bans and healing: a service's small requests) is kept
+        once, so the table grows with the batch's distinct constraints, not its requests."""
         eos = np.array([e for e in self.eos if e >= 0], np.int32)
         if self.cfg.sentence_deadline or self.cfg.min_sentence:
             eos = np.union1d(eos, np.flatnonzero(self.sentence_end)).astype(np.int32)
         glue = np.zeros(0, np.int32) if self.word_piece is None else np.flatnonzero(self.word_piece).astype(np.int32)
-        n_seqs, lens, toks = [], [], []
-        for r in requests:
+        n_seqs, lens, toks, seen = [], [], [], {}
+        group_of = np.zeros((len(requests), 8), np.int64)
+        for q, r in enumerate(requests):
             own_len = np.array([len(b) for b in r.bans], np.int64)
             own_tok = np.array([t for b in r.bans for t in b], np.int32)
             heal = np.zeros(0, np.int32) if r.heal is None else r.heal.ban
-            for h, g, e in np.ndindex(2, 2, 2):               # group 8q + 4h + 2g + e
-                extra = np.concatenate([heal[:len(heal) * h], glue[:len(glue) * g], eos[:len(eos) * e]])
-                n_seqs.append(len(own_len) + len(extra))
-                lens += [own_len, np.ones(len(extra), np.int64)]
-                toks += [own_tok, extra]
+            own, healed = tuple(map(tuple, r.bans)), heal.tobytes()
+            for h, g, e in np.ndindex(2, 2, 2):               # 4h + 2g + e
+                key = (own, healed if h else b"", g, e)
+                if key not in seen:
+                    seen[key] = len(n_seqs)
+                    extra = np.concatenate([heal[:len(heal) * h], glue[:len(glue) * g], eos[:len(eos) * e]])
+                    n_seqs.append(len(own_len) + len(extra))
+                    lens += [own_len, np.ones(len(extra), np.int64)]
+                    toks += [own_tok, extra]
+                group_of[q, 4 * h + 2 * g + e] = seen[key]
         return (np.concatenate([[0], np.cumsum(n_seqs)]).astype(np.int64),
                 np.concatenate([[0], np.cumsum(np.concatenate(lens))]).astype(np.int64),
-                np.concatenate(toks).astype(np.int32))
+                np.concatenate(toks).astype(np.int32)), group_of
 
     def _remaining(self, rows: Rows, seen: np.ndarray) -> np.ndarray:
         return self.full[rows.req] & ~(rows.found | seen)
@@ -471,7 +480,7 @@ class BeamSearch:
         cfg = self.cfg                                                  # no end (of a sentence) yet:
         missing = (rem != 0) & (cfg.guarantee | (n_done < cfg.sentence_deadline))   # a keyword still to place
         end = missing | (n_done < cfg.min_sentence)
-        return 8 * rows.req + 4 * healing + 2 * rows.glue + (end & ~healing)
+        return self.ban_group[rows.req, 4 * healing + 2 * rows.glue + (end & ~healing)]
 
     def _uniforms(self, rows: Rows) -> np.ndarray:
         counts = np.bincount(rows.req, minlength=len(self.slots))

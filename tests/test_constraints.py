@@ -390,11 +390,12 @@ def test_commongen_scores_are_the_librarys_over_all_references():
     assert c["coverage"] == pytest.approx(2 / 3) and c["coverage_text"] == 1.0 and c["words"] == 5
 
 
-def test_ban_table_groups_are_bans_then_heal_glue_eos_per_request():
+def test_ban_table_groups_are_bans_then_heal_glue_eos_per_request_each_distinct_group_once():
     """The ban groups of a batch (rebuilt with NumPy whenever a request joins or leaves) are the
-    plain construction: per request, group 8q + 4 * heal + 2 * glue + eos = its own bans, then
+    plain construction: request q's group for 4 * heal + 2 * glue + eos = its own bans, then
     (heal, token healing's first token) every token that does not re-write the context's end,
-    then (glue) every word-piece token, then (eos) every EOS token, each a sequence of its own."""
+    then (glue) every word-piece token, then (eos) every EOS token, each a sequence of its own; a
+    group the same as another request's (same bans, same healing) is the same group, kept once."""
     from types import SimpleNamespace
 
     from dbs_fast.constraints import Healing
@@ -404,19 +405,22 @@ def test_ban_table_groups_are_bans_then_heal_glue_eos_per_request():
     search = SimpleNamespace(eos=np.array([7, -1]), word_piece=word_piece, cfg=DBSConfig())
     heal = Healing([1], " x", np.array([20, 21], np.int32))
     requests = [SimpleNamespace(bans=[(5,), (9, 10)], heal=None), SimpleNamespace(bans=[], heal=heal),
-                SimpleNamespace(bans=[(1, 2, 3)], heal=None)]
-    got = BeamSearch._ban_table(search, requests)
+                SimpleNamespace(bans=[(1, 2, 3)], heal=None), SimpleNamespace(bans=[], heal=heal),
+                SimpleNamespace(bans=[(5,), (9, 10)], heal=None)]
+    (group_ptr, seq_ptr, seq_tok), group_of = BeamSearch._ban_table(search, requests)
+    assert group_ptr.dtype == seq_ptr.dtype == np.int64 and seq_tok.dtype == np.int32
 
     glue, eos = [(3,), (17,), (41,)], [(7,)]
-    healed = [[(20,), (21,)] if r.heal else [] for r in requests]
-    groups = [list(r.bans) + hb * h + glue * g + eos * e
-              for r, hb in zip(requests, healed) for h in (0, 1) for g in (0, 1) for e in (0, 1)]
-    seqs = [s for grp in groups for s in grp]
-    want = (np.cumsum([0] + [len(grp) for grp in groups]), np.cumsum([0] + [len(s) for s in seqs]),
-            [t for s in seqs for t in s])
-    for g, w, dtype in zip(got, want, (np.int64, np.int64, np.int32)):
-        assert g.dtype == dtype and np.array_equal(g, w)
-    assert len(got[0]) == 8 * len(requests) + 1
+    for q, r in enumerate(requests):
+        healed = [(20,), (21,)] if r.heal else []
+        for h, g, e in np.ndindex(2, 2, 2):
+            want = list(r.bans) + healed * h + glue * g + eos * e
+            grp = group_of[q, 4 * h + 2 * g + e]
+            got = [tuple(seq_tok[seq_ptr[i]:seq_ptr[i + 1]]) for i in range(group_ptr[grp], group_ptr[grp + 1])]
+            assert got == want, (q, h, g, e)
+    assert (group_of[3] == group_of[1]).all() and (group_of[4] == group_of[0]).all()
+    assert (group_of[0, :4] == group_of[0, 4:]).all()                    # no healing: heal groups are the plain ones
+    assert len(group_ptr) - 1 == len(np.unique(group_of)) == 4 + 8 + 4     # the distinct groups only
 
 
 def test_token_texts_heal_bans_every_token_that_does_not_rewrite_the_tail():
