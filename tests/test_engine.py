@@ -188,22 +188,29 @@ def test_a_keyword_just_completed_is_never_glued_onto(dbs, monkeypatch):
     """Without --guarantee too: the token after a keyword that was just counted is never a word
     piece ("pet" + "rified"), so the word the engine counted is the word in the text."""
     from dbs_fast.backend import OnnxBackend
+    from dbs_fast.beam import BeamSearch
 
-    calls = []
-    sample = OnnxBackend.sample
+    glue, drawn = [], []
+    sample, groups = OnnxBackend.sample, BeamSearch._ban_groups
 
     def spy(*args, **kw):
         ids, lp = sample(*args, **kw)
-        calls.append((None if kw.get("row_ban") is None else kw["row_ban"].copy(), ids.copy()))
+        drawn.append(ids.copy())
         return ids, lp
 
+    def spy_groups(self, rows, *args):
+        glue.append(rows.glue.copy())                                 # rows right after a keyword
+        out = groups(self, rows, *args)
+        assert out is not None                                        # the glue bans are on
+        return out
+
     monkeypatch.setattr(OnnxBackend, "sample", spy)                   # a method now: self passes through
+    monkeypatch.setattr(BeamSearch, "_ban_groups", spy_groups)
     cfg = DBSConfig(beams=3, candidates=4, chunk=3, max_new_tokens=24, stop="max")
     for seed in range(3):
         dbs.generate("It is", KW, seed=seed, config=cfg)
-    glued = [(g, ids) for g, ids in calls if g is not None]
-    assert len(glued) == len(calls)                                   # the glue bans are on
-    after = np.concatenate([ids[g % 4 >= 2] for g, ids in glued])     # tokens right after a keyword
+    assert len(glue) == len(drawn)
+    after = np.concatenate([ids[g] for g, ids in zip(glue, drawn)])   # tokens right after a keyword
     assert len(after) > 0 and not dbs.word_piece[after].any()
 
 
