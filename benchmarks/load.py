@@ -17,6 +17,9 @@ with N concurrent asyncio clients (httpx), each sending `--per-client` requests 
   after sending; counts every answer, checks the server survives, reports its RSS start/end.
 - engine: in process, n small requests as one batch: seconds and model ms per step vs rows; and
   one decode step's milliseconds by rows and cache length.
+- engine-loop: in process, no HTTP: as many closed-loop threads as the largest level send the
+  small requests (`--per-client` each) straight to the service's Batcher, continuous and one at a
+  time: the throughput ratio of the engine alone, and its seconds waiting, admitting, decoding.
 `--task commongen`: the small arm's requests are the CommonGen task preset (b = s = 2; its hidden
 few-shot prompt, 40 tokens, one sentence) instead. `--server-checkout DIR HOME`: the servers run the
 engine of another checkout (an older commit, `git worktree add`), with its own DBS_FAST_HOME.
@@ -340,6 +343,48 @@ def engine_scaling(model: str, levels: list[int], threads: int | None) -> list[d
     return out
 
 
+def engine_loop(model: str, clients: int, per: int, threads: int | None, admit_wait: float | None) -> dict:
+    """In process, no HTTP: `clients` closed-loop threads submit the small requests straight to the
+    service's `Batcher`, continuous (max_rows 140) and one request at a time (the rows of one):
+    requests per second, their ratio, and the engine thread's seconds waiting for returning
+    clients, admitting and decoding. Separates what the engine's batching gains from HTTP."""
+    import queue
+    import threading
+    from dataclasses import replace
+
+    from dbs_fast import DBSConfig, DirectedBeamSearch
+    from dbs_fast.batcher import Batcher, Job
+
+    dbs = DirectedBeamSearch(model, threads=threads)
+    cfg = replace(DBSConfig(), **{k: v for k, v in SMALL.items() if k != "context"})
+    sets = builtin_sets("commongen-dev")
+    dbs.generate(SMALL["context"], sets[0], config=cfg)                      # warm up
+    wait = ServiceOptions().admit_wait if admit_wait is None else admit_wait
+    out = {"clients": clients, "requests": clients * per, "admit_wait": wait}
+    for mode, rows in (("continuous", 140), ("sequential", cfg.beams * cfg.candidates)):
+        b = Batcher(dbs, rows, 4 * clients, admit_wait=wait)
+
+        def client(c: int) -> None:
+            for i in range(c * per, (c + 1) * per):
+                done = queue.Queue()
+                b.submit(Job(dbs.request(SMALL["context"], sets[i], None, i, cfg), cfg,
+                             lambda kind, payload: done.put(kind) if kind in ("result", "error") else None))
+                assert done.get() == "result"
+
+        t = time.perf_counter()
+        threads_ = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+        for th in threads_:
+            th.start()
+        for th in threads_:
+            th.join()
+        wall = time.perf_counter() - t
+        b.stop(1.0)
+        out[mode] = {"wall_s": wall, "requests_per_s": clients * per / wall, "engine_seconds": dict(b.seconds)}
+        print("engine-loop", mode, json.dumps(out[mode]), flush=True)
+    out["ratio"] = out["continuous"]["requests_per_s"] / out["sequential"]["requests_per_s"]
+    return out
+
+
 def step_cost(model: str, threads: int | None) -> list[dict]:
     """Milliseconds of one decode step (`backend.step`, best of 5) by rows and cache length."""
     from dbs_fast import DirectedBeamSearch
@@ -397,7 +442,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=240, help="per arm: clients stop taking work after this")
     ap.add_argument("--soak", type=int, default=500)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--skip", default="", help="comma-separated: engine, small, paper, join, long-join, soak")
+    ap.add_argument("--skip", default="", help="comma-separated: engine, engine-loop, small, paper, join, long-join, soak")
     ap.add_argument("--task", choices=["commongen"], default=None,
                     help="the small arm's requests use this task preset (CommonGen: its few-shot prompt, 40 tokens)")
     ap.add_argument("--server-checkout", nargs=2, metavar=("DIR", "HOME"), default=None,
@@ -429,11 +474,13 @@ def main(argv=None) -> int:
                 "model": a.model, "small_request": SMALL, "paper_request": PAPER,
                 "admit_wait": a.admit_wait if a.admit_wait is not None else ServiceOptions().admit_wait})
     res.setdefault("dates", {})
-    for arm_name in {"engine", "small", "paper", "join", "long-join", "soak"} - skip:
+    for arm_name in {"engine", "engine-loop", "small", "paper", "join", "long-join", "soak"} - skip:
         res["dates"][arm_name] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if "engine" not in skip:
         res["engine_scaling"] = engine_scaling(a.model, levels, a.threads)
         res["step_cost"] = step_cost(a.model, a.threads)
+    if "engine-loop" not in skip:
+        res["engine_loop"] = engine_loop(a.model, max(levels), a.per_client, a.threads, a.admit_wait)
     modes = {"continuous": {"small": 140, "paper": 140},
              "sequential": {"small": SMALL["beams"] * SMALL["candidates"], "paper": 70}}
     for mode, rows in modes.items():

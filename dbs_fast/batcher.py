@@ -55,6 +55,7 @@ class Batcher:
         self.cond = threading.Condition()
         self.stopping = False
         self.latencies: deque[float] = deque(maxlen=50)
+        self.seconds = {"wait": 0.0, "admit": 0.0, "decode": 0.0}   # the engine thread's time, by what it did
         self.thread = threading.Thread(target=self._loop, name="dbs-fast-engine", daemon=True)
         self.thread.start()
 
@@ -110,10 +111,12 @@ class Batcher:
             with self.cond:
                 while not (self.queue or self.batches or self.stopping):
                     self.cond.wait()
+                t0 = time.perf_counter()
                 self._await_returns(ended)
                 if self.stopping and not self.batches and not self.queue:
                     return
                 admit, ahead = self._take_admissible()
+            t1 = time.perf_counter()
             self._drop_cancelled()
             self._admit(admit)
             if ahead is not None:                   # one slice of a long context, then the chunk
@@ -121,8 +124,11 @@ class Batcher:
                     ahead.ahead = self.dbs.prefill_ahead(ahead.request)
                 except Exception:                   # noqa: BLE001 -- its admission prefills it whole (or fails it)
                     ahead.ahead = False
+            t2 = time.perf_counter()
             ended = sum(self._step(cfg) for cfg in list(self.batches))
             self._gauges()
+            for what, dt in zip(self.seconds, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
+                self.seconds[what] += dt
 
     def _await_returns(self, ended: int) -> None:
         """A client that waits for its result before it sends its next request (a pipeline, a

@@ -291,6 +291,21 @@ def test_load_latency_ratios_pair_each_request_with_itself_alone():
     assert latency_ratios({**loaded, "latency_s": {"1": 3.0, "9": 1.0}}, alone)["slowdown_p95"] == 3.0
 
 
+def test_the_load_tests_engine_loop_serves_every_request_both_ways_and_accounts_the_engines_time(exported):
+    """The load test's in-process arm: closed-loop threads against the Batcher, continuous and one at
+    a time; every request answered, and the engine thread's time split into waiting for returning
+    clients, admitting and decoding."""
+    from benchmarks.load import engine_loop
+
+    r = engine_loop(exported["gpt2"], clients=3, per=2, threads=None, admit_wait=0.0)
+    assert r["requests"] == 6
+    for mode in ("continuous", "sequential"):
+        secs = r[mode]["engine_seconds"]
+        assert set(secs) == {"wait", "admit", "decode"} and secs["admit"] > 0 and secs["decode"] > 0
+        assert sum(secs.values()) <= r[mode]["wall_s"] + 1.0
+    assert r["ratio"] == r["continuous"]["requests_per_s"] / r["sequential"]["requests_per_s"]
+
+
 def test_a_closed_loop_clients_next_request_joins_the_boundary_where_its_last_one_ended(dbs):
     """Request A ends while C runs; A's client sends B 30 ms after A's result (mid-chunk: a chunk
     takes >= 4 x 50 ms here). With admit_wait the loop waits at that boundary and B's first chunk is
