@@ -29,7 +29,7 @@ def run(model_dir: Path, max_new_tokens: int = 90, threads: int | None = None) -
     from dbs_fast import DirectedBeamSearch
 
     dbs = DirectedBeamSearch(str(model_dir), config=DBSConfig.paper(max_new_tokens=max_new_tokens),
-                             threads=threads)
+                             threads=threads, context_cache_mb=0)     # every call, the prefill's too
     sess = dbs.decoder.session
     dbs.generate(CONTEXT, KEYWORD_SETS[0], seed=0)                 # cold: sessions, kernel, caches
     inside, again = [], []

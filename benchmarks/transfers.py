@@ -29,7 +29,8 @@ def run(model: str, keywords: list[str], seed: int = 0) -> dict:
            "config": {"beams": cfg.beams, "candidates": cfg.candidates, "chunk": cfg.chunk,
                       "max_new_tokens": cfg.max_new_tokens}, "keywords": keywords}
     for where in ("host", "device"):
-        dbs = DirectedBeamSearch(model, config=cfg, kv_layout="prefix")    # its decoder: the host cache
+        # its decoder: the host cache; no context store (host-only), so both paths make the same calls
+        dbs = DirectedBeamSearch(model, config=cfg, kv_layout="prefix", context_cache_mb=0)
         if where == "device":
             dbs.decoder = PrefixDecoder(dbs.model_dir / DECODE_GRAPH, "cpu", kv_device="cpu")
         dbs.generate(CONTEXT, keywords, seed=seed)            # warm: sessions, Numba, first allocations

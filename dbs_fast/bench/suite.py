@@ -155,8 +155,9 @@ def worker_engine(spec: dict, order=None) -> dict:
     t0 = time.perf_counter()
     layout = "rows" if spec["contender"].endswith("-rows") else "auto"
     provider = spec.get("provider", "cpu")
+    # no context store: every generation prefills its context, as the PyTorch baseline does
     dbs = DirectedBeamSearch(spec["model_dir"], config=cfg, backend=backend, threads=spec.get("threads"),
-                             kv_layout=layout, provider=provider)
+                             kv_layout=layout, provider=provider, context_cache_mb=0)
     init = time.perf_counter() - t0
     sets = spec["keyword_sets"]
     context = spec.get("context", CONTEXT)
