@@ -314,9 +314,8 @@ async def soak(url: str, n: int, clients: int, rss=None, seed: int = 0, openai_s
             "rss_gb_by_request": dict(sorted(rss_at.items()))}
 
 
-def engine_scaling(model: str, levels: list[int], threads: int | None) -> list[dict]:
-    """In process, no HTTP: n small requests decoded as one batch (generate_batch), seconds and
-    model milliseconds per step. Shows how a step's cost grows with the rows on this machine."""
+def small_engine(model: str, threads: int | None):
+    """(the engine, the small requests' config, the CommonGen dev sets), warmed up by one request."""
     from dataclasses import replace
 
     from dbs_fast import DBSConfig, DirectedBeamSearch
@@ -324,7 +323,14 @@ def engine_scaling(model: str, levels: list[int], threads: int | None) -> list[d
     dbs = DirectedBeamSearch(model, threads=threads)
     cfg = replace(DBSConfig(), **{k: v for k, v in SMALL.items() if k != "context"})
     sets = builtin_sets("commongen-dev")
-    dbs.generate("A", sets[0], config=cfg)                                   # warm up
+    dbs.generate(SMALL["context"], sets[0], config=cfg)                      # warm up
+    return dbs, cfg, sets
+
+
+def engine_scaling(model: str, levels: list[int], threads: int | None) -> list[dict]:
+    """In process, no HTTP: n small requests decoded as one batch (generate_batch), seconds and
+    model milliseconds per step. Shows how a step's cost grows with the rows on this machine."""
+    dbs, cfg, sets = small_engine(model, threads)
     out = []
     for n in levels:
         best = None
@@ -350,15 +356,10 @@ def engine_loop(model: str, clients: int, per: int, threads: int | None, admit_w
     clients, admitting and decoding. Separates what the engine's batching gains from HTTP."""
     import queue
     import threading
-    from dataclasses import replace
 
-    from dbs_fast import DBSConfig, DirectedBeamSearch
     from dbs_fast.batcher import Batcher, Job
 
-    dbs = DirectedBeamSearch(model, threads=threads)
-    cfg = replace(DBSConfig(), **{k: v for k, v in SMALL.items() if k != "context"})
-    sets = builtin_sets("commongen-dev")
-    dbs.generate(SMALL["context"], sets[0], config=cfg)                      # warm up
+    dbs, cfg, sets = small_engine(model, threads)
     wait = ServiceOptions().admit_wait if admit_wait is None else admit_wait
     out = {"clients": clients, "requests": clients * per, "admit_wait": wait}
     for mode, rows in (("continuous", 140), ("sequential", cfg.beams * cfg.candidates)):
