@@ -325,5 +325,6 @@ class TokenTexts:
             return None
         if len(banned) and np.isin(allowed, banned).all():
             return None
-        ban = np.setdiff1d(np.arange(self.vocab_size, dtype=np.int32), allowed)
-        return Healing(list(ids[:-1]), tail, ban)
+        keep = np.ones(self.vocab_size, bool)
+        keep[allowed] = False
+        return Healing(list(ids[:-1]), tail, np.flatnonzero(keep).astype(np.int32))

@@ -432,5 +432,6 @@ def test_token_texts_heal_bans_every_token_that_does_not_rewrite_the_tail():
     h = tt.heal([5, 2, 0], " teach")
     assert h.context_ids == [5, 2] and h.tail == " teach"
     assert h.ban.tolist() == [i for i in range(len(vocab)) if not vocab[i].startswith(" teach") or i == 5]
+    assert h.ban.dtype == np.int32                         # sorted int32, as the kernel reads it
     assert tt.heal([0], " teach") is None                  # nothing left to read
     assert tt.heal([5, 7], "\ufffd") is None               # a partial character
