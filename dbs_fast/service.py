@@ -52,8 +52,9 @@ class ServiceOptions:
     kv_layout: str = "auto"        # the prefix cache where the export has it (see DirectedBeamSearch)
     timeout: float = 300.0         # per request, seconds (a request may ask for less)
     grace: float = 30.0            # at shutdown: seconds to finish running requests before cancelling them
-    admit_wait: float = 0.05       # at a boundary where requests ended: seconds to wait for their clients' next
-    #                                ones (closed-loop clients), so that they join this chunk, not the next
+    admit_wait: float = 0.1        # at a boundary where requests ended: seconds to wait for their clients' next
+    #                                ones (closed-loop clients), so that they join this chunk, not the next;
+    #                                over HTTP on loopback they came back in 30-65 ms (docs/design/batching.md)
     chunked_prefill: bool = True   # a long context joins a running batch one prefill slice per chunk boundary
     api_key: Optional[str] = None  # requests to /v1/* need `Authorization: Bearer <key>` (None: open)
     auth_health: bool = False      # /health and /metrics need the key too
