@@ -143,13 +143,15 @@ class ServerProcess:
 
         return psutil.Process(self.proc.pid).memory_info().rss / 2**30
 
-    def metric(self, name: str) -> float:
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """The /metrics samples whose name starts with `prefix`, by their name and labels."""
         import httpx
 
-        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.split()[-1])
-        return 0.0
+        lines = httpx.get(self.url + "/metrics", timeout=30).text.splitlines()
+        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in lines if line.startswith(prefix))}
+
+    def metric(self, name: str) -> float:
+        return next((v for k, v in self.metrics(name).items() if k == name or k.startswith(name + "{")), 0.0)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -193,6 +195,7 @@ def arm(server: ServerProcess, kind: str, clients: int, per_client: int, max_sec
     """The work of `clients` clients x `per_client` requests, sent by `senders` concurrent clients
     (default `clients`; 1 measures each of the same requests alone, one after another)."""
     work = bodies(kind, clients * per_client, seed0=1000 * clients)
+    waits0 = server.metrics("dbs_admit_wait_seconds")
     chunks0 = server.metric("dbs_chunk_seconds_count")
     tok0, t0 = server.metric("dbs_candidate_tokens_total"), time.perf_counter()
     res = asyncio.run(drive(server.url, work, senders or clients, time.time() + max_seconds, openai_sdk))
@@ -208,7 +211,22 @@ def arm(server: ServerProcess, kind: str, clients: int, per_client: int, max_sec
             "p50_s": float(np.percentile(lat, 50)) if len(lat) else None,
             "p95_s": float(np.percentile(lat, 95)) if len(lat) else None,
             "latency_s": {str(r["i"]): r["latency"] for r in res if r["status"] == 200},
+            "admit_waits": admit_waits(waits0, server.metrics("dbs_admit_wait_seconds")),
             "server_rss_gib": server.rss()}
+
+
+def admit_waits(before: dict, after: dict) -> dict:
+    """The arm's admission waits from the server's dbs_admit_wait_seconds: per outcome (returned:
+    as many new requests came as had ended; timeout: --admit-wait ran out), how many and their mean
+    seconds, and how many of the returns came within 30, 50 and 100 ms."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    out = {}
+    for o in ("returned", "timeout"):
+        n = d.get(f'dbs_admit_wait_seconds_count{{outcome="{o}"}}', 0.0)
+        out[o] = {"n": int(n), "mean_s": d.get(f'dbs_admit_wait_seconds_sum{{outcome="{o}"}}', 0.0) / n if n else None}
+    for le in ("0.03", "0.05", "0.1"):
+        out["returned"][f"within_{le}_s"] = int(d.get(f'dbs_admit_wait_seconds_bucket{{le="{le}",outcome="returned"}}', 0.0))
+    return out
 
 
 def latency_ratios(cont: dict, alone: dict) -> dict:

@@ -132,17 +132,22 @@ class Batcher:
 
     def _await_returns(self, ended: int) -> None:
         """A client that waits for its result before it sends its next request (a pipeline, a
-        worker pool: a closed loop) sends it a few ms after its request ends, which is just after
-        the loop has started the next chunk, so its rows would stay empty for a whole chunk. At a
+        worker pool: a closed loop) sends it soon after its request ends (over loopback HTTP, with
+        its build, 5-65 ms later: docs/design/batching.md), which is after the loop has started the next chunk, so its rows would stay empty for a whole chunk. At a
         boundary where `ended` requests ended, wait up to `admit_wait` seconds for as many to be
         queued (the batching delay of Triton's `max_queue_delay`, Ray Serve's
         `batch_wait_timeout_s`); return as soon as they are there. Called holding `cond`."""
-        end = time.perf_counter() + self.admit_wait
-        while ended and len(self.queue) < ended and not self.stopping:
+        if not ended:
+            return
+        t0 = time.perf_counter()
+        end = t0 + self.admit_wait
+        while len(self.queue) < ended and not self.stopping:
             left = end - time.perf_counter()
             if left <= 0:
-                return
+                break
             self.cond.wait(left)
+        if self.metrics:
+            self.metrics.admit_wait(time.perf_counter() - t0, len(self.queue) >= ended)
 
     def _take_admissible(self) -> tuple[list[Job], Job | None]:
         """Queued jobs that fit the row budget, in order (the first that does not fit waits, and

@@ -148,6 +148,10 @@ class Metrics:
                 lambda stat=stat: getattr(self.store, stat, 0))
         self.latency = Histogram("dbs_request_latency_seconds", "seconds from arrival to the result",
                                  registry=r, buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300))
+        self.admit_waits = Histogram("dbs_admit_wait_seconds", "seconds the running batch waited at a boundary "
+                                     "where requests ended, by whether as many new ones came in time "
+                                     "(returned) or --admit-wait ran out (timeout)", ["outcome"], registry=r,
+                                     buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1))
 
     def finished(self, status: str, latency: float | None = None) -> None:
         self.requests.labels(status).inc()
@@ -159,6 +163,9 @@ class Metrics:
         self.moved.inc(moved)
         self.rate.set(tokens / max(seconds, 1e-9))
         self.chunks.observe(seconds)
+
+    def admit_wait(self, seconds: float, returned: bool) -> None:
+        self.admit_waits.labels("returned" if returned else "timeout").observe(seconds)
 
     def gauges(self, queue: int, rows: int) -> None:
         self.queue.set(queue)

@@ -310,8 +310,10 @@ def test_a_closed_loop_clients_next_request_joins_the_boundary_where_its_last_on
     """Request A ends while C runs; A's client sends B 30 ms after A's result (mid-chunk: a chunk
     takes >= 4 x 50 ms here). With admit_wait the loop waits at that boundary and B's first chunk is
     C's next one (B's only chunk: it ends with it); without, B waits for the chunk that has already
-    started."""
+    started. The server's metrics count each wait at a boundary where requests ended: returned
+    (B came in time), or timeout (nobody came)."""
     from dbs_fast.batcher import Batcher, Job
+    from dbs_fast.service import Metrics
 
     short = replace(DBSConfig(), **{**SMALL, "max_new_tokens": 4, "stop": "max"})       # one chunk
     long = replace(DBSConfig(), **{**SMALL, "max_new_tokens": 64, "stop": "max"})       # 16 chunks
@@ -321,7 +323,8 @@ def test_a_closed_loop_clients_next_request_joins_the_boundary_where_its_last_on
     try:
         for wait, between in ((1.0, [1]), (0.0, [2, 3])):
             events, done = [], threading.Event()
-            b = Batcher(dbs, max_rows=24, max_queue=8, admit_wait=wait)
+            metrics = Metrics()
+            b = Batcher(dbs, max_rows=24, max_queue=8, admit_wait=wait, metrics=metrics)
 
             def send_b():
                 time.sleep(0.03)
@@ -341,6 +344,13 @@ def test_a_closed_loop_clients_next_request_joins_the_boundary_where_its_last_on
             b.stop(0.0)
             a_end, b_end = events.index(("A", "result")), events.index(("B", "result"))
             assert events[a_end:b_end].count(("C", "chunk")) in between, (wait, events)
+            waits = {o: (metrics.registry.get_sample_value("dbs_admit_wait_seconds_count", {"outcome": o}) or 0,
+                         metrics.registry.get_sample_value("dbs_admit_wait_seconds_sum", {"outcome": o}) or 0)
+                     for o in ("returned", "timeout")}
+            if wait:     # B came about 30 ms after A's result
+                assert waits["returned"][0] == 1 and 0.02 < waits["returned"][1] < wait, waits
+            else:        # no wait: A's boundary found nobody yet
+                assert waits["returned"][0] == 0 and waits["timeout"][0] >= 1, waits
     finally:
         model.step = step
 
