@@ -31,6 +31,8 @@ class ContextStore:
         # key -> (tokens, K/V of the tokens, the last token's logits or None for a part of a context)
         self.entries: OrderedDict[int, tuple[np.ndarray, list, np.ndarray | None]] = OrderedDict()
         self.whole: dict[bytes, int] = {}           # the tokens of a whole prefilled context -> its key
+        self.long: dict[int, int] = {}              # key -> length, the entries of a slice or more (reusable in part)
+        self.parts: set[int] = set()                # keys of the parts of contexts (kept without logits)
         self.nbytes = self.hits = self.lookups = self.reused_tokens = self.context_tokens = 0
         self._key = 0
 
@@ -57,9 +59,8 @@ class ContextStore:
         if whole is not None:
             return len(tokens), whole
         best, hit = 0, None
-        for key, (toks, _, _) in self.entries.items():
-            if len(toks) < self.granule:
-                continue
+        for key in self.long:                       # only these can share a whole slice
+            toks = self.entries[key][0]
             n = min(len(toks), len(tokens) - 1)
             same = toks[:n] == tokens[:n]
             common = n if same.all() else int(np.argmin(same))
@@ -76,14 +77,19 @@ class ContextStore:
         n = sum(p.nbytes for p in past) + (0 if logits is None else logits.nbytes)
         if (logits is None and len(tokens) < self.granule) or n > self.max_bytes:
             return
-        for key, (toks, _, lg) in list(self.entries.items()):   # a part this context extends is redundant
-            if len(toks) <= len(tokens) and np.array_equal(toks, tokens[:len(toks)]) \
-                    and (lg is None or len(toks) == len(tokens)):
-                self._drop(key)
+        same = self.whole.get(tokens.tobytes())     # the same whole context, or a part this one extends:
+        redundant = [k for k in self.parts if len(self.entries[k][0]) <= len(tokens)
+                     and np.array_equal(self.entries[k][0], tokens[:len(self.entries[k][0])])]
+        for key in redundant + ([same] if same is not None else []):
+            self._drop(key)
         self._key += 1
         self.entries[self._key] = (tokens.copy(), past, logits)
         if logits is not None:
             self.whole[tokens.tobytes()] = self._key
+        else:
+            self.parts.add(self._key)
+        if len(tokens) >= self.granule:
+            self.long[self._key] = len(tokens)
         self.nbytes += n
         while self.nbytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
@@ -92,6 +98,8 @@ class ContextStore:
         toks, past, logits = self.entries.pop(key)
         if logits is not None:
             del self.whole[toks.tobytes()]
+        self.parts.discard(key)
+        self.long.pop(key, None)
         self.nbytes -= sum(p.nbytes for p in past) + (0 if logits is None else logits.nbytes)
 
 

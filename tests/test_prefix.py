@@ -520,3 +520,33 @@ def test_the_context_store_reuses_a_shared_prefix_to_the_bit(kind, decoders, exp
     small.put(np.array(ctx[0][:-1] + [99]), dec.store.entries[next(iter(dec.store.entries))][1])
     assert len(small.entries) == 1 and small.nbytes <= small.max_bytes     # the older one dropped
     assert small.lookup(np.array(ctx[0]))[0] == 12                          # 13 tokens shared -> 3 slices
+
+
+def test_the_context_store_drops_what_a_new_context_makes_redundant_and_keeps_its_indexes():
+    """A part of a context goes when a context that extends it is kept; the same whole context
+    is replaced; a whole context that another extends stays (its logits are its own). The
+    indexes that spare `put` and `peek` a scan over every entry agree with the entries, through
+    evictions too."""
+    from dbs_fast.decoder import ContextStore
+
+    def past(n):
+        return [np.zeros((1, 1, n, 2), np.float32)]
+
+    st = ContextStore(max_bytes=10 * 8 * 40, granule=4)
+    st.put(np.arange(8), past(8))                                  # a part (prefilled ahead)
+    st.put(np.arange(3), past(3), np.zeros(5, np.float32))         # a short whole context
+    st.put(np.arange(12), past(12), np.zeros(5, np.float32))       # extends both
+    kept = {tuple(t) for t, _, _ in st.entries.values()}
+    assert kept == {tuple(range(3)), tuple(range(12))}              # the part went, the whole stayed
+    st.put(np.arange(12), past(12), np.ones(5, np.float32))        # the same context again: replaced
+    assert len(st.entries) == 2 and st.lookup(np.arange(12))[2][0] == 1.0
+    assert st.peek(np.arange(20))[0] == 12                           # 3 whole slices of 4 shared
+    for i in range(40):                                             # evictions: the oldest go
+        st.put(np.arange(i, i + 6 + i % 5), past(6 + i % 5), None if i % 3 else np.zeros(5, np.float32))
+    for key, (toks, _, lg) in st.entries.items():
+        assert (key in st.parts) == (lg is None) and (key in st.long) == (len(toks) >= st.granule)
+        assert lg is None or st.whole[toks.tobytes()] == key
+    assert set(st.long) <= set(st.entries) and st.parts <= set(st.entries)
+    assert set(st.whole.values()) == {k for k, (_, _, lg) in st.entries.items() if lg is not None}
+    assert st.nbytes == sum(sum(p.nbytes for p in e[1]) + (0 if e[2] is None else e[2].nbytes)
+                            for e in st.entries.values()) <= st.max_bytes
