@@ -16,7 +16,7 @@ with N concurrent asyncio clients (httpx), each sending `--per-client` requests 
 - soak: `--soak` requests (small) from 8 clients, 10% malformed, 5% clients that disconnect
   after sending; counts every answer, checks the server survives, reports its RSS start/end.
 - engine: in process, n small requests as one batch: seconds and model ms per step vs rows; and
-  one decode step's milliseconds by rows and cache length.
+  one decode step's milliseconds by rows and cache length on the row-layout graph (model.onnx).
 - engine-loop: in process, no HTTP: as many closed-loop threads as the largest level send the
   small requests (`--per-client` each) straight to the service's Batcher, continuous and one at a
   time: the throughput ratio of the engine alone, and its seconds waiting, admitting, decoding.
@@ -405,7 +405,10 @@ def engine_loop(model: str, clients: int, per: int, threads: int | None, admit_w
 
 
 def step_cost(model: str, threads: int | None) -> list[dict]:
-    """Milliseconds of one decode step (`backend.step`, best of 5) by rows and cache length."""
+    """Milliseconds of one decode step (`backend.step`, best of 5) by rows and cache length, on the
+    row-layout graph (model.onnx: one cache row per candidate, every row its own context); the
+    engine decodes on the prefix graph where the export has one, whose step the engine arm's
+    `model_ms_per_step` gives."""
     from dbs_fast import DirectedBeamSearch
 
     be = DirectedBeamSearch(model, threads=threads).backend
