@@ -152,6 +152,10 @@ def test_stream_sends_certain_text_per_chunk_then_the_result(server):
 def test_metrics_and_health(server):
     h = httpx.get(server.url + "/health").json()
     assert h["status"] == "ready" and h["max_rows"] == 24
+    # one request answered and one refused, so that the test counts its own (it runs alone too)
+    ok = {"context": "It is", "keywords": "colony", "seed": 3, **SMALL}
+    assert httpx.post(server.url + "/v1/generate", json=ok, timeout=60).status_code == 200
+    assert httpx.post(server.url + "/v1/generate", json={"keywords": "run|"}, timeout=30).status_code == 422
     text = httpx.get(server.url + "/metrics").text
     for name in ("dbs_requests_total", "dbs_queue_depth", "dbs_batch_rows", "dbs_candidate_tokens_total",
                  "dbs_request_latency_seconds_bucket", "dbs_candidate_tokens_per_second"):
