@@ -150,9 +150,6 @@ class ServerProcess:
         lines = httpx.get(self.url + "/metrics", timeout=30).text.splitlines()
         return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in lines if line.startswith(prefix))}
 
-    def metric(self, name: str) -> float:
-        return next((v for k, v in self.metrics(name).items() if k == name or k.startswith(name + "{")), 0.0)
-
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -195,12 +192,12 @@ def arm(server: ServerProcess, kind: str, clients: int, per_client: int, max_sec
     """The work of `clients` clients x `per_client` requests, sent by `senders` concurrent clients
     (default `clients`; 1 measures each of the same requests alone, one after another)."""
     work = bodies(kind, clients * per_client, seed0=1000 * clients)
-    waits0 = server.metrics("dbs_admit_wait_seconds")
-    chunks0 = server.metric("dbs_chunk_seconds_count")
-    tok0, t0 = server.metric("dbs_candidate_tokens_total"), time.perf_counter()
+    before, t0 = server.metrics("dbs_"), time.perf_counter()
     res = asyncio.run(drive(server.url, work, senders or clients, time.time() + max_seconds, openai_sdk))
     wall = time.perf_counter() - t0
-    tokens, chunks = server.metric("dbs_candidate_tokens_total") - tok0, server.metric("dbs_chunk_seconds_count") - chunks0
+    after = server.metrics("dbs_")
+    d = {k: v - before.get(k, 0.0) for k, v in after.items()}          # the arm's counts
+    tokens, chunks = d.get("dbs_candidate_tokens_total", 0.0), d.get("dbs_chunk_seconds_count", 0.0)
     lat = np.array([r["latency"] for r in res if r["status"] == 200])
     return {"clients": clients, "senders": senders or clients, "requests": len(res),
             "ok": int((np.array([r["status"] for r in res]) == 200).sum()),
@@ -211,15 +208,15 @@ def arm(server: ServerProcess, kind: str, clients: int, per_client: int, max_sec
             "p50_s": float(np.percentile(lat, 50)) if len(lat) else None,
             "p95_s": float(np.percentile(lat, 95)) if len(lat) else None,
             "latency_s": {str(r["i"]): r["latency"] for r in res if r["status"] == 200},
-            "admit_waits": admit_waits(waits0, server.metrics("dbs_admit_wait_seconds")),
+            "admit_waits": admit_waits(d),
             "server_rss_gib": server.rss()}
 
 
-def admit_waits(before: dict, after: dict) -> dict:
-    """The arm's admission waits from the server's dbs_admit_wait_seconds: per outcome (returned:
-    as many new requests came as had ended; timeout: --admit-wait ran out), how many and their mean
-    seconds, and how many of the returns came within 30, 50 and 100 ms."""
-    d = {k: after[k] - before.get(k, 0.0) for k in after}
+def admit_waits(d: dict) -> dict:
+    """The arm's admission waits from the server's dbs_admit_wait_seconds (`d`: the arm's change of
+    every sample): per outcome (returned: as many new requests came as had ended; timeout:
+    --admit-wait ran out), how many and their mean seconds, and how many of the returns came within
+    30, 50 and 100 ms."""
     out = {}
     for o in ("returned", "timeout"):
         n = d.get(f'dbs_admit_wait_seconds_count{{outcome="{o}"}}', 0.0)
@@ -564,9 +561,10 @@ def main(argv=None) -> int:
         try:
             rss0 = srv.rss()
             res["soak"] = asyncio.run(soak(srv.url, a.soak, 8, srv.rss, openai_sdk=a.openai))
+            counts = srv.metrics("dbs_requests_total")
             res["soak"].update(rss_start_gb=rss0, rss_end_gb=srv.rss(), server_alive=srv.proc.poll() is None,
                                health=__import__("httpx").get(srv.url + "/health", timeout=30).status_code,
-                               statuses={k: srv.metric(f'dbs_requests_total{{status="{k}"}}')
+                               statuses={k: counts.get(f'dbs_requests_total{{status="{k}"}}', 0.0)
                                          for k in ("ok", "invalid", "disconnected", "error", "refused")})
             print("soak", json.dumps(res["soak"]), flush=True)
         finally:

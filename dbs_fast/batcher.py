@@ -133,10 +133,11 @@ class Batcher:
     def _await_returns(self, ended: int) -> None:
         """A client that waits for its result before it sends its next request (a pipeline, a
         worker pool: a closed loop) sends it soon after its request ends (over loopback HTTP, with
-        its build, 5-65 ms later: docs/design/batching.md), which is after the loop has started the next chunk, so its rows would stay empty for a whole chunk. At a
-        boundary where `ended` requests ended, wait up to `admit_wait` seconds for as many to be
-        queued (the batching delay of Triton's `max_queue_delay`, Ray Serve's
-        `batch_wait_timeout_s`); return as soon as they are there. Called holding `cond`."""
+        its build, 5-65 ms later: docs/design/batching.md), which is after the loop has started
+        the next chunk, so its rows would stay empty for a whole chunk. At a boundary where `ended`
+        requests ended, wait up to `admit_wait` seconds for as many to be queued (the batching
+        delay of Triton's `max_queue_delay`, Ray Serve's `batch_wait_timeout_s`); return as soon
+        as they are there. Called holding `cond`."""
         if not ended:
             return
         t0 = time.perf_counter()

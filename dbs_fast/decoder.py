@@ -31,7 +31,7 @@ class ContextStore:
         # key -> (tokens, K/V of the tokens, the last token's logits or None for a part of a context)
         self.entries: OrderedDict[int, tuple[np.ndarray, list, np.ndarray | None]] = OrderedDict()
         self.whole: dict[bytes, int] = {}           # the tokens of a whole prefilled context -> its key
-        self.long: dict[int, int] = {}              # key -> length, the entries of a slice or more (reusable in part)
+        self.long: dict[int, None] = {}             # keys of the entries of a slice or more (reusable in part), in order
         self.parts: set[int] = set()                # keys of the parts of contexts (kept without logits)
         self.nbytes = self.hits = self.lookups = self.reused_tokens = self.context_tokens = 0
         self._key = 0
@@ -78,9 +78,12 @@ class ContextStore:
         if (logits is None and len(tokens) < self.granule) or n > self.max_bytes:
             return
         same = self.whole.get(tokens.tobytes())     # the same whole context, or a part this one extends:
-        redundant = [k for k in self.parts if len(self.entries[k][0]) <= len(tokens)
-                     and np.array_equal(self.entries[k][0], tokens[:len(self.entries[k][0])])]
-        for key in redundant + ([same] if same is not None else []):
+        redundant = [] if same is None else [same]
+        for key in self.parts:
+            part = self.entries[key][0]
+            if len(part) <= len(tokens) and np.array_equal(part, tokens[:len(part)]):
+                redundant.append(key)
+        for key in redundant:
             self._drop(key)
         self._key += 1
         self.entries[self._key] = (tokens.copy(), past, logits)
@@ -89,7 +92,7 @@ class ContextStore:
         else:
             self.parts.add(self._key)
         if len(tokens) >= self.granule:
-            self.long[self._key] = len(tokens)
+            self.long[self._key] = None
         self.nbytes += n
         while self.nbytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
