@@ -83,6 +83,22 @@ def _both_onnxruntimes() -> bool:
     return True
 
 
+_PRELOADED: list[bool] = []
+
+
+def _preload_cuda_libraries(ort) -> None:
+    """onnxruntime-gpu >= 1.21 loads the CUDA and cuDNN libraries of the `nvidia-*` pip packages (torch's, or
+    `onnxruntime-gpu[cuda,cudnn]`'s) itself, so no LD_LIBRARY_PATH is needed; once per process, best effort
+    (where it finds none, the provider's own start reports what is missing)."""
+    if _PRELOADED or not hasattr(ort, "preload_dlls"):
+        return
+    _PRELOADED.append(True)
+    try:
+        ort.preload_dlls()
+    except Exception as e:  # noqa: BLE001 - a failed preload leaves the provider's own message to explain
+        warnings.warn(f"onnxruntime.preload_dlls() failed: {e}", RuntimeWarning, stacklevel=3)
+
+
 def make_session(path: Path, provider: str = "cpu", threads: int | None = None):
     import onnxruntime as ort
 
@@ -93,6 +109,7 @@ def make_session(path: Path, provider: str = "cpu", threads: int | None = None):
     if wanted != "CPUExecutionProvider":
         if wanted in ort.get_available_providers():
             providers = [wanted, "CPUExecutionProvider"]
+            _preload_cuda_libraries(ort)
         else:
             warnings.warn(f"{wanted} is not available in this onnxruntime build ({ort.__version__}); falling back "
                           f"to CPU. {GPU_INSTALL_HINT if _both_onnxruntimes() else 'For CUDA: ' + GPU_SWAP}",

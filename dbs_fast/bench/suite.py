@@ -72,8 +72,9 @@ def _export(src: str, out: Path, quantize: str | None) -> Path:
 
 
 def prepare_points(workdir: Path, tokenizer: Path | None, checkpoint: Path | None, shape: str,
-                   with_default: bool) -> dict:
-    """{point: {"checkpoint", "onnx-fp32", "onnx-int8"}}; builds and exports what is missing."""
+                   with_default: bool, int8: bool = True) -> dict:
+    """{point: {"checkpoint", "onnx-fp32", "onnx-int8"}}; builds and exports what is missing (the int8
+    graphs only when `int8`: a contender runs them)."""
     points = {}
     if checkpoint is None:
         from .checkpoints import make_random_gpt2
@@ -94,7 +95,8 @@ def prepare_points(workdir: Path, tokenizer: Path | None, checkpoint: Path | Non
         name = checkpoint.name
     points[name] = {"checkpoint": str(checkpoint), "int8_method": "int8",
                     "onnx-fp32": str(_export(str(checkpoint), workdir / "onnx" / f"{name}-fp32", None)),
-                    "onnx-int8": str(_export(str(checkpoint), workdir / "onnx" / f"{name}-int8", "int8"))}
+                    "onnx-int8": str(_export(str(checkpoint), workdir / "onnx" / f"{name}-int8", "int8"))
+                    if int8 else None}
     if with_default:
         from dbs_fast.api import resolve_model_dir
 
@@ -102,7 +104,7 @@ def prepare_points(workdir: Path, tokenizer: Path | None, checkpoint: Path | Non
         # dynamic int8 fails parity on SmolLM2 (activation outliers, see export/quantize.py)
         points["default"] = {"checkpoint": None, "onnx-fp32": str(fp32), "int8_method": "int8-block",
                              "onnx-int8": str(_export("default", workdir / "onnx" / "default-int8-block",
-                                                      "int8-block"))}
+                                                      "int8-block")) if int8 else None}
     return points
 
 
@@ -199,6 +201,9 @@ def worker_engine(spec: dict, order=None) -> dict:
         "texts": [r.generated for r in runs],
         "prompt_tokens": first.prompt_tokens,
         "provider": provider,
+        # where it really ran: ORT's first provider of the decode session, or torch's device
+        "ran_on": (dbs.decoder.session.get_providers()[0] if dbs.decoder is not None
+                   else str(getattr(dbs.backend, "device", None) or dbs.backend.model.provider)),
         # what a graph call bound from host memory: on CUDA the bytes copied across (PrefixDecoder.host_bytes)
         "host_mb_per_call": (dbs.decoder.host_bytes_total / max(1, dbs.decoder.calls) / 1e6
                              if dbs.decoder is not None else None),
@@ -485,7 +490,8 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
     sweep = [tuple(x) for x in (sweep if sweep is not None else ([(1, 5), (3, 5)] if quick else
                                                                 [(1, 5), (3, 5), (5, 5), (5, 10)]))]
     ref_cands = reference_candidates or (1 if quick else 2)
-    points = prepare_points(workdir, tokenizer, checkpoint, shape, with_default)
+    points = prepare_points(workdir, tokenizer, checkpoint, shape, with_default,
+                            int8=any("int8" in c for c in contenders))
     report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "quick": quick, "provider": provider,
               "config": cfg.to_dict(), "context": CONTEXT, "keyword_sets": KEYWORD_SETS, "points": {}}
     from .kernel import run as kernel_run
@@ -592,7 +598,9 @@ def markdown(report: dict) -> str:
                                                         res["contenders"].items() if r.get("host_mb_per_call")) + "."
                      + "".join(f" {c}: {', '.join(f'{n} {op}' for op, n in r['cpu_nodes_on_cuda'].items())} "
                                f"nodes have no CUDA kernel and run on the CPU." for c, r in res["contenders"].items()
-                               if r.get("cpu_nodes_on_cuda")))
+                               if r.get("cpu_nodes_on_cuda"))
+                     + " Ran on: " + ", ".join(f"{c} {r['ran_on']}" for c, r in res["contenders"].items()
+                                                if r.get("ran_on")) + ".")
         lines += [f"### {name} (onnx-int8 = `--quantize {res['models'].get('int8_method', 'int8')}`)", "",
                   roof_line
                   + (f" {', '.join(res['in_turns'])} took turns, one generation each per round (ABC CBA ...); "
@@ -628,7 +636,11 @@ def markdown(report: dict) -> str:
 
 
 def plots(report: dict, out: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("[bench] no plots: matplotlib is not installed (the bench or dev extra)", flush=True)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
