@@ -10,10 +10,10 @@ from . import constraints, occurrence, prompt
 from .backend import OnnxBackend, onnx_backend
 from .beam import BeamSearch, Finished, Request
 from .chat import ChatTemplate
-from .config import DBSConfig
+from .config import SEED_MAX, DBSConfig
 from .decoder import ContextStore, PrefixDecoder
 from .embeddings import Embeddings, SimilarityTable
-from .errors import DBSError
+from .errors import DBSError, naming
 from .home import EMBEDDED_DIRS, embedded_model_dir
 from .manifest import current_export, read_manifest
 from .model import OnnxModel
@@ -23,7 +23,6 @@ from .result import GenerationResult, build_result, json_safe  # noqa: F401  (js
 from .scorer import OnnxScorer, SelfScorer
 
 MAX_KEYWORDS = 62           # one bit each in the scheduler's int64 masks
-SEED_MAX = 2**63 - 1        # numpy's generators take seeds in 0..2**63-1
 _START_TOKENS = ("<|endoftext|>", "<bos>", "<s>")   # a plain-text context starts a document with one
 _EMB_CACHE: dict[str, Embeddings] = {}
 
@@ -48,11 +47,13 @@ def resolve_model_dir(model: str | Path, quiet: bool = True) -> Path:
 def parse_constraints(keywords, ban=None):
     """(keywords, banned words) parsed from the constraint syntax (`dbs_fast.constraints`) and
     checked against each other; DBSError names what is wrong."""
-    kws = constraints.parse_keywords(keywords)
+    with naming("keywords", keywords):
+        kws = constraints.parse_keywords(keywords)
     if len(kws) > MAX_KEYWORDS:
         raise DBSError(f"at most {MAX_KEYWORDS} keywords, got {len(kws)}", "keywords", keywords)
-    bans = [] if ban is None else constraints.parse_keywords(ban, what="banned word")
-    constraints.check_bans(kws, bans, ban)
+    with naming("ban", ban):
+        bans = [] if ban is None else constraints.parse_keywords(ban, what="banned word")
+        constraints.check_bans(kws, bans, ban)
     return kws, bans
 
 
@@ -267,10 +268,11 @@ class DirectedBeamSearch:
         phrases = [(i, head, whole) for i, k in enumerate(kws)
                    for head, whole in constraints.phrase_starts(enc, k, words=cfg.complete_words)]
         allowed = ~self.word_piece if cfg.boost_word_starts else None
-        boosts = [constraints.keyword_boost(self.table, k, cfg.lam, cfg.boost_cutoff, self.subword_fallback,
-                                            lenient=cfg.guarantee, allowed=allowed,
-                                            own=constraints.first_tokens(enc, k) if cfg.complete_words else ())
-                  for k in kws]
+        with naming("keywords", keywords):                   # a word the embeddings lack
+            boosts = [constraints.keyword_boost(self.table, k, cfg.lam, cfg.boost_cutoff, self.subword_fallback,
+                                                lenient=cfg.guarantee, allowed=allowed,
+                                                own=constraints.first_tokens(enc, k) if cfg.complete_words else ())
+                      for k in kws]
         ban_seqs = constraints.ban_sequences(enc, bans)
         heal = self._heal(ids, cfg, sum(map(len, force)), ban_seqs) if plain else None
         return Request(heal.context_ids if heal else ids, kws, int(seed), boosts, force, phrases,

@@ -232,7 +232,7 @@ class Batcher:
         for r, result in done:
             job = self.jobs.pop(id(r))
             self.latencies.append(time.perf_counter() - job.submitted)
-            self._finish(job, "result", result.to_json())
+            self._finish(job, "result", result)                    # a GenerationResult: serialised at the endpoint
         if not batch.requests:
             del self.batches[cfg]
         return len(done)

@@ -150,7 +150,11 @@ class Finished:
     request: Request
     rows: Rows
     seconds: float                      # from joining to leaving
-    candidate_tokens_per_second: float  # the whole batch's, while it was in
+    candidate_tokens: int               # sampled by the whole batch while it was in
+
+    @property
+    def candidate_tokens_per_second(self) -> float:
+        return self.candidate_tokens / max(self.seconds, 1e-9)
 
 
 class BeamSearch:
@@ -294,7 +298,7 @@ class BeamSearch:
             c = int(r.col0[0])
             r.tokens, r.logp, r.req[:], r.col0[:] = r.tokens[:, c:], r.logp[:, c:], 0, 0
             s = self.slots[q]
-            out.append(Finished(s.request, r, now - s.t0, (self.candidate_tokens - s.cand0) / max(now - s.t0, 1e-9)))
+            out.append(Finished(s.request, r, now - s.t0, self.candidate_tokens - s.cand0))
         return out
 
     def _leave(self, gone: np.ndarray) -> None:

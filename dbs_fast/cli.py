@@ -5,11 +5,21 @@ import argparse
 import json
 import sys
 
-from .config import CHOICES, COMMONGEN, COMMONGEN_CONTEXT, OPTIONS, PAPER, DBSConfig
+from .config import (
+    CHOICES,
+    COMMONGEN,
+    COMMONGEN_CONTEXT,
+    DEFAULT_CONTEXT,
+    OPTIONS,
+    PAPER,
+    SEED_MAX,
+    TASKS,
+    DBSConfig,
+    preset,
+)
 from .errors import DBSError
 
 FLAG = {name: flag for name, flag, *_ in OPTIONS}            # DBSConfig field -> CLI flag
-SEED_MAX = 2**63 - 1                                         # numpy's generators take seeds in 0..2**63-1
 PROVIDER_HELP = "execution provider: cuda needs onnxruntime-gpu (see the GPU guide); falls back to cpu with a warning"
 THREADS_HELP = "threads for ONNX Runtime and the kernel (default: all cores)"
 
@@ -93,14 +103,14 @@ def _add_config_flags(p, title: str) -> None:
                    help="the paper's protocol: no repetition control, fixed max-new-tokens (flags above override)")
 
 
-def config_from_args(a, **extra):
-    """DBSConfig from the parsed flags: the default (or --paper) preset, then what was given."""
+def config_from_args(a, task: str | None = None, **extra) -> tuple[DBSConfig, str]:
+    """The config and the context from the parsed flags: the preset (`config.preset`: the task's,
+    --paper's or the default), then the flags given, then `extra`."""
     from dataclasses import replace
 
-    task = getattr(a, "task", None)
-    base = DBSConfig.commongen() if task == "commongen" else DBSConfig.paper() if a.paper else DBSConfig()
+    base, context = preset(task, a.paper)
     given = {name: getattr(a, name) for name, *_ in OPTIONS if getattr(a, name) is not None}
-    return replace(base, **given, **extra)
+    return replace(base, **given, **extra), (context if a.context is None else a.context)
 
 
 def _add_kv_layout(p):
@@ -116,9 +126,9 @@ def _add_generate(sub):
     p.add_argument("--keywords", required=True, help=f'guide words, e.g. "enemy,speed,meet": {KEYWORD_SYNTAX}')
     p.add_argument("--ban", default=None, help='words that must not appear, e.g. "war,gun" (same syntax; every '
                                                'case and leading-space variant is banned)')
-    p.add_argument("--context", default=None, help="text to continue; '' starts a new document (default: It is; "
-                                                   "with --task commongen, the task's context)")
-    p.add_argument("--task", default=None, choices=["commongen"],
+    p.add_argument("--context", default=None, help=f"text to continue; '' starts a new document (default: "
+                                                   f"{DEFAULT_CONTEXT}; with --task commongen, the task's context)")
+    p.add_argument("--task", default=None, choices=TASKS,
                    help="a task preset: commongen = one sentence from unordered concepts (" + " ".join(
                        f"{FLAG[k]} {v}" for k, v in COMMONGEN.items()) + " and the task's context, as `eval "
                         "--sets commongen-dev`; flags given override)")
@@ -143,17 +153,20 @@ def _add_generate(sub):
     p.set_defaults(func=_run_generate)
 
 
-def highlight(text: str, keywords, style: str) -> str:
-    """`text` with the words that place a keyword marked: "ansi" (colour), "markdown" (**bold**)
-    or "text" (unmarked)."""
-    from .occurrence import stem
-    from .words import WORD, words
-
+def highlight(text: str, found: dict, style: str, offset: int = 0) -> str:
+    """`text` with the places where the search found each keyword (`found`, as a result gives it:
+    spans in the generated text, which starts at `offset` of `text`) marked: "ansi" (colour),
+    "markdown" (**bold**) or "text" (unmarked)."""
     if style == "text":
         return text
-    targets = {stem(w) for k in keywords for w in words(k)}
     on, off = ("\033[1;32m", "\033[0m") if style == "ansi" else ("**", "**")
-    return WORD.sub(lambda m: f"{on}{m.group(0)}{off}" if stem(m.group(0)) in targets else m.group(0), text)
+    spans = sorted({(f["char"] + offset, f["end"] + offset) for f in found.values() if f is not None})
+    out, at = [], 0
+    for start, end in spans:
+        if start >= at:                               # overlapping spans (a keyword listed twice): once
+            out += [text[at:start], on, text[start:end], off]
+            at = end
+    return "".join(out) + text[at:]
 
 
 def text_style(fmt: str | None) -> str:
@@ -185,10 +198,7 @@ class Progress:
 
 def _run_generate(a) -> int:
     fmt = "json" if a.json else a.format
-    if a.task == "commongen" and a.paper:
-        raise DBSError("--task commongen and --paper are two presets: give one")
-    a.context = (COMMONGEN_CONTEXT if a.task == "commongen" else "It is") if a.context is None else a.context
-    cfg = config_from_args(a, guided=not a.unguided)
+    cfg, a.context = config_from_args(a, a.task, guided=not a.unguided)
     from .api import DirectedBeamSearch, parse_constraints, preflight
 
     parse_constraints(a.keywords, a.ban)       # bad keywords and sizes fail before the model loads
@@ -205,7 +215,7 @@ def _run_generate(a) -> int:
     if fmt == "json":
         print(json.dumps(r.to_json(), allow_nan=False))
         return 0
-    print(highlight(r.text, r.keywords, text_style(fmt)))
+    print(highlight(r.text, r.found, text_style(fmt), offset=len(r.context)))
     grader = "the generator grading itself" if a.scorer == "self" else f"scorer {a.scorer}"
     print(f"\nfound {sum(v is not None for v in r.found.values())}/{len(r.keywords)} "
           f"(success rate {r.success_rate:.2f}, success length {r.success_length}), stopped: {r.stopped}, "
@@ -229,8 +239,8 @@ def _add_eval(sub):
     p.add_argument("--seed", type=seed, default=0, help="seed of the generations and of sampled keyword sets")
     p.add_argument("--keywords-file", help="one keyword set per line, comma-separated (or space-separated single "
                                            "words) (instead of --sets)")
-    p.add_argument("--context", default=None, help="text before every generation (default 'It is'; '' starts a "
-                                                   "document)")
+    p.add_argument("--context", default=None, help=f"text before every generation (default {DEFAULT_CONTEXT!r}; "
+                                                   f"'' starts a document)")
     p.add_argument("--runs", default="dbs,paper,unguided",
                    help="comma-separated: dbs (the settings below), paper (the same with the paper's protocol: "
                         "no repetition control, fixed length), guarantee (the settings below with --guarantee), "
@@ -307,11 +317,7 @@ def _run_eval(a) -> int:
     if a.start < 0:
         raise DBSError(f"`--start` must be >= 0, got {a.start}")
     commongen = a.sets == "commongen-dev" and not a.keywords_file
-    if commongen:                       # the task's defaults, where the flags leave them open
-        for name, value in {**COMMONGEN, "context": COMMONGEN_CONTEXT}.items():
-            setattr(a, name, value if getattr(a, name) is None else getattr(a, name))
-    a.context = "It is" if a.context is None else a.context
-    cfg = config_from_args(a)
+    cfg, a.context = config_from_args(a, "commongen" if commongen else None)   # the task's preset for its sets
     configs = eval_configs(cfg, a.runs)
     sets = _eval_sets(a)
     if a.start >= len(sets):
@@ -324,7 +330,7 @@ def _run_eval(a) -> int:
 
         style = text_style(None)
         for r in run_stories(dbs, Path(a.out), seed=a.seed):
-            print(f"{r['context']}  [{', '.join(r['keywords'])}]\n  -> {highlight(r['text'], r['keywords'], style)}"
+            print(f"{r['context']}  [{', '.join(r['keywords'])}]\n  -> {highlight(r['text'], r['found'], style)}"
                   f"\n     success {r['success_rate']:.2f}, perplexity {r['perplexity']:.1f}\n")
         return 0
     if a.grid:
@@ -388,15 +394,20 @@ def _add_bench(sub):
     p.set_defaults(func=_run_bench)
 
 
+def _numbers(text: str, flag: str, what: str, sep: str = ",") -> list[int]:
+    try:
+        return [int(x) for x in text.split(sep) if x.strip()]
+    except ValueError:
+        raise DBSError(f"{flag} must be {what}, got {text!r}") from None
+
+
 def _run_bench(a) -> int:
     from pathlib import Path
 
     if a.contexts is not None:
-        try:
-            lengths = [int(x) for x in a.contexts.split(",") if x.strip()]
-            assert lengths and min(lengths) >= 2 and max(lengths) <= 100_000
-        except (ValueError, AssertionError):
-            raise DBSError(f"--contexts must be comma-separated token counts in 2..100000, got {a.contexts!r}") from None
+        lengths = _numbers(a.contexts, "--contexts", "comma-separated token counts in 2..100000")
+        if not lengths or min(lengths) < 2 or max(lengths) > 100_000:
+            raise DBSError(f"--contexts must be comma-separated token counts in 2..100000, got {a.contexts!r}")
         from .bench.contexts import run_contexts
 
         run_contexts(sorted(lengths), Path(a.out), Path(a.workdir), repeats=a.repeats or 2, threads=a.threads,
@@ -408,11 +419,10 @@ def _run_bench(a) -> int:
         raise DBSError(f"bench needs the export and dev extras: pip install 'dbs-fast[export,dev]' ({e})") from None
     sweep = None
     if a.sweep is not None:
-        try:
-            sweep = [tuple(int(v) for v in x.split("x")) for x in a.sweep.split(",") if x]
-            assert all(len(t) == 2 and min(t) >= 1 for t in sweep)
-        except (ValueError, AssertionError):
-            raise DBSError(f"--sweep must look like 1x5,3x5 (beams x candidates), got {a.sweep!r}") from None
+        what = "beams x candidates pairs like 1x5,3x5"
+        sweep = [tuple(_numbers(x, "--sweep", what, sep="x")) for x in a.sweep.split(",") if x]
+        if not all(len(t) == 2 and min(t) >= 1 for t in sweep):
+            raise DBSError(f"--sweep must be {what}, got {a.sweep!r}")
     if (a.repeats is not None and a.repeats < 1) or (a.max_new_tokens is not None and a.max_new_tokens < 1):
         raise DBSError("--repeats and --max-new-tokens must be >= 1")
     run_bench(Path(a.out), Path(a.workdir), quick=a.quick, repeats=a.repeats, max_new_tokens=a.max_new_tokens,

@@ -4,7 +4,9 @@
 anti-degeneration settings that measured best (docs: quality); `DBSConfig.paper()` is the
 paper's protocol exactly (fixed 90 tokens, no repetition control), which `eval` and `bench`
 use for the paper comparison; `DBSConfig.commongen()` is the CommonGen task's (any order,
-lemma matching, one short sentence), with `COMMONGEN_CONTEXT` as its context.
+lemma matching, one short sentence), with `COMMONGEN_CONTEXT` as its context. `preset(task,
+paper)` gives the config and the context a request starts from; every front door (the CLI, the
+API, /v1/generate, the OpenAI endpoints) starts there.
 
 Every field a user can set carries its flag and help in its metadata (`option`): `OPTIONS`, the
 CLI flags and the service's JSON fields are all derived from it.
@@ -188,3 +190,19 @@ PAPER = {"boost_word_starts": False, "complete_words": False, "alpha_fluent": No
 COMMONGEN = {"order": "any", "match": "lemma", "max_new_tokens": 40, "lam": 1.0, "reserve_per_keyword": 6,
              "prompt_style": "few-shot", "shots": 3, "sentence_deadline": 24}
 COMMONGEN_CONTEXT = "Here is one sentence describing an everyday scene:\n"
+DEFAULT_CONTEXT = "It is"           # the context when a request gives none (the paper's examples start so)
+SEED_MAX = 2**63 - 1                # numpy's generators take seeds in 0..2**63-1
+TASKS = ("commongen",)
+
+
+def preset(task: str | None = None, paper: bool = False) -> tuple[DBSConfig, str]:
+    """The config and the context a request starts from: the default, the paper's protocol
+    (`paper`) or a task's; the options a request gives apply on top, and a context it gives
+    replaces this one."""
+    if task is None:
+        return (DBSConfig.paper() if paper else DBSConfig()), DEFAULT_CONTEXT
+    if task not in TASKS:
+        raise DBSError(f"`task` must be one of {list(TASKS)}, got {task!r}", "task", task)
+    if paper:
+        raise DBSError(f"`task` {task!r} and `paper` are two presets: give one", "paper", paper)
+    return DBSConfig.commongen(), COMMONGEN_CONTEXT

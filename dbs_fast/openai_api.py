@@ -21,37 +21,40 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from .bodies import body_config, option_fields
 from .chat import ChatTemplate
-from .config import JSON_NAMES, OPTIONS, DBSConfig, body_attr, parse_bool
+from .config import JSON_NAMES, SEED_MAX, TASKS, body_attr, preset
 from .home import EMBEDDED_DIRS
+from .result import GenerationResult
 
 # DBSConfig fields the standard fields set, and the name a 422 gives them here
 STANDARD = {"max_new_tokens": "max_tokens"}
 RENAMED = {"stop": "stop_at"}                     # the engine's stop rule; `stop` is OpenAI's stop sequences
-TASKS = {"commongen": DBSConfig.commongen}
 # the options sent as extra body fields: all but those the standard fields set
 EXTRA = {name: RENAMED.get(name, key) for name, key in JSON_NAMES.items()
          if name not in STANDARD and name not in ("temperature", "top_p")}
-# standard fields the engine cannot honour, with the value that asks for nothing
+# standard fields the engine cannot honour, with the values that ask for nothing
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
                "function_call": (None, "none"), "response_format": (None, {"type": "text"})}
-
-
-def _extra_fields() -> dict:
-    """The DBS options as body fields, named as in /v1/generate (max_new_tokens is `max_tokens`)."""
-    from pydantic import Field
-
-    types = {int: int, float: float, str: str, parse_bool: bool, "switch": bool}
-    fields = {}
-    for name, _, typ, text in OPTIONS:
-        if name not in EXTRA:
-            continue
-        key = EXTRA[name]
-        fields[body_attr(name, key)] = (Optional[types[typ]], Field(
-            None, description=text, alias=key if key == "lambda" else None))
-    return fields
+_TOOLS = ("tool and function calling are not supported: Directed Beam Search writes free text around the "
+          "keywords")
+_PENALTIES = ("are not supported: use the extra fields `repetition_penalty` or `no_repeat_ngram_size`")
+# why each is refused, in the words a user can act on
+WHY_UNSUPPORTED = {
+    "logprobs": "per-token log-probabilities are not returned: Directed Beam Search returns its beams' texts",
+    "top_logprobs": "per-token log-probabilities are not returned: Directed Beam Search returns its beams' texts",
+    "echo": "`echo` is not supported: the answer holds the generated text only",
+    "best_of": "`best_of` is not supported: the search keeps `beams` (an extra field) and returns the best; "
+               "`n` returns more than one",
+    "logit_bias": "`logit_bias` is not supported: the extra field `ban` keeps words out, `keywords` brings them in",
+    "presence_penalty": "presence and frequency penalties " + _PENALTIES,
+    "frequency_penalty": "presence and frequency penalties " + _PENALTIES,
+    "suffix": "`suffix` (insertion) is not supported: the text continues the prompt",
+    "tools": _TOOLS, "tool_choice": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS,
+    "response_format": "only `{\"type\": \"text\"}` is supported: the answer is free text, not JSON",
+}
 
 
 def _common_fields(max_n: int) -> dict:
@@ -66,7 +69,8 @@ def _common_fields(max_n: int) -> dict:
         "n": (int, Field(1, ge=1, le=max_n, description="distinct beams returned, at most the beams searched")),
         "stream": (bool, False),
         "stream_options": (Optional[dict], None),
-        "seed": (Optional[int], Field(None, description="0..2**63-1; the same seed gives the same text")),
+        "seed": (Optional[int], Field(None, ge=0, le=SEED_MAX, description="0..2**63-1; the same seed gives the "
+                                                                           "same text")),
         "stop": (Optional[Union[str, list[str]]], Field(None, description="up to 4 stop sequences")),
         "user": (Optional[str], None),
         "keywords": (Optional[Union[str, list[str]]], Field(None, description='the words the text must contain: '
@@ -76,38 +80,45 @@ def _common_fields(max_n: int) -> dict:
         "paper": (bool, Field(False, description="start from the paper's settings")),
         "timeout": (Optional[float], Field(None, gt=0, description="seconds; at most the server's --timeout")),
         **{k: (Optional[Any], None) for k in UNSUPPORTED},
-        **_extra_fields(),
+        **option_fields(EXTRA),          # named as in /v1/generate (max_new_tokens is `max_tokens`)
     }
 
 
 @functools.cache
 def completion_model(max_n: int = 64):
-    from pydantic import ConfigDict, Field, create_model
+    from pydantic import Field, create_model
 
-    return create_model("CompletionRequest", __config__=ConfigDict(extra="forbid", populate_by_name=True),
+    return create_model("CompletionRequest", __config__=body_config(populate_by_name=True),
                         prompt=(Union[str, list[str]], Field(..., description="the text to continue")),
                         **_common_fields(max_n))
 
 
 @functools.cache
 def chat_model(max_n: int = 64):
-    from pydantic import ConfigDict, Field, create_model
+    from pydantic import Field, create_model
 
-    return create_model("ChatCompletionRequest", __config__=ConfigDict(extra="forbid", populate_by_name=True),
+    return create_model("ChatCompletionRequest", __config__=body_config(populate_by_name=True),
                         messages=(list[dict], Field(..., description="[{role, content}], through the model's "
                                                                      "chat template")),
                         **_common_fields(max_n))
 
 
-class Refused(Exception):
-    """A field the engine cannot honour (HTTP 400), in OpenAI's error shape."""
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object: every answer of /v1/* that is not a success has this shape."""
+    kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+            429: "rate_limit_error"}.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
-    def __init__(self, field: str, msg: str, status: int = 400, code: str = "invalid_request_error"):
+
+class Refused(Exception):
+    """A field the engine cannot honour (HTTP 400 unless `status`), in OpenAI's error shape."""
+
+    def __init__(self, field: str, msg: str, status: int = 400):
         super().__init__(msg)
-        self.field, self.msg, self.status, self.code = field, msg, status, code
+        self.field, self.msg, self.status = field, msg, status
 
     def body(self) -> dict:
-        return {"error": {"message": self.msg, "type": self.code, "param": self.field, "code": None}}
+        return error_body(self.status, self.msg, self.field)
 
 
 def served_name(model: str) -> str:
@@ -123,12 +134,11 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
     """What `Service.make_job` takes, from a completion or chat body; Refused for what cannot be honoured."""
     if body.model not in (served_name(model), model):
         raise Refused("model", f"model {body.model!r} is not served here; GET /v1/models lists "
-                               f"{served_name(model)!r}", 404, "not_found_error")
+                               f"{served_name(model)!r}", 404)
     for name, harmless in UNSUPPORTED.items():
         v = getattr(body, name)
-        if not any(v == h for h in harmless):
-            raise Refused(name, f"`{name}` is not supported by dbs-fast (Directed Beam Search returns its "
-                                f"beams' texts, not per-token log-probabilities or penalties)")
+        if not any(v == h and type(v) is type(h) for h in harmless):
+            raise Refused(name, f"`{name}`: {WHY_UNSUPPORTED[name]}")
     if body.temperature is not None and body.temperature <= 0:
         raise Refused("temperature", "`temperature` must be > 0: Directed Beam Search samples its candidates")
     if body.stream and body.n > 1:
@@ -137,13 +147,17 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
         raise Refused("keywords", "`keywords` (an extra body field) is required: the words the text must contain, "
                                   'e.g. extra_body={"keywords": ["enemy", "speed"]}')
     if body.task is not None and body.task not in TASKS:
-        raise Refused("task", f"`task` must be one of {sorted(TASKS)}, got {body.task!r}")
+        raise Refused("task", f"`task` must be one of {list(TASKS)}, got {body.task!r}")
+    if body.task is not None and body.paper:
+        raise Refused("paper", f"`task` {body.task!r} and `paper` are two presets: give one")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > 4 or any(not s for s in stops):
         raise Refused("stop", "`stop` takes up to 4 non-empty sequences")
     if chat:
         if template is None:
             raise Refused("messages", "this model has no chat template: use /v1/completions")
+        if not body.messages:
+            raise Refused("messages", "`messages` must hold at least one message")
         context = template.render(body.messages)
     elif isinstance(body.prompt, list):
         if len(body.prompt) != 1:
@@ -154,12 +168,14 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
     given = {name: getattr(body, body_attr(name, key)) for name, key in EXTRA.items()}
     given.update(temperature=body.temperature, top_p=body.top_p,
                  max_new_tokens=body.max_tokens or body.max_completion_tokens)
-    base = TASKS[body.task]() if body.task else DBSConfig.paper() if body.paper else DBSConfig()
-    if body.n > (given.get("beams") or base.beams):
-        raise Refused("n", f"`n` ({body.n}) is more than the beams searched ({given.get('beams') or base.beams})")
+    base, _ = preset(body.task, body.paper)
+    beams = base.beams if given.get("beams") is None else given["beams"]
+    if beams >= 1 and body.n > beams:                # (beams < 1 is refused with the config, naming beams)
+        raise Refused("n", f"`n` ({body.n}) is more than the beams searched ({beams})")
     return {"context": context, "keywords": body.keywords, "ban": body.ban,
             "seed": 0 if body.seed is None else body.seed, "given": given, "base": base, "timeout": body.timeout,
-            "stream": body.stream, "names": {**STANDARD, **RENAMED}, "stops": stops}
+            "stream": body.stream, "names": {**STANDARD, **RENAMED, "context": "messages" if chat else "prompt"},
+            "stops": stops}
 
 
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -191,25 +207,25 @@ class Reply:
         return "stop" if cut or stopped in ("sentence", "eos", "trimmed") else "length"
 
     @staticmethod
-    def usage(result: dict) -> dict:
-        prompt, new = result["prompt_tokens"], result["new_tokens"]
+    def usage(result: GenerationResult) -> dict:
+        prompt, new = result.prompt_tokens, result.new_tokens
         return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
 
     @staticmethod
-    def dbs(result: dict) -> dict:
-        return {"keywords": result["keywords"], "found": {k: v is not None for k, v in result["found"].items()},
-                "success_rate": result["success_rate"], "stopped": result["stopped"], "seconds": result["seconds"],
-                "candidate_tokens": round(result["candidate_tokens_per_second"] * result["seconds"])}
+    def dbs(result: GenerationResult) -> dict:
+        return {"keywords": result.keywords, "found": {k: v is not None for k, v in result.found.items()},
+                "success_rate": result.success_rate, "stopped": result.stopped, "seconds": result.seconds,
+                "candidate_tokens": result.candidate_tokens}
 
-    def final(self, result: dict) -> dict:
-        texts = [result["generated"]] + [b["text"] for b in result["beams"][1:]]
+    def final(self, result: GenerationResult) -> dict:
+        texts = [result.generated] + [b["text"] for b in result.beams[1:]]
         seen, choices = set(), []
         for i, t in enumerate(texts):
             text, cut = cut_at_stop(t, self.stops)
             if text in seen:
                 continue
             seen.add(text)
-            finish = self._finish(result["stopped"] if i == 0 else "max", cut)
+            finish = self._finish(result.stopped if i == 0 else "max", cut)
             choices.append({"index": len(choices), "finish_reason": finish, "logprobs": None,
                             **({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})})
             if len(choices) == self.n:
@@ -241,12 +257,12 @@ class Reply:
         delta, self.sent = text[len(self.sent):], text
         return self._chunk(delta)
 
-    def end(self, result: dict, include_usage: bool) -> list[str]:
+    def end(self, result: GenerationResult, include_usage: bool) -> list[str]:
         """The rest of the winning beam with its finish reason, the usage if asked, then [DONE]."""
-        text, cut = cut_at_stop(result["generated"], self.stops)
+        text, cut = cut_at_stop(result.generated, self.stops)
         rest = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent += rest
-        out = [self._chunk(rest, self._finish(result["stopped"], cut))]
+        out = [self._chunk(rest, self._finish(result.stopped, cut))]
         if include_usage:
             obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                    "created": self.created, "model": self.model, "choices": [], "usage": self.usage(result),
@@ -256,6 +272,4 @@ class Reply:
 
     @staticmethod
     def error(status: int, detail) -> list[str]:
-        err = {"error": {"message": str(detail), "type": "server_error" if status >= 500 else "invalid_request_error",
-                         "code": status}}
-        return [f"data: {json.dumps(err)}\n\n", "data: [DONE]\n\n"]
+        return [f"data: {json.dumps(error_body(status, str(detail)))}\n\n", "data: [DONE]\n\n"]

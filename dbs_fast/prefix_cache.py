@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import DBSError
 from .kv_copy import extend_prefix
 
 DECODE_GRAPH = "decode.onnx"      # beside model.onnx in an exported model dir
@@ -168,8 +167,8 @@ class PrefixCache:
     def _room(self, L: int) -> None:
         """Raise unless L more tokens fit in the chunk."""
         if self.used + L > self.chunk_mask.shape[1]:
-            raise DBSError(f"the chunk buffer holds {self.chunk_mask.shape[1]} tokens, {self.used} used; "
-                           f"call keep() first")
+            raise RuntimeError(f"the chunk buffer holds {self.chunk_mask.shape[1]} tokens, {self.used} used; "
+                               f"call keep() first")
 
     def keep(self, rows) -> None:
         """The next beams are the candidates `rows` (indices into N): each one's parent prefix +
@@ -259,9 +258,9 @@ class PrefixCache:
     def merge(a: "PrefixCache", b: "PrefixCache") -> "PrefixCache":
         """The beams of `a` then those of `b` (between chunks), the shorter prefix left-padded."""
         if a.used or b.used or a.s != b.s or a.chunk_mask.shape[1] != b.chunk_mask.shape[1]:
-            raise DBSError("prefix caches merge only between chunks, with the same s and chunk size")
+            raise RuntimeError("prefix caches merge only between chunks, with the same s and chunk size")
         if a.ops is not b.ops:
-            raise DBSError("prefix caches merge only on the same device")
+            raise RuntimeError("prefix caches merge only on the same device")
         ops = a.ops
 
         def joined(x: list, mx: np.ndarray, y: list, my: np.ndarray) -> tuple[list, np.ndarray]:

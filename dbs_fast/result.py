@@ -21,7 +21,8 @@ class GenerationResult:
     context: str
     generated: str
     keywords: list[str]
-    found: dict                   # keyword -> {"char": offset in generated, "token": index} or None
+    found: dict                   # keyword -> {"char": offset in generated, "end": offset after it, "token":
+    #                               tokens until it is complete} or None
     success_rate: float
     success_length: int           # generated tokens until every keyword occurred (all if never)
     stopped: str                  # "sentence" / "eos": ended naturally; "trimmed": cut back to the last
@@ -32,6 +33,7 @@ class GenerationResult:
     seconds: float
     tokens_per_second: float      # generated tokens of the result / seconds
     candidate_tokens_per_second: float  # all sampled candidate tokens / seconds (batch-wide)
+    candidate_tokens: int = 0     # candidate tokens the batch sampled while this request was in
     timings: dict = field(default_factory=dict)  # seconds by stage (batch-wide)
     kv_cache_bytes: int = 0       # peak bytes of the batch's KV cache over its steps (0: not known)
     prompt_tokens: int = 0        # tokens of the context as the model read it
@@ -56,14 +58,14 @@ def json_safe(x):
 
 
 def found_at(texts: list[str], keywords: list[Keyword], rule: str = "stem") -> dict:
-    """keyword text -> first occurrence {"char", "token"} in the final text (texts: every token
+    """keyword text -> first occurrence {"char", "end", "token"} in the final text (texts: every token
     prefix of it), or None."""
     generated = texts[-1] if texts else ""
     found = {}
     for kw in keywords:
         span = occurrence.first_match(generated, kw, rule)  # its tokens: those that complete it
         found[kw.text] = None if span is None else {
-            "char": span[0], "token": next(n + 1 for n, t in enumerate(texts) if len(t) >= span[1])}
+            "char": span[0], "end": span[1], "token": next(n + 1 for n, t in enumerate(texts) if len(t) >= span[1])}
     return found
 
 
@@ -106,5 +108,6 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
         found=found, success_rate=len(hits) / len(kws), success_length=int(success_length), stopped=stopped,
         perplexity=float(np.exp(-lp.mean())) if n_gen else float("nan"), new_tokens=n_gen,
         beams=beams, seconds=seconds, tokens_per_second=n_gen / seconds,
-        candidate_tokens_per_second=fin.candidate_tokens_per_second, timings=timings,
+        candidate_tokens_per_second=fin.candidate_tokens_per_second, candidate_tokens=fin.candidate_tokens,
+        timings=timings,
         kv_cache_bytes=kv_bytes, prompt_tokens=len(fin.request.context_ids))

@@ -23,14 +23,8 @@ from typing import TYPE_CHECKING, Literal, Optional, Union
 
 from . import openai_api as oa
 from .batcher import Batcher, Job
-from .config import (
-    COMMONGEN_CONTEXT,
-    JSON_NAMES,
-    OPTIONS,
-    DBSConfig,
-    body_attr,
-    parse_bool,
-)
+from .bodies import body_config, fault, option_fields
+from .config import DEFAULT_CONTEXT, JSON_NAMES, SEED_MAX, TASKS, DBSConfig, body_attr, preset
 from .errors import DBSError
 from .prefix_cache import KV_LAYOUTS
 
@@ -78,34 +72,30 @@ class ServiceOptions:
 
 
 FIELD_OF = JSON_NAMES                                        # DBSConfig field -> JSON field
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")   # bad input answered in OpenAI's error shape
 
 
 @functools.cache
 def request_model():
     """The body of POST /v1/generate: context, constraints, seed, stream, and every option of
     `dbs-fast generate` (`config.OPTIONS`), named like its flag. Unknown fields are refused."""
-    from pydantic import ConfigDict, Field, create_model
+    from pydantic import Field, create_model
 
-    types = {int: int, float: float, str: str, parse_bool: bool, "switch": bool}
     fields = {
-        "context": (Optional[str], Field(None, description="text to continue (empty: a new document; default "
-                                                           "\"It is\", or the task's context)")),
-        "task": (Optional[Literal["commongen"]], Field(None, description="a task preset: commongen (one sentence "
-                                                                         "from unordered concepts)")),
+        "context": (Optional[str], Field(None, description=f"text to continue (empty: a new document; default "
+                                                           f"{DEFAULT_CONTEXT!r}, or the task's context)")),
+        "task": (Optional[Literal[TASKS]], Field(None, description="a task preset: commongen (one sentence "
+                                                                   "from unordered concepts)")),
         "keywords": (Union[str, list[str]], Field(..., description='"enemy,speed" or a list; "a|b" alternatives, '
                                                                   'spaces make a phrase')),
         "ban": (Optional[Union[str, list[str]]], Field(None, description="words that must not appear")),
-        "seed": (int, 0),
+        "seed": (int, Field(0, ge=0, le=SEED_MAX, description="0..2**63-1; the same seed gives the same text")),
         "stream": (bool, Field(False, description="Server-Sent Events: one per chunk, then the result")),
         "paper": (bool, Field(False, description="start from the paper's settings instead of the default")),
         "unguided": (bool, Field(False, description="the baseline: no boosts")),
         "timeout": (Optional[float], Field(None, gt=0, description="seconds; at most the server's --timeout")),
     }
-    for name, _, typ, text in OPTIONS:
-        key = JSON_NAMES[name]
-        fields[body_attr(name, key)] = (Optional[types[typ]], Field(None, description=text,
-                                                                    alias=key if key == "lambda" else None))
-    return create_model("GenerateRequest", __config__=ConfigDict(extra="forbid"), **fields)
+    return create_model("GenerateRequest", __config__=body_config(), **fields, **option_fields(JSON_NAMES))
 
 
 class Invalid(Exception):
@@ -192,7 +182,7 @@ class Service:
                                                         provider=self.opts.provider, quiet=True,
                                                         kv_layout=self.opts.kv_layout)
             dbs.word_piece, dbs.sentence_end                           # built once, before the first request
-            dbs.generate("It is", "day", config=DBSConfig(beams=1, candidates=1, max_new_tokens=8, stop="max"))  # warm-up
+            dbs.generate(DEFAULT_CONTEXT, "day", config=DBSConfig(beams=1, candidates=1, max_new_tokens=8, stop="max"))  # warm-up
             self.metrics.store = dbs.decoder.store if dbs.decoder is not None else None
             self.batcher = Batcher(dbs, self.opts.max_rows, self.opts.max_queue, self.metrics, self.opts.admit_wait,
                                    self.opts.chunked_prefill)
@@ -214,10 +204,10 @@ class Service:
         given = {name: getattr(body, body_attr(name, key)) for name, key in JSON_NAMES.items()}
         if body.unguided:
             given["guided"] = False
-        if body.task == "commongen":
-            base, context = DBSConfig.commongen(), COMMONGEN_CONTEXT
-        else:
-            base, context = (DBSConfig.paper() if body.paper else DBSConfig()), "It is"
+        try:
+            base, context = preset(body.task, body.paper)
+        except DBSError as e:
+            raise Invalid(e.field, e.value, str(e)) from None
         context = context if body.context is None else body.context
         return self.make_job(context, body.keywords, body.ban, body.seed, given, base, body.timeout, body.stream)
 
@@ -233,7 +223,7 @@ class Service:
         except DBSError as e:
             raise Invalid(names.get(e.field, e.field or "body"), e.value, str(e)) from None
         if cfg.beams * cfg.candidates > self.opts.max_rows:
-            field = "beams" if cfg.beams > self.opts.max_rows else "candidates"   # too many alone, or together
+            field = "beams" if cfg.beams > cfg.candidates else "candidates"     # the larger of the two
             raise Invalid(field, getattr(cfg, field), f"beams x candidates = {cfg.beams * cfg.candidates} rows, "
                                                       f"more than this server's --max-rows {self.opts.max_rows}")
         timeout = min(timeout or self.opts.timeout, self.opts.timeout)
@@ -248,7 +238,7 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
     """The FastAPI app; `dbs`: an already built `DirectedBeamSearch` to serve (tests, Ray)."""
     try:
         from fastapi import FastAPI, Request
-        from fastapi.exception_handlers import request_validation_exception_handler
+        from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
         from fastapi.exceptions import RequestValidationError
         from fastapi.openapi.docs import get_swagger_ui_html
         from fastapi.responses import (
@@ -258,6 +248,7 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
             StreamingResponse,
         )
         from starlette.concurrency import run_in_threadpool
+        from starlette.exceptions import HTTPException as StarletteHTTPException
     except ImportError as e:
         raise DBSError(f"the service needs the serve extra: {SERVE_EXTRA} (missing: {e.name})") from None
     GenerateRequest = request_model()          # evaluated below as the bodies' annotations
@@ -277,7 +268,10 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
     _guard(app, opts, svc)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(request, exc):           # FastAPI's own 422 (types, unknown fields), counted
+    async def invalid_body(request, exc):           # pydantic's 422 (types, ranges, unknown fields), counted
+        if request.url.path in OPENAI_PATHS:        # in OpenAI's error shape, `param` naming the field
+            param, msg = fault(exc.errors())
+            return openai_error(422, "invalid", msg, param)
         svc.metrics.finished("invalid")
         return await request_validation_exception_handler(request, exc)
 
@@ -287,9 +281,14 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
         return JSONResponse(detail if isinstance(detail, dict) else {"detail": detail}, status, headers=headers)
 
     def openai_error(status: int, label: str, msg: str, param=None, retry: int | None = None):
-        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
-            status, "server_error" if status >= 500 else "invalid_request_error")
-        return refuse(status, label, {"error": {"message": msg, "type": kind, "param": param, "code": None}}, retry)
+        return refuse(status, label, oa.error_body(status, msg, param), retry)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc):             # an unknown path or method under /v1/: OpenAI's shape too
+        if request.url.path.startswith("/v1/") and request.url.path != "/v1/generate":
+            return JSONResponse(oa.error_body(exc.status_code, str(exc.detail)), exc.status_code,
+                                headers=getattr(exc, "headers", None))
+        return await http_exception_handler(request, exc)
 
     swagger = _swagger_assets()
     if swagger is not None:
@@ -366,7 +365,7 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
         if not isinstance(got, tuple):
             return got
         kind, payload = got
-        return JSONResponse(payload) if kind == "result" else JSONResponse({"detail": payload[1]}, payload[0])
+        return JSONResponse(payload.to_json()) if kind == "result" else JSONResponse({"detail": payload[1]}, payload[0])
 
     async def _stream(job, events):
         done = False
@@ -376,6 +375,8 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
                 if kind == "error":
                     status, detail = payload
                     payload = {"status": status, "detail": detail}
+                elif kind == "result":
+                    payload = payload.to_json()
                 done = kind in ("result", "error")
                 yield _sse(kind, payload)
                 if done:
@@ -393,7 +394,7 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
         if not svc.ready:
             return openai_error(503, "error", svc.error or "the model is loading", retry=5)
         try:
-            template = oa.ChatTemplate.of(svc.dbs.model_dir) if chat else None
+            template = svc.dbs.chat_template if chat else None
             args = oa.job_arguments(body, opts.model, svc.dbs.config.beams, template, chat)
             stops = args.pop("stops")
             job = svc.make_job(**args)
@@ -416,8 +417,7 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
             return got
         kind, payload = got
         if kind == "error":
-            return JSONResponse({"error": {"message": payload[1], "type": "server_error", "code": payload[0]}},
-                                payload[0])
+            return JSONResponse(oa.error_body(payload[0], payload[1]), payload[0])
         return JSONResponse(reply.final(payload))
 
     async def _openai_stream(job, events, reply, usage: bool):
@@ -482,13 +482,13 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers, limit = Headers(scope=scope), self.opts.max_body_bytes
-        too_big = JSONResponse({"detail": f"the request body is over {limit} bytes"}, 413)
+        msg = f"the request body is over {limit} bytes"
+        too_big = JSONResponse(oa.error_body(413, msg) if scope["path"] in OPENAI_PATHS else {"detail": msg}, 413)
         if self.expected and scope["path"].startswith(self.protected) and \
                 not hmac.compare_digest(headers.get("authorization", ""), self.expected):
             self.svc.metrics.finished("unauthorized")
             return await JSONResponse(
-                {"error": {"message": "a valid API key is needed: `Authorization: Bearer <key>`",
-                           "type": "authentication_error", "param": None, "code": "invalid_api_key"}},
+                oa.error_body(401, "a valid API key is needed: `Authorization: Bearer <key>`", code="invalid_api_key"),
                 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
         size = headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > limit):

@@ -108,3 +108,15 @@ def test_task_commongen_applies_the_eval_preset(exported, capsys):
     assert cli(["generate", "--model", str(exported["gpt2"]), "--keywords", "colony", "--task", "commongen",
                 "--paper"]) == 2
     assert cli(["generate", "--model", str(exported["gpt2"]), "--keywords", "colony", "--task", "poetry"]) == 2
+
+
+def test_highlight_marks_where_the_search_found_each_keyword():
+    from dbs_fast.cli import highlight
+
+    text = "It is a river and the rivers of a doctor."
+    found = {"river": {"char": 3, "end": 8, "token": 2}, "doctor": {"char": 29, "end": 35, "token": 9},
+             "river ": {"char": 3, "end": 8, "token": 2}, "lost": None}        # listed twice: marked once
+    # the places found, in the generated text after the context "It is": not every word of the same stem
+    assert highlight(text, found, "markdown", offset=5) == "It is a **river** and the rivers of a **doctor**."
+    assert highlight(text, found, "text", offset=5) == text
+    assert highlight(text, {}, "ansi") == text

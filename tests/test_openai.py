@@ -136,7 +136,50 @@ def test_bad_values_are_422_naming_the_field(client, extra, field):
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.completions.create(model=_name(client), prompt="It is", **standard,
                                   extra_body={"keywords": "colony", **extra})
-    assert field in json.dumps(e.value.body)
+    assert e.value.body["param"] == field and e.value.body["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("extra,field", [({"beams": "7"}, "beams"), ({"guarantee": "yes"}, "guarantee"),
+                                         ({"n": 1.0}, "n"), ({"keywords": 5}, "keywords"), ({"bogus": 1}, "bogus"),
+                                         ({"seed": -1}, "seed"), ({"prompt": "word " * 300}, "prompt"),
+                                         ({"keywords": "colony,qzxvbnmw"}, "keywords")])
+def test_every_bad_field_is_openais_error_shape_naming_it(server, path, extra, field):
+    """Wrong JSON types are refused, not coerced; pydantic's own errors, the engine's and the
+    service's all answer OpenAI's error object with `param` naming the field."""
+    body = {"model": "gpt2", "max_tokens": 4, "keywords": "colony", "beams": 2, "candidates": 2, **extra}
+    if path.endswith("chat/completions"):
+        prompt = body.pop("prompt", "It is")
+        body["messages"] = [{"role": "user", "content": prompt}]
+        field = "messages" if field == "prompt" else field
+    else:
+        body.setdefault("prompt", "It is")
+    r = httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert 400 <= r.status_code < 500, r.text
+    err = r.json()["error"]
+    assert set(r.json()) == {"error"} and set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == field and err["message"], err
+
+
+@pytest.mark.parametrize("kw,field,words", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool and function calling"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "free text"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias", "`ban`"),
+    ({"messages": []}, "messages", "at least one message"),
+    ({"extra_body": {"keywords": "x", "task": "commongen", "paper": True}}, "paper", "two presets")])
+def test_chat_refusals_give_their_own_reason(client, kw, field, words):
+    kw = {"messages": [{"role": "user", "content": "Write."}], "extra_body": {"keywords": "colony"}, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=_name(client), max_tokens=8, **kw)
+    assert e.value.body["param"] == field and words in e.value.body["message"], e.value.body
+
+
+def test_an_unknown_method_or_path_under_v1_is_openais_error_shape(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for method, path, status, kind in (("GET", "/v1/completions", 405, "invalid_request_error"),
+                                       ("POST", "/v1/embeddings", 404, "not_found_error")):
+        r = httpx.request(method, server.url + path, headers=headers, json={})
+        assert r.status_code == status and r.json()["error"]["type"] == kind, r.text
 
 
 @pytest.mark.parametrize("kw,field", [({"logprobs": 2}, "logprobs"), ({"temperature": 0.0}, "temperature"),
@@ -225,25 +268,45 @@ def _random_value(rng):
     return "colony,enemy"
 
 
-def test_no_input_is_a_server_error(server):
-    """1,000 random bodies (types, ranges, unicode, long strings) to the generation endpoints: every
-    answer is a 2xx or a 4xx, never a 500."""
+FUZZ_FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream",
+               "keywords", "ban", "beams", "candidates", "chunk", "lambda", "order", "guarantee", "stop_at", "task",
+               "logprobs", "context", "max_new_tokens", "user", "stream_options", "tools", "response_format",
+               "paper", "repetition_penalty", "echo"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/generate"])
+def test_no_input_is_a_server_error(server, path):
+    """1,000 random bodies (types, ranges, unicode, long strings) on each generation endpoint: every
+    answer is a 2xx or a 4xx, never a 5xx. On the OpenAI endpoints every 4xx is OpenAI's error
+    object, and a valid body with one field made random that fails names that field."""
     import numpy as np
 
-    rng = np.random.default_rng(0)
-    fields = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream",
-              "keywords", "ban", "beams", "candidates", "chunk", "lambda", "order", "guarantee", "stop_at", "task",
-              "logprobs", "context", "max_new_tokens", "user", "stream_options"]
+    rng = np.random.default_rng(len(path))
     headers = {"Authorization": f"Bearer {KEY}"}
-    statuses = []
+    statuses, named = [], 0
+    valid = {"model": "gpt2", "max_tokens": 4, "keywords": "colony", "beams": 2, "candidates": 2}
+    valid.update({"/v1/completions": {"prompt": "It is"}, "/v1/generate": {"context": "It is"},
+                  "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}]}}[path])
+    if path == "/v1/generate":
+        valid = {k: v for k, v in valid.items() if k not in ("model", "max_tokens")}
     with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
         for i in range(1000):
-            body = {f: _random_value(rng) for f in rng.choice(fields, rng.integers(0, 8), replace=False)}
-            if rng.integers(3) == 0:                       # a third start from a valid request
-                body = {"model": "gpt2", "prompt": "It is", "max_tokens": 4, "keywords": "colony", "beams": 2,
-                        "candidates": 2, **body}
-            path = ["/v1/completions", "/v1/chat/completions", "/v1/generate"][i % 3]
+            one = None
+            if i % 2 == 0:                                  # half: one field of a valid body made random
+                one = str(rng.choice(FUZZ_FIELDS))
+                body = {**valid, one: _random_value(rng)}
+            else:
+                body = {f: _random_value(rng) for f in rng.choice(FUZZ_FIELDS, rng.integers(0, 8), replace=False)}
             r = http.post(path, json=body)
             statuses.append(r.status_code)
             assert r.status_code < 500, (path, body, r.text[:300])
-    assert statuses.count(200) > 0 and any(400 <= s < 500 for s in statuses)
+            if r.status_code < 400 or path == "/v1/generate":
+                continue
+            got = r.json()
+            assert set(got) == {"error"} and set(got["error"]) == {"message", "type", "param", "code"}, got
+            assert isinstance(got["error"]["message"], str) and got["error"]["message"], got
+            if one is not None:
+                assert got["error"]["param"] == one, (one, body[one], got)
+                named += 1
+    assert statuses.count(200) > 0 and sum(400 <= s < 500 for s in statuses) > 100
+    assert path == "/v1/generate" or named > 100

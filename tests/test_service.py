@@ -119,6 +119,11 @@ def test_requests_served_together_get_the_text_they_get_alone(server, dbs):
     ({"keywords": "colony", "context": "word " * 300}, "context"),
     ({"keywords": [f"w{i}" for i in range(63)]}, "keywords"),
     ({"keywords": "colony", "task": "poetry"}, "task"),
+    ({"keywords": "colony,qzxvbnmw"}, "keywords"),                             # a word the embeddings lack
+    ({"keywords": "colony", "beams": "7"}, "beams"),                           # wrong JSON types: not coerced
+    ({"keywords": "colony", "guarantee": "yes"}, "guarantee"),
+    ({"keywords": "colony", "lambda": "20"}, "lambda"),
+    ({"keywords": "colony", "task": "commongen", "paper": True}, "paper"),     # two presets
 ])
 def test_bad_input_is_a_422_naming_the_field(server, body, field):
     r = httpx.post(server.url + "/v1/generate", json=body, timeout=30)
@@ -401,4 +406,4 @@ def test_a_long_context_joins_a_running_batch_in_pieces_between_its_chunks(expor
     between = events[first:last + 1]
     assert all(between[i + 1] == "chunk" for i, e in enumerate(between[:-1]) if e == "piece"), events
     alone = DirectedBeamSearch(exported["gpt2"], context_cache_mb=0).generate(context, "river", seed=1, config=short)
-    assert result["result"]["generated"] == alone.generated
+    assert result["result"].generated == alone.generated

@@ -1,0 +1,43 @@
+"""The service's request bodies: the DBS options as pydantic fields, derived from `config.OPTIONS`
+as the CLI flags are, for /v1/generate and the OpenAI endpoints alike.
+
+Strict: a wrong JSON type (`"beams": "7"`, `"guarantee": "yes"`) is refused and named, never
+coerced; an unknown field is refused."""
+from __future__ import annotations
+
+from typing import Optional
+
+from .config import OPTIONS, body_attr, parse_bool
+
+TYPES = {int: int, float: float, str: str, parse_bool: bool, "switch": bool}   # OPTIONS' types -> JSON's
+
+
+def body_config(**extra):
+    """The pydantic config of every request body."""
+    from pydantic import ConfigDict
+
+    return ConfigDict(extra="forbid", strict=True, **extra)
+
+
+def option_fields(keys: dict[str, str]) -> dict:
+    """{attribute: (type, Field)} of the DBSConfig options in `keys` (field -> the body's name for
+    it); "lambda", a Python keyword, is the alias of an attribute named like the field (`body_attr`)."""
+    from pydantic import Field
+
+    return {body_attr(name, keys[name]): (Optional[TYPES[typ]], Field(
+        None, description=text, alias=keys[name] if keys[name] == "lambda" else None))
+        for name, _, typ, text in OPTIONS if name in keys}
+
+
+def fault(errors: list[dict]) -> tuple[str | None, str]:
+    """(the field at fault, a message) from pydantic's errors of a body (locations start at "body")."""
+    def field(e):
+        loc = [p for p in e.get("loc", ()) if p != "body"]
+        return str(loc[0]) if loc and isinstance(loc[0], str) else None
+
+    parts = []
+    for e in errors:
+        f = field(e)
+        parts.append(f"`{f}`: {e.get('msg', 'invalid')}" if f else e.get("msg", "invalid body"))
+    fields = [field(e) for e in errors if field(e)]
+    return (fields[0] if fields else None), "; ".join(dict.fromkeys(parts)) or "invalid request body"
