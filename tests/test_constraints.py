@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence
-from dbs_fast.beam import BeamSearch
+from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence, quality
+from dbs_fast.tables import ban_table
 from dbs_fast.cli import main as cli
 from dbs_fast.constraints import BoostTable, merge_boosts, parse_keyword, parse_keywords
 from dbs_fast.embeddings import SparseBoost
@@ -58,43 +58,42 @@ def test_lemma_rule_is_commongens_coverage():
     assert occurrence.count_new("a dance perform", "ance.", parse_keyword("perform"), open_end=True) == 1
     # the scheduler credits by the config's rule
     kws = parse_keywords("perform,dance")
-    assert _search("any")._credit(kws, 0b11, "It is", " a dance performance.", True)[1] == 0b11
-    assert _search("any", match="lemma")._credit(kws, 0b11, "It is", " a dance performance.", True)[1] == 0b10
+    assert _credit("any")(kws, 0b11, "It is", " a dance performance.", True)[1] == 0b11
+    assert _credit("any", match="lemma")(kws, 0b11, "It is", " a dance performance.", True)[1] == 0b10
     with pytest.raises(DBSError, match="`match`"):
         DBSConfig(match="prefix")
 
 
-def _search(order, guarantee=False, n_kw=3, match="stem"):
-    s = BeamSearch.__new__(BeamSearch)
-    s.cfg = DBSConfig(order=order, guarantee=guarantee, match=match)
-    s.n_kw = np.array([n_kw])
-    s.full = np.array([(1 << n_kw) - 1])
-    s.word_piece = np.ones(1, bool) if guarantee else None    # with the table, glue is banned
-    return s
+def _credit(order, guarantee=False, match="stem"):
+    """Q's keyword credit under a config: with `guarantee` the word-piece table is on (glue is
+    banned), so a keyword at the very end counts at once (no open end)."""
+    cfg = DBSConfig(order=order, guarantee=guarantee, match=match)
+    return lambda kws, rem, prefix, text, final=False: quality.credit(cfg, kws, rem, prefix, text,
+                                                                      open_end=not guarantee, final=final)
 
 
 def test_credit_next_is_the_papers_pointer_and_any_counts_whichever_appears():
     kws = parse_keywords("colony,enemy,mouth")
     text = " the enemy met a colony at the mouth."
     # next: only the next keyword in order counts (c = its occurrences); later ones wait
-    credit, new = _search("next")._credit(kws, 0b111, "It is", text)
+    credit, new = _credit("next")(kws, 0b111, "It is", text)
     assert new == 0b001 and credit == pytest.approx(np.exp(-1))
-    credit, new = _search("next")._credit(kws, 0b110, "It is", " the colony and the mouth")
+    credit, new = _credit("next")(kws, 0b110, "It is", " the colony and the mouth")
     assert new == 0                                                   # "enemy" is next: mouth waits
     # any: every remaining keyword that appears, exp(-c) each
-    credit, new = _search("any")._credit(kws, 0b111, "It is", text)
+    credit, new = _credit("any")(kws, 0b111, "It is", text)
     assert new == 0b111 and credit == pytest.approx(3 * np.exp(-1))
-    credit, new = _search("any")._credit(kws, 0b110, "It is", " the colony and the mouth, the mouth.")
+    credit, new = _credit("any")(kws, 0b110, "It is", " the colony and the mouth, the mouth.")
     assert new == 0b100 and credit == pytest.approx(np.exp(-2))      # colony already placed: not counted
     # next under guarantee: consecutive keywords in order (forcing can place two in one chunk)
-    credit, new = _search("next", True)._credit(kws, 0b111, "It is", " colony enemy")
+    credit, new = _credit("next", True)(kws, 0b111, "It is", " colony enemy")
     assert new == 0b011
     # without the word-piece table, a keyword at the very end of the chunk counts once the text
     # goes on without gluing onto it (or ends there); with it (guarantee, boost_word_starts) at
     # once, as the next token cannot glue
-    assert _search("any")._credit(kws, 0b100, "It is", " the mouth", False)[1] == 0
-    assert _search("any")._credit(kws, 0b100, "It is", " the mouth", True)[1] == 0b100
-    assert _search("any", True)._credit(kws, 0b100, "It is", " the mouth", False)[1] == 0b100
+    assert _credit("any")(kws, 0b100, "It is", " the mouth", False)[1] == 0
+    assert _credit("any")(kws, 0b100, "It is", " the mouth", True)[1] == 0b100
+    assert _credit("any", True)(kws, 0b100, "It is", " the mouth", False)[1] == 0b100
 
 
 def test_merged_boost_rows_are_the_per_token_max():
@@ -402,12 +401,11 @@ def test_ban_table_groups_are_bans_then_heal_glue_eos_per_request_each_distinct_
 
     word_piece = np.zeros(50, bool)
     word_piece[[3, 17, 41]] = True
-    search = SimpleNamespace(eos=np.array([7, -1]), word_piece=word_piece, cfg=DBSConfig())
     heal = Healing([1], " x", np.array([20, 21], np.int32))
     requests = [SimpleNamespace(bans=[(5,), (9, 10)], heal=None), SimpleNamespace(bans=[], heal=heal),
                 SimpleNamespace(bans=[(1, 2, 3)], heal=None), SimpleNamespace(bans=[], heal=heal),
                 SimpleNamespace(bans=[(5,), (9, 10)], heal=None)]
-    (group_ptr, seq_ptr, seq_tok), group_of = BeamSearch._ban_table(search, requests)
+    (group_ptr, seq_ptr, seq_tok), group_of = ban_table(requests, DBSConfig(), np.array([7, -1]), None, word_piece)
     assert group_ptr.dtype == seq_ptr.dtype == np.int64 and seq_tok.dtype == np.int32
 
     glue, eos = [(3,), (17,), (41,)], [(7,)]

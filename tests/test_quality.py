@@ -203,30 +203,25 @@ def test_gemma_tokenizer_rebuild_gives_the_known_encodings():
 
 
 def test_fluency_weight_switches_back_to_the_papers_at_the_deadline():
-    from dbs_fast.beam import Rows
+    from dbs_fast import quality
 
-    search = BeamSearch.__new__(BeamSearch)
-    search.cfg = DBSConfig(max_new_tokens=90, alpha=0.001, alpha_fluent=0.02, reserve_per_keyword=10)
-    search.n_kw, search.full = np.array([5]), np.array([31])
-    found = np.array([0, 0b111, 0b11111, 0b10111])   # keywords placed so far (3, 5, 4 of the 5)
-    rows = Rows(np.zeros(4, int), found, np.zeros(4), np.zeros(4, bool), np.zeros((4, 60), int),
-                np.zeros((4, 60)), np.zeros(4, int), np.full(4, -1), np.zeros(4, int), np.zeros(4, bool), np.zeros(4, int))  # 60 tokens after: 30 left
+    cfg = DBSConfig(max_new_tokens=90, alpha=0.001, alpha_fluent=0.02, reserve_per_keyword=10)
+    remaining = 31 & ~np.array([0, 0b111, 0b11111, 0b10111])   # of 5 keywords, 0, 3, 5 and 4 placed
+    ahead = quality.on_time(cfg, np.full(4, 60), remaining)    # 60 tokens done: 30 left
     # 30 left: 5 words need 50 (late), 2 need 20 (on time), 0 need 0, 1 needs 10
-    assert list(search._alphas(rows)) == [0.001, 0.02, 0.02, 0.02]
-    search.cfg = DBSConfig.paper()
-    assert list(search._alphas(rows)) == [0.001] * 4
+    assert list(ahead) == [False, True, True, True]
+    assert list(quality.alphas(cfg, ahead)) == [0.001, 0.02, 0.02, 0.02]
+    assert list(quality.alphas(DBSConfig.paper(), ahead)) == [0.001] * 4
+    # a sentence deadline comes first: at 20 tokens, 4 left, and no keyword fits in them
+    deadline = DBSConfig(max_new_tokens=90, reserve_per_keyword=10, sentence_deadline=24)
+    assert list(quality.on_time(deadline, np.full(4, 20), remaining)) == [False, False, True, False]
 
 
 def test_late_rows_boost_before_the_nucleus_cut():
-    from dbs_fast.beam import Rows
+    from dbs_fast import quality
 
-    search = BeamSearch.__new__(BeamSearch)
-    search.cfg = DBSConfig(max_new_tokens=90, reserve_per_keyword=10)
-    search.n_kw, search.full = np.array([5]), np.array([31])
-    rows = Rows(np.zeros(3, int), np.array([0, 0b111, 0b11111]), np.zeros(3), np.zeros(3, bool),
-                np.zeros((3, 55), int), np.zeros((3, 55)), np.zeros(3, int), np.full(3, -1), np.zeros(3, int), np.zeros(3, bool), np.zeros(3, int))
-    assert list(search._boost_first(rows, 60)) == [True, False, False]     # 30 left: only 5 words are late
-    search.cfg = DBSConfig(late_boost_first=False)
-    assert search._boost_first(rows, 60) is False
-    search.cfg = DBSConfig.paper(boost_order="boost_then_filter")
-    assert search._boost_first(rows, 60) is True
+    cfg = DBSConfig(max_new_tokens=90, reserve_per_keyword=10)
+    ahead = quality.on_time(cfg, np.full(3, 60), 31 & ~np.array([0, 0b111, 0b11111]))
+    assert list(quality.boost_first(cfg, ahead)) == [True, False, False]     # 30 left: only 5 words are late
+    assert quality.boost_first(DBSConfig(late_boost_first=False), ahead) is False
+    assert quality.boost_first(DBSConfig.paper(boost_order="boost_then_filter"), ahead) is True

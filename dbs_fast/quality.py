@@ -1,0 +1,107 @@
+"""The quality score Q of a candidate's chunk and the choice of the beams kept (SPEC, steps 5-6),
+as functions of arrays: keyword credit, perplexity's weight, the deadline, selection.
+
+Row arrays are (R,), R the candidate rows of the batch; keyword sets are int64 bitmasks."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import occurrence
+from .config import DBSConfig
+from .constraints import Keyword
+
+
+def popcount(x: np.ndarray) -> np.ndarray:
+    if hasattr(np, "bitwise_count"):
+        return np.bitwise_count(x).astype(np.int64)
+    return np.array([bin(int(v)).count("1") for v in x], np.int64)
+
+
+def lowest_bit(x: np.ndarray) -> np.ndarray:
+    return x & -x
+
+
+def bits(mask: int):
+    """(bit, keyword index) of every set bit of `mask`, lowest first."""
+    while mask:
+        b = mask & -mask
+        mask ^= b
+        yield b, b.bit_length() - 1
+
+
+def on_time(cfg: DBSConfig, done: np.ndarray, remaining: np.ndarray) -> np.ndarray:
+    """Rows ahead of their deadline: with `done` tokens generated, at least `reserve_per_keyword`
+    tokens are left per keyword still to place (`remaining`: their bits)."""
+    end = min(cfg.sentence_deadline or cfg.max_new_tokens, cfg.max_new_tokens)
+    left = end - np.minimum(done, end)
+    return left >= popcount(remaining) * cfg.reserve_per_keyword
+
+
+def alphas(cfg: DBSConfig, ahead: np.ndarray) -> np.ndarray:
+    """Weight of perplexity in each row's Q: `alpha_fluent` while the row is `ahead` of its
+    deadline (this chunk included), else the paper's alpha."""
+    if cfg.alpha_fluent is None:
+        return np.full(len(ahead), cfg.alpha)
+    return np.where(ahead, cfg.alpha_fluent, cfg.alpha)
+
+
+def boost_first(cfg: DBSConfig, ahead: np.ndarray):
+    """Per-row boost order: the configured one, and boost-then-filter for rows behind their
+    deadline when `late_boost_first` (their word may lie outside the nucleus)."""
+    first = cfg.boost_order == "boost_then_filter"
+    if not cfg.late_boost_first or first:
+        return first
+    return ~ahead
+
+
+def count_new(cfg: DBSConfig, prefix: str, text: str, kw: Keyword, open_end: bool, final: bool,
+              unfinished: bool) -> int:
+    """Occurrences of `kw` that `text` adds after `prefix`, by the config's rule; an `unfinished`
+    row's last word is still being written (a forced word piece follows); with `open_end` a
+    keyword at the very end waits for the next token (it may still grow into a longer word)."""
+    return occurrence.count_new(prefix, text, kw, open_end or unfinished, final and not unfinished, cfg.match)
+
+
+def credit(cfg: DBSConfig, kws: list[Keyword], rem: int, prefix: str, text: str, open_end: bool,
+           final: bool = False, unfinished: bool = False) -> tuple[float, int]:
+    """Q's keyword term for a chunk, sum of exp(-c) over the keywords it places (c: their
+    occurrences in the chunk), and their bits. `next` places the next keyword in order (the
+    paper; under `guarantee` also the ones after it, in order, which forcing can put in the
+    same chunk); `any`, whichever of the remaining ones appear."""
+    total, new = 0.0, 0
+    for b, k in bits(rem):
+        c = count_new(cfg, prefix, text, kws[k], open_end, final, unfinished)
+        if c > 0:
+            total += math.exp(-c)
+            new |= b
+        if cfg.order == "next" and (c == 0 or not cfg.guarantee):
+            break
+    return total, new
+
+
+def chunk_quality(cfg: DBSConfig, keyword_credit: float, placed: int, perplexity: float, alpha: float) -> float:
+    """Q of one chunk: its keyword credit (exp(-c_star) when it places none) times exp(-alpha * PP)."""
+    return (keyword_credit if placed else math.exp(-cfg.c_star)) * math.exp(-alpha * perplexity)
+
+
+def select_best(req: np.ndarray, cum: np.ndarray, beams: int) -> np.ndarray:
+    """Best `beams` rows of every request by cumulative score (stable on ties), in row order.
+    Identical candidates may both be kept: a beam kept twice gets twice the candidates next
+    chunk, which measured better than dropping the copy (docs/design/decisions.md); the result's
+    beams are made distinct instead (`result.build_result`)."""
+    order = np.lexsort((np.arange(len(req)), -cum, req))
+    req_sorted = req[order]
+    starts = np.searchsorted(req_sorted, req_sorted, side="left")
+    rank = np.arange(len(order)) - starts
+    return np.sort(order[rank < beams])
+
+
+def finished_requests(req: np.ndarray, ended: np.ndarray, remaining: np.ndarray, n_requests: int):
+    """stop="sentence": (the requests with a finished beam, every keyword in then a sentence end
+    or EOS, (n_requests,) bool; the rows to drop, their requests' unfinished beams, (R,) bool)."""
+    finished = ended & (remaining == 0)
+    done = np.zeros(n_requests, bool)
+    done[req[finished]] = True
+    return done, done[req] & ~finished
