@@ -16,9 +16,10 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from . import occurrence
+from . import guidance, occurrence, quality
 from .config import DBSConfig
-from .constraints import BoostTable, Healing, Keyword, SequenceTable
+from .constraints import Healing, Keyword
+from .tables import BatchTables
 
 
 @dataclass(eq=False)
@@ -33,24 +34,6 @@ class Request:
     context: str = ""                                   # the context as given (for the result)
     heal: Healing | None = None                         # token healing: the first token re-writes `heal.tail`
     merged: dict = field(default_factory=dict, repr=False)  # order="any": mask -> merged boost, cached
-
-
-def popcount(x: np.ndarray) -> np.ndarray:
-    if hasattr(np, "bitwise_count"):
-        return np.bitwise_count(x).astype(np.int64)
-    return np.array([bin(int(v)).count("1") for v in x], np.int64)
-
-
-def lowest_bit(x: np.ndarray) -> np.ndarray:
-    return x & -x
-
-
-def bits(mask: int):
-    """(bit, keyword index) of every set bit of `mask`, lowest first."""
-    while mask:
-        b = mask & -mask
-        mask ^= b
-        yield b, b.bit_length() - 1
 
 
 @dataclass
@@ -73,16 +56,23 @@ class Rows:
         return Rows(*(getattr(self, f.name)[rows] for f in fields(self)))
 
     @staticmethod
-    def new(req: np.ndarray, width: int, pad: int) -> "Rows":
-        """Fresh rows for requests `req` joining a batch whose token columns are `width` wide."""
+    def new(req: np.ndarray, width: int, pad: int, **given) -> "Rows":
+        """Fresh rows for requests `req` joining a batch whose token columns are `width` wide
+        (`given`: fields set otherwise, by name)."""
         n = len(req)
-        return Rows(req, np.zeros(n, np.int64), np.zeros(n), np.zeros(n, bool), np.full((n, width), pad, np.int64),
-                    np.zeros((n, width), np.float32), np.zeros(n, np.int64), np.full(n, -1, np.int64),
-                    np.zeros(n, np.int64), np.zeros(n, bool), np.full(n, width, np.int64))
+        fresh = dict(req=np.asarray(req), found=np.zeros(n, np.int64), cum=np.zeros(n), ended=np.zeros(n, bool),
+                     tokens=np.full((n, width), pad, np.int64), logp=np.zeros((n, width), np.float32),
+                     n_tok=np.zeros(n, np.int64), fseq=np.full(n, -1, np.int64), fpos=np.zeros(n, np.int64),
+                     glue=np.zeros(n, bool), col0=np.full(n, width, np.int64))
+        return Rows(**{**fresh, **given})
 
     @staticmethod
     def concat(parts: list["Rows"]) -> "Rows":
         return Rows(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Rows)))
+
+    def drop_columns(self, c: int) -> None:
+        """Forget the token columns before `c` (no row's tokens start before it)."""
+        self.tokens, self.logp, self.col0 = self.tokens[:, c:], self.logp[:, c:], self.col0 - c
 
     def generated(self, i: int) -> np.ndarray:
         """Row i's generated tokens (up to and including EOS)."""
@@ -117,6 +107,20 @@ def timed(stage: str):
                 self.t.add(stage, t0)
         return run
     return wrap
+
+
+def certain_length(seqs: list[np.ndarray], sentence_end: np.ndarray | None = None) -> int:
+    """Tokens of a request that no later chunk can change, `seqs` its beams' tokens: their
+    common prefix; with `sentence_end` (stop="sentence"), up to its last sentence end, as a
+    result can be trimmed back to one."""
+    n = min(map(len, seqs), default=0)
+    if seqs and n:
+        same = np.all(np.stack([s[:n] for s in seqs]) == seqs[0][:n], axis=0)
+        n = int(np.argmin(same)) if not same.all() else n
+    if sentence_end is not None:
+        ends = np.flatnonzero(sentence_end[seqs[0][:n]]) if n else []
+        n = int(ends[-1]) + 1 if len(ends) else 0
+    return n
 
 
 @dataclass
@@ -166,22 +170,17 @@ class BeamSearch:
 
     def __init__(self, backend, scorer, cfg: DBSConfig, requests: list[Request] = (), progress=None,
                  sentence_end: np.ndarray | None = None, word_piece: np.ndarray | None = None):
-        self.be, self.scorer, self.cfg = backend, scorer.fresh(cfg), cfg
-        if cfg.needs_sentence_ends and sentence_end is None:   # (V,) bool; the API passes a cached one
-            sentence_end = occurrence.sentence_end_tokens(backend.decode_one, backend.vocab_size)
-        self.sentence_end = sentence_end
-        if cfg.guarantee and word_piece is None:   # (V,) bool; the API passes a cached one
-            word_piece = occurrence.word_piece_tokens(backend.decode_one, backend.vocab_size)
-        self.word_piece = word_piece
-        self.pad = backend.pad_id
-        self.eos = np.array(sorted(backend.eos_ids) or [-1])
-        self.progress = progress
-        self.t = Timings()
-        self.candidate_tokens = 0
-        self.chunks = 0
+        self.be, self.scorer, self.cfg, self.progress = backend, scorer.fresh(cfg), cfg, progress
+        # (V,) bool tables of the vocabulary; the API passes cached ones
+        vocab = backend.decode_one, backend.vocab_size
+        self.sentence_end = occurrence.sentence_end_tokens(*vocab) if cfg.needs_sentence_ends and \
+            sentence_end is None else sentence_end
+        self.word_piece = occurrence.word_piece_tokens(*vocab) if cfg.guarantee and word_piece is None else word_piece
+        self.pad, self.eos = backend.pad_id, np.array(sorted(backend.eos_ids) or [-1])
+        self.t, self.candidate_tokens, self.chunks = Timings(), 0, 0
         self.slots: list[Slot] = []
         self.rows: Rows | None = None
-        self.forced: SequenceTable | None = None   # forced token sequences of the batch's requests
+        self.tables: BatchTables | None = None     # the requests' tables, rebuilt when one joins or leaves
         self.pending = self.cache = None      # next-token logits (R, V) and the KV cache of the rows
         if requests:
             self.admit(list(requests))
@@ -197,9 +196,7 @@ class BeamSearch:
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> list[Finished]:
         """Decode every admitted request to its end; results in admission order."""
-        order = self.requests
-        n_chunks = math.ceil(self.cfg.max_new_tokens / self.cfg.chunk)
-        done = {}
+        order, done, n_chunks = self.requests, {}, math.ceil(self.cfg.max_new_tokens / self.cfg.chunk)
         while self.slots:
             done.update((id(f.request), f) for f in self.decode_chunk())
             if self.progress:
@@ -218,10 +215,12 @@ class BeamSearch:
         rows = self.rows
         prefix = self._texts(rows)
         rows, chunk = self._sample_chunk(rows, prefix, k, bool(last.all()))
-        rows = self._score(rows, prefix, chunk, bool(last.all()))
-        if cfg.stop == "sentence":
-            rows = self._finish_requests(rows)
-        keep = self._select_best(rows)
+        self._quality(rows, prefix, self._scorer_logprobs(rows, chunk, bool(last.all())), k)
+        if cfg.stop == "sentence":      # a request with a finished beam is done: its unfinished ones drop
+            done, drop = quality.finished_requests(rows.req, rows.ended, self._remaining(rows, 0), len(self.slots))
+            rows.cum[drop] = -np.inf
+            rows.ended |= done[rows.req]
+        keep = quality.select_best(rows.req, rows.cum, cfg.beams)
         self.chunks += 1
         for s in self.slots:
             s.chunks += 1
@@ -250,16 +249,9 @@ class BeamSearch:
         """Text of request q that no later chunk can change: the common prefix of its beams'
         tokens (with stop="sentence", up to its last sentence end: a result can be trimmed back
         to one), decoded without a trailing partial character."""
-        rows = self.rows
-        seqs = [rows.generated(i) for i in np.flatnonzero(rows.req == q)]
-        n = min(map(len, seqs), default=0)
-        if seqs and n:
-            same = np.all(np.stack([s[:n] for s in seqs]) == seqs[0][:n], axis=0)
-            n = int(np.argmin(same)) if not same.all() else n
-        if self.cfg.stop == "sentence":
-            ends = np.flatnonzero(self.sentence_end[seqs[0][:n]]) if n else []
-            n = int(ends[-1]) + 1 if len(ends) else 0
-        return self.be.decode_batch([seqs[0][:n]])[0][self.tail[q]:].rstrip("\ufffd") if n else ""
+        seqs = [self.rows.generated(i) for i in np.flatnonzero(self.rows.req == q)]
+        n = certain_length(seqs, self.sentence_end if self.cfg.stop == "sentence" else None)
+        return self.be.decode_batch([seqs[0][:n]])[0][self.tables.tail[q]:].rstrip("\ufffd") if n else ""
 
     # -- requests joining and leaving ---------------------------------------------------------
     @timed("prefill")
@@ -295,9 +287,8 @@ class BeamSearch:
         now, out = time.perf_counter(), []
         for q in np.flatnonzero(leave):
             r = kept.take(np.flatnonzero(kept.req == q))           # a copy: safe to shift
-            c = int(r.col0[0])
-            r.tokens, r.logp, r.req[:], r.col0[:] = r.tokens[:, c:], r.logp[:, c:], 0, 0
-            s = self.slots[q]
+            r.drop_columns(int(r.col0[0]))
+            r.req[:], s = 0, self.slots[q]
             out.append(Finished(s.request, r, now - s.t0, self.candidate_tokens - s.cand0))
         return out
 
@@ -309,36 +300,23 @@ class BeamSearch:
         stay = np.flatnonzero(~gone)
         self.slots = [self.slots[q] for q in stay]
         if not self.slots:
-            self.rows = self.pending = self.cache = None
+            self.rows = self.pending = self.cache = self.tables = None
             self.be.release()                              # a decoder may bind the cache's arrays
             self.scorer = self.scorer.fresh(self.cfg)      # its rows left too (an empty select is no gather)
             return
-        renum = np.full(len(gone), -1, np.int64)
-        renum[stay] = np.arange(len(stay))
-        rows = self.rows
-        rows.req = renum[rows.req]
-        c = int(rows.col0.min())
-        if c:
-            rows.tokens, rows.logp, rows.col0 = rows.tokens[:, c:], rows.logp[:, c:], rows.col0 - c
+        self.rows.req = (np.cumsum(~gone) - 1)[self.rows.req]        # the requests that stay, renumbered
+        self.rows.drop_columns(int(self.rows.col0.min()))
         self.cache = self.be.trim(self.cache)
         self.scorer.trim()
         self._index()
 
     def _index(self) -> None:
-        """Per-request arrays and tables of the requests in the batch, in slot order."""
-        reqs = self.requests
-        ctx_len = np.array([len(r.context_ids) for r in reqs])
-        self.ctx = np.full((len(reqs), ctx_len.max()), self.pad, np.int64)   # left-padded contexts
-        for q, r in enumerate(reqs):
-            self.ctx[q, self.ctx.shape[1] - len(r.context_ids):] = r.context_ids
-        self.ctx_start = (self.ctx.shape[1] - ctx_len).astype(np.int32)
-        self.tail = np.array([len(r.heal.tail) if r.heal else 0 for r in reqs])   # healed text per request
-        self.n_kw = np.array([len(r.keywords) for r in reqs])
-        self.full = (np.left_shift(1, self.n_kw) - 1).astype(np.int64)   # every keyword's bit
-        self.word_base = np.concatenate([[0], np.cumsum(self.n_kw)[:-1]]).astype(np.int64)
-        self.table = BoostTable([b for r in reqs for b in r.boosts],
-                                {int(base): r.merged for base, r in zip(self.word_base, reqs)})
-        self._constraint_tables(reqs)
+        """The tables of the requests in the batch, in slot order; rows being forced follow them."""
+        before = self.tables
+        self.tables = BatchTables.build(self.requests, self.cfg, self.pad, self.eos, self.sentence_end,
+                                        self.word_piece)
+        if before is not None and self.rows is not None:
+            self.tables.remap_forcing(self.rows.fseq, before)
 
     # -- steps ------------------------------------------------------------------------------
     @timed("text")
@@ -348,165 +326,25 @@ class BeamSearch:
     def _generated_texts(self, rows: Rows, idx) -> list[str]:
         """The text each row in `idx` added to its context (decoded whole: no broken boundaries;
         a healed context's end, which the first token re-wrote, left out)."""
-        cut = self.tail[rows.req[list(idx)]]
+        cut = self.tables.tail[rows.req[list(idx)]]
         return [t[c:] for t, c in zip(self.be.decode_batch([rows.generated(i) for i in idx]), cut)]
 
-    # -- constraints: which keywords guide a row, which tokens are forced or banned -----------
-    def _constraint_tables(self, requests: list[Request]) -> None:
-        K = max(1, self.n_kw.max())
-        forced = SequenceTable()
-        self.force_idx = np.full((len(requests), K), -1, np.int64)   # keyword -> its forced sequence
-        self.need = np.zeros((len(requests), K), np.int64)           # ... and that sequence's length
-        self.phrases = []                                             # per request: (bit, head, seq index)
-        for q, r in enumerate(requests):
-            for i, seq in enumerate(r.force):
-                self.force_idx[q, i], self.need[q, i] = forced.add(seq), len(seq)
-            self.phrases.append([(1 << i, head, forced.add(whole)) for i, head, whole in r.phrases])
-        self.seq_ptr, self.seq_tok = forced.arrays()
-        if self.rows is not None and self.forced is not None:   # a request joined or
-            on = self.rows.fseq >= 0            # left: rows being forced point into the new table
-            n = len(forced.seqs)
-            self.rows.fseq[on] = [forced.add(self.forced.seqs[i]) for i in self.rows.fseq[on]]
-            assert len(forced.seqs) == n, "a row forces a sequence of no request in the batch"
-        self.forced = forced
-        # ban groups ban_group[q, 4 * heal + 2 * glue + eos]: request q's bans, plus EOS while a keyword is
-        # missing (under guarantee: to the budget's end; with a sentence deadline: every sentence end
-        # too, to the deadline without guarantee) or before `min_sentence` tokens (EOS and every
-        # sentence end), plus tokens that would glue onto a keyword just completed ("hockey" +
-        # "rink", "pet" + "rified"), so that it stays the word that was counted, plus (token healing,
-        # the first token) every token that does not re-write the context's last one
-        self.bans = None
-        if (any(r.bans or r.heal for r in requests) or self.word_piece is not None or self.cfg.min_sentence
-                or self.cfg.sentence_deadline):
-            self.bans, self.ban_group = self._ban_table(requests)
-        self.multi_bans = any(len(b) > 1 for r in requests for b in r.bans)
+    # -- guidance (dbs_fast.guidance): what steers each row at a step --------------------------
+    def _remaining(self, rows: Rows, seen) -> np.ndarray:
+        return guidance.remaining(self.tables, rows, seen)
 
-    def _ban_table(self, requests: list[Request]):
-        """((group_ptr, seq_ptr, seq_tok) of the ban groups, group_of (Q, 8): the group of request q
-        for 4 * heal + 2 * glue + eos), built with NumPy: it is rebuilt each time a request joins
-        or leaves, and the glue and heal groups hold one sequence per token (tens of thousands),
-        so Python lists here cost ~15 ms per request in the batch. A group the same as one built
-        already (requests with the same bans and healing: a service's small requests) is kept
-        once, so the table grows with the batch's distinct constraints, not its requests."""
-        eos = np.array([e for e in self.eos if e >= 0], np.int32)
-        if self.cfg.sentence_deadline or self.cfg.min_sentence:
-            eos = np.union1d(eos, np.flatnonzero(self.sentence_end)).astype(np.int32)
-        glue = np.zeros(0, np.int32) if self.word_piece is None else np.flatnonzero(self.word_piece).astype(np.int32)
-        n_seqs, lens, toks, seen = [], [], [], {}
-        group_of = np.zeros((len(requests), 8), np.int64)
-        for q, r in enumerate(requests):
-            own_len = np.array([len(b) for b in r.bans], np.int64)
-            own_tok = np.array([t for b in r.bans for t in b], np.int32)
-            heal = np.zeros(0, np.int32) if r.heal is None else r.heal.ban
-            own, healed = tuple(map(tuple, r.bans)), heal.tobytes()
-            for h, g, e in np.ndindex(2, 2, 2):               # 4h + 2g + e
-                key = (own, healed if h else b"", g, e)
-                if key not in seen:
-                    seen[key] = len(n_seqs)
-                    extra = np.concatenate([heal[:len(heal) * h], glue[:len(glue) * g], eos[:len(eos) * e]])
-                    n_seqs.append(len(own_len) + len(extra))
-                    lens += [own_len, np.ones(len(extra), np.int64)]
-                    toks += [own_tok, extra]
-                group_of[q, 4 * h + 2 * g + e] = seen[key]
-        return (np.concatenate([[0], np.cumsum(n_seqs)]).astype(np.int64),
-                np.concatenate([[0], np.cumsum(np.concatenate(lens))]).astype(np.int64),
-                np.concatenate(toks).astype(np.int32)), group_of
-
-    def _remaining(self, rows: Rows, seen: np.ndarray) -> np.ndarray:
-        return self.full[rows.req] & ~(rows.found | seen)
-
-    def _candidates(self, rem: np.ndarray, seen: np.ndarray) -> np.ndarray:
-        """Keywords (bitmask) a row looks for now, of those remaining: `next`, the next one in
-        order (none once one was seen in this chunk, as in the paper); `any`, all of them."""
-        if self.cfg.order == "any":
-            return rem
-        return np.where(seen == 0, lowest_bit(rem), 0)
-
-    def _guide_words(self, cand: np.ndarray, rows: Rows) -> np.ndarray:
-        """Boost-table row of each row's guide keywords (merged for several), -1 when unguided."""
-        if not self.cfg.guided:
-            return np.full(len(cand), -1, np.int32)
-        return self.table.rows_for(self.word_base[rows.req], cand)
-
-    def _forced(self, rows: Rows, rem: np.ndarray, n_done: np.ndarray) -> np.ndarray:
-        """Token each row must emit now, or -1: the rest of a sequence being forced; under
-        `guarantee`, the first token of the next keyword to place once the tokens left are just
-        what the remaining keywords need (K2T's deadline, made exact)."""
-        force = np.full(len(rows.req), -1, np.int64)
-        on = (rows.fseq >= 0) & ~rows.ended
-        force[on] = self.seq_tok[self.seq_ptr[rows.fseq[on]] + rows.fpos[on]]
-        if self.cfg.guarantee:
-            need = np.zeros(len(rem), np.int64)
-            for i in range(self.need.shape[1]):
-                need += (rem >> i & 1) * self.need[rows.req, i]
-            left = self.cfg.max_new_tokens - n_done
-            due = left if not self.cfg.sentence_deadline else np.minimum(left, self.cfg.sentence_deadline - n_done)
-            start = np.flatnonzero(~on & ~rows.ended & (rem != 0) & (left > 0) & (due <= need))
-            if len(start):
-                bit = popcount(lowest_bit(rem[start]) - 1)      # index of the lowest remaining keyword
-                rows.fseq[start], rows.fpos[start] = self.force_idx[rows.req[start], bit], 0
-                force[start] = self.seq_tok[self.seq_ptr[rows.fseq[start]]]
-        return force
-
-    def _advance_forcing(self, rows: Rows, force: np.ndarray, seen: np.ndarray, col: int) -> None:
-        """After a step: move along forced sequences; a row whose tokens now end with the first
-        word of a phrase it still needs has the phrase's rest forced from the next step on."""
-        on = force >= 0
-        rows.fpos[on] += 1
-        done = on & (rows.fpos >= self.seq_ptr[rows.fseq + 1] - self.seq_ptr[rows.fseq])
-        rows.fseq[done] = -1
-        if not any(self.phrases):
-            return
-        rem = self._remaining(rows, seen)
-        for i in np.flatnonzero((rows.fseq < 0) & ~rows.ended):
-            toks = rows.tokens[i, rows.col0[i]:col]
-            for bit, head, seq in self.phrases[rows.req[i]]:
-                if rem[i] & bit and len(head) <= len(toks) and tuple(toks[len(toks) - len(head):]) == head:
-                    if rows.glue[i] and self._pieces_at(np.array([seq]), np.array([len(head)]))[0]:
-                        continue     # the head just completed another keyword ("blow" of "blower"): it stays
-                    rows.fseq[i], rows.fpos[i] = seq, len(head)
-                    break
-
-    def _pieces_at(self, seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """Whether token `pos` of each forced sequence `seq` continues the word before it (a word
-        piece); False past a sequence's end or without the word-piece table."""
-        out = np.zeros(len(seq), bool)
-        if self.word_piece is None:
-            return out
-        p = self.seq_ptr[seq] + pos
-        go = p < self.seq_ptr[seq + 1]
-        out[go] = self.word_piece[self.seq_tok[p[go]]]
-        return out
-
-    def _ban_groups(self, rows: Rows, rem: np.ndarray, healing: np.ndarray, n_done: np.ndarray):
-        if self.bans is None:
-            return None
-        cfg = self.cfg                                                  # no end (of a sentence) yet:
-        missing = (rem != 0) & (cfg.guarantee | (n_done < cfg.sentence_deadline))   # a keyword still to place
-        end = missing | (n_done < cfg.min_sentence)
-        return self.ban_group[rows.req, 4 * healing + 2 * rows.glue + (end & ~healing)]
+    def _unfinished(self, rows: Rows, forcing: np.ndarray, ahead: int) -> np.ndarray:
+        return guidance.unfinished(self.tables, rows, forcing, ahead, self.word_piece)
 
     def _uniforms(self, rows: Rows) -> np.ndarray:
         counts = np.bincount(rows.req, minlength=len(self.slots))
         return np.concatenate([s.rng.random(n) for s, n in zip(self.slots, counts)])
 
-    def _history(self, rows: Rows, col: int, healing: np.ndarray):
-        """Each row's tokens so far (context + generated, left-padded) for the kernel's
-        repetition rules and multi-token bans; empty for a row re-writing its context's end (the
-        context's own tokens: no repetition of the model's)."""
-        if not (self.cfg.shapes_logits or self.multi_bans):
-            return None, None
-        hist = np.concatenate([self.ctx[rows.req], rows.tokens[:, :col]], axis=1)
-        if rows.col0.any():    # a row that joined at column c: its context moves right past c pads
-            W, c, j = self.ctx.shape[1], rows.col0[:, None], np.arange(hist.shape[1])[None]
-            hist = np.take_along_axis(hist, np.where(j < W + c, (j - c) % (W + c), j), axis=1)
-        return hist, np.where(healing, hist.shape[1], self.ctx_start[rows.req] + rows.col0).astype(np.int32)
-
     def _sample_chunk(self, rows: Rows, prefix: list[str], k: int, last: bool):
         R = len(rows.req)
         seen = np.zeros(R, np.int64)         # keywords seen in this chunk so far (guidance moves on)
         base = rows.tokens.shape[1]
-        boost_first = self._boost_first(rows, base + k)
+        boost_first = quality.boost_first(self.cfg, self._on_time(rows, base + k))
         rows.tokens = np.concatenate([rows.tokens, np.full((R, k), self.pad, np.int64)], axis=1)  # (R, L+k)
         rows.logp = np.concatenate([rows.logp, np.zeros((R, k), np.float32)], axis=1)
         for j in range(k):
@@ -520,15 +358,17 @@ class BeamSearch:
     @timed("kernel")
     def _draw(self, rows: Rows, seen: np.ndarray, col: int, boost_first) -> Draw:
         """The next token of every row: guidance, forcing, bans and repetition rules, then the kernel."""
+        cfg, tb = self.cfg, self.tables
         rem = self._remaining(rows, seen)
-        cand = self._candidates(rem, seen)
+        cand = guidance.candidates(cfg, rem, seen)
         n_done = col - rows.col0                     # the row's tokens so far
-        healing = (n_done == 0) & (self.tail[rows.req] > 0)   # the model alone re-writes the context's end
-        word = np.where(healing, -1, self._guide_words(cand, rows)).astype(np.int32)
-        force = self._forced(rows, rem, n_done)
-        hist, hstart = self._history(rows, col, healing)
-        ids, lp = self.be.sample(self.pending, self._uniforms(rows), word, self.table.csr, self.cfg, hist, hstart,
-                                 boost_first, bans=self.bans, row_ban=self._ban_groups(rows, rem, healing, n_done),
+        healing = (n_done == 0) & (tb.tail[rows.req] > 0)   # the model alone re-writes the context's end
+        word = np.where(healing, -1, guidance.guide_words(cfg, tb, rows, cand)).astype(np.int32)
+        force = guidance.forced(cfg, tb, rows, rem, n_done)
+        hist, hstart = guidance.history(cfg, tb, rows, col, healing)
+        ids, lp = self.be.sample(self.pending, self._uniforms(rows), word, tb.boosts.csr, cfg, hist, hstart,
+                                 boost_first, bans=tb.bans, row_ban=guidance.ban_groups(cfg, tb, rows, rem, healing,
+                                                                                        n_done),
                                  force=force)
         return Draw(ids, lp, rem, cand, word, force, n_done)
 
@@ -555,7 +395,7 @@ class BeamSearch:
                                  self._unfinished(rows, d.force >= 0, 1))
         rows.glue = (new & ~seen) != 0
         seen = seen | new
-        self._advance_forcing(rows, d.force, seen, col + 1)
+        guidance.advance_forcing(self.tables, rows, d.force, seen, col + 1, self.word_piece)
         if self.cfg.stop == "sentence":   # all keywords in (before or in this chunk) + sentence end
             rows.ended |= live & (self._remaining(rows, seen) == 0) & self.sentence_end[d.ids]
         return seen
@@ -566,49 +406,32 @@ class BeamSearch:
         self.pending, self.cache = self.be.step(ids, self.cache)
         self.t.kv(self.cache)
 
-    def _unfinished(self, rows: Rows, forcing: np.ndarray, ahead: int) -> np.ndarray:
-        """Rows whose forced sequence goes on with a word piece (`ahead` = 1: after the token being
-        forced now; 0: next, once forcing has moved on): the word at their end is not finished yet
-        (" sharpen" of a forced " sharpen"+"er" is not "sharpen")."""
-        more = np.zeros(len(rows.req), bool)
-        i = np.flatnonzero(forcing & (rows.fseq >= 0))
-        more[i] = self._pieces_at(rows.fseq[i], rows.fpos[i] + ahead)
-        return more
-
     @timed("text")
-    def _seen_now(self, rows: Rows, prefix, idx, masks, unfinished=None) -> np.ndarray:
+    def _seen_now(self, rows: Rows, prefix, idx, masks, unfinished) -> np.ndarray:
         """Bits of `masks` (per row) whose keyword appeared in the row's chunk so far (`unfinished`
         rows: not at their very end, as the next token continues the word)."""
         seen = np.zeros(len(rows.req), np.int64)
-        final = self._final(rows)
-        for i, text in zip(idx, self._chunk_texts(rows, prefix, idx)):
-            kws = self.slots[rows.req[i]].request.keywords
-            cut = unfinished is not None and unfinished[i]
-            for b, k in bits(int(masks[i])):
-                if self._count_new(prefix[i], text, kws[k], final[i], cut) > 0:
-                    seen[i] |= b
+        seen[idx] = quality.seen(self.cfg, self._keywords(rows, idx), [prefix[i] for i in idx],
+                                 self._chunk_texts(rows, prefix, idx), masks[idx], self._final(rows)[idx],
+                                 unfinished[idx], self.open_end)
         return seen
 
     @property
     def open_end(self) -> bool:
-        """Whether a keyword that ends at the last token waits for the next one to count: it may
-        still become part of a longer word ("pet" + "rified"). With the word-piece table (under
-        `guarantee` or `boost_word_starts`, the default) the next token cannot glue onto a keyword
-        just completed (a ban), so it counts at once and its candidate is credited in this chunk."""
+        """Whether a keyword at the last token waits for the next one to count ("pet" + "rified");
+        with the word-piece table glue is banned, so it counts at once."""
         return self.word_piece is None
 
     def _final(self, rows: Rows) -> np.ndarray:
         """Rows whose text cannot go on: ended, or at max_new_tokens."""
         return rows.ended | (rows.n_tok >= self.cfg.max_new_tokens)
 
+    def _keywords(self, rows: Rows, idx) -> list[list[Keyword]]:
+        return [self.slots[rows.req[i]].request.keywords for i in idx]
+
     def _chunk_texts(self, rows: Rows, prefix, idx) -> list[str]:
         """Text each row in `idx` added after its prefix."""
         return [f[len(prefix[i]):] for f, i in zip(self._generated_texts(rows, idx), idx)]
-
-    def _score(self, rows: Rows, prefix: list[str], chunk: np.ndarray, last: bool) -> Rows:
-        """Quality Q of every candidate's chunk, added to its parent's cumulative score."""
-        lp = self._scorer_logprobs(rows, chunk, last)
-        return self._quality(rows, prefix, lp, chunk.shape[1])
 
     @timed("scorer")
     def _scorer_logprobs(self, rows: Rows, chunk: np.ndarray, last: bool) -> np.ndarray:
@@ -619,88 +442,21 @@ class BeamSearch:
         return lp
 
     @timed("text")
-    def _quality(self, rows: Rows, prefix: list[str], lp: np.ndarray, k: int) -> Rows:
-        """Q of each candidate's chunk from its keyword credit and perplexity, added to `cum`."""
+    def _quality(self, rows: Rows, prefix: list[str], lp: np.ndarray, k: int) -> None:
+        """Q of each candidate's chunk from its keyword credit and perplexity (`lp`: the scorer's
+        log-probs), added to its parent's cumulative score `cum`."""
         before = rows.tokens.shape[1] - k - rows.col0       # the rows' tokens before this chunk (at most)
         n_new = np.clip(rows.n_tok - before, 0, k)
         idx = np.flatnonzero(n_new > 0)
         texts = self._chunk_texts(rows, prefix, idx)
-        cfg = self.cfg
-        alpha = self._alphas(rows)
-        rem = self._remaining(rows, 0)
-        final = self._final(rows)
-        cut = self._unfinished(rows, ~rows.ended, 0)
-        for i, text in zip(idx, texts):
-            pp = math.exp(-float(lp[i, : n_new[i]].mean()))
-            credit, new = self._credit(self.slots[rows.req[i]].request.keywords, int(rem[i]), prefix[i], text,
-                                       final[i], cut[i])
-            rows.cum[i] += (credit if new else math.exp(-cfg.c_star)) * math.exp(-alpha[i] * pp)
-            rows.found[i] |= new
-        return rows
-
-    def _count_new(self, prefix: str, text: str, kw: Keyword, final: bool, unfinished: bool) -> int:
-        """Occurrences of `kw` that `text` adds after `prefix`, by the config's rule; an `unfinished`
-        row's last word is still being written (a forced word piece follows)."""
-        return occurrence.count_new(prefix, text, kw, self.open_end or unfinished, final and not unfinished,
-                                    self.cfg.match)
-
-    def _credit(self, kws: list[Keyword], rem: int, prefix: str, text: str, final: bool = False,
-                unfinished: bool = False) -> tuple[float, int]:
-        """Q's keyword term for a chunk, sum of exp(-c) over the keywords it places (c: their
-        occurrences in the chunk), and their bits. `next` places the next keyword in order (the
-        paper; under `guarantee` also the ones after it, in order, which forcing can put in the
-        same chunk); `any`, whichever of the remaining ones appear."""
-        credit, new = 0.0, 0
-        for b, k in bits(rem):
-            c = self._count_new(prefix, text, kws[k], final, unfinished)
-            if c > 0:
-                credit += math.exp(-c)
-                new |= b
-            if self.cfg.order == "next" and (c == 0 or not self.cfg.guarantee):
-                break
-        return credit, new
+        alpha = quality.alphas(self.cfg, self._on_time(rows, rows.tokens.shape[1]))
+        q, placed = quality.chunk_scores(self.cfg, self._keywords(rows, idx), self._remaining(rows, 0)[idx],
+                                         [prefix[i] for i in idx], texts, [lp[i, : n_new[i]] for i in idx],
+                                         alpha[idx], self._final(rows)[idx],
+                                         self._unfinished(rows, ~rows.ended, 0)[idx], self.open_end)
+        rows.cum[idx] += q
+        rows.found[idx] |= placed
 
     def _on_time(self, rows: Rows, col: int) -> np.ndarray:
-        """Rows ahead of their deadline: once the tokens up to column `col` are generated, at
-        least `reserve_per_keyword` tokens are left per keyword still to place."""
-        end = min(self.cfg.sentence_deadline or self.cfg.max_new_tokens, self.cfg.max_new_tokens)
-        left = end - np.minimum(col - rows.col0, end)
-        return left >= popcount(self._remaining(rows, 0)) * self.cfg.reserve_per_keyword
-
-    def _alphas(self, rows: Rows) -> np.ndarray:
-        """Weight of perplexity in each row's Q: `alpha_fluent` while the row is ahead of its
-        deadline (this chunk included), else the paper's alpha."""
-        cfg = self.cfg
-        if cfg.alpha_fluent is None:
-            return np.full(len(rows.req), cfg.alpha)
-        return np.where(self._on_time(rows, rows.tokens.shape[1]), cfg.alpha_fluent, cfg.alpha)
-
-    def _boost_first(self, rows: Rows, col: int):
-        """Per-row boost order: the configured one, and boost-then-filter for rows behind their
-        deadline when `late_boost_first` (their word may lie outside the nucleus)."""
-        first = self.cfg.boost_order == "boost_then_filter"
-        if not self.cfg.late_boost_first or first:
-            return first
-        return ~self._on_time(rows, col)
-
-    def _finish_requests(self, rows: Rows) -> Rows:
-        """stop="sentence": a request with a finished beam (every keyword, then a sentence end or
-        EOS) is done; its unfinished beams are dropped, so only finished ones can be chosen."""
-        finished = rows.ended & (self._remaining(rows, 0) == 0)
-        done = np.zeros(len(self.slots), bool)
-        done[rows.req[finished]] = True
-        drop = done[rows.req] & ~finished
-        rows.cum[drop] = -np.inf
-        rows.ended |= done[rows.req]
-        return rows
-
-    def _select_best(self, rows: Rows) -> np.ndarray:
-        """Best `beams` rows of every request by cumulative score (stable on ties). Identical
-        candidates may both be kept: a beam kept twice gets twice the candidates next chunk, which
-        measured better than dropping the copy (docs/design/decisions.md); the result's beams are
-        made distinct instead (`result.build_result`)."""
-        order = np.lexsort((np.arange(len(rows.req)), -rows.cum, rows.req))
-        req_sorted = rows.req[order]
-        starts = np.searchsorted(req_sorted, req_sorted, side="left")
-        rank = np.arange(len(order)) - starts
-        return np.sort(order[rank < self.cfg.beams])
+        """Rows ahead of their deadline once the tokens up to column `col` are generated."""
+        return quality.on_time(self.cfg, col - rows.col0, self._remaining(rows, 0))

@@ -86,6 +86,31 @@ def chunk_quality(cfg: DBSConfig, keyword_credit: float, placed: int, perplexity
     return (keyword_credit if placed else math.exp(-cfg.c_star)) * math.exp(-alpha * perplexity)
 
 
+def chunk_scores(cfg: DBSConfig, keywords: list, remaining: np.ndarray, prefixes: list[str], texts: list[str],
+                 logps: list, alpha: np.ndarray, final: np.ndarray, unfinished: np.ndarray, open_end: bool):
+    """(Q of each row's chunk, the bits of the keywords it places), n rows given per row: its
+    request's keywords, the bits still to place, its text before the chunk and the chunk's, the
+    scorer's log-probs of the chunk's tokens, its perplexity weight, whether it is final and
+    whether its last word is unfinished."""
+    q, placed = np.zeros(len(texts)), np.zeros(len(texts), np.int64)
+    for j, (kws, rem, prefix, text, lp) in enumerate(zip(keywords, remaining, prefixes, texts, logps)):
+        c, placed[j] = credit(cfg, kws, int(rem), prefix, text, open_end, final[j], unfinished[j])
+        q[j] = chunk_quality(cfg, c, placed[j], math.exp(-float(lp.mean())), alpha[j])
+    return q, placed
+
+
+def seen(cfg: DBSConfig, keywords: list, prefixes: list[str], texts: list[str], masks: np.ndarray,
+         final: np.ndarray, unfinished: np.ndarray, open_end: bool) -> np.ndarray:
+    """Bits of each row's `masks` whose keyword its chunk so far added (n rows given per row: its
+    request's keywords, its text before the chunk and the chunk's so far)."""
+    out = np.zeros(len(texts), np.int64)
+    for j, (kws, prefix, text) in enumerate(zip(keywords, prefixes, texts)):
+        for b, k in bits(int(masks[j])):
+            if count_new(cfg, prefix, text, kws[k], open_end, final[j], unfinished[j]) > 0:
+                out[j] |= b
+    return out
+
+
 def select_best(req: np.ndarray, cum: np.ndarray, beams: int) -> np.ndarray:
     """Best `beams` rows of every request by cumulative score (stable on ties), in row order.
     Identical candidates may both be kept: a beam kept twice gets twice the candidates next

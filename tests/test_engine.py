@@ -199,25 +199,25 @@ def test_scorer_with_other_vocabulary_is_rejected(exported, tmp_path, capsys):
 def test_a_keyword_just_completed_is_never_glued_onto(dbs, monkeypatch):
     """Without --guarantee too: the token after a keyword that was just counted is never a word
     piece ("pet" + "rified"), so the word the engine counted is the word in the text."""
+    from dbs_fast import guidance
     from dbs_fast.backend import OnnxBackend
-    from dbs_fast.beam import BeamSearch
 
     glue, drawn = [], []
-    sample, groups = OnnxBackend.sample, BeamSearch._ban_groups
+    sample, groups = OnnxBackend.sample, guidance.ban_groups
 
     def spy(*args, **kw):
         ids, lp = sample(*args, **kw)
         drawn.append(ids.copy())
         return ids, lp
 
-    def spy_groups(self, rows, *args):
+    def spy_groups(cfg, tb, rows, *args):
         glue.append(rows.glue.copy())                                 # rows right after a keyword
-        out = groups(self, rows, *args)
+        out = groups(cfg, tb, rows, *args)
         assert out is not None                                        # the glue bans are on
         return out
 
     monkeypatch.setattr(OnnxBackend, "sample", spy)                   # a method now: self passes through
-    monkeypatch.setattr(BeamSearch, "_ban_groups", spy_groups)
+    monkeypatch.setattr(guidance, "ban_groups", spy_groups)
     cfg = DBSConfig(beams=3, candidates=4, chunk=3, max_new_tokens=24, stop="max")
     for seed in range(3):
         dbs.generate("It is", KW, seed=seed, config=cfg)
@@ -323,3 +323,24 @@ def test_sentence_deadline_keeps_sentence_ends_out_while_a_keyword_is_missing(ex
     held = tokens(DBSConfig(**{**base.to_dict(), "sentence_deadline": 6}))
     assert not stop[held[:, :6]].any()
     assert stop[held[:, 6:]].any()
+
+
+def test_certain_text_is_the_beams_common_prefix_up_to_a_sentence_end():
+    from dbs_fast.beam import certain_length
+
+    seqs = [np.array([1, 2, 3, 4]), np.array([1, 2, 3, 5, 6]), np.array([1, 2, 3])]
+    assert certain_length(seqs) == 3
+    assert certain_length([np.array([1, 2]), np.array([7, 2])]) == 0
+    end = np.zeros(10, bool)
+    end[2] = True                                           # token 2 ends a sentence
+    assert certain_length(seqs, end) == 2                   # stop="sentence": a result may be trimmed to it
+    assert certain_length([np.array([1, 3])], end) == 0
+    assert certain_length([]) == 0
+
+
+def test_next_order_guides_to_one_keyword_and_any_to_all_remaining():
+    from dbs_fast import guidance
+
+    rem, seen = np.array([0b110, 0b101, 0b100]), np.array([0, 0b1, 0])
+    assert list(guidance.candidates(DBSConfig(order="next"), rem, seen)) == [0b010, 0, 0b100]   # none after a hit
+    assert list(guidance.candidates(DBSConfig(order="any"), rem, seen)) == [0b110, 0b101, 0b100]
