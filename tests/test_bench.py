@@ -10,6 +10,7 @@ pytest.importorskip("optimum.exporters.onnx")
 pytest.importorskip("matplotlib")
 
 
+@pytest.mark.integration
 def test_bench_on_a_tiny_model(checkpoints, tmp_path):
     from dbs_fast.bench.suite import CONTENDERS, STAGES, run_bench
 
@@ -199,6 +200,7 @@ def test_overhead_probe_times_the_step_and_its_matmuls_in_turn(exported, tmp_pat
     assert r["step_over_matmuls"] == pytest.approx(sum(ratios) / 2)        # the median of two rounds
 
 
+@pytest.mark.integration
 def test_kernel_against_another_version_times_both_and_compares_draws(tmp_path):
     """`benchmarks/kernel.py --against FILE`: a copy of the kernel module loads beside this one,
     both are timed alternately, and the same kernel draws the same ids (log-probs equal)."""
@@ -221,6 +223,7 @@ def test_kernel_against_another_version_times_both_and_compares_draws(tmp_path):
 
 
 
+@pytest.mark.integration
 def test_transfers_counts_what_a_step_moves_with_the_cache_on_host_and_on_device(exported, tmp_path):
     """The same generation with the KV cache in NumPy arrays and as ORT tensors on a device (the
     CUDA path, run by the CPU provider): the same text; the device path moves less per call, and

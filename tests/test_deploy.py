@@ -15,6 +15,7 @@ from dbs_fast.errors import DBSError  # noqa: E402
 from dbs_fast.service import ServiceOptions  # noqa: E402
 
 
+@pytest.mark.integration
 def test_ray_serve_replicas_answer_requests(exported):
     import tempfile
 

@@ -31,6 +31,7 @@ def test_manifest_contents(exported):
         assert m["parity"]["passed"] and m["parity"]["max_abs_logit_diff"] < 1e-3
 
 
+@pytest.mark.integration
 def test_quantized_and_optimized_export(checkpoints, tmp_path):
     from dbs_fast.export.convert import export_model
 
@@ -120,6 +121,7 @@ def test_step_feeds_fit_both_graphs(exported):
     assert step_seconds(exported["llama"], 2, 3, 6, repeats=2) > 0
 
 
+@pytest.mark.integration
 def test_quantize_auto_keeps_the_fastest_on_this_host(checkpoints, tmp_path, monkeypatch):
     """`--quantize auto` exports fp32, int8 and int8-block, times each that passes parity and keeps
     the fastest; the manifest says on which CPU, with which times and what was refused. The timer
@@ -289,6 +291,7 @@ def _err(capsys, argv) -> str:
     return err
 
 
+@pytest.mark.integration
 def test_export_errors(capsys, tmp_path, checkpoints):
     assert "not found" in _err(capsys, ["export", "--model", "./nope", "--out", str(tmp_path / "a")])
     assert "unknown model id" in _err(capsys, ["export", "--model", "no-such-org/no-such-model", "--out", str(tmp_path / "a")])

