@@ -12,13 +12,14 @@ import functools
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import guidance, occurrence, quality
 from .config import DBSConfig
 from .constraints import Healing, Keyword
+from .rows import Rows
 from .tables import BatchTables
 
 
@@ -34,49 +35,6 @@ class Request:
     context: str = ""                                   # the context as given (for the result)
     heal: Healing | None = None                         # token healing: the first token re-writes `heal.tail`
     merged: dict = field(default_factory=dict, repr=False)  # order="any": mask -> merged boost, cached
-
-
-@dataclass
-class Rows:
-    """Per-candidate state; every field has the row count as its leading dimension."""
-
-    req: np.ndarray           # (R,) request index
-    found: np.ndarray         # (R,) int64 bitmask of the request's keywords placed (credited at chunk ends)
-    cum: np.ndarray           # (R,) float64 cumulative quality score
-    ended: np.ndarray         # (R,) bool, emitted EOS
-    tokens: np.ndarray        # (R, L) int64 generated tokens from column col0 on (EOS padded after the end)
-    logp: np.ndarray          # (R, L) float32 scorer log-probabilities of those tokens
-    n_tok: np.ndarray         # (R,) tokens that count (up to and including EOS)
-    fseq: np.ndarray          # (R,) sequence being forced (index into the forced-sequence table) or -1
-    fpos: np.ndarray          # (R,) next position in it
-    glue: np.ndarray          # (R,) bool: a keyword ended at the last token (it must stay a word)
-    col0: np.ndarray          # (R,) column of the row's first token: its request joined the batch then
-
-    def take(self, rows: np.ndarray) -> "Rows":
-        return Rows(*(getattr(self, f.name)[rows] for f in fields(self)))
-
-    @staticmethod
-    def new(req: np.ndarray, width: int, pad: int, **given) -> "Rows":
-        """Fresh rows for requests `req` joining a batch whose token columns are `width` wide
-        (`given`: fields set otherwise, by name)."""
-        n = len(req)
-        fresh = dict(req=np.asarray(req), found=np.zeros(n, np.int64), cum=np.zeros(n), ended=np.zeros(n, bool),
-                     tokens=np.full((n, width), pad, np.int64), logp=np.zeros((n, width), np.float32),
-                     n_tok=np.zeros(n, np.int64), fseq=np.full(n, -1, np.int64), fpos=np.zeros(n, np.int64),
-                     glue=np.zeros(n, bool), col0=np.full(n, width, np.int64))
-        return Rows(**{**fresh, **given})
-
-    @staticmethod
-    def concat(parts: list["Rows"]) -> "Rows":
-        return Rows(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Rows)))
-
-    def drop_columns(self, c: int) -> None:
-        """Forget the token columns before `c` (no row's tokens start before it)."""
-        self.tokens, self.logp, self.col0 = self.tokens[:, c:], self.logp[:, c:], self.col0 - c
-
-    def generated(self, i: int) -> np.ndarray:
-        """Row i's generated tokens (up to and including EOS)."""
-        return self.tokens[i, self.col0[i]: self.col0[i] + self.n_tok[i]]
 
 
 @dataclass

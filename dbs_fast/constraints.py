@@ -37,20 +37,9 @@ from .embeddings import SimilarityTable, SparseBoost
 from .errors import DBSError
 from .kernels import csr_boosts
 from .occurrence import pattern
-from .words import WORD
+from .words import WORD, Keyword  # noqa: F401  (Keyword: its parser is here)
 
 _ALLOWED = re.compile(rf"^{WORD.pattern}(?:[ '\-]{WORD.pattern})*$")   # words joined by single spaces, ' or -
-
-
-@dataclass(frozen=True)
-class Keyword:
-    text: str                                      # normalised: "ice cream|gelato"
-    alternatives: tuple[tuple[str, ...], ...]      # (("ice", "cream"), ("gelato",))
-
-    @property
-    def phrases(self) -> list[str]:
-        """Each alternative as written (words joined by spaces)."""
-        return self.text.split("|")
 
 
 def parse_keyword(text: str) -> Keyword:

@@ -3,23 +3,19 @@ the batch's tables (`tables.BatchTables`): which keywords it still needs and is 
 token it must emit (forcing), which token groups are banned, and the history the kernel's
 repetition rules read.
 
-Row arrays are (R,); `rows` is the search's `beam.Rows`, whose forcing state (`fseq`, `fpos`)
+Row arrays are (R,); `rows` is the search's `Rows`, whose forcing state (`fseq`, `fpos`)
 `forced` and `advance_forcing` move on in place."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .config import DBSConfig
 from .quality import lowest_bit, popcount
+from .rows import Rows
 from .tables import BatchTables
 
-if TYPE_CHECKING:
-    from .beam import Rows
 
-
-def remaining(tb: BatchTables, rows: "Rows", seen) -> np.ndarray:
+def remaining(tb: BatchTables, rows: Rows, seen) -> np.ndarray:
     """Bits of the keywords each row has still to place (`seen`: placed in this chunk so far)."""
     return tb.full[rows.req] & ~(rows.found | seen)
 
@@ -32,14 +28,14 @@ def candidates(cfg: DBSConfig, rem: np.ndarray, seen: np.ndarray) -> np.ndarray:
     return np.where(seen == 0, lowest_bit(rem), 0)
 
 
-def guide_words(cfg: DBSConfig, tb: BatchTables, rows: "Rows", cand: np.ndarray) -> np.ndarray:
+def guide_words(cfg: DBSConfig, tb: BatchTables, rows: Rows, cand: np.ndarray) -> np.ndarray:
     """Boost-table row of each row's guide keywords (merged for several), -1 when unguided."""
     if not cfg.guided:
         return np.full(len(cand), -1, np.int32)
     return tb.boosts.rows_for(tb.word_base[rows.req], cand)
 
 
-def forced(cfg: DBSConfig, tb: BatchTables, rows: "Rows", rem: np.ndarray, n_done: np.ndarray) -> np.ndarray:
+def forced(cfg: DBSConfig, tb: BatchTables, rows: Rows, rem: np.ndarray, n_done: np.ndarray) -> np.ndarray:
     """Token each row must emit now, or -1: the rest of a sequence being forced; under
     `guarantee`, the first token of the next keyword to place once the tokens left are just
     what the remaining keywords need (K2T's deadline, made exact); those rows start forcing."""
@@ -60,7 +56,7 @@ def forced(cfg: DBSConfig, tb: BatchTables, rows: "Rows", rem: np.ndarray, n_don
     return force
 
 
-def advance_forcing(tb: BatchTables, rows: "Rows", force: np.ndarray, seen: np.ndarray, col: int,
+def advance_forcing(tb: BatchTables, rows: Rows, force: np.ndarray, seen: np.ndarray, col: int,
                     word_piece: np.ndarray | None) -> None:
     """After a step: move along forced sequences; a row whose tokens now end with the first
     word of a phrase it still needs has the phrase's rest forced from the next step on."""
@@ -81,7 +77,7 @@ def advance_forcing(tb: BatchTables, rows: "Rows", force: np.ndarray, seen: np.n
                 break
 
 
-def unfinished(tb: BatchTables, rows: "Rows", forcing: np.ndarray, ahead: int,
+def unfinished(tb: BatchTables, rows: Rows, forcing: np.ndarray, ahead: int,
                word_piece: np.ndarray | None) -> np.ndarray:
     """Rows whose forced sequence goes on with a word piece (`ahead` = 1: after the token being
     forced now; 0: next, once forcing has moved on): the word at their end is not finished yet
@@ -92,7 +88,7 @@ def unfinished(tb: BatchTables, rows: "Rows", forcing: np.ndarray, ahead: int,
     return more
 
 
-def ban_groups(cfg: DBSConfig, tb: BatchTables, rows: "Rows", rem: np.ndarray, healing: np.ndarray,
+def ban_groups(cfg: DBSConfig, tb: BatchTables, rows: Rows, rem: np.ndarray, healing: np.ndarray,
                n_done: np.ndarray) -> np.ndarray | None:
     """Each row's ban group (`tb.ban_group`): its request's bans, with healing's on its first
     token, glue's right after a keyword, and EOS and sentence ends while it may not end yet."""
@@ -103,7 +99,7 @@ def ban_groups(cfg: DBSConfig, tb: BatchTables, rows: "Rows", rem: np.ndarray, h
     return tb.ban_group[rows.req, 4 * healing + 2 * rows.glue + (end & ~healing)]
 
 
-def history(cfg: DBSConfig, tb: BatchTables, rows: "Rows", col: int, healing: np.ndarray):
+def history(cfg: DBSConfig, tb: BatchTables, rows: Rows, col: int, healing: np.ndarray):
     """Each row's tokens so far (context + generated, left-padded) for the kernel's repetition
     rules and multi-token bans, and where each row's own tokens start; none for a row
     re-writing its context's end (the context's own tokens: no repetition of the model's)."""

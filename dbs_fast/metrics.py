@@ -12,7 +12,7 @@ of speech (a word may be covered through any reading of it).
 """
 from __future__ import annotations
 
-from .words import words
+from .words import lemmas, words
 
 
 def ngrams(ws: list[str], n: int) -> list[tuple[str, ...]]:
@@ -29,14 +29,6 @@ def distinct_n(texts, n: int) -> float:
     """unique/total n-grams pooled over `texts`; 0.0 when there is none."""
     g = [x for t in texts for x in ngrams(words(t), n)]
     return len(set(g)) / len(g) if g else 0.0
-
-
-def lemmas(word: str) -> set[str]:
-    """The word and every lemma lemminflect gives it (any part of speech)."""
-    from lemminflect import getAllLemmas
-
-    w = word.lower()
-    return {w} | {lem.lower() for forms in getAllLemmas(w).values() for lem in forms}
 
 
 def coverage(text: str, concepts) -> float:

@@ -1,7 +1,7 @@
 """Guide-word occurrence: whole words (split on whitespace and punctuation) that match by a rule:
 - "stem" (the paper, the default): equal Porter stems ("colonies" for "colony", but also
   "performance" for "perform");
-- "lemma" (CommonGen's coverage rule, `dbs_fast.metrics.coverage`): the word's lemmas in any part
+- "lemma" (CommonGen's coverage rule, `dbs_fast.metrics.coverage`, by `words.lemmas`): the word's lemmas in any part
   of speech meet the keyword word's (lemminflect: "ran" for "run", not "performance" for "perform").
 
 A keyword in the constraint syntax (`dbs_fast.constraints`) may be a phrase, whose words must
@@ -11,15 +11,10 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 from nltk.stem.porter import PorterStemmer
 
-from .metrics import lemmas
-from .words import WORD, starts_word
-
-if TYPE_CHECKING:
-    from .constraints import Keyword
+from .words import WORD, Keyword, lemmas, starts_word
 
 _stemmer = PorterStemmer()
 

@@ -24,7 +24,15 @@ from typing import TYPE_CHECKING, Literal, Optional, Union
 from . import openai_api as oa
 from .batcher import Batcher, Job
 from .bodies import body_config, fault, option_fields
-from .config import DEFAULT_CONTEXT, JSON_NAMES, SEED_MAX, TASKS, DBSConfig, body_attr, preset
+from .config import (
+    DEFAULT_CONTEXT,
+    JSON_NAMES,
+    SEED_MAX,
+    TASKS,
+    DBSConfig,
+    body_attr,
+    preset,
+)
 from .errors import DBSError
 from .prefix_cache import KV_LAYOUTS
 
@@ -238,7 +246,10 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
     """The FastAPI app; `dbs`: an already built `DirectedBeamSearch` to serve (tests, Ray)."""
     try:
         from fastapi import FastAPI, Request
-        from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
+        from fastapi.exception_handlers import (
+            http_exception_handler,
+            request_validation_exception_handler,
+        )
         from fastapi.exceptions import RequestValidationError
         from fastapi.openapi.docs import get_swagger_ui_html
         from fastapi.responses import (

@@ -1,10 +1,12 @@
-"""What a word is, for every rule that counts words (occurrence, constraints, metrics, the CLI's
-highlighting): a run of letters or digits. Punctuation and underscores never hide a word; but a
-token that starts with a letter, a digit or an underscore continues the word before it
-("music" + "_making" is one string of text, not a keyword and a new word)."""
+"""What a word and a keyword are, for every rule that counts words (occurrence, constraints,
+metrics): a word is a run of letters or digits. Punctuation and underscores never hide a word;
+but a token that starts with a letter, a digit or an underscore continues the word before it
+("music" + "_making" is one string of text, not a keyword and a new word). A keyword is one or
+more alternatives, each a phrase of words (`constraints.parse_keyword` makes them)."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 WORD = re.compile(r"[^\W_]+")
 _JOINS = re.compile(r"\w")                 # letters, digits and the underscore
@@ -19,3 +21,22 @@ def starts_word(piece: str) -> bool:
     """Whether `piece`, written right after a word, continues it: it begins with a letter, a digit
     or an underscore."""
     return _JOINS.match(piece) is not None
+
+
+def lemmas(word: str) -> set[str]:
+    """The word and every lemma lemminflect gives it (any part of speech)."""
+    from lemminflect import getAllLemmas
+
+    w = word.lower()
+    return {w} | {lem.lower() for forms in getAllLemmas(w).values() for lem in forms}
+
+
+@dataclass(frozen=True)
+class Keyword:
+    text: str                                      # normalised: "ice cream|gelato"
+    alternatives: tuple[tuple[str, ...], ...]      # (("ice", "cream"), ("gelato",))
+
+    @property
+    def phrases(self) -> list[str]:
+        """Each alternative as written (words joined by spaces)."""
+        return self.text.split("|")

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence, quality
-from dbs_fast.tables import ban_table
 from dbs_fast.cli import main as cli
 from dbs_fast.constraints import BoostTable, merge_boosts, parse_keyword, parse_keywords
 from dbs_fast.embeddings import SparseBoost
 from dbs_fast.errors import DBSError
+from dbs_fast.tables import ban_table
 from dbs_fast.words import words
 
 KW = ["colony", "enemy", "mouth"]

@@ -6,9 +6,9 @@ import pytest
 
 from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence
 from dbs_fast.beam import BeamSearch
-from dbs_fast.quality import select_best
 from dbs_fast.cli import main as cli
 from dbs_fast.constraints import parse_keyword
+from dbs_fast.quality import select_best
 from dbs_fast.scorer import token_logprobs
 
 SMALL = DBSConfig(beams=3, candidates=4, chunk=3, max_new_tokens=12)
