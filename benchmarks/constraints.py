@@ -18,8 +18,8 @@ from pathlib import Path
 
 from dbs_fast import DBSConfig, DirectedBeamSearch
 from dbs_fast.bench.machine import machine
-from dbs_fast.evaluation import builtin_sets
-from dbs_fast.words import words
+from dbs_fast.evaluation.runs import builtin_sets
+from dbs_fast.text.words import words
 
 BAN_CASE = {"context": "World War II was", "keywords": ["army", "conflict"], "ban": ["war", "wars"]}
 

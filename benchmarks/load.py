@@ -52,8 +52,8 @@ from pathlib import Path
 import numpy as np
 
 from dbs_fast.bench.machine import machine
-from dbs_fast.evaluation import builtin_sets
-from dbs_fast.service import ServiceOptions
+from dbs_fast.evaluation.runs import builtin_sets
+from dbs_fast.serving.service import ServiceOptions
 
 SMALL = {"beams": 2, "candidates": 2, "order": "any", "max_new_tokens": 32, "context": "A"}
 PAPER = {"paper": True, "beams": 7, "candidates": 10, "chunk": 5, "max_new_tokens": 90, "context": "It is"}
@@ -372,7 +372,7 @@ def engine_loop(model: str, clients: int, per: int, threads: int | None, admit_w
     import queue
     import threading
 
-    from dbs_fast.batcher import Batcher, Job
+    from dbs_fast.serving.batcher import Batcher, Job
 
     dbs, cfg, sets = small_engine(model, threads)
     wait = ServiceOptions().admit_wait if admit_wait is None else admit_wait

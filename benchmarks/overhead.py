@@ -25,7 +25,7 @@ from pathlib import Path
 from dbs_fast.bench.machine import decode_graph_export, machine
 from dbs_fast.bench.suite import linear_shapes, matmul_session
 from dbs_fast.export.timing import feeds, median_run
-from dbs_fast.prefix_cache import DECODE_GRAPH
+from dbs_fast.kv.prefix_cache import DECODE_GRAPH
 
 
 def run(model_dir: Path, int8: bool = False, rounds: int = 6, b: int = 7, s: int = 10, T: int = 47,

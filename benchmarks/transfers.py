@@ -1,5 +1,5 @@
 """What a decode step moves between host and device memory, with the KV cache in NumPy arrays on
-the host and with it as ORT tensors on the device (`dbs_fast.device`), for one generation each at
+the host and with it as ORT tensors on the device (`dbs_fast.kv.device`), for one generation each at
 the paper setting. Both run here on the CPU provider (the device path through `DeviceOps("cpu")`),
 so the bytes are those a CUDA run would copy across (host arrays bound to a device graph are
 copied at binding, outputs into host memory at every run: `PrefixDecoder.host_bytes`); the
@@ -21,8 +21,8 @@ CONTEXT = "It is"
 
 def run(model: str, keywords: list[str], seed: int = 0) -> dict:
     from dbs_fast import DBSConfig, DirectedBeamSearch
-    from dbs_fast.decoder import PrefixDecoder
-    from dbs_fast.prefix_cache import DECODE_GRAPH
+    from dbs_fast.kv.decoder import PrefixDecoder
+    from dbs_fast.kv.prefix_cache import DECODE_GRAPH
 
     cfg = DBSConfig.paper()
     out = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "model": str(model),

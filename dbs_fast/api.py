@@ -6,21 +6,21 @@ from pathlib import Path
 
 import numpy as np
 
-from . import constraints, occurrence, prompt
 from .backend import OnnxBackend, onnx_backend
-from .beam import BeamSearch, Finished, Request
-from .chat import ChatTemplate
 from .config import SEED_MAX, DBSConfig
-from .decoder import ContextStore, PrefixDecoder
-from .embeddings import Embeddings, SimilarityTable
 from .errors import DBSError, naming
 from .home import EMBEDDED_DIRS, embedded_model_dir
+from .kv.decoder import ContextStore, PrefixDecoder
+from .kv.prefix_cache import DECODE_GRAPH, KV_LAYOUTS
 from .manifest import current_export, read_manifest
 from .model import OnnxModel
 from .numba_runtime import set_threads
-from .prefix_cache import DECODE_GRAPH, KV_LAYOUTS
-from .result import GenerationResult, build_result, json_safe  # noqa: F401  (json_safe: part of the API)
 from .scorer import OnnxScorer, SelfScorer
+from .search.beam import BeamSearch, Finished, Request
+from .search.result import GenerationResult, build_result, json_safe  # noqa: F401  (json_safe: part of the API)
+from .text import constraints, occurrence, prompt
+from .text.chat import ChatTemplate
+from .text.embeddings import Embeddings, SimilarityTable
 
 MAX_KEYWORDS = 62           # one bit each in the scheduler's int64 masks
 _START_TOKENS = ("<|endoftext|>", "<bos>", "<s>")   # a plain-text context starts a document with one
@@ -45,7 +45,7 @@ def resolve_model_dir(model: str | Path, quiet: bool = True) -> Path:
 
 
 def parse_constraints(keywords, ban=None):
-    """(keywords, banned words) parsed from the constraint syntax (`dbs_fast.constraints`) and
+    """(keywords, banned words) parsed from the constraint syntax (`dbs_fast.text.constraints`) and
     checked against each other; DBSError names what is wrong."""
     with naming("keywords", keywords):
         kws = constraints.parse_keywords(keywords)
@@ -210,7 +210,7 @@ class DirectedBeamSearch:
         return self._chat
 
     def _prompted_ids(self, context: str, kws, cfg: DBSConfig) -> tuple[list[int], bool]:
-        """The tokens the model reads: the hidden prompt of `cfg.prompt_style` (`dbs_fast.prompt`),
+        """The tokens the model reads: the hidden prompt of `cfg.prompt_style` (`dbs_fast.text.prompt`),
         then the context; and whether the context's end may be healed (a plain-text context of
         its own, not empty)."""
         if not isinstance(context, str):

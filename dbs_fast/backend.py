@@ -13,8 +13,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import kernels
+from .kv.prefix_cache import PrefixCache
 from .model import KVCache, OnnxModel
-from .prefix_cache import PrefixCache
 
 
 def left_pad(seqs: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
@@ -28,7 +28,7 @@ def left_pad(seqs: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Backend(Protocol):
-    """What the scheduler (`dbs_fast.beam`) and the scorer ask of a model. A cache is whatever the
+    """What the scheduler (`dbs_fast.search.beam`) and the scorer ask of a model. A cache is whatever the
     backend returns: the scheduler only passes it back. A step here is one token per row."""
 
     name: str
@@ -167,7 +167,7 @@ class OnnxBackend:
 
 
 class PrefixBackend(OnnxBackend):
-    """The ONNX model on the prefix cache (`dbs_fast.prefix_cache`): each request's context once,
+    """The ONNX model on the prefix cache (`dbs_fast.kv.prefix_cache`): each request's context once,
     each beam's prefix once, each candidate's chunk on its own. The scheduler's rows are the `live` rows of a PrefixCache laid
     out as beams of `s` rows; `select` (keep + repeat, drop, admission) regroups them. Prefill
     runs through the same graph (`PrefixDecoder.prefill`), so model.onnx is never opened. Sampling,

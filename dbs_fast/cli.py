@@ -114,7 +114,7 @@ def config_from_args(a, task: str | None = None, **extra) -> tuple[DBSConfig, st
 
 
 def _add_kv_layout(p):
-    from .prefix_cache import KV_LAYOUTS
+    from .kv.prefix_cache import KV_LAYOUTS
 
     p.add_argument("--kv-layout", default="auto", choices=KV_LAYOUTS,
                    help="KV cache: prefix = the prefix cache (each request's context and each beam's prefix once; needs decode.onnx from this "
@@ -288,7 +288,7 @@ def eval_configs(cfg, runs: str) -> dict:
 
 
 def _eval_sets(a):
-    from .evaluation import builtin_sets, read_sets, sample_sets
+    from .evaluation.runs import builtin_sets, read_sets, sample_sets
 
     if a.keywords_file:
         return read_sets(a.keywords_file)
@@ -303,10 +303,10 @@ def _run_eval(a) -> int:
     from pathlib import Path
 
     from .api import DirectedBeamSearch
-    from .evaluation import run_eval
+    from .evaluation.runs import run_eval
 
     if a.frontier is not None:
-        from .evaluation import frontier
+        from .evaluation.runs import frontier
 
         frontier([Path(d) for d in a.frontier.split(",") if d.strip()], Path(a.out))
         return 0
@@ -326,7 +326,7 @@ def _run_eval(a) -> int:
     seed = a.seed + a.start               # set i's seed is seed + i, as in a run from set 0
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads, kv_layout=a.kv_layout)
     if a.stories:
-        from .evaluation import run_stories
+        from .evaluation.runs import run_stories
 
         style = text_style(None)
         for r in run_stories(dbs, Path(a.out), seed=a.seed):
@@ -334,7 +334,7 @@ def _run_eval(a) -> int:
                   f"\n     success {r['success_rate']:.2f}, perplexity {r['perplexity']:.1f}\n")
         return 0
     if a.grid:
-        from .evaluation import grid_configs, run_grid
+        from .evaluation.runs import grid_configs, run_grid
 
         try:
             lams = [float(x) for x in a.grid_lambdas.split(",")]
@@ -349,11 +349,11 @@ def _run_eval(a) -> int:
         return 0
     judge = None
     if a.judge != "none":
-        from .judge import Judge, judge_for
+        from .evaluation.judge import Judge, judge_for
 
         judge = Judge(judge_for(a.model) if a.judge == "auto" else a.judge, generator_dir=dbs.model_dir,
                       threads=a.threads)
-    from .evaluation import builtin_refs
+    from .evaluation.runs import builtin_refs
 
     refs = builtin_refs(a.sets)[a.start:] if commongen else None
     s = run_eval(dbs, sets, Path(a.out), configs, context=a.context, batch=a.batch, seed=seed, judge=judge,
@@ -450,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve(sub):
-    from .service import ServiceOptions
+    from .serving.service import ServiceOptions
 
     d = ServiceOptions()
     p = sub.add_parser("serve", help="HTTP service: POST /v1/generate (JSON or streamed), /health, /metrics, "
@@ -496,7 +496,7 @@ def _run_serve(a) -> int:
     from pathlib import Path
 
     from .home import EMBEDDED_DIRS
-    from .service import ServiceOptions, serve
+    from .serving.service import ServiceOptions, serve
 
     key = a.api_key if a.api_key is not None else os.environ.get("DBS_FAST_API_KEY") or None
     opts = ServiceOptions(model=a.model, embeddings=a.embeddings, max_rows=a.max_rows, max_queue=a.max_queue,
@@ -510,7 +510,7 @@ def _run_serve(a) -> int:
 
         read_manifest(Path(a.model).expanduser())
     if a.ray_replicas is not None:
-        from .deploy import run
+        from .serving.deploy import run
 
         run(opts, a.ray_replicas, a.host, a.port, a.ray_address, a.ray_cpus, a.ray_gpus)
         return 0

@@ -21,7 +21,7 @@ BOOST_ORDERS = ("filter_then_boost", "boost_then_filter")
 STOPS = ("max", "sentence")
 ORDERS = ("next", "any")
 MATCHES = ("stem", "lemma")
-PROMPT_STYLES = ("none", "instruction", "chat", "few-shot")   # dbs_fast.prompt
+PROMPT_STYLES = ("none", "instruction", "chat", "few-shot")   # dbs_fast.text.prompt
 FEW_SHOT_POOL = 200                                            # examples in data/commongen_train_pool.tsv
 
 

@@ -1,6 +1,6 @@
 """An exported model directory opened as an ONNX Runtime session with a KV cache of one row per
 candidate (model.onnx: the PyTorch-style layout; the engine's default is the prefix cache of
-`dbs_fast.decoder`, where an export has one).
+`dbs_fast.kv.decoder`, where an export has one).
 
 `OnnxModel.forward` runs prefill (T > 1) and decode (T = 1) steps alike; `KVCache.select`
 is the one cache operation the scheduler needs: repeat (one beam -> s candidates) and gather

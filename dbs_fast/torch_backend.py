@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import left_pad
-from .constraints import banned_tokens
 from .errors import DBSError
 from .manifest import read_manifest
+from .text.constraints import banned_tokens
 
 
 def torch_sample(logits, uniforms, row_word, dense_boosts, temperature, top_p, boost_first):

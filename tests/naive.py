@@ -14,7 +14,7 @@ def banned_ngram_tokens(history, n):
 
 
 # the ban rule's one statement lives in the package (the PyTorch baseline applies it too)
-from dbs_fast.constraints import banned_tokens  # noqa: E402,F401
+from dbs_fast.text.constraints import banned_tokens  # noqa: E402,F401
 
 
 def shape_logits(x, history, penalty=1.0, ngram=0):

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from dbs_fast.chat import ChatTemplate
 from dbs_fast.errors import DBSError
+from dbs_fast.text.chat import ChatTemplate
 
 pytest.importorskip("jinja2")
 

@@ -5,13 +5,20 @@ import json
 import numpy as np
 import pytest
 
-from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence, quality
+from dbs_fast import DBSConfig, DirectedBeamSearch
 from dbs_fast.cli import main as cli
-from dbs_fast.constraints import BoostTable, merge_boosts, parse_keyword, parse_keywords
-from dbs_fast.embeddings import SparseBoost
 from dbs_fast.errors import DBSError
-from dbs_fast.tables import ban_table
-from dbs_fast.words import words
+from dbs_fast.search import quality
+from dbs_fast.search.tables import ban_table
+from dbs_fast.text import occurrence
+from dbs_fast.text.constraints import (
+    BoostTable,
+    merge_boosts,
+    parse_keyword,
+    parse_keywords,
+)
+from dbs_fast.text.embeddings import SparseBoost
+from dbs_fast.text.words import words
 
 KW = ["colony", "enemy", "mouth"]
 
@@ -42,7 +49,7 @@ def test_lemma_rule_is_commongens_coverage():
     stems also count "performance" for "perform" (CommonGen dev set 86 under --guarantee wrote
     only "performance"), and miss "ran" for "run"."""
     pytest.importorskip("lemminflect")
-    from dbs_fast.metrics import coverage
+    from dbs_fast.evaluation.metrics import coverage
 
     cases = [("Rob dressed for his dance performance.", "perform"), ("The geese ran home.", "run"),
              ("He runs.", "run"), ("A standard field.", "stand"), ("Three colonies.", "colony"),
@@ -140,7 +147,7 @@ def test_sentence_deadline_puts_every_keyword_in_the_first_sentence(dbs, order):
     random model ends sentences early (the test bites)."""
     from dataclasses import replace
 
-    from dbs_fast.evaluation import first_sentence
+    from dbs_fast.evaluation.runs import first_sentence
 
     cfg = replace(dbs.config, order=order, guarantee=True, stop="max", max_new_tokens=30, lam=0.0)
     deadline = replace(cfg, sentence_deadline=10)
@@ -294,7 +301,7 @@ def test_bad_constraint_input_is_a_clear_error(dbs):
 # -- CommonGen ----------------------------------------------------------------------------------
 def test_commongen_coverage_by_lemma():
     pytest.importorskip("lemminflect")
-    from dbs_fast.metrics import coverage
+    from dbs_fast.evaluation.metrics import coverage
 
     assert coverage("The player stood in the field looking at the batter.", ["field", "stand", "look"]) == 1.0
     assert coverage("Kids dance.", ["kid", "room", "dance"]) == pytest.approx(2 / 3)
@@ -339,7 +346,7 @@ def test_eval_start_takes_later_sets_with_their_references_and_seeds(exported, t
     (the human anchor too), under seed 7, the seed it has in a run from the first set."""
     pytest.importorskip("pycocoevalcap")
     pytest.importorskip("lemminflect")
-    from dbs_fast.evaluation import builtin_refs, builtin_sets
+    from dbs_fast.evaluation.runs import builtin_refs, builtin_sets
 
     out = tmp_path / "cg"
     argv = ["eval", "--model", str(exported["gpt2"]), "--sets", "commongen-dev", "--start", "7", "--limit", "1",
@@ -369,7 +376,11 @@ def test_commongen_scores_are_the_librarys_over_all_references():
     from pycocoevalcap.bleu.bleu import Bleu
     from pycocoevalcap.cider.cider import Cider
 
-    from dbs_fast.evaluation import caption_scores, commongen_scores, first_sentence
+    from dbs_fast.evaluation.runs import (
+        caption_scores,
+        commongen_scores,
+        first_sentence,
+    )
 
     refs = [["The dog catches the frisbee.", "A man throws a frisbee to his dog."],
             ["Kids dance in the room.", "The kid loves to dance in her room.", "Two kids dance."]]
@@ -397,7 +408,7 @@ def test_ban_table_groups_are_bans_then_heal_glue_eos_per_request_each_distinct_
     group the same as another request's (same bans, same healing) is the same group, kept once."""
     from types import SimpleNamespace
 
-    from dbs_fast.constraints import Healing
+    from dbs_fast.text.constraints import Healing
 
     word_piece = np.zeros(50, bool)
     word_piece[[3, 17, 41]] = True
@@ -422,7 +433,7 @@ def test_ban_table_groups_are_bans_then_heal_glue_eos_per_request_each_distinct_
 
 
 def test_token_texts_heal_bans_every_token_that_does_not_rewrite_the_tail():
-    from dbs_fast.constraints import TokenTexts
+    from dbs_fast.text.constraints import TokenTexts
 
     vocab = [" teach", " teacher", " te", "teach", " teaching", "<s>", " tea", "\ufffd", " teachers"]
     tt = TokenTexts(lambda i: vocab[i], len(vocab), special={5})

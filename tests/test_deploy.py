@@ -10,9 +10,9 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
-from dbs_fast.deploy import application, build  # noqa: E402
 from dbs_fast.errors import DBSError  # noqa: E402
-from dbs_fast.service import ServiceOptions  # noqa: E402
+from dbs_fast.serving.deploy import application, build  # noqa: E402
+from dbs_fast.serving.service import ServiceOptions  # noqa: E402
 
 
 @pytest.mark.integration

@@ -4,12 +4,13 @@ import json
 import numpy as np
 import pytest
 
-from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence
-from dbs_fast.beam import BeamSearch
+from dbs_fast import DBSConfig, DirectedBeamSearch
 from dbs_fast.cli import main as cli
-from dbs_fast.constraints import parse_keyword
-from dbs_fast.quality import select_best
 from dbs_fast.scorer import token_logprobs
+from dbs_fast.search.beam import BeamSearch
+from dbs_fast.search.quality import select_best
+from dbs_fast.text import occurrence
+from dbs_fast.text.constraints import parse_keyword
 
 SMALL = DBSConfig(beams=3, candidates=4, chunk=3, max_new_tokens=12)
 KW = ["colony", "enemy", "speed"]
@@ -46,7 +47,7 @@ def test_kv_reuse_gives_the_logprobs_of_a_full_recompute(dbs):
     be = dbs.backend
     ctx = be.encode("It is")
     boosts = [dbs.table.sparse(k, SMALL.lam, SMALL.boost_cutoff) for k in KW]
-    from dbs_fast.beam import Request
+    from dbs_fast.search.beam import Request
 
     search = BeamSearch(be, dbs.scorer, SMALL, [Request(ctx, [parse_keyword(k) for k in KW], 5, boosts)])
     rows = search.run()[0].rows
@@ -199,8 +200,8 @@ def test_scorer_with_other_vocabulary_is_rejected(exported, tmp_path, capsys):
 def test_a_keyword_just_completed_is_never_glued_onto(dbs, monkeypatch):
     """Without --guarantee too: the token after a keyword that was just counted is never a word
     piece ("pet" + "rified"), so the word the engine counted is the word in the text."""
-    from dbs_fast import guidance
     from dbs_fast.backend import OnnxBackend
+    from dbs_fast.search import guidance
 
     glue, drawn = [], []
     sample, groups = OnnxBackend.sample, guidance.ban_groups
@@ -326,7 +327,7 @@ def test_sentence_deadline_keeps_sentence_ends_out_while_a_keyword_is_missing(ex
 
 
 def test_certain_text_is_the_beams_common_prefix_up_to_a_sentence_end():
-    from dbs_fast.beam import certain_length
+    from dbs_fast.search.beam import certain_length
 
     seqs = [np.array([1, 2, 3, 4]), np.array([1, 2, 3, 5, 6]), np.array([1, 2, 3])]
     assert certain_length(seqs) == 3
@@ -339,7 +340,7 @@ def test_certain_text_is_the_beams_common_prefix_up_to_a_sentence_end():
 
 
 def test_next_order_guides_to_one_keyword_and_any_to_all_remaining():
-    from dbs_fast import guidance
+    from dbs_fast.search import guidance
 
     rem, seen = np.array([0b110, 0b101, 0b100]), np.array([0, 0b1, 0])
     assert list(guidance.candidates(DBSConfig(order="next"), rem, seen)) == [0b010, 0, 0b100]   # none after a hit

@@ -11,7 +11,7 @@ pytest.importorskip("wordfreq")
 def test_sampler_is_deterministic_without_stop_words():
     from wordfreq import top_n_list
 
-    from dbs_fast.evaluation import STOP_WORDS, sample_sets
+    from dbs_fast.evaluation.runs import STOP_WORDS, sample_sets
 
     a, b = sample_sets(5, seed=7), sample_sets(5, seed=7)
     assert a == b and a != sample_sets(5, seed=8)
@@ -46,7 +46,7 @@ def test_eval_end_to_end_and_resumes(exported, tmp_path, capsys):
 
 
 def test_builtin_sets_are_the_papers():
-    from dbs_fast.evaluation import builtin_sets
+    from dbs_fast.evaluation.runs import builtin_sets
 
     paper = builtin_sets("paper")
     assert len(paper) == 50 and all(len(s) == 5 for s in paper)
@@ -62,7 +62,7 @@ def test_eval_bad_runs_and_sets(exported, tmp_path, capsys):
 
 
 def test_keyword_misses_by_position():
-    from dbs_fast.evaluation import keyword_misses
+    from dbs_fast.evaluation.runs import keyword_misses
 
     rows = [{"keywords": ["a", "b"], "found": {"a": {"char": 0}, "b": None}},
             {"keywords": ["c", "b"], "found": {"c": None, "b": None}}]
@@ -72,7 +72,7 @@ def test_keyword_misses_by_position():
 
 def test_grid_configs_follow_the_paper():
     from dbs_fast.config import DBSConfig
-    from dbs_fast.evaluation import grid_configs
+    from dbs_fast.evaluation.runs import grid_configs
 
     lam = grid_configs(DBSConfig.paper(), "lambda")
     assert [c.lam for c in lam.values()] == [5, 10, 15, 20, 25]
@@ -103,7 +103,7 @@ def test_grid_and_stories_end_to_end(exported, tmp_path, capsys):
 
 def test_rows_of_changed_settings_are_not_reused():
     from dbs_fast.config import DBSConfig
-    from dbs_fast.evaluation import current_rows
+    from dbs_fast.evaluation.runs import current_rows
 
     old, new = DBSConfig(alpha=0.001), DBSConfig(alpha=0.02)
     rows = [{"set": 0, "mode": "dbs", "config": old.to_dict(), "v": 1},

@@ -245,7 +245,7 @@ def test_left_padding_matches_unpadded(exported):
 
 
 def test_import_dbs_fast_loads_no_torch():
-    code = "import sys, dbs_fast, dbs_fast.api, dbs_fast.beam, dbs_fast.kernels; print('torch' in sys.modules)"
+    code = "import sys, dbs_fast, dbs_fast.api, dbs_fast.search.beam, dbs_fast.kernels; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

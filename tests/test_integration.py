@@ -46,7 +46,7 @@ def test_no_word_glued_onto_the_context_on_the_default(default_dir):
     import re
 
     from dbs_fast import DBSConfig, DirectedBeamSearch
-    from dbs_fast.embeddings import Embeddings
+    from dbs_fast.text.embeddings import Embeddings
 
     glove = Embeddings.load("default")
     dbs = DirectedBeamSearch(default_dir, config=DBSConfig(beams=3, candidates=4, max_new_tokens=15))

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 from naive import banned_ngram_tokens, banned_tokens, sample_ref, shape_logits
 
-from dbs_fast.embeddings import SparseBoost
 from dbs_fast.kernels import csr_boosts, sample
+from dbs_fast.text.embeddings import SparseBoost
 
 
 def _case(seed, R=24, V=3000, scale=3.0, n_boost=200, values=lambda rng, n: rng.random(n) * 20):
@@ -367,7 +367,7 @@ def test_extend_prefix_equals_numpy_gather():
     chunk tokens) against its NumPy reference, with repeated and reordered sources."""
     from naive import extend_prefix_ref
 
-    from dbs_fast.kv_copy import extend_prefix
+    from dbs_fast.kv.kv_copy import extend_prefix
 
     rng = np.random.default_rng(14)
     b, kv, T, s, K, d, j = 3, 2, 7, 4, 5, 8, 3

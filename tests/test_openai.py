@@ -16,7 +16,7 @@ pytest.importorskip("uvicorn")
 from test_service import Server, _wait  # noqa: E402
 
 from dbs_fast.api import DirectedBeamSearch  # noqa: E402
-from dbs_fast.service import ServiceOptions, create_app  # noqa: E402
+from dbs_fast.serving.service import ServiceOptions, create_app  # noqa: E402
 
 KEY = "test-key"
 SMALL = {"beams": 3, "candidates": 3, "chunk": 3}

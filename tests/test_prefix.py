@@ -30,7 +30,7 @@ def _attend(q, k, v, xk, xv, pk, pv, ck, cv, xmask, beam_context, pmask, cmask, 
         block_biases,
         mask_bias,
     )
-    from dbs_fast.prefix_cache import context_blocks
+    from dbs_fast.kv.prefix_cache import context_blocks
 
     t = torch.from_numpy
     (N, L, H, d), (b, kv, T, _), K, (R, C) = q.shape, pk.shape, ck.shape[2], xmask.shape
@@ -143,9 +143,9 @@ def test_prefix_decode_equals_full_recompute(kind, decoders, exported):
     """b = 2 requests' contexts (lengths 5 and 2, left-padded) -> b beams x s candidates, three
     chunks of k tokens with keep (a beam kept twice, one dropped) between them: every step's
     logits equal the full model run over each row's whole sequence."""
-    from dbs_fast.decoder import PrefixDecoder
+    from dbs_fast.kv.decoder import PrefixDecoder
+    from dbs_fast.kv.prefix_cache import PrefixCache
     from dbs_fast.model import OnnxModel
-    from dbs_fast.prefix_cache import PrefixCache
 
     full = OnnxModel(exported[kind])
     dec = PrefixDecoder(decoders[kind])
@@ -181,8 +181,8 @@ def test_one_call_prefill_equals_column_by_column_and_the_full_model(kind, decod
     the full model's last logits and the same cache as the graph run one column per call;
     decoding on from either agrees; so does a prefill in slices (a long context), each slice over
     the ones before it."""
-    from dbs_fast import decoder as prefix
-    from dbs_fast.decoder import PrefixDecoder
+    from dbs_fast.kv import decoder as prefix
+    from dbs_fast.kv.decoder import PrefixDecoder
     from dbs_fast.model import OnnxModel
 
     full = OnnxModel(exported[kind])
@@ -295,7 +295,7 @@ def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers(
     trim and a regroup before any token in between: every beam's prefix is its parent's plus the
     kept row's chunk, as a plain list of token vectors says, and its context is its first
     ancestor's, held once (contexts no beam descends from any more are dropped)."""
-    from dbs_fast.prefix_cache import PrefixCache
+    from dbs_fast.kv.prefix_cache import PrefixCache
 
     rng = np.random.default_rng(3)
     b, s, kv, d, k, layers = 3, 4, 2, 3, 2, 2
@@ -337,7 +337,7 @@ def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers(
 def test_a_step_writes_its_new_kv_into_the_next_chunk_slot_in_place():
     """`next_slot` is a view of slot `used` of every chunk tensor (where an in-place step binds its
     new K/V); `advance` counts it; `slots` hands a step the decoded slots, contiguous."""
-    from dbs_fast.prefix_cache import PrefixCache
+    from dbs_fast.kv.prefix_cache import PrefixCache
 
     rng = np.random.default_rng(5)
     b, s, kv, d, k, T = 2, 3, 2, 4, 4, 3
@@ -359,7 +359,7 @@ def test_a_step_writes_its_new_kv_into_the_next_chunk_slot_in_place():
 def _on_device(dbs, model_dir):
     """`dbs` with its decode graph's cache on a device: DeviceOps("cpu"), the CUDA code path run by
     the CPU provider (no GPU in CI)."""
-    from dbs_fast.decoder import PrefixDecoder
+    from dbs_fast.kv.decoder import PrefixDecoder
 
     dbs.decoder = PrefixDecoder(Path(model_dir) / "decode.onnx", "cpu", kv_device="cpu")
     return dbs
@@ -371,7 +371,7 @@ def test_the_cache_on_the_device_generates_the_same_text(kind, exported):
     graphs on that device, the chunk slots bound by pointer) writes token for token what the NumPy
     cache writes: several requests, keep/repeat, a request joining a running batch (a merge)."""
     from dbs_fast import DBSConfig
-    from dbs_fast.device import DeviceArray
+    from dbs_fast.kv.device import DeviceArray
 
     host, dev = _dbs(exported[kind], "prefix"), _on_device(_dbs(exported[kind], "prefix"), exported[kind])
     assert dev.decoder.ops.device == "cpu" and host.decoder.ops.device is None
@@ -396,7 +396,7 @@ def test_the_cache_on_the_device_generates_the_same_text(kind, exported):
     assert texts[True] == texts[False]
     # a second-LM scorer (here the same export) keeps its cache on the device the same way
     from dbs_fast import DirectedBeamSearch
-    from dbs_fast.decoder import PrefixDecoder
+    from dbs_fast.kv.decoder import PrefixDecoder
 
     scored = {}
     for where in (None, "cpu"):
@@ -412,7 +412,7 @@ def test_a_step_on_the_device_moves_only_ids_masks_and_logits(decoders):
     """`host_bytes`: with the cache on the device a decode step binds from host memory the token
     ids, positions and masks, and takes the logits back; the NumPy cache binds its chunk slots
     and mask anew each step (the prefix once a chunk), which on a GPU would all be copied."""
-    from dbs_fast.decoder import PrefixDecoder
+    from dbs_fast.kv.decoder import PrefixDecoder
 
     ids = np.array([[11, 12, 13, 14, 15], [0, 0, 0, 21, 22]])
     mask = (ids > 0).astype(np.int64)
@@ -442,8 +442,8 @@ def test_device_ops_equal_their_numpy_references():
     """`DeviceOps` (the cache's operations as ORT graphs on a device; here the CPU provider) against
     NumPy and the host's Numba extension: extension of several tensors in one run, gather, concat,
     left padding, trim, zeros, and the views (leading slots, one slot) bound by pointer."""
-    from dbs_fast.device import DeviceOps
-    from dbs_fast.kv_copy import extend_prefix
+    from dbs_fast.kv.device import DeviceOps
+    from dbs_fast.kv.kv_copy import extend_prefix
 
     ops = DeviceOps("cpu")
     rng = np.random.default_rng(5)
@@ -476,8 +476,8 @@ def test_the_context_store_reuses_a_shared_prefix_to_the_bit(kind, decoders, exp
     slices start where they would), and close to the full model; contexts of
     different lengths in one batch come out left-padded as the batched prefill's; the store stays
     within its bytes, dropping the least recently used."""
-    from dbs_fast import decoder as prefix
-    from dbs_fast.decoder import ContextStore, PrefixDecoder
+    from dbs_fast.kv import decoder as prefix
+    from dbs_fast.kv.decoder import ContextStore, PrefixDecoder
     from dbs_fast.model import OnnxModel
 
     monkeypatch.setattr(prefix, "PREFILL_SLICE", 4)
@@ -527,7 +527,7 @@ def test_the_context_store_drops_what_a_new_context_makes_redundant_and_keeps_it
     is replaced; a whole context that another extends stays (its logits are its own). The
     indexes that spare `put` and `peek` a scan over every entry agree with the entries, through
     evictions too."""
-    from dbs_fast.decoder import ContextStore
+    from dbs_fast.kv.decoder import ContextStore
 
     def past(n):
         return [np.zeros((1, 1, n, 2), np.float32)]

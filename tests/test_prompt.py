@@ -8,9 +8,9 @@ import pytest
 
 from dbs_fast import DBSConfig, DirectedBeamSearch
 from dbs_fast.cli import main as cli
-from dbs_fast.constraints import parse_keywords
 from dbs_fast.errors import DBSError
-from dbs_fast.prompt import few_shot, prompt_text, train_pool
+from dbs_fast.text.constraints import parse_keywords
+from dbs_fast.text.prompt import few_shot, prompt_text, train_pool
 
 KW = parse_keywords("dog,ice cream|gelato,park")
 SMALL = DBSConfig(beams=2, candidates=3, chunk=3, max_new_tokens=9)

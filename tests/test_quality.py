@@ -3,12 +3,13 @@ the GGUF tokenizer rebuild, and their bad input."""
 import numpy as np
 import pytest
 
-from dbs_fast import DBSConfig, DirectedBeamSearch, occurrence
-from dbs_fast.beam import BeamSearch, Request
+from dbs_fast import DBSConfig, DirectedBeamSearch
 from dbs_fast.cli import main as cli
-from dbs_fast.constraints import parse_keyword
 from dbs_fast.errors import DBSError
-from dbs_fast.metrics import distinct_n, rep_n, words
+from dbs_fast.evaluation.metrics import distinct_n, rep_n, words
+from dbs_fast.search.beam import BeamSearch, Request
+from dbs_fast.text import occurrence
+from dbs_fast.text.constraints import parse_keyword
 
 KW = ["colony", "enemy"]
 
@@ -204,7 +205,7 @@ def test_gemma_tokenizer_rebuild_gives_the_known_encodings():
 
 
 def test_fluency_weight_switches_back_to_the_papers_at_the_deadline():
-    from dbs_fast import quality
+    from dbs_fast.search import quality
 
     cfg = DBSConfig(max_new_tokens=90, alpha=0.001, alpha_fluent=0.02, reserve_per_keyword=10)
     remaining = 31 & ~np.array([0, 0b111, 0b11111, 0b10111])   # of 5 keywords, 0, 3, 5 and 4 placed
@@ -219,7 +220,7 @@ def test_fluency_weight_switches_back_to_the_papers_at_the_deadline():
 
 
 def test_late_rows_boost_before_the_nucleus_cut():
-    from dbs_fast import quality
+    from dbs_fast.search import quality
 
     cfg = DBSConfig(max_new_tokens=90, reserve_per_keyword=10)
     ahead = quality.on_time(cfg, np.full(3, 60), 31 & ~np.array([0, 0b111, 0b11111]))

@@ -15,7 +15,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from dbs_fast.api import DirectedBeamSearch  # noqa: E402
 from dbs_fast.config import DBSConfig  # noqa: E402
-from dbs_fast.service import ServiceOptions, create_app  # noqa: E402
+from dbs_fast.serving.service import ServiceOptions, create_app  # noqa: E402
 
 SMALL = {"beams": 2, "candidates": 3, "chunk": 4, "max_new_tokens": 16}
 
@@ -247,7 +247,7 @@ def test_timeout_is_504_and_a_failing_request_spares_the_loop(slow):
 
 
 def test_health_is_503_until_the_model_is_loaded(exported, monkeypatch):
-    from dbs_fast import service
+    from dbs_fast.serving import service
 
     gate = threading.Event()
     load = service.Service._load
@@ -267,7 +267,7 @@ def test_health_is_503_until_the_model_is_loaded(exported, monkeypatch):
 
 
 def test_shutdown_finishes_running_work_within_the_grace_period(exported):
-    from dbs_fast.batcher import Batcher, Job
+    from dbs_fast.serving.batcher import Batcher, Job
 
     dbs = DirectedBeamSearch(exported["gpt2"])
     cfg = replace(DBSConfig(), **{**SMALL, "max_new_tokens": 64, "stop": "max"})     # 16 chunks: still running
@@ -321,8 +321,8 @@ def test_a_closed_loop_clients_next_request_joins_the_boundary_where_its_last_on
     C's next one (B's only chunk: it ends with it); without, B waits for the chunk that has already
     started. The server's metrics count each wait at a boundary where requests ended: returned
     (B came in time), or timeout (nobody came)."""
-    from dbs_fast.batcher import Batcher, Job
-    from dbs_fast.service import Metrics
+    from dbs_fast.serving.batcher import Batcher, Job
+    from dbs_fast.serving.service import Metrics
 
     short = replace(DBSConfig(), **{**SMALL, "max_new_tokens": 4, "stop": "max"})       # one chunk
     long = replace(DBSConfig(), **{**SMALL, "max_new_tokens": 64, "stop": "max"})       # 16 chunks
@@ -376,9 +376,10 @@ def test_a_long_context_joins_a_running_batch_in_pieces_between_its_chunks(expor
     """A context of several prefill slices that would join a running batch is prefilled one slice
     per chunk boundary into the context store (the running request's chunks go on between the
     pieces), then admitted; its result is the one it gets alone with no store at all."""
-    from dbs_fast import batcher, decoder
-    from dbs_fast.batcher import Batcher, Job
-    from dbs_fast.decoder import ContextStore
+    from dbs_fast.kv import decoder
+    from dbs_fast.kv.decoder import ContextStore
+    from dbs_fast.serving import batcher
+    from dbs_fast.serving.batcher import Batcher, Job
 
     monkeypatch.setattr(decoder, "PREFILL_SLICE", 4)
     monkeypatch.setattr(batcher, "PREFILL_SLICE", 4)

@@ -4,10 +4,15 @@ import struct
 import numpy as np
 import pytest
 
-from dbs_fast import occurrence
-from dbs_fast.constraints import parse_keyword
-from dbs_fast.embeddings import Embeddings, SimilarityTable, sparse_error, token_word
 from dbs_fast.errors import DBSError
+from dbs_fast.text import occurrence
+from dbs_fast.text.constraints import parse_keyword
+from dbs_fast.text.embeddings import (
+    Embeddings,
+    SimilarityTable,
+    sparse_error,
+    token_word,
+)
 
 
 def test_occurrence_tricky_text():
@@ -95,8 +100,8 @@ def test_an_underscore_piece_continues_the_word_before_it():
     """"music" + "_making" is one string, not the keyword and a new word: a token that starts with
     an underscore counts as a word piece, so it is never boosted as a word start and never glued
     onto a keyword just completed."""
-    from dbs_fast.occurrence import word_piece_tokens
-    from dbs_fast.words import starts_word
+    from dbs_fast.text.occurrence import word_piece_tokens
+    from dbs_fast.text.words import starts_word
 
     assert starts_word("_making") and starts_word("ing") and starts_word("9")
     assert not starts_word(" making") and not starts_word(".") and not starts_word("")

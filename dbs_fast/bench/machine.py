@@ -5,7 +5,7 @@ stored next to it."""
 import os
 
 from dbs_fast.cpu import cpu_signature
-from dbs_fast.prefix_cache import DECODE_GRAPH
+from dbs_fast.kv.prefix_cache import DECODE_GRAPH
 
 
 def machine() -> str:

@@ -45,11 +45,11 @@ import numpy as np
 from dbs_fast import DirectedBeamSearch
 from dbs_fast.bench.machine import machine
 from dbs_fast.config import DBSConfig
-from dbs_fast.embeddings import Embeddings, SimilarityTable
 from dbs_fast.errors import DBSError
+from dbs_fast.kv.prefix_cache import DECODE_GRAPH
 from dbs_fast.manifest import current_export
-from dbs_fast.prefix_cache import DECODE_GRAPH
 from dbs_fast.runtime import cuda_fallback_ops, session_options
+from dbs_fast.text.embeddings import Embeddings, SimilarityTable
 
 CONTEXT = "It is"
 KEYWORD_SETS = [["enemy", "speed", "meet", "colony", "mouth"],

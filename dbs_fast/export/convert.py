@@ -20,9 +20,9 @@ from pathlib import Path
 from dbs_fast.cpu import cpu_signature
 from dbs_fast.errors import DBSError
 from dbs_fast.home import embedded_model_dir
+from dbs_fast.kv.prefix_cache import DECODE_GRAPH
 from dbs_fast.manifest import EXPORT_FORMAT_VERSION, MANIFEST, current_export
 from dbs_fast.model import OnnxModel
-from dbs_fast.prefix_cache import DECODE_GRAPH
 
 from . import parity as parity_mod
 from .source import Source, check_supported, load_config, load_torch_model, resolve

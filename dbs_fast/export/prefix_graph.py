@@ -20,7 +20,7 @@ every step. This graph takes three levels of cache:
 and returns `logits` (N, vocab) of each row's last new token and only the new tokens'
 `new.L.key/value` (b, kv_heads, s, L, head_dim): with L = 1 that is one slot of the chunk buffer,
 and the host binds it there, so the graph writes the new K/V in place; the kept rows' chunks are
-appended to the prefixes once per chunk (`dbs_fast.prefix_cache.PrefixCache`). Nothing per step
+appended to the prefixes once per chunk (`dbs_fast.kv.prefix_cache.PrefixCache`). Nothing per step
 copies the context or the prefix, and the chunk is bound only as far as it is decoded (U = max(1,
 slots used), a contiguous view of the slot-major buffer). A decode step has L = 1; a prefill
 runs a (left-padded) context as L new tokens per call over the columns before them as context.
@@ -43,9 +43,9 @@ import math
 from pathlib import Path
 from typing import NamedTuple
 
-from dbs_fast.decoder import PrefixDecoder
+from dbs_fast.kv.decoder import PrefixDecoder
+from dbs_fast.kv.prefix_cache import DECODE_GRAPH, PrefixCache
 from dbs_fast.model import OnnxModel
-from dbs_fast.prefix_cache import DECODE_GRAPH, PrefixCache
 
 MASKED = -1e4     # additive bias of a masked key (finite, see export/fuse.py)
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dbs_fast.kv.prefix_cache import DECODE_GRAPH
 from dbs_fast.manifest import MANIFEST
-from dbs_fast.prefix_cache import DECODE_GRAPH
 from dbs_fast.runtime import make_session
 
 BEAMS, CANDIDATES, PREFIX, CONTEXT = 7, 10, 47, 2

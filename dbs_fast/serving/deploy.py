@@ -1,14 +1,14 @@
 """The same service on Ray Serve: N replicas, each with its own engine (model, batcher, metrics).
 
 Ray Serve's proxy spreads requests over the replicas; inside a replica the FastAPI app of
-`dbs_fast.service` runs unchanged (continuous batching, streaming, 422/429). On a laptop:
+`dbs_fast.serving.service` runs unchanged (continuous batching, streaming, 422/429). On a laptop:
 
     dbs-fast serve --ray-replicas 2                 # starts a local Ray, serves on --port
 
 On a cluster (`ray start --head` on one node, `ray start --address HEAD:6379` on the others):
 
     dbs-fast serve --ray-replicas 8 --ray-address auto
-    serve run dbs_fast.deploy:build replicas=8 model=/shared/models/smollm2   # Ray's own CLI
+    serve run dbs_fast.serving.deploy:build replicas=8 model=/shared/models/smollm2   # Ray's own CLI
 
 Each replica reserves `--ray-cpus` CPUs (default: its --threads, else 1) so Ray places them
 where cores are free, and with `--provider cuda` `--ray-gpus` GPUs (default 1; a fraction shares
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 from typing import get_args
 
-from .errors import DBSError
+from ..errors import DBSError
 from .service import ServiceOptions, create_app
 
 
@@ -53,7 +53,7 @@ def application(opts: ServiceOptions, replicas: int = 1, cpus: float | None = No
 
 
 def build(args: dict):
-    """Application builder for Ray's CLI: `serve run dbs_fast.deploy:build replicas=4 model=DIR`."""
+    """Application builder for Ray's CLI: `serve run dbs_fast.serving.deploy:build replicas=4 model=DIR`."""
     names = {f.name: _parse(f.type) for f in fields(ServiceOptions)}     # option -> str parser, from its type
     args = dict(args)
     replicas = int(args.pop("replicas", 1))

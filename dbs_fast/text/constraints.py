@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import DBSError
+from ..kernels import csr_boosts
 from .embeddings import SimilarityTable, SparseBoost
-from .errors import DBSError
-from .kernels import csr_boosts
 from .occurrence import pattern
 from .words import WORD, Keyword  # noqa: F401  (Keyword: its parser is here)
 

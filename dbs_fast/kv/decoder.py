@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..runtime import make_session
 from .prefix_cache import HOST, PrefixCache
-from .runtime import make_session
 
 # context columns per prefill call: the attention scores of a call are (rows, heads, slice, slice +
 # columns before it), so slices keep a long context's transient memory linear in its length

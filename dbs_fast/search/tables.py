@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import DBSConfig
-from .constraints import BoostTable, SequenceTable
+from ..config import DBSConfig
+from ..text.constraints import BoostTable, SequenceTable
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import guidance, occurrence, quality
-from .config import DBSConfig
-from .constraints import Healing, Keyword
+from ..config import DBSConfig
+from ..text import occurrence
+from ..text.constraints import Healing, Keyword
+from . import guidance, quality
 from .rows import Rows
 from .tables import BatchTables
 
@@ -287,7 +288,7 @@ class BeamSearch:
         cut = self.tables.tail[rows.req[list(idx)]]
         return [t[c:] for t, c in zip(self.be.decode_batch([rows.generated(i) for i in idx]), cut)]
 
-    # -- guidance (dbs_fast.guidance): what steers each row at a step --------------------------
+    # -- guidance (dbs_fast.search.guidance): what steers each row at a step --------------------------
     def _remaining(self, rows: Rows, seen) -> np.ndarray:
         return guidance.remaining(self.tables, rows, seen)
 

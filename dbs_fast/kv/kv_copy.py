@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .numba_runtime import njit, prange, start_threads
+from ..numba_runtime import njit, prange, start_threads
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -21,11 +21,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from ..config import JSON_NAMES, SEED_MAX, TASKS, body_attr, preset
+from ..home import EMBEDDED_DIRS
+from ..search.result import GenerationResult
+from ..text.chat import ChatTemplate
 from .bodies import body_config, option_fields
-from .chat import ChatTemplate
-from .config import JSON_NAMES, SEED_MAX, TASKS, body_attr, preset
-from .home import EMBEDDED_DIRS
-from .result import GenerationResult
 
 # DBSConfig fields the standard fields set, and the name a 422 gives them here
 STANDARD = {"max_new_tokens": "max_tokens"}

@@ -12,7 +12,7 @@ of speech (a word may be covered through any reading of it).
 """
 from __future__ import annotations
 
-from .words import lemmas, words
+from ..text.words import lemmas, words
 
 
 def ngrams(ws: list[str], n: int) -> list[tuple[str, ...]]:

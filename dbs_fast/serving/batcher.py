@@ -8,7 +8,7 @@ batch is prefilled in pieces first, one slice into the context store between chu
 requests with other settings take turns chunk by chunk). At a boundary where requests have
 just ended, it first waits up to `admit_wait` seconds for their clients' next requests
 (`_await_returns`). A job leaves with its result when its request ends. Events go back to the asyncio side through `Job.send`; the loop never blocks
-on a client. The HTTP layer is `dbs_fast.service`; this module knows nothing of HTTP.
+on a client. The HTTP layer is `dbs_fast.serving.service`; this module knows nothing of HTTP.
 """
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from . import occurrence
-from .api import Batch, DirectedBeamSearch
-from .beam import Request
-from .config import DBSConfig
-from .decoder import PREFILL_SLICE
+from ..api import Batch, DirectedBeamSearch
+from ..config import DBSConfig
+from ..kv.decoder import PREFILL_SLICE
+from ..search.beam import Request
+from ..text import occurrence
 
 
 @dataclass(eq=False)

@@ -8,9 +8,9 @@ import math
 
 import numpy as np
 
-from . import occurrence
-from .config import DBSConfig
-from .constraints import Keyword
+from ..config import DBSConfig
+from ..text import occurrence
+from ..text.constraints import Keyword
 
 
 def popcount(x: np.ndarray) -> np.ndarray:

@@ -9,10 +9,10 @@ from typing import Callable
 
 import numpy as np
 
-from . import occurrence
+from ..config import DBSConfig
+from ..text import occurrence
+from ..text.constraints import Keyword
 from .beam import Finished
-from .config import DBSConfig
-from .constraints import Keyword
 
 
 @dataclass

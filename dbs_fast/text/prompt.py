@@ -5,7 +5,7 @@ it); the prompt is never part of it. Styles (`DBSConfig.prompt_style`):
 
 - `none`: the context alone (the concepts reach the text only through guidance);
 - `instruction`: one line naming the words, before the context;
-- `chat`: the model's chat template (rendered with Jinja, `dbs_fast.chat`) with that instruction
+- `chat`: the model's chat template (rendered with Jinja, `dbs_fast.text.chat`) with that instruction
   as the user's turn; the context opens the assistant's answer;
 - `few-shot`: worked examples from CommonGen's training split (`data/commongen_train_pool.tsv`,
   never dev or test; `shots` of them), each its words and a sentence, then the request's words
@@ -19,9 +19,9 @@ from __future__ import annotations
 from functools import lru_cache
 from importlib.resources import files
 
-from .config import PROMPT_STYLES
+from ..config import PROMPT_STYLES
+from ..errors import DBSError
 from .constraints import Keyword
-from .errors import DBSError
 
 
 def _words(keywords: list[str]) -> str:

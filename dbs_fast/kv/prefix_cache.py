@@ -15,7 +15,7 @@ their own chunk (a gather of b prefixes and b chunks of <= k tokens), and emptie
 The s candidates of a kept beam are then the s rows that follow it, with no copy at all.
 
 The tensors are NumPy arrays on the host (`HostOps`), or, with the CUDA provider, ORT tensors on
-the device (`dbs_fast.device`): the cache's few tensor operations go through `PrefixCache.ops`,
+the device (`dbs_fast.kv.device`): the cache's few tensor operations go through `PrefixCache.ops`,
 so the scheduler and the step are one code path on both, and a step moves only ids, positions,
 masks and the logits between host and device (`PrefixDecoder.host_bytes` counts them).
 """
@@ -50,7 +50,7 @@ def context_blocks(beam_context: np.ndarray, R: int) -> tuple[np.ndarray, np.nda
 
 
 class HostOps:
-    """The cache's tensor operations on NumPy arrays (`dbs_fast.device.DeviceOps` has the same on a
+    """The cache's tensor operations on NumPy arrays (`dbs_fast.kv.device.DeviceOps` has the same on a
     device; the prefix extension on the host is `PrefixCache._extend`, into reused buffers)."""
 
     device = None
@@ -99,7 +99,7 @@ class PrefixCache:
     s: int
     used: int = 0              # tokens decoded in this chunk
     capacity: int = 0          # prefix columns expected at most (max_new_tokens + 1): the buffers' size
-    ops: object = HOST         # where the tensors live: HOST (NumPy) or a dbs_fast.device.DeviceOps
+    ops: object = HOST         # where the tensors live: HOST (NumPy) or a dbs_fast.kv.device.DeviceOps
     # flat buffers the cache allocated itself: `_own` backs `prefix`, `_spare` is free. The chunk
     # boundary writes the next prefixes into the spare ones and swaps (ping-pong): one copy, no
     # allocation, so no page faults, at most boundaries.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import DBSConfig
+from ..config import DBSConfig
 from .quality import lowest_bit, popcount
 from .rows import Rows
 from .tables import BatchTables

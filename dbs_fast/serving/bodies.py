@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .config import OPTIONS, body_attr, parse_bool
+from ..config import OPTIONS, body_attr, parse_bool
 
 TYPES = {int: int, float: float, str: str, parse_bool: bool, "switch": bool}   # OPTIONS' types -> JSON's
 

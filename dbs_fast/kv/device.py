@@ -1,6 +1,6 @@
 """The prefix KV cache kept on the execution provider's device (CUDA): tensors that never leave it.
 
-On the CPU the cache is NumPy arrays bound to the decode graph in place (`dbs_fast.prefix_cache`).
+On the CPU the cache is NumPy arrays bound to the decode graph in place (`dbs_fast.kv.prefix_cache`).
 With the CUDA provider those arrays would live in host memory: every step ORT would copy the
 chunk slots it reads to the GPU and the new K/V back, and every chunk the whole prefix up.
 `DeviceArray` is a tensor in ORT's memory on a device (an `OrtValue` and an offset into it, so
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .runtime import PROVIDERS
+from ..runtime import PROVIDERS
 
 F32 = np.dtype(np.float32)
 

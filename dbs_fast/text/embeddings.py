@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import DBSError
+from ..errors import DBSError
 
 _CONTRACTIONS = ("'s", "'re", "'ve", "'d", "'ll", "'m", "’s", "’re", "’ve", "’d", "’ll", "’m")
 _PUNCT = string.punctuation + "“”‘’«»…–—"

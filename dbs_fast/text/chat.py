@@ -6,7 +6,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from .errors import DBSError
+from ..errors import DBSError
 
 ROLES = ("system", "user", "assistant")
 

@@ -1,10 +1,10 @@
 """Guide-word occurrence: whole words (split on whitespace and punctuation) that match by a rule:
 - "stem" (the paper, the default): equal Porter stems ("colonies" for "colony", but also
   "performance" for "perform");
-- "lemma" (CommonGen's coverage rule, `dbs_fast.metrics.coverage`, by `words.lemmas`): the word's lemmas in any part
+- "lemma" (CommonGen's coverage rule, `dbs_fast.evaluation.metrics.coverage`, by `words.lemmas`): the word's lemmas in any part
   of speech meet the keyword word's (lemminflect: "ran" for "run", not "performance" for "perform").
 
-A keyword in the constraint syntax (`dbs_fast.constraints`) may be a phrase, whose words must
+A keyword in the constraint syntax (`dbs_fast.text.constraints`) may be a phrase, whose words must
 follow one another, or alternatives separated by `|`, any of which counts.
 """
 from __future__ import annotations

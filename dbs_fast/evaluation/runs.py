@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from dbs_fast.errors import DBSError
-from dbs_fast.metrics import coverage, distinct_n, rep_n
-from dbs_fast.words import words
+from dbs_fast.evaluation.metrics import coverage, distinct_n, rep_n
+from dbs_fast.text.words import words
 
 # NLTK's English stop-word list (the corpus download is not available offline).
 STOP_WORDS = set("""i me my myself we our ours ourselves you you're you've you'll you'd your yours yourself

@@ -1,0 +1,1 @@
+"""Evaluation: the keyword-to-phrase and CommonGen runs, the judge model, text metrics."""

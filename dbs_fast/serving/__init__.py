@@ -1,0 +1,1 @@
+"""The service: HTTP (FastAPI), the OpenAI-compatible endpoints, continuous batching, Ray Serve."""

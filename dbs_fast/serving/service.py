@@ -1,0 +1,545 @@
+"""`dbs-fast serve`: the engine over HTTP, a layer on top of it (FastAPI + uvicorn).
+
+FastAPI rather than bare Starlette: the request body is declared once as a pydantic model
+(derived from `config.OPTIONS`, as the CLI flags are), so a wrong type or an unknown field is a
+422 that names the field, and the OpenAPI page (/docs, /openapi.json) comes with it.
+
+Endpoints: POST /v1/generate (JSON, or Server-Sent Events with "stream": true), the OpenAI-compatible
+GET /v1/models, POST /v1/completions and /v1/chat/completions (`dbs_fast.serving.openai_api`), GET /health,
+GET /metrics (Prometheus text), GET /docs (Swagger UI from local files). One `Batcher` thread owns
+the model (continuous batching at chunk boundaries, `dbs_fast.serving.batcher`); handlers only validate,
+queue and wait. With an API key, /v1/* needs `Authorization: Bearer <key>`.
+"""
+
+import asyncio
+import functools
+import hmac
+import json
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal, Optional, Union
+
+from ..config import (
+    DEFAULT_CONTEXT,
+    JSON_NAMES,
+    SEED_MAX,
+    TASKS,
+    DBSConfig,
+    body_attr,
+    preset,
+)
+from ..errors import DBSError
+from ..kv.prefix_cache import KV_LAYOUTS
+from . import openai_api as oa
+from .batcher import Batcher, Job
+from .bodies import body_config, fault, option_fields
+
+if TYPE_CHECKING:
+    from .batcher import Job
+
+SERVE_EXTRA = "pip install 'dbs-fast[serve]'"
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    model: str = "default"
+    embeddings: str = "default"
+    max_rows: int = 140            # rows decoded together: two paper-setting requests (b*s = 70) at once,
+    #                                or 35 small ones (b = s = 2); a 70-row step is compute-bound on 2 cores
+    max_queue: int = 64            # requests waiting beyond that are refused (429)
+    threads: Optional[int] = None
+    provider: str = "cpu"
+    kv_layout: str = "auto"        # the prefix cache where the export has it (see DirectedBeamSearch)
+    timeout: float = 300.0         # per request, seconds (a request may ask for less)
+    grace: float = 30.0            # at shutdown: seconds to finish running requests before cancelling them
+    admit_wait: float = 0.1        # at a boundary where requests ended: seconds to wait for their clients' next
+    #                                ones (closed-loop clients), so that they join this chunk, not the next;
+    #                                over HTTP on loopback they came back in 30-65 ms (docs/design/batching.md)
+    chunked_prefill: bool = True   # a long context joins a running batch one prefill slice per chunk boundary
+    api_key: Optional[str] = None  # requests to /v1/* need `Authorization: Bearer <key>` (None: open)
+    auth_health: bool = False      # /health and /metrics need the key too
+    max_body_bytes: int = 1 << 20  # a larger request body is refused (413) before it is read
+    cors_origins: tuple = ()       # origins allowed by CORS (none: no CORS headers)
+
+    def __post_init__(self):
+        for name in ("max_rows", "max_queue", "max_body_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise DBSError(f"`--{name.replace('_', '-')}` must be an integer >= 1, got {v!r}")
+        if self.threads is not None and self.threads < 1:
+            raise DBSError(f"`--threads` must be >= 1, got {self.threads}")
+        if not self.timeout > 0:
+            raise DBSError(f"`--timeout` must be > 0 seconds, got {self.timeout}")
+        if not 0 <= self.admit_wait <= 1:
+            raise DBSError(f"`--admit-wait` must be in 0..1 seconds, got {self.admit_wait}")
+
+        if self.kv_layout not in KV_LAYOUTS:
+            raise DBSError(f"`--kv-layout` must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+
+
+FIELD_OF = JSON_NAMES                                        # DBSConfig field -> JSON field
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")   # bad input answered in OpenAI's error shape
+
+
+@functools.cache
+def request_model():
+    """The body of POST /v1/generate: context, constraints, seed, stream, and every option of
+    `dbs-fast generate` (`config.OPTIONS`), named like its flag. Unknown fields are refused."""
+    from pydantic import Field, create_model
+
+    fields = {
+        "context": (Optional[str], Field(None, description=f"text to continue (empty: a new document; default "
+                                                           f"{DEFAULT_CONTEXT!r}, or the task's context)")),
+        "task": (Optional[Literal[TASKS]], Field(None, description="a task preset: commongen (one sentence "
+                                                                   "from unordered concepts)")),
+        "keywords": (Union[str, list[str]], Field(..., description='"enemy,speed" or a list; "a|b" alternatives, '
+                                                                  'spaces make a phrase')),
+        "ban": (Optional[Union[str, list[str]]], Field(None, description="words that must not appear")),
+        "seed": (int, Field(0, ge=0, le=SEED_MAX, description="0..2**63-1; the same seed gives the same text")),
+        "stream": (bool, Field(False, description="Server-Sent Events: one per chunk, then the result")),
+        "paper": (bool, Field(False, description="start from the paper's settings instead of the default")),
+        "unguided": (bool, Field(False, description="the baseline: no boosts")),
+        "timeout": (Optional[float], Field(None, gt=0, description="seconds; at most the server's --timeout")),
+    }
+    return create_model("GenerateRequest", __config__=body_config(), **fields, **option_fields(JSON_NAMES))
+
+
+class Invalid(Exception):
+    """Bad input: the field and the value, for a 422 in FastAPI's own shape."""
+
+    def __init__(self, field: str, value, msg: str):
+        super().__init__(msg)
+        self.field, self.value, self.msg = field, value, msg
+
+    def detail(self) -> dict:
+        return {"detail": [{"type": "value_error", "loc": ["body", self.field], "msg": self.msg,
+                            "input": self.value}]}
+
+
+class Metrics:
+    """Prometheus metrics of one server (its own registry: several apps can live in a process)."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("dbs_requests", "requests by final status (ok, invalid, refused, timeout, "
+                                "disconnected, shutdown, error)", ["status"], registry=r)
+        self.queue = Gauge("dbs_queue_depth", "requests waiting for rows", registry=r)
+        self.rows = Gauge("dbs_batch_rows", "candidate rows in the running batches", registry=r)
+        self.tokens = Counter("dbs_candidate_tokens", "candidate tokens sampled", registry=r)
+        self.rate = Gauge("dbs_candidate_tokens_per_second", "candidate tokens/s of the last chunk", registry=r)
+        self.moved = Counter("dbs_host_device_bytes", "bytes the decode graph bound from host memory (with "
+                             "--provider cuda: copied between host and GPU; the prefix cache only)", registry=r)
+        self.chunks = Histogram("dbs_chunk_seconds", "seconds per chunk of a running batch", registry=r,
+                                buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30))
+        self.store = None                  # the engine's ContextStore, once loaded (None: off)
+        for name, what, stat in (("hits", "prefills that reused a stored context prefix", "hits"),
+                                 ("lookups", "prefills that looked in the context store", "lookups"),
+                                 ("reused_tokens", "context tokens taken from the store instead of prefilled",
+                                  "reused_tokens"),
+                                 ("context_tokens", "context tokens of the prefills that looked", "context_tokens"),
+                                 ("bytes", "bytes the context store holds", "nbytes")):
+            Gauge(f"dbs_context_cache_{name}", what, registry=r).set_function(
+                lambda stat=stat: getattr(self.store, stat, 0))
+        self.latency = Histogram("dbs_request_latency_seconds", "seconds from arrival to the result",
+                                 registry=r, buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300))
+        self.admit_waits = Histogram("dbs_admit_wait_seconds", "seconds the running batch waited at a boundary "
+                                     "where requests ended, by whether as many new ones came in time "
+                                     "(returned) or --admit-wait ran out (timeout)", ["outcome"], registry=r,
+                                     buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1))
+
+    def finished(self, status: str, latency: float | None = None) -> None:
+        self.requests.labels(status).inc()
+        if latency is not None:
+            self.latency.observe(latency)
+
+    def chunk(self, seconds: float, tokens: int, moved: int = 0) -> None:
+        self.tokens.inc(tokens)
+        self.moved.inc(moved)
+        self.rate.set(tokens / max(seconds, 1e-9))
+        self.chunks.observe(seconds)
+
+    def admit_wait(self, seconds: float, returned: bool) -> None:
+        self.admit_waits.labels("returned" if returned else "timeout").observe(seconds)
+
+    def gauges(self, queue: int, rows: int) -> None:
+        self.queue.set(queue)
+        self.rows.set(rows)
+
+
+class Service:
+    """The engine behind the app: loads the model off the event loop, then runs the batcher."""
+
+    def __init__(self, opts: ServiceOptions, dbs=None):
+        self.opts, self.dbs, self.batcher = opts, None, None
+        self.metrics = Metrics()
+        self.error: str | None = None
+        self._preloaded = dbs
+
+    def start(self) -> None:
+        threading.Thread(target=self._load, name="dbs-fast-load", daemon=True).start()
+
+    def _load(self) -> None:
+        from ..api import DirectedBeamSearch
+
+        try:
+            dbs = self._preloaded or DirectedBeamSearch(self.opts.model, self.opts.embeddings, threads=self.opts.threads,
+                                                        provider=self.opts.provider, quiet=True,
+                                                        kv_layout=self.opts.kv_layout)
+            dbs.word_piece, dbs.sentence_end                           # built once, before the first request
+            dbs.generate(DEFAULT_CONTEXT, "day", config=DBSConfig(beams=1, candidates=1, max_new_tokens=8, stop="max"))  # warm-up
+            self.metrics.store = dbs.decoder.store if dbs.decoder is not None else None
+            self.batcher = Batcher(dbs, self.opts.max_rows, self.opts.max_queue, self.metrics, self.opts.admit_wait,
+                                   self.opts.chunked_prefill)
+            self.dbs = dbs
+        except Exception as e:   # noqa: BLE001 -- reported by /health, the server stays up
+            self.error = f"{type(e).__name__}: {e}"
+
+    @property
+    def ready(self) -> bool:
+        return self.dbs is not None
+
+    def stop(self) -> None:
+        if self.batcher is not None:
+            self.batcher.stop(self.opts.grace)
+
+    # -- validation: every bad field a 422 that names it -------------------------------------
+    def job(self, body) -> "Job":
+        """A job from the body of POST /v1/generate."""
+        given = {name: getattr(body, body_attr(name, key)) for name, key in JSON_NAMES.items()}
+        if body.unguided:
+            given["guided"] = False
+        try:
+            base, context = preset(body.task, body.paper)
+        except DBSError as e:
+            raise Invalid(e.field, e.value, str(e)) from None
+        context = context if body.context is None else body.context
+        return self.make_job(context, body.keywords, body.ban, body.seed, given, base, body.timeout, body.stream)
+
+    def make_job(self, context, keywords, ban, seed, given: dict, base: DBSConfig, timeout=None,
+                 stream: bool = False, names: dict | None = None) -> "Job":
+        """A job: `base` with the options `given` (DBSConfig field -> value; None = not given), the
+        request built and checked. Invalid names the request field (`names`: DBSConfig field ->
+        the endpoint's name for it; default the /v1/generate names)."""
+        names = {**FIELD_OF, **(names or {})}
+        try:
+            cfg = replace(base, **{k: v for k, v in given.items() if v is not None})
+            request = self.dbs.request(context, keywords, ban, seed, cfg)
+        except DBSError as e:
+            raise Invalid(names.get(e.field, e.field or "body"), e.value, str(e)) from None
+        if cfg.beams * cfg.candidates > self.opts.max_rows:
+            field = "beams" if cfg.beams > cfg.candidates else "candidates"     # the larger of the two
+            raise Invalid(field, getattr(cfg, field), f"beams x candidates = {cfg.beams * cfg.candidates} rows, "
+                                                      f"more than this server's --max-rows {self.opts.max_rows}")
+        timeout = min(timeout or self.opts.timeout, self.opts.timeout)
+        return Job(request, cfg, send=None, stream=stream, deadline=time.perf_counter() + timeout)
+
+
+def _sse(kind: str, payload) -> str:
+    return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+
+
+def create_app(opts: ServiceOptions | None = None, dbs=None):
+    """The FastAPI app; `dbs`: an already built `DirectedBeamSearch` to serve (tests, Ray)."""
+    try:
+        from fastapi import FastAPI, Request
+        from fastapi.exception_handlers import (
+            http_exception_handler,
+            request_validation_exception_handler,
+        )
+        from fastapi.exceptions import RequestValidationError
+        from fastapi.openapi.docs import get_swagger_ui_html
+        from fastapi.responses import (
+            JSONResponse,
+            PlainTextResponse,
+            Response,
+            StreamingResponse,
+        )
+        from starlette.concurrency import run_in_threadpool
+        from starlette.exceptions import HTTPException as StarletteHTTPException
+    except ImportError as e:
+        raise DBSError(f"the service needs the serve extra: {SERVE_EXTRA} (missing: {e.name})") from None
+    GenerateRequest = request_model()          # evaluated below as the bodies' annotations
+    CompletionRequest, ChatRequest = oa.completion_model(), oa.chat_model()
+    opts = opts or ServiceOptions()
+    svc = Service(opts, dbs)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        svc.start()
+        yield
+        await run_in_threadpool(svc.stop)
+
+    app = FastAPI(title="dbs-fast", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="Directed Beam Search: text that contains the keywords you ask for.")
+    app.state.service = svc
+    _guard(app, opts, svc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request, exc):           # pydantic's 422 (types, ranges, unknown fields), counted
+        if request.url.path in OPENAI_PATHS:        # in OpenAI's error shape, `param` naming the field
+            param, msg = fault(exc.errors())
+            return openai_error(422, "invalid", msg, param)
+        svc.metrics.finished("invalid")
+        return await request_validation_exception_handler(request, exc)
+
+    def refuse(status: int, label: str, detail, retry: int | None = None):
+        svc.metrics.finished(label)
+        headers = {"Retry-After": str(retry)} if retry is not None else None
+        return JSONResponse(detail if isinstance(detail, dict) else {"detail": detail}, status, headers=headers)
+
+    def openai_error(status: int, label: str, msg: str, param=None, retry: int | None = None):
+        return refuse(status, label, oa.error_body(status, msg, param), retry)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc):             # an unknown path or method under /v1/: OpenAI's shape too
+        if request.url.path.startswith("/v1/") and request.url.path != "/v1/generate":
+            return JSONResponse(oa.error_body(exc.status_code, str(exc.detail)), exc.status_code,
+                                headers=getattr(exc, "headers", None))
+        return await http_exception_handler(request, exc)
+
+    swagger = _swagger_assets()
+    if swagger is not None:
+        from starlette.staticfiles import StaticFiles
+
+        app.mount("/docs-assets", StaticFiles(directory=swagger), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        if swagger is None:
+            return PlainTextResponse("the API page needs swagger-ui-bundle (the serve extra); the schema is at "
+                                     "/openapi.json", 404)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="dbs-fast API",
+                                   swagger_js_url="/docs-assets/swagger-ui-bundle.js",
+                                   swagger_css_url="/docs-assets/swagger-ui.css",
+                                   swagger_favicon_url="/docs-assets/favicon-32x32.png")
+
+    @app.get("/health")
+    async def health():
+        if svc.error:
+            return JSONResponse({"status": "failed", "detail": svc.error}, 503)
+        if not svc.ready:
+            return JSONResponse({"status": "loading"}, 503)
+        b = svc.batcher
+        return {"status": "ready", "model": str(svc.dbs.model_dir), "rows": b.rows, "max_rows": b.max_rows,
+                "queue": b.queue_depth, "max_queue": b.max_queue}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def submit(job):
+        """The job queued, with the queue its events arrive on; None when the queue is full."""
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        job.send = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+        return events if svc.batcher.submit(job) else None
+
+    async def outcome(job, events, request: Request):
+        """("result", payload), ("error", (status, detail)), or a Response for a client gone or a timeout."""
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(events.get(), 0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    svc.batcher.cancel(job, "disconnected")
+                    return PlainTextResponse("client disconnected", 499)
+                if time.perf_counter() > job.deadline + 1.0:    # the engine is inside a long chunk
+                    svc.batcher.cancel(job, "timeout")
+                    return JSONResponse({"detail": "the request timed out"}, 504)
+                continue
+            if kind in ("result", "error"):
+                return kind, payload
+
+    @app.post("/v1/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        """The same JSON as `dbs-fast generate --format json`; with "stream": true, Server-Sent
+        Events: `chunk` events ({"chunk", "text": the generated text already certain, a snapshot
+        that only grows, "found"}), then `result` (or `error` with {"status", "detail"})."""
+        if not svc.ready:
+            return refuse(503, "error", svc.error or "the model is loading", retry=5)
+        try:
+            job = svc.job(body)
+        except Invalid as e:
+            return refuse(422, "invalid", e.detail())
+        events = submit(job)
+        if events is None:
+            return refuse(429, "refused", f"the queue is full ({opts.max_queue} waiting); retry later",
+                          retry=svc.batcher.retry_after())
+        if body.stream:
+            return StreamingResponse(_stream(job, events), media_type="text/event-stream")
+        got = await outcome(job, events, request)
+        if not isinstance(got, tuple):
+            return got
+        kind, payload = got
+        return JSONResponse(payload.to_json()) if kind == "result" else JSONResponse({"detail": payload[1]}, payload[0])
+
+    async def _stream(job, events):
+        done = False
+        try:
+            while True:
+                kind, payload = await events.get()
+                if kind == "error":
+                    status, detail = payload
+                    payload = {"status": status, "detail": detail}
+                elif kind == "result":
+                    payload = payload.to_json()
+                done = kind in ("result", "error")
+                yield _sse(kind, payload)
+                if done:
+                    return
+        finally:
+            if not done:                 # the client went away: its rows leave at the next boundary
+                svc.batcher.cancel(job, "disconnected")
+
+    @app.get("/v1/models")
+    async def models():
+        """The served model, in OpenAI's shape."""
+        return oa.models_list(opts.model)
+
+    async def openai_answer(body, request: Request, chat: bool):
+        if not svc.ready:
+            return openai_error(503, "error", svc.error or "the model is loading", retry=5)
+        try:
+            template = svc.dbs.chat_template if chat else None
+            args = oa.job_arguments(body, opts.model, svc.dbs.config.beams, template, chat)
+            stops = args.pop("stops")
+            job = svc.make_job(**args)
+        except oa.Refused as e:
+            return refuse(e.status, "invalid", e.body())
+        except Invalid as e:
+            return openai_error(422, "invalid", e.msg, e.field)
+        except DBSError as e:
+            return openai_error(422, "invalid", str(e), e.field)
+        reply = oa.Reply(chat, body.model, stops, body.n)
+        events = submit(job)
+        if events is None:
+            return openai_error(429, "refused", f"the queue is full ({opts.max_queue} waiting); retry later",
+                                retry=svc.batcher.retry_after())
+        if body.stream:
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_openai_stream(job, events, reply, usage), media_type="text/event-stream")
+        got = await outcome(job, events, request)
+        if not isinstance(got, tuple):
+            return got
+        kind, payload = got
+        if kind == "error":
+            return JSONResponse(oa.error_body(payload[0], payload[1]), payload[0])
+        return JSONResponse(reply.final(payload))
+
+    async def _openai_stream(job, events, reply, usage: bool):
+        done = False
+        try:
+            first = reply.start()
+            if first:
+                yield first
+            while True:
+                kind, payload = await events.get()
+                if kind == "chunk":
+                    piece = reply.certain(payload["text"])
+                    if piece:
+                        yield piece
+                    continue
+                done = True
+                for piece in reply.end(payload, usage) if kind == "result" else reply.error(*payload):
+                    yield piece
+                return
+        finally:
+            if not done:
+                svc.batcher.cancel(job, "disconnected")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        """OpenAI's completions: `prompt` is the context; the keywords and every DBS option are
+        extra body fields (see `dbs_fast.serving.openai_api`)."""
+        return await openai_answer(body, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        """OpenAI's chat completions: `messages` through the model's chat template; the keywords
+        and every DBS option are extra body fields."""
+        return await openai_answer(body, request, chat=True)
+
+    return app
+
+
+def _swagger_assets() -> str | None:
+    """The Swagger UI files of the swagger-ui-bundle package (served locally: /docs works offline)."""
+    try:
+        from swagger_ui_bundle import swagger_ui_path
+    except ImportError:
+        return None
+    return str(swagger_ui_path)
+
+
+class Guard:
+    """API key and request body size, before any route runs: a plain ASGI middleware (no task or
+    body copy per request, as Starlette's BaseHTTPMiddleware makes); a body without a length is
+    read only up to the limit."""
+
+    def __init__(self, app, opts: ServiceOptions, svc: "Service"):
+        self.app, self.opts, self.svc = app, opts, svc
+        self.protected = ("/v1/",) + (("/health", "/metrics") if opts.auth_health else ())
+        self.expected = f"Bearer {opts.api_key}" if opts.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        from starlette.datastructures import Headers
+        from starlette.responses import JSONResponse
+
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers, limit = Headers(scope=scope), self.opts.max_body_bytes
+        msg = f"the request body is over {limit} bytes"
+        too_big = JSONResponse(oa.error_body(413, msg) if scope["path"] in OPENAI_PATHS else {"detail": msg}, 413)
+        if self.expected and scope["path"].startswith(self.protected) and \
+                not hmac.compare_digest(headers.get("authorization", ""), self.expected):
+            self.svc.metrics.finished("unauthorized")
+            return await JSONResponse(
+                oa.error_body(401, "a valid API key is needed: `Authorization: Bearer <key>`", code="invalid_api_key"),
+                401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        size = headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > limit):
+            self.svc.metrics.finished("invalid")
+            return await too_big(scope, receive, send)
+        if size is None and scope["method"] == "POST":     # a chunked body: read it up to the limit
+            got, n = [], 0
+            while True:
+                message = await receive()
+                got.append(message)
+                if message["type"] != "http.request":
+                    break
+                n += len(message.get("body", b""))
+                if n > limit:
+                    self.svc.metrics.finished("invalid")
+                    return await too_big(scope, receive, send)
+                if not message.get("more_body", False):
+                    break
+
+            async def replay():
+                return got.pop(0) if got else await receive()
+
+            return await self.app(scope, replay, send)
+        return await self.app(scope, receive, send)
+
+
+def _guard(app, opts: ServiceOptions, svc: "Service") -> None:
+    """API key, request body size and CORS, before any route runs."""
+    app.add_middleware(Guard, opts=opts, svc=svc)
+    if opts.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(opts.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+
+
+def serve(opts: ServiceOptions, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Run the server until SIGINT/SIGTERM (uvicorn), then shut down gracefully."""
+    try:
+        import uvicorn
+    except ImportError as e:
+        raise DBSError(f"the service needs the serve extra: {SERVE_EXTRA} (missing: {e.name})") from None
+    uvicorn.run(create_app(opts), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=opts.grace)
