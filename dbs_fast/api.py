@@ -307,7 +307,7 @@ class DirectedBeamSearch:
         batch.admit(reqs)
         return batch.run()
 
-    def search(self, cfg: DBSConfig, progress=None) -> BeamSearch:
+    def beam_search(self, cfg: DBSConfig, progress=None) -> BeamSearch:
         """An empty scheduler for `cfg` on this model: on the prefix cache where the export has a
         decode graph, else on one cache row per candidate."""
         be = self.backend
@@ -324,7 +324,7 @@ class Batch:
 
     def __init__(self, dbs: DirectedBeamSearch, config: DBSConfig, progress=None):
         self.dbs, self.config = dbs, config
-        self.search = dbs.search(config, progress)
+        self.search = dbs.beam_search(config, progress)
 
     @property
     def requests(self) -> list[Request]:

@@ -242,7 +242,7 @@ def test_token_healing_first_token_rewrites_the_contexts_end(dbs, context):
     kernel and the PyTorch baseline alike), and the result continues the context as given."""
     req = dbs.request(context, KW, seed=1)
     assert req.heal is not None and dbs.backend.decode_batch([req.context_ids])[0] + req.heal.tail == context
-    search = dbs.search(SMALL)
+    search = dbs.beam_search(SMALL)
     search.admit([req])
     fin = search.run()[0]
     firsts = dbs.backend.decode_batch([[t] for t in fin.rows.tokens[:, 0]])
@@ -299,7 +299,7 @@ def _marked_sentence_ends(exported):
     stop[list(d.backend.eos_ids)] = True
 
     def tokens(cfg):
-        search = d.search(cfg)
+        search = d.beam_search(cfg)
         search.admit([d.request("It is", KW, seed=s, config=cfg) for s in range(3)])
         return np.concatenate([f.rows.tokens for f in search.run()])
     return stop, tokens

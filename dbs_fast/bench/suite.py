@@ -57,7 +57,10 @@ KEYWORD_SETS = [["enemy", "speed", "meet", "colony", "mouth"],
                 ["market", "storm", "letter", "horse", "silver"]]
 CONTENDERS = ("onnx-fp32", "onnx-int8", "onnx-fp32-rows", "onnx-int8-rows", "torch-fp32", "reference")
 ENGINES = tuple(c for c in CONTENDERS if c != "reference")
-STAGES = ("model", "kernel", "kv_gather", "scorer", "text", "python")
+# seconds per step by stage (the search's `timed` labels): the model call; sample = guidance and the
+# kernel's draw; the kv gather of the kept beams; the scorer; quality = keyword credit and Q; text =
+# detokenising and keyword detection; python = the rest (scheduling glue)
+STAGES = ("model", "sample", "kv_gather", "scorer", "quality", "text", "python")
 SHARED_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "data" / "gpt2-tokenizer"
 
 
@@ -570,7 +573,7 @@ def _ratios(res: dict, cfg: DBSConfig) -> None:
                     d / (n * (m + kv) / roof["rows"])
                     for d, n, m in zip(c[k]["decode_seconds_all"], c[k]["candidate_tokens_all"], mm))
         st = c[k]["stage_ms_per_step"]
-        r[f"{k}_scheduling_share"] = (st["kv_gather"] + st["python"] + st["text"]) / c[k]["step_ms"]
+        r[f"{k}_scheduling_share"] = (st["kv_gather"] + st["python"] + st["text"] + st["quality"]) / c[k]["step_ms"]
         r[f"{k}_peak_vs_budget"] = c[k]["peak_rss_bytes"] / res["memory_budget_bytes"][k]
     res["ratios"] = r
 
@@ -606,18 +609,18 @@ def markdown(report: dict) -> str:
                   + (f" {', '.join(res['in_turns'])} took turns, one generation each per round (ABC CBA ...); "
                      f"the others ran one after another." if res.get("in_turns") else ""), "",
                   "| contender | KV layout | s/generation (median, min-max) | candidate tok/s | step ms | x roofline | "
-                  "x same-load roofline | model | kernel | kv gather | scorer | text | python | KV cache MB | "
+                  "x same-load roofline | model | sample | kv gather | scorer | quality | text | python | KV cache MB | "
                   "peak RSS GB (budget) | cold start s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         ratios = res.get("ratios", {})
         for c, r in res["contenders"].items():
             if "error" in r:
                 err = r["error"].splitlines()          # "worker exited N: <its log's last lines>": the last one says why
-                lines.append(f"| {c} | failed: {err[-1].strip()[:120]} |" + " |" * 14)
+                lines.append(f"| {c} | failed: {err[-1].strip()[:120]} |" + " |" * 15)
             elif c == "reference":
                 lines.append(f"| reference (batch 1, no cache) | none | {r['extrapolated_seconds_per_generation']:.0f} "
                              f"(extrapolated) | {1 / r['seconds_per_candidate_token']:.2f} | "
-                             f"{r['seconds_per_candidate_token'] * 1e3:.0f} per token | | | | | | | | | | "
+                             f"{r['seconds_per_candidate_token'] * 1e3:.0f} per token | | | | | | | | | | | "
                              f"{r['peak_rss_bytes'] / 1e9:.2f} | {r['cold_start_seconds']:.1f} |")
             else:
                 st = r["stage_ms_per_step"]

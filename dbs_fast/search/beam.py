@@ -314,7 +314,7 @@ class BeamSearch:
                 self._next_logits(d.ids)
         return rows, rows.tokens[:, base:]
 
-    @timed("kernel")
+    @timed("sample")
     def _draw(self, rows: Rows, seen: np.ndarray, col: int, boost_first) -> Draw:
         """The next token of every row: guidance, forcing, bans and repetition rules, then the kernel."""
         cfg, tb = self.cfg, self.tables
@@ -400,7 +400,7 @@ class BeamSearch:
         rows.logp[:, -k:] = lp
         return lp
 
-    @timed("text")
+    @timed("quality")
     def _quality(self, rows: Rows, prefix: list[str], lp: np.ndarray, k: int) -> None:
         """Q of each candidate's chunk from its keyword credit and perplexity (`lp`: the scorer's
         log-probs), added to its parent's cumulative score `cum`."""
