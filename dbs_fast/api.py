@@ -13,7 +13,7 @@ from .home import EMBEDDED_DIRS, embedded_model_dir
 from .kv.decoder import ContextStore, PrefixDecoder
 from .kv.prefix_cache import DECODE_GRAPH, KV_LAYOUTS
 from .manifest import current_export, read_manifest
-from .model import OnnxModel
+from .model import OnnxModel, load_tokenizer
 from .numba_runtime import set_threads
 from .scorer import OnnxScorer, SelfScorer
 from .search.beam import BeamSearch, Finished, Request
@@ -96,10 +96,8 @@ def check_size(cfg: DBSConfig, context_tokens: int, manifest: dict) -> None:
 def preflight(model, cfg: DBSConfig, context: str, quiet: bool = True) -> None:
     """`check_size` from the export's manifest and tokenizer alone, before the model loads (the
     CLI's check: a bad size fails in a second, not after loading a model)."""
-    from tokenizers import Tokenizer
-
     d = resolve_model_dir(model, quiet)
-    n = len(Tokenizer.from_file(str(d / "tokenizer.json")).encode(context or "").ids) if isinstance(context, str) else 0
+    n = len(load_tokenizer(str(d / "tokenizer.json")).encode(context or "").ids) if isinstance(context, str) else 0
     check_size(cfg, max(n, 1), read_manifest(d))
 
 

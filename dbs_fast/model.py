@@ -8,6 +8,7 @@ is the one cache operation the scheduler needs: repeat (one beam -> s candidates
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -88,6 +89,15 @@ def take_rows_in_place(src: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.take(src, rows, axis=0)
 
 
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(path: str):
+    """An export's tokenizer.json, loaded once per process (the CLI's size check before the model
+    loads and the model itself read the same one; nothing here changes a tokenizer's settings)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
 class OnnxModel:
     """A causal LM with KV cache: tokenizer + ORT session + the manifest that describes them."""
 
@@ -95,8 +105,6 @@ class OnnxModel:
                  lazy: bool = False):
         """`lazy`: open the ONNX Runtime session of model.onnx on first use (the prefix cache decodes and
         prefills with decode.onnx alone, so its weights are loaded once)."""
-        from tokenizers import Tokenizer
-
         self.dir = Path(model_dir)
         self.manifest = m = read_manifest(self.dir)
         self.num_layers = m["num_layers"]
@@ -108,7 +116,7 @@ class OnnxModel:
         self._open_args, self._session = (provider, threads), None
         if not lazy:
             self._open()
-        self.tokenizer = Tokenizer.from_file(str(self.dir / "tokenizer.json"))
+        self.tokenizer = load_tokenizer(str(self.dir / "tokenizer.json"))
 
     @property
     def session(self):

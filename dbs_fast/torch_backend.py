@@ -11,6 +11,7 @@ import numpy as np
 from .backend import left_pad
 from .errors import DBSError
 from .manifest import read_manifest
+from .model import load_tokenizer
 from .text.constraints import banned_tokens
 
 
@@ -58,8 +59,6 @@ class TorchBackend:
             from .export.source import load_torch_model, resolve
         except ImportError as e:
             raise DBSError(f"--backend torch needs the export extra: pip install 'dbs-fast[export]' ({e})") from None
-        from tokenizers import Tokenizer
-
         if threads:
             torch.set_num_threads(threads)
         self.torch = torch
@@ -69,7 +68,7 @@ class TorchBackend:
         self.device = torch.device(device)
         self.model, _ = load_torch_model(resolve(m["source"]))
         self.model.to(self.device)
-        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.tokenizer = load_tokenizer(str(model_dir / "tokenizer.json"))
         self.vocab_size = m["vocab_size"]
         self.eos_ids = tuple(m.get("eos_token_ids", []))
         self.pad_id = self.eos_ids[0] if self.eos_ids else 0

@@ -345,3 +345,16 @@ def test_next_order_guides_to_one_keyword_and_any_to_all_remaining():
     rem, seen = np.array([0b110, 0b101, 0b100]), np.array([0, 0b1, 0])
     assert list(guidance.candidates(DBSConfig(order="next"), rem, seen)) == [0b010, 0, 0b100]   # none after a hit
     assert list(guidance.candidates(DBSConfig(order="any"), rem, seen)) == [0b110, 0b101, 0b100]
+
+
+def test_the_size_check_before_loading_and_the_model_read_the_tokenizer_once(exported):
+    """The CLI checks a request's size before the model loads (`preflight`); the model then takes
+    the same tokenizer instead of reading it again."""
+    from dbs_fast.api import preflight
+    from dbs_fast.model import OnnxModel, load_tokenizer
+
+    load_tokenizer.cache_clear()
+    preflight(exported["gpt2"], SMALL, "It is")
+    model = OnnxModel(exported["gpt2"], lazy=True)
+    assert load_tokenizer.cache_info().misses == 1
+    assert model.tokenizer is load_tokenizer(str(exported["gpt2"] / "tokenizer.json"))
