@@ -299,6 +299,23 @@ def _eval_sets(a):
     return builtin_sets(a.sets)
 
 
+def _run_grid(a, dbs, cfg, sets, seed: int) -> int:
+    from pathlib import Path
+
+    from .evaluation.runs import grid_configs, run_grid
+
+    try:
+        lams = [float(x) for x in a.grid_lambdas.split(",")]
+        bs = [int(x) for x in a.grid_bs.split(",")]
+        ks = [int(x) for x in a.grid_k.split(",")]
+    except ValueError:
+        raise DBSError("--grid-lambdas, --grid-bs and --grid-k are comma-separated numbers") from None
+    run_grid(dbs, sets, Path(a.out), grid_configs(cfg, a.grid, lams, bs, ks), batch=a.batch, seed=seed)
+    print((Path(a.out) / "grid.md").read_text())
+    print(f"scorer: {dbs.scorer_name}; model: {dbs.model_dir}; plots in {a.out}")
+    return 0
+
+
 def _run_eval(a) -> int:
     from pathlib import Path
 
@@ -334,19 +351,7 @@ def _run_eval(a) -> int:
                   f"\n     success {r['success_rate']:.2f}, perplexity {r['perplexity']:.1f}\n")
         return 0
     if a.grid:
-        from .evaluation.runs import grid_configs, run_grid
-
-        try:
-            lams = [float(x) for x in a.grid_lambdas.split(",")]
-            bs = [int(x) for x in a.grid_bs.split(",")]
-            ks = [int(x) for x in a.grid_k.split(",")]
-        except ValueError:
-            raise DBSError("--grid-lambdas, --grid-bs and --grid-k are comma-separated numbers") from None
-        grid = grid_configs(cfg, a.grid, lams, bs, ks)
-        run_grid(dbs, sets, Path(a.out), grid, batch=a.batch, seed=seed)
-        print((Path(a.out) / "grid.md").read_text())
-        print(f"scorer: {dbs.scorer_name}; model: {dbs.model_dir}; plots in {a.out}")
-        return 0
+        return _run_grid(a, dbs, cfg, sets, seed)
     judge = None
     if a.judge != "none":
         from .evaluation.judge import Judge, judge_for

@@ -245,62 +245,200 @@ def _sse(kind: str, payload) -> str:
 def create_app(opts: ServiceOptions | None = None, dbs=None):
     """The FastAPI app; `dbs`: an already built `DirectedBeamSearch` to serve (tests, Ray)."""
     try:
-        from fastapi import FastAPI, Request
-        from fastapi.exception_handlers import (
-            http_exception_handler,
-            request_validation_exception_handler,
-        )
-        from fastapi.exceptions import RequestValidationError
-        from fastapi.openapi.docs import get_swagger_ui_html
-        from fastapi.responses import (
-            JSONResponse,
-            PlainTextResponse,
-            Response,
-            StreamingResponse,
-        )
+        from fastapi import FastAPI
         from starlette.concurrency import run_in_threadpool
-        from starlette.exceptions import HTTPException as StarletteHTTPException
     except ImportError as e:
         raise DBSError(f"the service needs the serve extra: {SERVE_EXTRA} (missing: {e.name})") from None
-    GenerateRequest = request_model()          # evaluated below as the bodies' annotations
-    CompletionRequest, ChatRequest = oa.completion_model(), oa.chat_model()
     opts = opts or ServiceOptions()
-    svc = Service(opts, dbs)
+    ep = Endpoints(Service(opts, dbs))
 
     @asynccontextmanager
     async def lifespan(app):
-        svc.start()
+        ep.svc.start()
         yield
-        await run_in_threadpool(svc.stop)
+        await run_in_threadpool(ep.svc.stop)
 
     app = FastAPI(title="dbs-fast", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Directed Beam Search: text that contains the keywords you ask for.")
-    app.state.service = svc
-    _guard(app, opts, svc)
+    app.state.service = ep.svc
+    _guard(app, opts, ep.svc)
+    _error_handlers(app, ep)
+    _operations_routes(app, ep)
+    _generation_routes(app, ep)
+    return app
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request, exc):           # pydantic's 422 (types, ranges, unknown fields), counted
-        if request.url.path in OPENAI_PATHS:        # in OpenAI's error shape, `param` naming the field
-            param, msg = fault(exc.errors())
-            return openai_error(422, "invalid", msg, param)
-        svc.metrics.finished("invalid")
-        return await request_validation_exception_handler(request, exc)
 
-    def refuse(status: int, label: str, detail, retry: int | None = None):
-        svc.metrics.finished(label)
+class Endpoints:
+    """What the routes share: the service, the answers of refused requests (counted), and a
+    job's way through the batcher to its response or stream."""
+
+    def __init__(self, svc: Service):
+        self.svc, self.opts = svc, svc.opts
+
+    def refuse(self, status: int, label: str, detail, retry: int | None = None):
+        from starlette.responses import JSONResponse
+
+        self.svc.metrics.finished(label)
         headers = {"Retry-After": str(retry)} if retry is not None else None
         return JSONResponse(detail if isinstance(detail, dict) else {"detail": detail}, status, headers=headers)
 
-    def openai_error(status: int, label: str, msg: str, param=None, retry: int | None = None):
-        return refuse(status, label, oa.error_body(status, msg, param), retry)
+    def openai_error(self, status: int, label: str, msg: str, param=None, retry: int | None = None):
+        return self.refuse(status, label, oa.error_body(status, msg, param), retry)
+
+    def submit(self, job):
+        """The job queued, with the queue its events arrive on; None when the queue is full."""
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        job.send = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+        return events if self.svc.batcher.submit(job) else None
+
+    def queue_full(self) -> tuple[str, int]:
+        return f"the queue is full ({self.opts.max_queue} waiting); retry later", self.svc.batcher.retry_after()
+
+    async def outcome(self, job, events, request):
+        """("result", payload), ("error", (status, detail)), or a Response for a client gone or a timeout."""
+        from starlette.responses import JSONResponse, PlainTextResponse
+
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(events.get(), 0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.svc.batcher.cancel(job, "disconnected")
+                    return PlainTextResponse("client disconnected", 499)
+                if time.perf_counter() > job.deadline + 1.0:    # the engine is inside a long chunk
+                    self.svc.batcher.cancel(job, "timeout")
+                    return JSONResponse({"detail": "the request timed out"}, 504)
+                continue
+            if kind in ("result", "error"):
+                return kind, payload
+
+    async def generate(self, body, request):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        svc = self.svc
+        if not svc.ready:
+            return self.refuse(503, "error", svc.error or "the model is loading", retry=5)
+        try:
+            job = svc.job(body)
+        except Invalid as e:
+            return self.refuse(422, "invalid", e.detail())
+        events = self.submit(job)
+        if events is None:
+            msg, retry = self.queue_full()
+            return self.refuse(429, "refused", msg, retry=retry)
+        if body.stream:
+            return StreamingResponse(self.events(job, events), media_type="text/event-stream")
+        got = await self.outcome(job, events, request)
+        if not isinstance(got, tuple):
+            return got
+        kind, payload = got
+        return JSONResponse(payload.to_json()) if kind == "result" else JSONResponse({"detail": payload[1]}, payload[0])
+
+    async def events(self, job, events):
+        """/v1/generate's Server-Sent Events: the chunks, then the result or the error."""
+        done = False
+        try:
+            while True:
+                kind, payload = await events.get()
+                if kind == "error":
+                    status, detail = payload
+                    payload = {"status": status, "detail": detail}
+                elif kind == "result":
+                    payload = payload.to_json()
+                done = kind in ("result", "error")
+                yield _sse(kind, payload)
+                if done:
+                    return
+        finally:
+            if not done:                 # the client went away: its rows leave at the next boundary
+                self.svc.batcher.cancel(job, "disconnected")
+
+    async def openai_answer(self, body, request, chat: bool):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        svc = self.svc
+        if not svc.ready:
+            return self.openai_error(503, "error", svc.error or "the model is loading", retry=5)
+        try:
+            template = svc.dbs.chat_template if chat else None
+            args = oa.job_arguments(body, self.opts.model, svc.dbs.config.beams, template, chat)
+            stops = args.pop("stops")
+            job = svc.make_job(**args)
+        except oa.Refused as e:
+            return self.refuse(e.status, "invalid", e.body())
+        except (Invalid, DBSError) as e:
+            return self.openai_error(422, "invalid", getattr(e, "msg", str(e)), e.field)
+        reply = oa.Reply(chat, body.model, stops, body.n)
+        events = self.submit(job)
+        if events is None:
+            msg, retry = self.queue_full()
+            return self.openai_error(429, "refused", msg, retry=retry)
+        if body.stream:
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self.openai_events(job, events, reply, usage), media_type="text/event-stream")
+        got = await self.outcome(job, events, request)
+        if not isinstance(got, tuple):
+            return got
+        kind, payload = got
+        if kind == "error":
+            return JSONResponse(oa.error_body(payload[0], payload[1]), payload[0])
+        return JSONResponse(reply.final(payload))
+
+    async def openai_events(self, job, events, reply, usage: bool):
+        """An OpenAI stream: certain text as deltas, then the rest, the usage if asked, [DONE]."""
+        done = False
+        try:
+            first = reply.start()
+            if first:
+                yield first
+            while True:
+                kind, payload = await events.get()
+                if kind == "chunk":
+                    piece = reply.certain(payload["text"])
+                    if piece:
+                        yield piece
+                    continue
+                done = True
+                for piece in reply.end(payload, usage) if kind == "result" else reply.error(*payload):
+                    yield piece
+                return
+        finally:
+            if not done:
+                self.svc.batcher.cancel(job, "disconnected")
+
+
+def _error_handlers(app, ep: Endpoints) -> None:
+    """Pydantic's 422s counted; under /v1/ (but /v1/generate) every error in OpenAI's shape."""
+    from fastapi.exception_handlers import (
+        http_exception_handler,
+        request_validation_exception_handler,
+    )
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.responses import JSONResponse
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request, exc):           # types, ranges, unknown fields
+        if request.url.path in OPENAI_PATHS:        # `param` naming the field
+            param, msg = fault(exc.errors())
+            return ep.openai_error(422, "invalid", msg, param)
+        ep.svc.metrics.finished("invalid")
+        return await request_validation_exception_handler(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request, exc):             # an unknown path or method under /v1/: OpenAI's shape too
+    async def http_error(request, exc):             # an unknown path or method
         if request.url.path.startswith("/v1/") and request.url.path != "/v1/generate":
             return JSONResponse(oa.error_body(exc.status_code, str(exc.detail)), exc.status_code,
                                 headers=getattr(exc, "headers", None))
         return await http_exception_handler(request, exc)
 
+
+def _operations_routes(app, ep: Endpoints) -> None:
+    """/health, /metrics, /v1/models and the offline /docs."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+    svc = ep.svc
     swagger = _swagger_assets()
     if swagger is not None:
         from starlette.staticfiles import StaticFiles
@@ -333,138 +471,38 @@ def create_app(opts: ServiceOptions | None = None, dbs=None):
 
         return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def submit(job):
-        """The job queued, with the queue its events arrive on; None when the queue is full."""
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        job.send = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-        return events if svc.batcher.submit(job) else None
+    @app.get("/v1/models")
+    async def models():
+        """The served model, in OpenAI's shape."""
+        return oa.models_list(ep.opts.model)
 
-    async def outcome(job, events, request: Request):
-        """("result", payload), ("error", (status, detail)), or a Response for a client gone or a timeout."""
-        while True:
-            try:
-                kind, payload = await asyncio.wait_for(events.get(), 0.25)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    svc.batcher.cancel(job, "disconnected")
-                    return PlainTextResponse("client disconnected", 499)
-                if time.perf_counter() > job.deadline + 1.0:    # the engine is inside a long chunk
-                    svc.batcher.cancel(job, "timeout")
-                    return JSONResponse({"detail": "the request timed out"}, 504)
-                continue
-            if kind in ("result", "error"):
-                return kind, payload
+
+def _generation_routes(app, ep: Endpoints) -> None:
+    """POST /v1/generate, /v1/completions and /v1/chat/completions; their bodies' models are the
+    handlers' annotations (FastAPI validates against them and lists them in /openapi.json)."""
+    from fastapi import Request
+
+    GenerateRequest = request_model()
+    CompletionRequest, ChatRequest = oa.completion_model(), oa.chat_model()
 
     @app.post("/v1/generate")
     async def generate(body: GenerateRequest, request: Request):
         """The same JSON as `dbs-fast generate --format json`; with "stream": true, Server-Sent
         Events: `chunk` events ({"chunk", "text": the generated text already certain, a snapshot
         that only grows, "found"}), then `result` (or `error` with {"status", "detail"})."""
-        if not svc.ready:
-            return refuse(503, "error", svc.error or "the model is loading", retry=5)
-        try:
-            job = svc.job(body)
-        except Invalid as e:
-            return refuse(422, "invalid", e.detail())
-        events = submit(job)
-        if events is None:
-            return refuse(429, "refused", f"the queue is full ({opts.max_queue} waiting); retry later",
-                          retry=svc.batcher.retry_after())
-        if body.stream:
-            return StreamingResponse(_stream(job, events), media_type="text/event-stream")
-        got = await outcome(job, events, request)
-        if not isinstance(got, tuple):
-            return got
-        kind, payload = got
-        return JSONResponse(payload.to_json()) if kind == "result" else JSONResponse({"detail": payload[1]}, payload[0])
-
-    async def _stream(job, events):
-        done = False
-        try:
-            while True:
-                kind, payload = await events.get()
-                if kind == "error":
-                    status, detail = payload
-                    payload = {"status": status, "detail": detail}
-                elif kind == "result":
-                    payload = payload.to_json()
-                done = kind in ("result", "error")
-                yield _sse(kind, payload)
-                if done:
-                    return
-        finally:
-            if not done:                 # the client went away: its rows leave at the next boundary
-                svc.batcher.cancel(job, "disconnected")
-
-    @app.get("/v1/models")
-    async def models():
-        """The served model, in OpenAI's shape."""
-        return oa.models_list(opts.model)
-
-    async def openai_answer(body, request: Request, chat: bool):
-        if not svc.ready:
-            return openai_error(503, "error", svc.error or "the model is loading", retry=5)
-        try:
-            template = svc.dbs.chat_template if chat else None
-            args = oa.job_arguments(body, opts.model, svc.dbs.config.beams, template, chat)
-            stops = args.pop("stops")
-            job = svc.make_job(**args)
-        except oa.Refused as e:
-            return refuse(e.status, "invalid", e.body())
-        except Invalid as e:
-            return openai_error(422, "invalid", e.msg, e.field)
-        except DBSError as e:
-            return openai_error(422, "invalid", str(e), e.field)
-        reply = oa.Reply(chat, body.model, stops, body.n)
-        events = submit(job)
-        if events is None:
-            return openai_error(429, "refused", f"the queue is full ({opts.max_queue} waiting); retry later",
-                                retry=svc.batcher.retry_after())
-        if body.stream:
-            usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_openai_stream(job, events, reply, usage), media_type="text/event-stream")
-        got = await outcome(job, events, request)
-        if not isinstance(got, tuple):
-            return got
-        kind, payload = got
-        if kind == "error":
-            return JSONResponse(oa.error_body(payload[0], payload[1]), payload[0])
-        return JSONResponse(reply.final(payload))
-
-    async def _openai_stream(job, events, reply, usage: bool):
-        done = False
-        try:
-            first = reply.start()
-            if first:
-                yield first
-            while True:
-                kind, payload = await events.get()
-                if kind == "chunk":
-                    piece = reply.certain(payload["text"])
-                    if piece:
-                        yield piece
-                    continue
-                done = True
-                for piece in reply.end(payload, usage) if kind == "result" else reply.error(*payload):
-                    yield piece
-                return
-        finally:
-            if not done:
-                svc.batcher.cancel(job, "disconnected")
+        return await ep.generate(body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI's completions: `prompt` is the context; the keywords and every DBS option are
         extra body fields (see `dbs_fast.serving.openai_api`)."""
-        return await openai_answer(body, request, chat=False)
+        return await ep.openai_answer(body, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         """OpenAI's chat completions: `messages` through the model's chat template; the keywords
         and every DBS option are extra body fields."""
-        return await openai_answer(body, request, chat=True)
-
-    return app
+        return await ep.openai_answer(body, request, chat=True)
 
 
 def _swagger_assets() -> str | None:
