@@ -13,8 +13,16 @@ def banned_ngram_tokens(history, n):
     return grams.get(tuple(h[len(h) - n + 1:]) if n > 1 else (), set())
 
 
-# the ban rule's one statement lives in the package (the PyTorch baseline applies it too)
-from dbs_fast.text.constraints import banned_tokens  # noqa: E402,F401
+def banned_tokens(history, ban_seqs):
+    """The ban rule, spelled out on its own: a token t is banned when the row's text with t
+    appended ends with a banned sequence."""
+    h = [] if history is None else [int(x) for x in history]
+    out = set()
+    for seq in ban_seqs or ():
+        *head, last = [int(x) for x in seq]
+        if h[len(h) - len(head):] == head if head else True:
+            out.add(last)
+    return out
 
 
 def shape_logits(x, history, penalty=1.0, ngram=0):

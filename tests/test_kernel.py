@@ -378,3 +378,17 @@ def test_extend_prefix_equals_numpy_gather():
     got = np.full((len(src), kv, T + j, d), np.nan, np.float32)
     extend_prefix(got, prefix, chunk, src, s, j)
     np.testing.assert_array_equal(got, want)
+
+
+def test_the_packages_ban_rule_equals_the_reference():
+    """`constraints.banned_tokens` (what the PyTorch baseline applies, the kernel's `_ban` in
+    plain Python) against the rule spelled out independently, on random histories and bans."""
+    from dbs_fast.text.constraints import banned_tokens as package_rule
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        history = list(rng.integers(0, 6, rng.integers(0, 8)))
+        bans = [tuple(rng.integers(0, 6, rng.integers(1, 4))) for _ in range(rng.integers(0, 5))]
+        assert package_rule(history, bans) == banned_tokens(history, bans), (history, bans)
+    assert banned_tokens([1, 2], [(2, 3), (1, 3, 4), (5,)]) == {3, 5}
+    assert banned_tokens([], [(2, 3)]) == set() and banned_tokens(None, [(7,)]) == {7}

