@@ -60,6 +60,19 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
     for key in ("onnx-fp32_vs_torch", "onnx-int8_vs_torch", "onnx-fp32_vs_reference_per_candidate_token",
                 "onnx-fp32_step_vs_roofline", "onnx-fp32_scheduling_share", "onnx-fp32_peak_vs_budget"):
         assert ratios[key] > 0
+    # the figures agree with each other: a ratio is its two medians' quotient, the stages add up to
+    # the step (two repeats: the median is the mean, so medians add), the scheduling share is its stages'
+    torch = point["contenders"]["torch-fp32"]
+    for c in ("onnx-fp32", "onnx-int8"):
+        r = point["contenders"][c]
+        assert ratios[f"{c}_vs_torch"] == pytest.approx(torch["seconds_median"] / r["seconds_median"])
+    for c, r in point["contenders"].items():
+        if c != "reference":
+            st = r["stage_ms_per_step"]
+            assert sum(st[s] for s in STAGES) == pytest.approx(r["step_ms"], rel=1e-6), c
+            assert ratios[f"{c}_scheduling_share"] == pytest.approx(
+                (st["kv_gather"] + st["python"] + st["text"] + st["quality"]) / r["step_ms"])
+            assert 0 < r["candidate_tokens"] <= 7 * 5     # 5 tokens: one chunk of the b = 7 first beams
     assert "| onnx-int8 | prefix |" in (out / "bench.md").read_text()
     assert "| onnx-int8-rows | rows |" in (out / "bench.md").read_text()
     # what each graph call binds from host memory (on CUDA: copied across), the prefix-cache contenders

@@ -1,5 +1,6 @@
 """The DBS scheduler, API and CLI on tiny random models (real GPT-2 tokenizer when ../shared is there)."""
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -106,7 +107,6 @@ def test_torch_backend_matches_onnx_for_the_same_seed(exported, dbs):
     random tiny model's logits are nearly flat (std 0.1), so at temperature 1 a rounding
     difference of 1e-7 between two CPU matmul libraries (oneDNN with AMX, MLAS) can flip a draw."""
     pytest.importorskip("torch")
-    from dataclasses import replace
 
     tb = DirectedBeamSearch(exported["gpt2"], config=SMALL, backend="torch")
     ids = [dbs.backend.encode("It is a colony of")]
@@ -132,10 +132,26 @@ def test_torch_backend_on_cuda_without_a_gpu_says_so(exported, capsys):
     assert "sees no GPU" in capsys.readouterr().err
 
 
-def test_boost_then_filter_order_runs(dbs):
-    r = dbs.generate("It is", KW, seed=0, config=DBSConfig(beams=2, candidates=2, chunk=3, max_new_tokens=6,
-                                                           boost_order="boost_then_filter"))
-    assert r.new_tokens >= 1
+def test_boost_then_filter_reaches_the_kernel_and_places_a_word_outside_the_nucleus(dbs, monkeypatch):
+    """boost_then_filter: every draw boosts before the nucleus cut (the kernel's order is tested
+    against its reference in test_kernel). With a nucleus of one token (top_p 1e-6) filtering
+    first can only draw the model's top token, and boosting first draws the keyword."""
+    from dbs_fast.backend import OnnxBackend
+
+    orders, sample = [], OnnxBackend.sample
+
+    def spy(self, logits, uniforms, row_word, csr, cfg, hist, hstart, boost_first, **kw):
+        orders.append(boost_first)
+        return sample(self, logits, uniforms, row_word, csr, cfg, hist, hstart, boost_first, **kw)
+
+    monkeypatch.setattr(OnnxBackend, "sample", spy)
+    cfg = DBSConfig(beams=2, candidates=2, chunk=3, max_new_tokens=3, top_p=1e-6, stop="max", late_boost_first=False)
+    boosted = dbs.generate("It is", ["colony"], seed=0, config=replace(cfg, boost_order="boost_then_filter"))
+    assert orders and all(o is True for o in orders)
+    orders.clear()
+    filtered = dbs.generate("It is", ["colony"], seed=0, config=cfg)
+    assert orders and all(o is False for o in orders)
+    assert boosted.success_rate == 1.0 and filtered.success_rate == 0.0
 
 
 def test_cli_json_contract(exported, capsys):
