@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..config import JSON_NAMES, SEED_MAX, TASKS, body_attr, preset
+from ..errors import DBSError
 from ..home import EMBEDDED_DIRS
 from ..search.result import GenerationResult
 from ..text.chat import ChatTemplate
@@ -110,15 +111,16 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-class Refused(Exception):
-    """A field the engine cannot honour (HTTP 400 unless `status`), in OpenAI's error shape."""
+class Refused(DBSError):
+    """Bad input the OpenAI endpoints answer with a status of its own (400 unless `status`: a field
+    the engine cannot honour; 404: a model not served), in OpenAI's error shape."""
 
     def __init__(self, field: str, msg: str, status: int = 400):
-        super().__init__(msg)
-        self.field, self.msg, self.status = field, msg, status
+        super().__init__(msg, field, None)
+        self.status = status
 
     def body(self) -> dict:
-        return error_body(self.status, self.msg, self.field)
+        return error_body(self.status, str(self), self.field)
 
 
 def served_name(model: str) -> str:

@@ -106,16 +106,9 @@ def request_model():
     return create_model("GenerateRequest", __config__=body_config(), **fields, **option_fields(JSON_NAMES))
 
 
-class Invalid(Exception):
-    """Bad input: the field and the value, for a 422 in FastAPI's own shape."""
-
-    def __init__(self, field: str, value, msg: str):
-        super().__init__(msg)
-        self.field, self.value, self.msg = field, value, msg
-
-    def detail(self) -> dict:
-        return {"detail": [{"type": "value_error", "loc": ["body", self.field], "msg": self.msg,
-                            "input": self.value}]}
+def invalid_detail(e: DBSError) -> dict:
+    """/v1/generate's 422 body for bad input, in FastAPI's own shape, naming the field."""
+    return {"detail": [{"type": "value_error", "loc": ["body", e.field or "body"], "msg": str(e), "input": e.value}]}
 
 
 class Metrics:
@@ -212,28 +205,25 @@ class Service:
         given = {name: getattr(body, body_attr(name, key)) for name, key in JSON_NAMES.items()}
         if body.unguided:
             given["guided"] = False
-        try:
-            base, context = preset(body.task, body.paper)
-        except DBSError as e:
-            raise Invalid(e.field, e.value, str(e)) from None
+        base, context = preset(body.task, body.paper)
         context = context if body.context is None else body.context
         return self.make_job(context, body.keywords, body.ban, body.seed, given, base, body.timeout, body.stream)
 
     def make_job(self, context, keywords, ban, seed, given: dict, base: DBSConfig, timeout=None,
                  stream: bool = False, names: dict | None = None) -> "Job":
         """A job: `base` with the options `given` (DBSConfig field -> value; None = not given), the
-        request built and checked. Invalid names the request field (`names`: DBSConfig field ->
+        request built and checked. A DBSError names the request's field (`names`: DBSConfig field ->
         the endpoint's name for it; default the /v1/generate names)."""
         names = {**FIELD_OF, **(names or {})}
         try:
             cfg = replace(base, **{k: v for k, v in given.items() if v is not None})
             request = self.dbs.request(context, keywords, ban, seed, cfg)
         except DBSError as e:
-            raise Invalid(names.get(e.field, e.field or "body"), e.value, str(e)) from None
+            raise DBSError(str(e), names.get(e.field, e.field or "body"), e.value) from None
         if cfg.beams * cfg.candidates > self.opts.max_rows:
             field = "beams" if cfg.beams > cfg.candidates else "candidates"     # the larger of the two
-            raise Invalid(field, getattr(cfg, field), f"beams x candidates = {cfg.beams * cfg.candidates} rows, "
-                                                      f"more than this server's --max-rows {self.opts.max_rows}")
+            raise DBSError(f"beams x candidates = {cfg.beams * cfg.candidates} rows, more than this server's "
+                           f"--max-rows {self.opts.max_rows}", field, getattr(cfg, field))
         timeout = min(timeout or self.opts.timeout, self.opts.timeout)
         return Job(request, cfg, send=None, stream=stream, deadline=time.perf_counter() + timeout)
 
@@ -320,8 +310,8 @@ class Endpoints:
             return self.refuse(503, "error", svc.error or "the model is loading", retry=5)
         try:
             job = svc.job(body)
-        except Invalid as e:
-            return self.refuse(422, "invalid", e.detail())
+        except DBSError as e:
+            return self.refuse(422, "invalid", invalid_detail(e))
         events = self.submit(job)
         if events is None:
             msg, retry = self.queue_full()
@@ -366,8 +356,8 @@ class Endpoints:
             job = svc.make_job(**args)
         except oa.Refused as e:
             return self.refuse(e.status, "invalid", e.body())
-        except (Invalid, DBSError) as e:
-            return self.openai_error(422, "invalid", getattr(e, "msg", str(e)), e.field)
+        except DBSError as e:
+            return self.openai_error(422, "invalid", str(e), e.field)
         reply = oa.Reply(chat, body.model, stops, body.n)
         events = self.submit(job)
         if events is None:
