@@ -329,7 +329,7 @@ class Batch:
         return self.search.requests
 
     @property
-    def rows(self) -> int:
+    def n_rows(self) -> int:
         return self.search.n_rows
 
     @property

@@ -47,11 +47,11 @@ class Backend(Protocol):
     def feed(self, tokens: np.ndarray, cache) -> tuple[Any, Any]:
         """Known tokens (R, k) -> the logits after each (R, k, V) and the cache."""
 
-    def select(self, cache, rows: np.ndarray):
-        """The cache's rows `rows` (keep and repeat in one gather)."""
+    def select(self, cache, idx: np.ndarray):
+        """The cache's rows `idx` (keep and repeat in one gather)."""
 
-    def take(self, x, rows: np.ndarray):
-        """Rows `rows` of a logits array."""
+    def take(self, x, idx: np.ndarray):
+        """Rows `idx` of a logits array."""
 
     def concat(self, a, b):
         """Logits of running rows then of joining ones (DBSError where a batch cannot grow)."""
@@ -62,8 +62,8 @@ class Backend(Protocol):
     def trim(self, cache):
         """The cache without the leading columns that are padding in every row."""
 
-    def gather(self, logits, cache, rows: np.ndarray) -> tuple[Any, Any]:
-        """The model's state at rows `rows`: the next-token logits and the cache, in one call."""
+    def gather(self, logits, cache, idx: np.ndarray) -> tuple[Any, Any]:
+        """The model's state at rows `idx`: the next-token logits and the cache, in one call."""
 
     def join(self, logits, cache, new_logits, new_cache) -> tuple[Any, Any]:
         """The state of running rows, then of joining ones (between chunks)."""
@@ -108,12 +108,12 @@ class OnnxBackend:
         """Known tokens (R, k) through the model: the logits after each (R, k, V) (one forward)."""
         return self.model.forward(tokens, cache)
 
-    def select(self, cache: KVCache, rows: np.ndarray) -> KVCache:
-        return cache.select(rows, in_place=True)
+    def select(self, cache: KVCache, idx: np.ndarray) -> KVCache:
+        return cache.select(idx, in_place=True)
 
     @staticmethod
-    def take(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        return np.take(x, rows, axis=0)
+    def take(x: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        return np.take(x, idx, axis=0)
 
     # requests joining a running batch (continuous batching) and leaving it
     @staticmethod
@@ -131,8 +131,8 @@ class OnnxBackend:
     def release(self) -> None:
         """Nothing binds a row cache between runs."""
 
-    def gather(self, logits, cache, rows: np.ndarray):
-        return self.take(logits, rows), self.select(cache, rows)
+    def gather(self, logits, cache, idx: np.ndarray):
+        return self.take(logits, idx), self.select(cache, idx)
 
     def join(self, logits, cache, new_logits, new_cache):
         return self.concat(logits, new_logits), self.merge(cache, new_cache)
@@ -199,8 +199,8 @@ class PrefixBackend(OnnxBackend):
         self.decoder.release()
 
     @staticmethod
-    def select(lay: "Layout", rows: np.ndarray) -> "Layout":
-        return Layout(lay.cache, lay.cache.regroup(lay.live[rows]))
+    def select(lay: "Layout", idx: np.ndarray) -> "Layout":
+        return Layout(lay.cache, lay.cache.regroup(lay.live[idx]))
 
     @staticmethod
     def merge(a: "Layout", b: "Layout") -> "Layout":

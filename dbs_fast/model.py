@@ -41,13 +41,13 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
-    def select(self, rows: np.ndarray, in_place: bool = False) -> "KVCache":
-        """Rows `rows` of the cache (repeat and gather in one copy per tensor). `in_place` lets it
+    def select(self, idx: np.ndarray, in_place: bool = False) -> "KVCache":
+        """Rows `idx` of the cache (repeat and gather in one copy per tensor). `in_place` lets it
         overwrite this cache's arrays (see `take_rows_in_place`): do not use this cache after."""
-        rows = np.asarray(rows, dtype=np.int64)
+        idx = np.asarray(idx, dtype=np.int64)
         if not in_place:
-            return KVCache([np.take(t, rows, axis=0) for t in self.tensors], self.mask[rows])
-        return KVCache([take_rows_in_place(t, rows) for t in self.tensors], self.mask[rows])
+            return KVCache([np.take(t, idx, axis=0) for t in self.tensors], self.mask[idx])
+        return KVCache([take_rows_in_place(t, idx) for t in self.tensors], self.mask[idx])
 
     @staticmethod
     def merge(a: "KVCache", b: "KVCache") -> "KVCache":
@@ -72,7 +72,7 @@ class KVCache:
         return self.select(np.repeat(np.arange(self.batch), n))
 
 
-def take_rows_in_place(src: np.ndarray, rows: np.ndarray) -> np.ndarray:
+def take_rows_in_place(src: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """`src[rows]` written into `src` itself when the row count is unchanged, else a plain gather.
 
     Every chunk after the first keeps b rows and repeats each s times, so the new cache has as
@@ -80,13 +80,13 @@ def take_rows_in_place(src: np.ndarray, rows: np.ndarray) -> np.ndarray:
     a copy of only the distinct source rows (b of b*s). No multi-GB allocation per chunk (whose
     page faults cost more than the copy), and the peak holds one cache plus a tenth, not two.
     """
-    if len(rows) == src.shape[0] and src.flags.writeable and src.flags.c_contiguous:
-        uniq, inv = np.unique(rows, return_inverse=True)
+    if len(idx) == src.shape[0] and src.flags.writeable and src.flags.c_contiguous:
+        uniq, inv = np.unique(idx, return_inverse=True)
         tmp = src[uniq]                                                 # the distinct rows only
-        for j in range(len(rows)):
+        for j in range(len(idx)):
             src[j] = tmp[inv[j]]
         return src
-    return np.take(src, rows, axis=0)
+    return np.take(src, idx, axis=0)
 
 
 @functools.lru_cache(maxsize=8)

@@ -24,10 +24,10 @@ class Scorer(Protocol):
     def fresh(self, cfg) -> "Scorer":
         """A scorer on the same model with no rows (one per batch: the rows are its state)."""
 
-    def admit(self, contexts: list[list[int]], rows: np.ndarray) -> None:
-        """New contexts join, gathered to `rows` and appended to the running rows."""
+    def admit(self, contexts: list[list[int]], idx: np.ndarray) -> None:
+        """New contexts join, gathered to `idx` and appended to the running rows."""
 
-    def select(self, rows: np.ndarray) -> None: ...
+    def select(self, idx: np.ndarray) -> None: ...
 
     def trim(self) -> None: ...
 
@@ -43,10 +43,10 @@ class SelfScorer:
     def fresh(self, cfg):
         return self
 
-    def admit(self, contexts, rows):
+    def admit(self, contexts, idx):
         pass
 
-    def select(self, rows):
+    def select(self, idx):
         pass
 
     def trim(self):
@@ -87,10 +87,10 @@ class OnnxScorer:
         new.be = onnx_backend(self.model, self.decoder, cfg)
         return new
 
-    def admit(self, contexts, rows):
-        """New contexts join: prefilled, gathered to `rows` and appended to the running rows."""
+    def admit(self, contexts, idx):
+        """New contexts join: prefilled, gathered to `idx` and appended to the running rows."""
         logits, cache = self.be.prefill(contexts)
-        cache, pending = self.be.select(cache, rows), self.be.take(logits, rows)
+        cache, pending = self.be.select(cache, idx), self.be.take(logits, idx)
         if self.cache is None:
             self.cache, self.pending = cache, pending
         else:
@@ -99,9 +99,9 @@ class OnnxScorer:
     def trim(self):
         self.cache = self.be.trim(self.cache)
 
-    def select(self, rows):
-        self.cache = self.be.select(self.cache, rows)
-        self.pending = self.be.take(self.pending, rows)
+    def select(self, idx):
+        self.cache = self.be.select(self.cache, idx)
+        self.pending = self.be.take(self.pending, idx)
 
     def score(self, chunk, gen_logp, last):
         logits, self.cache = self.be.feed(chunk, self.cache)                 # (R, k, V)

@@ -97,14 +97,14 @@ class TorchBackend:
                              position_ids=pos, past_key_values=cache, use_cache=True)
         return out.logits[:, -1].float(), out.past_key_values
 
-    def select(self, cache, rows):
-        idx = self.torch.as_tensor(rows, dtype=self.torch.long, device=self.device)
+    def select(self, cache, idx):
+        idx = self.torch.as_tensor(idx, dtype=self.torch.long, device=self.device)
         cache.reorder_cache(idx)
         self._mask = self._mask[idx]
         return cache
 
-    def take(self, x, rows):
-        return x[self.torch.as_tensor(rows, dtype=self.torch.long, device=self.device)]
+    def take(self, x, idx):
+        return x[self.torch.as_tensor(idx, dtype=self.torch.long, device=self.device)]
 
     def concat(self, a, b):
         raise DBSError("the PyTorch baseline decodes fixed batches: requests cannot join a running one "
@@ -115,8 +115,8 @@ class TorchBackend:
     def release(self):
         """Nothing binds the cache between runs."""
 
-    def gather(self, logits, cache, rows):
-        return self.take(logits, rows), self.select(cache, rows)
+    def gather(self, logits, cache, idx):
+        return self.take(logits, idx), self.select(cache, idx)
 
     def join(self, logits, cache, new_logits, new_cache):
         return self.concat(logits, new_logits), self.merge(cache, new_cache)

@@ -42,7 +42,7 @@ def _staggered(dbs, cfg, jobs, join_after=1, drop=None):
         steps += 1
         if drop is not None and steps == 2 and any(r is reqs[drop] for r in batch.requests):
             batch.drop([reqs[drop]])
-    assert batch.rows == 0 and batch.search.cache is None
+    assert batch.n_rows == 0 and batch.search.cache is None
     return [out.get(id(r)) for r in reqs]
 
 

@@ -279,7 +279,7 @@ def test_shutdown_finishes_running_work_within_the_grace_period(exported):
         model.step = lambda *a, **kw: (time.sleep(0.01), step(*a, **kw))[1]
         try:
             b.submit(Job(dbs.request("It is", "colony", None, 0, cfg), cfg, send=lambda k, p: got.append((k, p))))
-            _wait(lambda: b.rows > 0)
+            _wait(lambda: b.n_rows > 0)
             b.stop(grace)
         finally:
             model.step = step
@@ -347,7 +347,7 @@ def test_a_closed_loop_clients_next_request_joins_the_boundary_where_its_last_on
 
             b.submit(Job(dbs.request("It is", "colony", None, 0, long), long, stream=True,
                          send=lambda k, p: events.append(("C", k))))
-            _wait(lambda: b.rows > 0)
+            _wait(lambda: b.n_rows > 0)
             b.submit(Job(dbs.request("It is", "dog", None, 1, short), short, send=on_a))
             assert done.wait(60)
             b.stop(0.0)
@@ -395,7 +395,7 @@ def test_a_long_context_joins_a_running_batch_in_pieces_between_its_chunks(expor
     try:
         b.submit(Job(dbs.request("It is", "colony", None, 0, long), long, stream=True,
                      send=lambda k, p: events.append("chunk") if k == "chunk" else None))
-        _wait(lambda: b.rows > 0)
+        _wait(lambda: b.n_rows > 0)
         joiner = dbs.request(context, "river", None, 1, short)
         b.submit(Job(joiner, short, send=lambda k, p: (result.update({k: p}), done.set())))
         assert done.wait(60)

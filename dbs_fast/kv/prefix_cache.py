@@ -170,28 +170,28 @@ class PrefixCache:
             raise RuntimeError(f"the chunk buffer holds {self.chunk_mask.shape[1]} tokens, {self.used} used; "
                                f"call keep() first")
 
-    def keep(self, rows) -> None:
-        """The next beams are the candidates `rows` (indices into N): each one's parent prefix +
+    def keep(self, idx) -> None:
+        """The next beams are the candidates `idx` (indices into N): each one's parent prefix +
         its chunk, with s candidate rows each (row r of beam i is row i * s + r)."""
-        self.regroup(np.repeat(np.asarray(rows, np.int64), self.s))
+        self.regroup(np.repeat(np.asarray(idx, np.int64), self.s))
 
-    def regroup(self, rows) -> np.ndarray:
-        """The rows `rows` (indices into N, repeats allowed) as the next layout; returns where each
+    def regroup(self, idx) -> np.ndarray:
+        """The rows `idx` (indices into N, repeats allowed) as the next layout; returns where each
         one is now. Rows with the same sequence share a beam: after decoded chunk tokens, the
         copies of one row; before any, the rows of one beam. A beam is its parent prefix plus
         that chunk (a gather of a few tokens per beam), with up to s rows; more copies than s
         take several beams. Slots a beam does not fill are idle rows (their logits unused)."""
-        rows = np.asarray(rows, dtype=np.int64)
+        idx = np.asarray(idx, dtype=np.int64)
         j, s = self.used, self.s
-        key = rows if j else rows // s
+        key = idx if j else idx // s
         uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
         rank = np.empty(len(uniq), np.int64)
         rank[np.argsort(first)] = np.arange(len(uniq))        # beams in order of first appearance
         g = rank[inv]
         order = np.argsort(g, kind="stable")
         counts = np.bincount(g, minlength=len(uniq))
-        slot = np.empty(len(rows), np.int64)
-        slot[order] = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        slot = np.empty(len(idx), np.int64)
+        slot[order] = np.arange(len(idx)) - np.repeat(np.cumsum(counts) - counts, counts)
         per = -(-counts // s)                                   # beams per key (copies beyond s split)
         beam = (np.cumsum(per) - per)[g] + slot // s
         src = np.empty(int(per.sum()), np.int64)

@@ -172,9 +172,9 @@ class BeamSearch:
         k = int(min(cfg.chunk, left.max()))
         last = left <= k                                    # per request: this is its final chunk
         rows = self.rows
-        prefix = self._texts(rows)
-        rows, chunk = self._sample_chunk(rows, prefix, k, bool(last.all()))
-        self._quality(rows, prefix, self._scorer_logprobs(rows, chunk, bool(last.all())), k)
+        text_before = self._texts(rows)
+        rows, chunk = self._sample_chunk(rows, text_before, k, bool(last.all()))
+        self._quality(rows, text_before, self._scorer_logprobs(rows, chunk, bool(last.all())), k)
         if cfg.stop == "sentence":      # a request with a finished beam is done: its unfinished ones drop
             done, drop = quality.finished_requests(rows.req, rows.ended, self._remaining(rows, 0), len(self.slots))
             rows.cum[drop] = -np.inf
@@ -299,7 +299,7 @@ class BeamSearch:
         counts = np.bincount(rows.req, minlength=len(self.slots))
         return np.concatenate([s.rng.random(n) for s, n in zip(self.slots, counts)])
 
-    def _sample_chunk(self, rows: Rows, prefix: list[str], k: int, last: bool):
+    def _sample_chunk(self, rows: Rows, text_before: list[str], k: int, last: bool):
         R = len(rows.req)
         seen = np.zeros(R, np.int64)         # keywords seen in this chunk so far (guidance moves on)
         base = rows.tokens.shape[1]
@@ -309,7 +309,7 @@ class BeamSearch:
         for j in range(k):
             d = self._draw(rows, seen, base + j, boost_first)
             live = self._append(rows, d, base + j)
-            seen = self._mark_seen(rows, prefix, d, live, seen, base + j)
+            seen = self._mark_seen(rows, text_before, d, live, seen, base + j)
             if not (last and j == k - 1):
                 self._next_logits(d.ids)
         return rows, rows.tokens[:, base:]
@@ -342,14 +342,14 @@ class BeamSearch:
         rows.ended |= live & np.isin(d.ids, self.eos)
         return live
 
-    def _mark_seen(self, rows: Rows, prefix: list[str], d: Draw, live: np.ndarray, seen: np.ndarray,
+    def _mark_seen(self, rows: Rows, text_before: list[str], d: Draw, live: np.ndarray, seen: np.ndarray,
                    col: int) -> np.ndarray:
         """Keywords the new token completed (guidance moves on, forcing advances, a sentence end
         after the last keyword ends the row); returns the chunk's keywords seen so far."""
         check = (d.word >= 0) | (d.force >= 0)
         new = np.zeros(len(rows.req), np.int64)
         if check.any():
-            new = self._seen_now(rows, prefix, np.flatnonzero(check & live), np.where(d.force >= 0, d.remaining,
+            new = self._seen_now(rows, text_before, np.flatnonzero(check & live), np.where(d.force >= 0, d.remaining,
                                                                                       d.candidates),
                                  self._unfinished(rows, d.force >= 0, 1))
         rows.glue = (new & ~seen) != 0
@@ -366,12 +366,12 @@ class BeamSearch:
         self.t.kv(self.cache)
 
     @timed("text")
-    def _seen_now(self, rows: Rows, prefix, idx, masks, unfinished) -> np.ndarray:
+    def _seen_now(self, rows: Rows, text_before, idx, masks, unfinished) -> np.ndarray:
         """Bits of `masks` (per row) whose keyword appeared in the row's chunk so far (`unfinished`
         rows: not at their very end, as the next token continues the word)."""
         seen = np.zeros(len(rows.req), np.int64)
-        seen[idx] = quality.seen(self.cfg, self._keywords(rows, idx), [prefix[i] for i in idx],
-                                 self._chunk_texts(rows, prefix, idx), masks[idx], self._final(rows)[idx],
+        seen[idx] = quality.seen(self.cfg, self._keywords(rows, idx), [text_before[i] for i in idx],
+                                 self._chunk_texts(rows, text_before, idx), masks[idx], self._final(rows)[idx],
                                  unfinished[idx], self.open_end)
         return seen
 
@@ -388,9 +388,9 @@ class BeamSearch:
     def _keywords(self, rows: Rows, idx) -> list[list[Keyword]]:
         return [self.slots[rows.req[i]].request.keywords for i in idx]
 
-    def _chunk_texts(self, rows: Rows, prefix, idx) -> list[str]:
+    def _chunk_texts(self, rows: Rows, text_before, idx) -> list[str]:
         """Text each row in `idx` added after its prefix."""
-        return [f[len(prefix[i]):] for f, i in zip(self._generated_texts(rows, idx), idx)]
+        return [f[len(text_before[i]):] for f, i in zip(self._generated_texts(rows, idx), idx)]
 
     @timed("scorer")
     def _scorer_logprobs(self, rows: Rows, chunk: np.ndarray, last: bool) -> np.ndarray:
@@ -401,16 +401,16 @@ class BeamSearch:
         return lp
 
     @timed("quality")
-    def _quality(self, rows: Rows, prefix: list[str], lp: np.ndarray, k: int) -> None:
+    def _quality(self, rows: Rows, text_before: list[str], lp: np.ndarray, k: int) -> None:
         """Q of each candidate's chunk from its keyword credit and perplexity (`lp`: the scorer's
         log-probs), added to its parent's cumulative score `cum`."""
         before = rows.tokens.shape[1] - k - rows.col0       # the rows' tokens before this chunk (at most)
         n_new = np.clip(rows.n_tok - before, 0, k)
         idx = np.flatnonzero(n_new > 0)
-        texts = self._chunk_texts(rows, prefix, idx)
+        texts = self._chunk_texts(rows, text_before, idx)
         alpha = quality.alphas(self.cfg, self._on_time(rows, rows.tokens.shape[1]))
         q, placed = quality.chunk_scores(self.cfg, self._keywords(rows, idx), self._remaining(rows, 0)[idx],
-                                         [prefix[i] for i in idx], texts, [lp[i, : n_new[i]] for i in idx],
+                                         [text_before[i] for i in idx], texts, [lp[i, : n_new[i]] for i in idx],
                                          alpha[idx], self._final(rows)[idx],
                                          self._unfinished(rows, ~rows.ended, 0)[idx], self.open_end)
         rows.cum[idx] += q

@@ -56,15 +56,15 @@ def boost_first(cfg: DBSConfig, ahead: np.ndarray):
     return ~ahead
 
 
-def count_new(cfg: DBSConfig, prefix: str, text: str, kw: Keyword, open_end: bool, final: bool,
+def count_new(cfg: DBSConfig, text_before: str, text: str, kw: Keyword, open_end: bool, final: bool,
               unfinished: bool) -> int:
-    """Occurrences of `kw` that `text` adds after `prefix`, by the config's rule; an `unfinished`
+    """Occurrences of `kw` that `text` adds after `text_before`, by the config's rule; an `unfinished`
     row's last word is still being written (a forced word piece follows); with `open_end` a
     keyword at the very end waits for the next token (it may still grow into a longer word)."""
-    return occurrence.count_new(prefix, text, kw, open_end or unfinished, final and not unfinished, cfg.match)
+    return occurrence.count_new(text_before, text, kw, open_end or unfinished, final and not unfinished, cfg.match)
 
 
-def credit(cfg: DBSConfig, kws: list[Keyword], rem: int, prefix: str, text: str, open_end: bool,
+def credit(cfg: DBSConfig, kws: list[Keyword], rem: int, text_before: str, text: str, open_end: bool,
            final: bool = False, unfinished: bool = False) -> tuple[float, int]:
     """Q's keyword term for a chunk, sum of exp(-c) over the keywords it places (c: their
     occurrences in the chunk), and their bits. `next` places the next keyword in order (the
@@ -72,7 +72,7 @@ def credit(cfg: DBSConfig, kws: list[Keyword], rem: int, prefix: str, text: str,
     same chunk); `any`, whichever of the remaining ones appear."""
     total, new = 0.0, 0
     for b, k in bits(rem):
-        c = count_new(cfg, prefix, text, kws[k], open_end, final, unfinished)
+        c = count_new(cfg, text_before, text, kws[k], open_end, final, unfinished)
         if c > 0:
             total += math.exp(-c)
             new |= b
@@ -86,27 +86,27 @@ def chunk_quality(cfg: DBSConfig, keyword_credit: float, placed: int, perplexity
     return (keyword_credit if placed else math.exp(-cfg.c_star)) * math.exp(-alpha * perplexity)
 
 
-def chunk_scores(cfg: DBSConfig, keywords: list, remaining: np.ndarray, prefixes: list[str], texts: list[str],
+def chunk_scores(cfg: DBSConfig, keywords: list, remaining: np.ndarray, texts_before: list[str], texts: list[str],
                  logps: list, alpha: np.ndarray, final: np.ndarray, unfinished: np.ndarray, open_end: bool):
     """(Q of each row's chunk, the bits of the keywords it places), n rows given per row: its
     request's keywords, the bits still to place, its text before the chunk and the chunk's, the
     scorer's log-probs of the chunk's tokens, its perplexity weight, whether it is final and
     whether its last word is unfinished."""
     q, placed = np.zeros(len(texts)), np.zeros(len(texts), np.int64)
-    for j, (kws, rem, prefix, text, lp) in enumerate(zip(keywords, remaining, prefixes, texts, logps)):
-        c, placed[j] = credit(cfg, kws, int(rem), prefix, text, open_end, final[j], unfinished[j])
+    for j, (kws, rem, text_before, text, lp) in enumerate(zip(keywords, remaining, texts_before, texts, logps)):
+        c, placed[j] = credit(cfg, kws, int(rem), text_before, text, open_end, final[j], unfinished[j])
         q[j] = chunk_quality(cfg, c, placed[j], math.exp(-float(lp.mean())), alpha[j])
     return q, placed
 
 
-def seen(cfg: DBSConfig, keywords: list, prefixes: list[str], texts: list[str], masks: np.ndarray,
+def seen(cfg: DBSConfig, keywords: list, texts_before: list[str], texts: list[str], masks: np.ndarray,
          final: np.ndarray, unfinished: np.ndarray, open_end: bool) -> np.ndarray:
     """Bits of each row's `masks` whose keyword its chunk so far added (n rows given per row: its
     request's keywords, its text before the chunk and the chunk's so far)."""
     out = np.zeros(len(texts), np.int64)
-    for j, (kws, prefix, text) in enumerate(zip(keywords, prefixes, texts)):
+    for j, (kws, text_before, text) in enumerate(zip(keywords, texts_before, texts)):
         for b, k in bits(int(masks[j])):
-            if count_new(cfg, prefix, text, kws[k], open_end, final[j], unfinished[j]) > 0:
+            if count_new(cfg, text_before, text, kws[k], open_end, final[j], unfinished[j]) > 0:
                 out[j] |= b
     return out
 

@@ -23,8 +23,8 @@ class Rows:
     glue: np.ndarray          # (R,) bool: a keyword ended at the last token (it must stay a word)
     col0: np.ndarray          # (R,) column of the row's first token: its request joined the batch then
 
-    def take(self, rows: np.ndarray) -> "Rows":
-        return Rows(*(getattr(self, f.name)[rows] for f in fields(self)))
+    def take(self, idx: np.ndarray) -> "Rows":
+        return Rows(*(getattr(self, f.name)[idx] for f in fields(self)))
 
     @staticmethod
     def new(req: np.ndarray, width: int, pad: int, **given) -> "Rows":

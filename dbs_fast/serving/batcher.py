@@ -37,7 +37,7 @@ class Job:
     ahead: bool = True            # its context may be prefilled in pieces before it joins
 
     @property
-    def rows(self) -> int:
+    def n_rows(self) -> int:
         return self.config.beams * self.config.candidates
 
 
@@ -62,8 +62,8 @@ class Batcher:
     # -- the asyncio side ---------------------------------------------------------------------
     def submit(self, job: Job) -> bool:
         """Queue `job`; False when the queue is full (or the server is stopping)."""
-        if job.rows > self.max_rows:
-            raise ValueError(f"a request of {job.rows} rows can never fit max_rows={self.max_rows}")
+        if job.n_rows > self.max_rows:
+            raise ValueError(f"a request of {job.n_rows} rows can never fit max_rows={self.max_rows}")
         with self.cond:
             if self.stopping or len(self.queue) >= self.max_queue:
                 return False
@@ -88,8 +88,8 @@ class Batcher:
         return len(self.queue)
 
     @property
-    def rows(self) -> int:
-        return sum(b.rows for b in self.batches.values())
+    def n_rows(self) -> int:
+        return sum(b.n_rows for b in self.batches.values())
 
     def stop(self, grace: float) -> None:
         """Take no new jobs; finish the running ones for up to `grace` seconds, then cancel the
@@ -155,7 +155,7 @@ class Batcher:
         so does everything behind it: no starvation of large requests); and the job whose context
         to prefill a piece of first, when it would join running requests with more than one
         prefill slice to compute (it and those behind it wait)."""
-        out, free = [], self.max_rows - self.rows
+        out, free = [], self.max_rows - self.n_rows
         while self.queue:
             job = self.queue[0]
             if job.cancelled is None and time.perf_counter() > job.deadline:
@@ -164,12 +164,12 @@ class Batcher:
                 self.queue.popleft()
                 self._finish(job, "error", self._cancel_error(job))
                 continue
-            if job.rows > free:
+            if job.n_rows > free:
                 break
             if (job.ahead and self.chunked_prefill and self.batches
                     and self.dbs.prefill_left(job.request) > PREFILL_SLICE):
                 return out, job
-            free -= job.rows
+            free -= job.n_rows
             out.append(self.queue.popleft())
         return out, None
 
@@ -260,4 +260,4 @@ class Batcher:
 
     def _gauges(self) -> None:
         if self.metrics:
-            self.metrics.gauges(len(self.queue), self.rows)
+            self.metrics.gauges(len(self.queue), self.n_rows)

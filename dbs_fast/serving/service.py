@@ -452,7 +452,7 @@ def _operations_routes(app, ep: Endpoints) -> None:
         if not svc.ready:
             return JSONResponse({"status": "loading"}, 503)
         b = svc.batcher
-        return {"status": "ready", "model": str(svc.dbs.model_dir), "rows": b.rows, "max_rows": b.max_rows,
+        return {"status": "ready", "model": str(svc.dbs.model_dir), "rows": b.n_rows, "max_rows": b.max_rows,
                 "queue": b.queue_depth, "max_queue": b.max_queue}
 
     @app.get("/metrics")

@@ -1,8 +1,9 @@
 """Guide-word occurrence: whole words (split on whitespace and punctuation) that match by a rule:
 - "stem" (the paper, the default): equal Porter stems ("colonies" for "colony", but also
   "performance" for "perform");
-- "lemma" (CommonGen's coverage rule, `dbs_fast.evaluation.metrics.coverage`, by `words.lemmas`): the word's lemmas in any part
-  of speech meet the keyword word's (lemminflect: "ran" for "run", not "performance" for "perform").
+- "lemma" (CommonGen's coverage rule, `dbs_fast.evaluation.metrics.coverage`; `words.lemmas`):
+  the word's lemmas in any part of speech meet the keyword word's (lemminflect: "ran" for "run",
+  not "performance" for "perform").
 
 A keyword in the constraint syntax (`dbs_fast.text.constraints`) may be a phrase, whose words must
 follow one another, or alternatives separated by `|`, any of which counts.
@@ -65,10 +66,10 @@ def count(text: str, keyword: Keyword, open_end: bool = False, rule: str = "stem
     return sum(1 for _ in _spans(text, keyword, open_end, rule))
 
 
-def _tail(prefix: str, n_words: int = 1) -> str:
-    """The end of `prefix` from the start of its last `n_words` words (a chunk may complete the
+def _tail(text_before: str, n_words: int = 1) -> str:
+    """The end of `text_before` from the start of its last `n_words` words (a chunk may complete the
     last one, or a phrase that starts there)."""
-    p = prefix[-200 * n_words:]         # long enough for n words
+    p = text_before[-200 * n_words:]         # long enough for n words
     ms = list(WORD.finditer(p))
     if not ms:
         return ""
@@ -80,12 +81,12 @@ def _tail(prefix: str, n_words: int = 1) -> str:
     return p[cut.start():]
 
 
-def count_new(prefix: str, chunk: str, keyword: Keyword, open_end: bool = False, final: bool = False,
+def count_new(text_before: str, chunk: str, keyword: Keyword, open_end: bool = False, final: bool = False,
               rule: str = "stem") -> int:
-    """Occurrences that `chunk` adds after `prefix` (words and phrases straddling the boundary
+    """Occurrences that `chunk` adds after `text_before` (words and phrases straddling the boundary
     included). `open_end`: matches at the very end are not counted until the text goes on without
-    extending their last word (as the prefix was counted), unless the text is `final`."""
-    tail = _tail(prefix, max(len(a) for a in pattern(keyword)))
+    extending their last word (as the text before was counted), unless the text is `final`."""
+    tail = _tail(text_before, max(len(a) for a in pattern(keyword)))
     return count(tail + chunk, keyword, open_end and not final, rule) - count(tail, keyword, open_end, rule)
 
 
