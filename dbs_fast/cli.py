@@ -198,6 +198,7 @@ class Progress:
 
 def _run_generate(a) -> int:
     fmt = "json" if a.json else a.format
+    own_context = a.context is not None or a.task is None     # a task's context is the preset's, not the user's
     cfg, a.context = config_from_args(a, a.task, guided=not a.unguided)
     from .api import DirectedBeamSearch, parse_constraints, preflight
 
@@ -215,7 +216,11 @@ def _run_generate(a) -> int:
     if fmt == "json":
         print(json.dumps(r.to_json(), allow_nan=False))
         return 0
-    print(highlight(r.text, r.found, text_style(fmt), offset=len(r.context)))
+    if own_context:
+        print(highlight(r.text, r.found, text_style(fmt), offset=len(r.context)))
+    else:                                   # a task's answer: the generated text alone
+        lead = len(r.generated) - len(r.generated.lstrip())
+        print(highlight(r.generated.strip(), r.found, text_style(fmt), offset=-lead))
     grader = "the generator grading itself" if a.scorer == "self" else f"scorer {a.scorer}"
     print(f"\nfound {sum(v is not None for v in r.found.values())}/{len(r.keywords)} "
           f"(success rate {r.success_rate:.2f}, success length {r.success_length}), stopped: {r.stopped}, "

@@ -145,7 +145,8 @@ class DBSConfig:
         if self.match == "lemma":
             from importlib.util import find_spec
             if find_spec("lemminflect") is None:
-                raise DBSError("`match` lemma needs lemminflect: pip install 'dbs-fast[bench]'", "match", self.match)
+                raise DBSError("`match` lemma needs lemminflect, a dependency of dbs-fast that is missing here: "
+                               "pip install lemminflect", "match", self.match)
 
     @property
     def needs_sentence_ends(self) -> bool:

@@ -374,3 +374,17 @@ def test_the_size_check_before_loading_and_the_model_read_the_tokenizer_once(exp
     model = OnnxModel(exported["gpt2"], lazy=True)
     assert load_tokenizer.cache_info().misses == 1
     assert model.tokenizer is load_tokenizer(str(exported["gpt2"] / "tokenizer.json"))
+
+
+def test_a_tasks_text_output_is_the_answer_without_its_context(exported, capsys):
+    """`generate --task commongen` prints the sentence it wrote, not the task's context before it;
+    a context the user gives is printed with the text, as without a task."""
+    from dbs_fast.config import COMMONGEN_CONTEXT
+
+    args = ["generate", "--model", str(exported["gpt2"]), "--keywords", "colony,enemy", "--beams", "2",
+            "--candidates", "2", "--chunk", "3", "--max-new-tokens", "9", "--format", "text"]
+    assert cli(args + ["--task", "commongen"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first and COMMONGEN_CONTEXT.strip() not in first and first == first.strip()
+    assert cli(args + ["--task", "commongen", "--context", "Yesterday"]) == 0
+    assert capsys.readouterr().out.startswith("Yesterday")

@@ -130,7 +130,6 @@ def test_rep_n_and_distinct_n_by_hand():
 
 # -- CommonGen ----------------------------------------------------------------------------------
 def test_commongen_coverage_by_lemma():
-    pytest.importorskip("lemminflect")
     from dbs_fast.evaluation.metrics import coverage
 
     assert coverage("The player stood in the field looking at the batter.", ["field", "stand", "look"]) == 1.0
@@ -141,7 +140,6 @@ def test_commongen_coverage_by_lemma():
 
 def test_eval_commongen_at_toy_size(exported, tmp_path, capsys):
     pytest.importorskip("pycocoevalcap")
-    pytest.importorskip("lemminflect")
     out = tmp_path / "cg"
     argv = ["eval", "--model", str(exported["gpt2"]), "--sets", "commongen-dev", "--limit", "2", "--out", str(out),
             "--beams", "2", "--candidates", "2", "--chunk", "3", "--max-new-tokens", "24", "--batch", "2",
@@ -175,7 +173,6 @@ def test_eval_start_takes_later_sets_with_their_references_and_seeds(exported, t
     """`--start 7 --limit 1` evaluates set 7 alone: its concepts, scored against set 7's references
     (the human anchor too), under seed 7, the seed it has in a run from the first set."""
     pytest.importorskip("pycocoevalcap")
-    pytest.importorskip("lemminflect")
     from dbs_fast.evaluation.runs import builtin_refs, builtin_sets
 
     out = tmp_path / "cg"
