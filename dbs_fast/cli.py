@@ -1,4 +1,4 @@
-"""`dbs-fast` command line: export, generate, bench, eval, serve. Bad input -> message + exit 2."""
+"""`dbs-fast` command line: export, generate, bench, eval, serve, run-batch. Bad input -> message + exit 2."""
 from __future__ import annotations
 
 import argparse
@@ -452,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_bench(sub)
     _add_serve(sub)
+    _add_run_batch(sub)
     for p in sub.choices.values():
         p.formatter_class = HelpFormatter
         p.set_defaults(parser=p)            # an unknown flag is reported with this command's usage
@@ -499,6 +500,48 @@ def _add_serve(sub):
     p.add_argument("--ray-gpus", type=float, default=None,
                    help="GPUs each replica reserves with --provider cuda (default 1; a fraction shares one)")
     p.set_defaults(func=_run_serve)
+
+
+def _add_run_batch(sub):
+    from .serving.service import ServiceOptions
+
+    d = ServiceOptions()
+    p = sub.add_parser("run-batch", help="a file of requests, offline: OpenAI's batch format (JSONL) or plain "
+                                         "JSONL/CSV with keywords; resumable (needs the serve extra)")
+    p.add_argument("-i", "--input", required=True, help="JSONL: OpenAI batch lines ({custom_id, method, url, body}) "
+                                                         "or plain objects ({keywords, context?, id?, seed?, options}); "
+                                                         "or .csv with columns keywords, context, id, seed")
+    p.add_argument("-o", "--output", required=True, help="JSONL, one line per request ({id, custom_id, response, "
+                                                          "error}); what it holds already is skipped (resume)")
+    p.add_argument("--model", default=d.model, help="exported model dir, or `default` (embedded SmolLM2)")
+    p.add_argument("--embeddings", default=d.embeddings, help="`default` (GloVe 6B 50-d), GloVe .txt, word2vec "
+                                                               ".txt/.bin")
+    p.add_argument("--seed", type=seed, default=0, help="the job's seed: a request without one gets a seed from it "
+                                                        "and its custom_id, the same in a resumed run")
+    p.add_argument("--max-rows", type=int, default=d.max_rows, help="candidate rows decoded together")
+    p.add_argument("--max-queue", type=int, default=d.max_queue, help="requests read ahead of the engine")
+    p.add_argument("--threads", type=threads, default=None, help=THREADS_HELP)
+    p.add_argument("--provider", default=d.provider, choices=["cpu", "cuda"], help=PROVIDER_HELP)
+    _add_kv_layout(p)
+    p.set_defaults(func=_run_run_batch)
+
+
+def _run_run_batch(a) -> int:
+    from pathlib import Path
+
+    try:
+        import pydantic  # noqa: F401  (the bodies' schemas)
+    except ImportError:
+        raise DBSError("run-batch needs the serve extra: pip install 'dbs-fast[serve]'") from None
+    from .serving.batch_jobs import run_batch
+    from .serving.service import ServiceOptions
+
+    opts = ServiceOptions(model=a.model, embeddings=a.embeddings, max_rows=a.max_rows, max_queue=a.max_queue,
+                          threads=a.threads, provider=a.provider, kv_layout=a.kv_layout, timeout=float("inf"))
+    c = run_batch(Path(a.input), Path(a.output), opts, job_seed=a.seed)
+    print(f"run-batch: {c['ok']} answered, {c['failed']} failed, {c['skipped']} done before; {c['seconds']:.1f} s "
+          f"-> {a.output}", file=sys.stderr)
+    return 1 if c["failed"] else 0
 
 
 def _run_serve(a) -> int:

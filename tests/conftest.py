@@ -73,3 +73,18 @@ def exported(checkpoints, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("onnx")
     return {k: Path(export_model(str(p), root / k, quiet=True) and root / k) for k, p in checkpoints.items()}
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(exported, tmp_path_factory):
+    """The tiny GPT-2 export with a chat template, as an Instruct model's export carries one."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("chat") / "gpt2"
+    shutil.copytree(exported["gpt2"], d)
+    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return d

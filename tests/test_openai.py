@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 
@@ -20,17 +19,11 @@ from dbs_fast.serving.service import ServiceOptions, create_app  # noqa: E402
 
 KEY = "test-key"
 SMALL = {"beams": 3, "candidates": 3, "chunk": 3}
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 @pytest.fixture(scope="module")
-def model_dir(exported, tmp_path_factory):
-    """The tiny GPT-2 export with a chat template, as an Instruct model's export carries one."""
-    d = tmp_path_factory.mktemp("chat") / "gpt2"
-    shutil.copytree(exported["gpt2"], d)
-    (d / "chat_template.jinja").write_text(TEMPLATE)
-    return d
+def model_dir(chat_model_dir):
+    return chat_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,235 @@
+"""`dbs-fast run-batch`: a file of requests through the service's engine loop, offline.
+
+Input, one request a line (read lazily):
+- OpenAI's batch format: JSONL lines `{"custom_id", "method": "POST", "url": "/v1/completions" or
+  "/v1/chat/completions", "body"}`, the body as the service takes it (keywords and DBS options as
+  its extra fields);
+- a plain form for data work: JSONL lines or CSV rows with `keywords` and, optionally, `context`,
+  `id` and `seed` (JSONL lines may carry every option of /v1/generate).
+
+Output, one JSONL line per request as it finishes: `{"id", "custom_id", "response": {"status_code",
+"request_id", "body"}, "error"}`, the body what the service would have answered (for the plain form,
+the JSON of /v1/generate). A bad line becomes a line whose `error` is OpenAI's error object naming
+the field, and the job goes on.
+
+Resumable: an output that exists is read first; its requests are skipped, and a line a killed job
+left half-written is cut off. Each request's seed is its body's, else one derived from its
+`custom_id` and the job's seed, so a resumed job writes the texts an uninterrupted one would.
+Memory stays flat: at most `max_queue` requests are in flight.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import queue
+import sys
+import time
+from pathlib import Path
+
+from ..config import SEED_MAX
+from ..errors import DBSError
+from . import openai_api as oa
+
+OPENAI_URLS = {"/v1/completions": False, "/v1/chat/completions": True}       # url -> chat
+
+
+def derived_seed(job_seed: int, custom_id: str) -> int:
+    """The seed of a request that gives none: from the job's seed and its custom_id alone."""
+    digest = hashlib.sha256(f"{job_seed}:{custom_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & SEED_MAX
+
+
+def done_ids(out: Path) -> set[str]:
+    """The custom_ids an earlier run of the job wrote to `out`; a half-written last line is cut off."""
+    if not out.exists():
+        return set()
+    with open(out, "rb+") as f:
+        data = f.read()
+        keep = data.rfind(b"\n") + 1
+        if keep < len(data):                    # killed while writing a line
+            f.truncate(keep)
+    return {json.loads(line)["custom_id"] for line in data[:keep].decode().splitlines() if line.strip()}
+
+
+def read_lines(path: Path):
+    """(line number, custom_id, kind, request or None, error or None) per input line, read lazily;
+    kind is "chat", "completion" or "plain"."""
+    if path.suffix.lower() == ".csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            for n, row in enumerate(csv.DictReader(f), 1):
+                yield (n, *_plain(n, {k: v for k, v in row.items() if v not in (None, "")}, csv_row=True))
+        return
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield n, f"line-{n}", "plain", None, oa.error_body(400, f"line {n} is not JSON: {e}")["error"]
+                continue
+            if not isinstance(obj, dict):
+                yield n, f"line-{n}", "plain", None, oa.error_body(400, f"line {n} is not a JSON object")["error"]
+            elif "body" in obj or "url" in obj or "custom_id" in obj:
+                yield (n, *_openai(n, obj))
+            else:
+                yield (n, *_plain(n, obj))
+
+
+def _openai(n: int, obj: dict):
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        return f"line-{n}", "completion", None, oa.error_body(400, "`custom_id` must be a non-empty string",
+                                                              "custom_id")["error"]
+    url, body = obj.get("url"), obj.get("body")
+    if url not in OPENAI_URLS or obj.get("method", "POST") != "POST":
+        return cid, "completion", None, oa.error_body(
+            400, f"`url` must be one of {sorted(OPENAI_URLS)} with method POST, got {url!r}", "url")["error"]
+    if not isinstance(body, dict):
+        return cid, "completion", None, oa.error_body(400, "`body` must be a JSON object", "body")["error"]
+    return cid, "chat" if OPENAI_URLS[url] else "completion", body, None
+
+
+def _plain(n: int, obj: dict, csv_row: bool = False):
+    obj = dict(obj)
+    cid = str(obj.pop("id", f"line-{n}"))
+    if csv_row:
+        unknown = sorted(set(obj) - {"keywords", "context", "seed"})
+        if unknown:
+            return cid, "plain", None, oa.error_body(400, f"unknown column {unknown[0]!r}: a CSV row takes keywords, "
+                                                          f"context, id and seed", unknown[0])["error"]
+        if "seed" in obj:
+            try:
+                obj["seed"] = int(obj["seed"])
+            except ValueError:
+                return cid, "plain", None, oa.error_body(400, f"`seed` must be an integer, got {obj['seed']!r}",
+                                                         "seed")["error"]
+    return cid, "plain", obj, None
+
+
+class BatchJob:
+    """One file of requests through a `Service`'s batcher: `run` writes every line's answer."""
+
+    def __init__(self, svc, job_seed: int = 0, progress=None):
+        self.svc, self.job_seed, self.progress = svc, job_seed, progress
+        self.results: queue.Queue = queue.Queue()
+        self.in_flight: dict[str, object] = {}          # custom_id -> its Reply (None: plain form)
+        self.counts = {"ok": 0, "failed": 0, "skipped": 0}
+
+    def run(self, inp: Path, out: Path) -> dict:
+        done, seen = done_ids(out), set()
+        t0 = time.perf_counter()
+        with open(out, "a", encoding="utf-8") as f:
+            for n, cid, kind, request, error in read_lines(inp):
+                if cid in seen:                       # answered under its own id: this line's gets the line number
+                    error = oa.error_body(400, f"`custom_id` {cid!r} is used by an earlier line", "custom_id")["error"]
+                    cid = f"{cid} (line {n})"
+                seen.add(cid)
+                if cid in done:
+                    self.counts["skipped"] += 1
+                    self._advance()
+                    continue
+                if error is None:
+                    error = self._submit(cid, kind, request, f)
+                if error is not None:
+                    self._write(f, cid, None, error)
+            while self.in_flight:
+                self._collect(f, block=True)
+        return {**self.counts, "seconds": time.perf_counter() - t0}
+
+    def _advance(self) -> None:
+        if self.progress is not None:
+            self.progress(1)
+
+    def _submit(self, cid: str, kind: str, request: dict, f) -> dict | None:
+        """Queue the request; OpenAI's error object (for an output line) when it is bad."""
+        svc = self.svc
+        request = dict(request)
+        request.setdefault("seed", derived_seed(self.job_seed, cid))
+        try:
+            if kind == "plain":
+                from .service import request_model
+
+                job, reply = svc.job(request_model().model_validate(request)), None
+            else:
+                chat = kind == "chat"
+                body = (oa.chat_model() if chat else oa.completion_model()).model_validate(request)
+                if body.stream:
+                    raise oa.Refused("stream", "`stream` is not available in a batch file")
+                args = oa.job_arguments(body, svc.opts.model, svc.dbs.config.beams,
+                                        svc.dbs.chat_template if chat else None, chat)
+                reply = oa.Reply(chat, body.model, args.pop("stops"), body.n)
+                job = svc.make_job(**args)
+        except oa.Refused as e:
+            return e.body()["error"]
+        except DBSError as e:
+            return oa.error_body(422, str(e), e.field)["error"]
+        except Exception as e:  # noqa: BLE001 - pydantic's ValidationError (the serve extra's)
+            if hasattr(e, "errors"):
+                from .bodies import fault
+
+                param, msg = fault([{**x, "loc": ("body", *x.get("loc", ()))} for x in e.errors()])
+                return oa.error_body(422, msg, param)["error"]
+            raise
+        job.send = lambda k, payload, cid=cid: self.results.put((cid, k, payload)) if k != "chunk" else None
+        self.in_flight[cid] = reply
+        while not svc.batcher.submit(job):          # the queue is full: write what has finished
+            self._collect(f, block=True)
+        while self._collect(f, block=False):
+            pass
+        return None
+
+    def _collect(self, f, block: bool) -> bool:
+        try:
+            cid, kind, payload = self.results.get(block=block, timeout=None if block else 0)
+        except queue.Empty:
+            return False
+        reply = self.in_flight.pop(cid)
+        if kind == "result":
+            body = reply.final(payload) if reply is not None else payload.to_json()
+            self._write(f, cid, {"status_code": 200, "request_id": _request_id(cid), "body": body}, None)
+        else:
+            status, detail = payload
+            self._write(f, cid, None, oa.error_body(status, str(detail))["error"])
+        return True
+
+    def _write(self, f, cid: str, response: dict | None, error: dict | None) -> None:
+        self.counts["ok" if error is None else "failed"] += 1
+        line = {"id": "batch_req_" + _request_id(cid), "custom_id": cid, "response": response, "error": error}
+        f.write(json.dumps(line, allow_nan=False) + "\n")     # one write per line: a kill cuts at most this one
+        f.flush()
+        self._advance()
+
+
+def _request_id(cid: str) -> str:
+    return hashlib.sha256(cid.encode()).hexdigest()[:24]
+
+
+def run_batch(inp: Path, out: Path, opts, dbs=None, job_seed: int = 0) -> dict:
+    """Every line of `inp` answered once in `out` (resuming what an earlier run wrote): the counts."""
+    from .service import Service
+
+    if not inp.is_file():
+        raise DBSError(f"input file not found: {inp}", "input", str(inp))
+    if out.exists() and not out.is_file():
+        raise DBSError(f"output is not a file: {out}", "output", str(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    svc = Service(opts, dbs)
+    svc._load()
+    if svc.error:
+        raise DBSError(f"the model did not load: {svc.error}")
+    bar = None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        with open(inp, "rb") as f:
+            total = sum(1 for line in f if line.strip()) - (1 if inp.suffix.lower() == ".csv" else 0)
+        bar = tqdm(total=total, desc="run-batch", unit="req", file=sys.stderr)
+    try:
+        counts = BatchJob(svc, job_seed, bar.update if bar else None).run(inp, out)
+    finally:
+        if bar is not None:
+            bar.close()
+        svc.stop()
+    return counts

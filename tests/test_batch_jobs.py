@@ -1,0 +1,126 @@
+"""`dbs-fast run-batch`: OpenAI's batch format and the plain forms, every request answered exactly
+once, bad lines as error lines, and a killed job resumed to the texts of an uninterrupted one."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pydantic")
+
+from dbs_fast.api import DirectedBeamSearch  # noqa: E402
+from dbs_fast.cli import main as cli  # noqa: E402
+from dbs_fast.config import DBSConfig  # noqa: E402
+from dbs_fast.serving.batch_jobs import derived_seed, run_batch  # noqa: E402
+from dbs_fast.serving.service import ServiceOptions  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"beams": 2, "candidates": 2}
+
+
+@pytest.fixture(scope="module")
+def model_dir(chat_model_dir):
+    return chat_model_dir
+
+
+@pytest.fixture(scope="module")
+def dbs(model_dir):
+    return DirectedBeamSearch(model_dir)
+
+
+def _openai(cid, url, body):
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
+
+
+def _lines(out: Path) -> dict:
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    ids = [g["custom_id"] for g in got]
+    assert len(ids) == len(set(ids)), ids                     # each request answered once
+    return {g["custom_id"]: g for g in got}
+
+
+def _text(line: dict) -> str:
+    body = line["response"]["body"]
+    if "choices" in body:
+        c = body["choices"][0]
+        return c["message"]["content"] if "message" in c else c["text"]
+    return body["generated"]
+
+
+def test_every_line_is_answered_once_and_bad_lines_become_error_lines(dbs, model_dir, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join([
+        _openai("a", "/v1/completions", {"model": "gpt2", "prompt": "It is", "max_tokens": 6, "keywords": "colony",
+                                         **SMALL}),
+        _openai("b", "/v1/chat/completions", {"model": "gpt2", "messages": [{"role": "user", "content": "Hi"}],
+                                              "max_tokens": 6, "keywords": ["enemy"], "seed": 3, **SMALL}),
+        _openai("c", "/v1/completions", {"model": "gpt2", "prompt": "It is", "keywords": "colony", "beams": "7"}),
+        _openai("d", "/v1/embeddings", {"model": "gpt2", "input": "x"}),
+        _openai("a", "/v1/completions", {"model": "gpt2", "prompt": "x", "keywords": "colony"}),
+        json.dumps({"keywords": "colony,enemy", "context": "The city", "id": "p1", "max_new_tokens": 6, **SMALL}),
+        json.dumps({"keywords": "colony,qzxvbnmw", "id": "p2"}),
+        "not json",
+    ]) + "\n")
+    counts = run_batch(inp, out, ServiceOptions(model=str(model_dir), max_rows=24, max_queue=2), dbs=dbs)
+    got = _lines(out)
+    assert set(got) == {"a", "b", "c", "d", "a (line 5)", "p1", "p2", "line-8"}
+    assert counts["ok"] == 3 and counts["failed"] == 5 and counts["skipped"] == 0
+    for cid, param in (("c", "beams"), ("d", "url"), ("a (line 5)", "custom_id"), ("p2", "keywords")):
+        assert got[cid]["response"] is None and got[cid]["error"]["param"] == param, got[cid]
+    assert got["line-8"]["error"]["message"].startswith("line 8 is not JSON")
+    # the answers are the service's bodies, with the seed the line gives, else one from its custom_id
+    cfg = DBSConfig(max_new_tokens=6, **SMALL)
+    assert got["a"]["response"]["body"]["object"] == "text_completion"
+    assert _text(got["a"]) == dbs.generate("It is", "colony", seed=derived_seed(0, "a"), config=cfg).generated
+    chat = dbs.chat_template.render([{"role": "user", "content": "Hi"}])
+    assert _text(got["b"]) == dbs.generate(chat, ["enemy"], seed=3, config=cfg).generated
+    plain = got["p1"]["response"]["body"]
+    assert plain["generated"] == dbs.generate("The city", "colony,enemy", seed=derived_seed(0, "p1"), config=cfg).generated
+    assert plain["keywords"] == ["colony", "enemy"] and got["p1"]["response"]["status_code"] == 200
+
+
+def test_csv_rows_and_the_exit_code(model_dir, tmp_path, capsys):
+    inp, out = tmp_path / "in.csv", tmp_path / "out.jsonl"
+    inp.write_text("id,keywords,context,seed\nr1,colony,It is,4\nr2,\"colony,enemy\",,\nr3,enemy,The,many\n")
+    args = ["run-batch", "-i", str(inp), "-o", str(out), "--model", str(model_dir), "--max-rows", "140"]
+    assert cli(args) == 1                                          # one line failed
+    got = _lines(out)
+    assert got["r3"]["error"]["param"] == "seed" and got["r1"]["response"]["status_code"] == 200
+    assert got["r1"]["response"]["body"]["context"] == "It is" and got["r2"]["response"]["body"]["context"] == "It is"
+    assert "2 answered, 1 failed, 0 done before" in capsys.readouterr().err
+    assert cli(args) == 0 and len(_lines(out)) == 3                 # all done before: nothing written again
+    assert "0 answered, 0 failed, 3 done before" in capsys.readouterr().err
+    assert cli(["run-batch", "-i", str(tmp_path / "none.jsonl"), "-o", str(out), "--model", str(model_dir)]) == 2
+
+
+def test_a_killed_job_resumes_to_the_texts_of_an_uninterrupted_one(model_dir, tmp_path):
+    """SIGKILL in the middle of the job, then the same command again: every custom_id is answered
+    exactly once, and each text is the one an uninterrupted run writes."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "keywords": "colony,enemy", "beams": 2, "candidates": 3,
+                                       "chunk": 2, "max_new_tokens": 24, "stop": "max"}) + "\n" for i in range(40)))
+    cmd = [sys.executable, "-m", "dbs_fast.cli", "run-batch", "-i", str(inp), "--model", str(model_dir),
+           "--max-rows", "6", "--max-queue", "2", "--seed", "11"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
+    assert subprocess.run(cmd + ["-o", str(whole)], env=env, cwd=ROOT, capture_output=True).returncode == 0
+    proc = subprocess.Popen(cmd + ["-o", str(cut)], env=env, cwd=ROOT, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not cut.exists() or cut.read_text().count("\n") < 5):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = cut.read_text().count("\n")
+    assert 5 <= before < 40, before                                 # killed in the middle
+    with open(cut, "a") as f:
+        f.write('{"id": "batch_req_x", "custom_id": "r3')          # what a kill inside a write leaves
+    assert subprocess.run(cmd + ["-o", str(cut)], env=env, cwd=ROOT, capture_output=True).returncode == 0
+    resumed, full = _lines(cut), _lines(whole)
+    assert set(resumed) == set(full) == {f"r{i}" for i in range(40)}
+    assert {k: _text(v) for k, v in resumed.items()} == {k: _text(v) for k, v in full.items()}
