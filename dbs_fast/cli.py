@@ -523,6 +523,11 @@ def _add_run_batch(sub):
     p.add_argument("--threads", type=threads, default=None, help=THREADS_HELP)
     p.add_argument("--provider", default=d.provider, choices=["cpu", "cuda"], help=PROVIDER_HELP)
     _add_kv_layout(p)
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run on Ray Data: an actor pool of engines on a Ray cluster (ADDRESS, e.g. auto; alone: a "
+                        "local Ray); needs the ray extra")
+    p.add_argument("--ray-workers", type=threads, default=2, help="engines in the actor pool (default 2)")
+    p.add_argument("--ray-cpus", type=float, default=1.0, help="CPUs each engine reserves (default 1)")
     p.set_defaults(func=_run_run_batch)
 
 
@@ -538,7 +543,17 @@ def _run_run_batch(a) -> int:
 
     opts = ServiceOptions(model=a.model, embeddings=a.embeddings, max_rows=a.max_rows, max_queue=a.max_queue,
                           threads=a.threads, provider=a.provider, kv_layout=a.kv_layout, timeout=float("inf"))
-    c = run_batch(Path(a.input), Path(a.output), opts, job_seed=a.seed)
+    if a.ray is not None:
+        try:
+            import ray.data  # noqa: F401
+        except ImportError as e:
+            raise DBSError(f"--ray needs the ray extra: pip install 'dbs-fast[ray]' (missing: {e.name})") from None
+        from .serving.batch_jobs import run_batch_ray
+
+        c = run_batch_ray(Path(a.input), Path(a.output), opts, job_seed=a.seed,
+                          address=None if a.ray == "local" else a.ray, workers=a.ray_workers, cpus_per_worker=a.ray_cpus)
+    else:
+        c = run_batch(Path(a.input), Path(a.output), opts, job_seed=a.seed)
     print(f"run-batch: {c['ok']} answered, {c['failed']} failed, {c['skipped']} done before; {c['seconds']:.1f} s "
           f"-> {a.output}", file=sys.stderr)
     return 1 if c["failed"] else 0

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -124,3 +126,38 @@ def test_a_killed_job_resumes_to_the_texts_of_an_uninterrupted_one(model_dir, tm
     resumed, full = _lines(cut), _lines(whole)
     assert set(resumed) == set(full) == {f"r{i}" for i in range(40)}
     assert {k: _text(v) for k, v in resumed.items()} == {k: _text(v) for k, v in full.items()}
+
+
+@pytest.mark.integration
+def test_on_ray_data_two_workers_write_what_the_local_run_writes(model_dir, tmp_path):
+    """The same file on a local Ray cluster, an actor pool of two engines: every custom_id once,
+    the texts of the local run, seed for seed; run again, it finds everything done."""
+    pytest.importorskip("ray.data")
+    import ray
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "keywords": "colony,enemy", "beams": 2, "candidates": 2,
+                                       "max_new_tokens": 8}) + "\n" for i in range(12))
+                   + _openai("chat", "/v1/chat/completions", {"model": "gpt2", "max_tokens": 6, "keywords": "enemy",
+                                                              "messages": [{"role": "user", "content": "Hi"}],
+                                                              **SMALL}) + "\n{bad\n")
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    opts = ServiceOptions(model=str(model_dir), max_rows=24, threads=1, timeout=float("inf"))
+    run_batch(inp, local, opts, job_seed=5)
+    from dbs_fast.serving.batch_jobs import run_batch_ray
+
+    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")              # Ray's socket paths must stay short
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    try:
+        counts = run_batch_ray(inp, on_ray, opts, job_seed=5, workers=2, cpus_per_worker=1, batch_size=3)
+        assert counts["ok"] == 13 and counts["failed"] == 1
+        got, want = _lines(on_ray), _lines(local)
+        assert set(got) == set(want) and len(got) == 14
+        assert {k: _text(v) for k, v in got.items() if v["response"]} == \
+            {k: _text(v) for k, v in want.items() if v["response"]}
+        again = run_batch_ray(inp, on_ray, opts, job_seed=5, workers=2)
+        assert again["skipped"] == 14 and again["ok"] == again["failed"] == 0
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)

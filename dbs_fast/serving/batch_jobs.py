@@ -108,41 +108,69 @@ def _plain(n: int, obj: dict, csv_row: bool = False):
     return cid, "plain", obj, None
 
 
-class BatchJob:
-    """One file of requests through a `Service`'s batcher: `run` writes every line's answer."""
+def pending(inp: Path, done: set[str]):
+    """The input's lines not answered yet, as (custom_id, kind, request or None, error or None); a
+    custom_id an earlier line used is answered as an error under its own id and line number."""
+    seen = set()
+    for n, cid, kind, request, error in read_lines(inp):
+        if cid in seen:
+            error = oa.error_body(400, f"`custom_id` {cid!r} is used by an earlier line", "custom_id")["error"]
+            cid = f"{cid} (line {n})"
+        seen.add(cid)
+        yield cid, kind, request, error, cid in done
 
-    def __init__(self, svc, job_seed: int = 0, progress=None):
-        self.svc, self.job_seed, self.progress = svc, job_seed, progress
-        self.results: queue.Queue = queue.Queue()
-        self.in_flight: dict[str, object] = {}          # custom_id -> its Reply (None: plain form)
+
+def _request_id(cid: str) -> str:
+    return hashlib.sha256(cid.encode()).hexdigest()[:24]
+
+
+def output_line(cid: str, response: dict | None, error: dict | None) -> str:
+    """One output line (without its newline), OpenAI's batch output shape."""
+    return json.dumps({"id": "batch_req_" + _request_id(cid), "custom_id": cid, "response": response,
+                       "error": error}, allow_nan=False)
+
+
+class FileSink:
+    """Writes output lines to an open file, one write and a flush each (a kill cuts at most the
+    line being written), counting them; `progress(1)` per line."""
+
+    def __init__(self, f, progress=None):
+        self.f, self.progress = f, progress
         self.counts = {"ok": 0, "failed": 0, "skipped": 0}
 
-    def run(self, inp: Path, out: Path) -> dict:
-        done, seen = done_ids(out), set()
-        t0 = time.perf_counter()
-        with open(out, "a", encoding="utf-8") as f:
-            for n, cid, kind, request, error in read_lines(inp):
-                if cid in seen:                       # answered under its own id: this line's gets the line number
-                    error = oa.error_body(400, f"`custom_id` {cid!r} is used by an earlier line", "custom_id")["error"]
-                    cid = f"{cid} (line {n})"
-                seen.add(cid)
-                if cid in done:
-                    self.counts["skipped"] += 1
-                    self._advance()
-                    continue
-                if error is None:
-                    error = self._submit(cid, kind, request, f)
-                if error is not None:
-                    self._write(f, cid, None, error)
-            while self.in_flight:
-                self._collect(f, block=True)
-        return {**self.counts, "seconds": time.perf_counter() - t0}
+    def __call__(self, line: str) -> None:
+        self.f.write(line + "\n")
+        self.f.flush()
+        self.counts["failed" if json.loads(line)["error"] is not None else "ok"] += 1
+        self.skip(count=False)
 
-    def _advance(self) -> None:
+    def skip(self, count: bool = True) -> None:
+        if count:
+            self.counts["skipped"] += 1
         if self.progress is not None:
             self.progress(1)
 
-    def _submit(self, cid: str, kind: str, request: dict, f) -> dict | None:
+
+class BatchJob:
+    """Requests through a `Service`'s batcher: `answer` sends each one's output line to a sink
+    (a file; a list in a Ray Data worker) as it finishes."""
+
+    def __init__(self, svc, job_seed: int = 0):
+        self.svc, self.job_seed = svc, job_seed
+        self.results: queue.Queue = queue.Queue()
+        self.in_flight: dict[str, object] = {}          # custom_id -> its Reply (None: plain form)
+
+    def answer(self, records, sink) -> None:
+        """`records`: (custom_id, kind, request or None, error or None); a line each to `sink`."""
+        for cid, kind, request, error in records:
+            if error is None:
+                error = self._submit(cid, kind, request, sink)
+            if error is not None:
+                sink(output_line(cid, None, error))
+        while self.in_flight:
+            self._collect(sink, block=True)
+
+    def _submit(self, cid: str, kind: str, request: dict, sink) -> dict | None:
         """Queue the request; OpenAI's error object (for an output line) when it is bad."""
         svc = self.svc
         request = dict(request)
@@ -175,12 +203,12 @@ class BatchJob:
         job.send = lambda k, payload, cid=cid: self.results.put((cid, k, payload)) if k != "chunk" else None
         self.in_flight[cid] = reply
         while not svc.batcher.submit(job):          # the queue is full: write what has finished
-            self._collect(f, block=True)
-        while self._collect(f, block=False):
+            self._collect(sink, block=True)
+        while self._collect(sink, block=False):
             pass
         return None
 
-    def _collect(self, f, block: bool) -> bool:
+    def _collect(self, sink, block: bool) -> bool:
         try:
             cid, kind, payload = self.results.get(block=block, timeout=None if block else 0)
         except queue.Empty:
@@ -188,48 +216,115 @@ class BatchJob:
         reply = self.in_flight.pop(cid)
         if kind == "result":
             body = reply.final(payload) if reply is not None else payload.to_json()
-            self._write(f, cid, {"status_code": 200, "request_id": _request_id(cid), "body": body}, None)
+            sink(output_line(cid, {"status_code": 200, "request_id": _request_id(cid), "body": body}, None))
         else:
             status, detail = payload
-            self._write(f, cid, None, oa.error_body(status, str(detail))["error"])
+            sink(output_line(cid, None, oa.error_body(status, str(detail))["error"]))
         return True
 
-    def _write(self, f, cid: str, response: dict | None, error: dict | None) -> None:
-        self.counts["ok" if error is None else "failed"] += 1
-        line = {"id": "batch_req_" + _request_id(cid), "custom_id": cid, "response": response, "error": error}
-        f.write(json.dumps(line, allow_nan=False) + "\n")     # one write per line: a kill cuts at most this one
-        f.flush()
-        self._advance()
+
+def _open_job(inp: Path, out: Path):
+    if not inp.is_file():
+        raise DBSError(f"input file not found: {inp}", "input", str(inp))
+    if out.exists() and not out.is_file():
+        raise DBSError(f"output is not a file: {out}", "output", str(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
 
 
-def _request_id(cid: str) -> str:
-    return hashlib.sha256(cid.encode()).hexdigest()[:24]
+def _progress_bar(inp: Path):
+    """A progress bar on stderr (lines, rate, ETA) when it is a terminal, else None."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    with open(inp, "rb") as f:
+        total = sum(1 for line in f if line.strip()) - (1 if inp.suffix.lower() == ".csv" else 0)
+    return tqdm(total=total, desc="run-batch", unit="req", file=sys.stderr)
 
 
 def run_batch(inp: Path, out: Path, opts, dbs=None, job_seed: int = 0) -> dict:
     """Every line of `inp` answered once in `out` (resuming what an earlier run wrote): the counts."""
     from .service import Service
 
-    if not inp.is_file():
-        raise DBSError(f"input file not found: {inp}", "input", str(inp))
-    if out.exists() and not out.is_file():
-        raise DBSError(f"output is not a file: {out}", "output", str(out))
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _open_job(inp, out)
     svc = Service(opts, dbs)
     svc._load()
     if svc.error:
         raise DBSError(f"the model did not load: {svc.error}")
-    bar = None
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        with open(inp, "rb") as f:
-            total = sum(1 for line in f if line.strip()) - (1 if inp.suffix.lower() == ".csv" else 0)
-        bar = tqdm(total=total, desc="run-batch", unit="req", file=sys.stderr)
+    bar, t0 = _progress_bar(inp), time.perf_counter()
     try:
-        counts = BatchJob(svc, job_seed, bar.update if bar else None).run(inp, out)
+        with open(out, "a", encoding="utf-8") as f:
+            sink = FileSink(f, bar.update if bar else None)
+
+            def todo():
+                for cid, kind, request, error, done in pending(inp, done_ids(out)):
+                    if done:
+                        sink.skip()
+                    else:
+                        yield cid, kind, request, error
+
+            BatchJob(svc, job_seed).answer(todo(), sink)
     finally:
         if bar is not None:
             bar.close()
         svc.stop()
-    return counts
+    return {**sink.counts, "seconds": time.perf_counter() - t0}
+
+
+class RayEngine:
+    """A Ray Data worker: one engine with its own continuous batching, loaded once per actor, that
+    answers a batch of requests with their output lines."""
+
+    def __init__(self, opts: dict, job_seed: int):
+        from .service import Service, ServiceOptions
+
+        svc = Service(ServiceOptions(**opts))
+        svc._load()
+        if svc.error:
+            raise RuntimeError(f"the model did not load: {svc.error}")
+        self.job = BatchJob(svc, job_seed)
+
+    def __call__(self, batch: dict) -> dict:
+        lines: list[str] = []
+        self.job.answer(((c, k, json.loads(r), None) for c, k, r in
+                         zip(batch["custom_id"], batch["kind"], batch["request"])), lines.append)
+        return {"line": lines}
+
+
+def run_batch_ray(inp: Path, out: Path, opts, job_seed: int = 0, address: str | None = None, workers: int = 2,
+                  cpus_per_worker: float = 1.0, batch_size: int = 16) -> dict:
+    """`run_batch` on a Ray cluster (`address`; None: a local one): a Ray Data pipeline whose actor
+    pool of `workers` engines answers the requests; the driver writes each line as it arrives, so
+    a worker that dies has its batch retried by Ray and the output stays exactly-once, and a
+    driver that dies resumes as `run_batch` does. The requests not answered yet are held in the
+    driver's memory as JSON strings."""
+    import dataclasses
+
+    import ray
+
+    _open_job(inp, out)
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    bar, t0 = _progress_bar(inp), time.perf_counter()
+    try:
+        with open(out, "a", encoding="utf-8") as f:
+            sink = FileSink(f, bar.update if bar else None)
+            records = []
+            for cid, kind, request, error, done in pending(inp, done_ids(out)):
+                if done:
+                    sink.skip()
+                elif error is not None:
+                    sink(output_line(cid, None, error))
+                else:
+                    records.append({"custom_id": cid, "kind": kind, "request": json.dumps(request)})
+            if records:
+                options = dataclasses.asdict(opts)
+                ds = ray.data.from_items(records).map_batches(
+                    RayEngine, fn_constructor_kwargs={"opts": options, "job_seed": job_seed}, batch_size=batch_size,
+                    concurrency=workers, num_cpus=cpus_per_worker, batch_format="numpy")
+                for row in ds.iter_rows():
+                    sink(str(row["line"]))
+    finally:
+        if bar is not None:
+            bar.close()
+    return {**sink.counts, "seconds": time.perf_counter() - t0}
