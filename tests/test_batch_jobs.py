@@ -101,31 +101,54 @@ def test_csv_rows_and_the_exit_code(model_dir, tmp_path, capsys):
     assert cli(["run-batch", "-i", str(tmp_path / "none.jsonl"), "-o", str(out), "--model", str(model_dir)]) == 2
 
 
-def test_a_killed_job_resumes_to_the_texts_of_an_uninterrupted_one(model_dir, tmp_path):
-    """SIGKILL in the middle of the job, then the same command again: every custom_id is answered
-    exactly once, and each text is the one an uninterrupted run writes."""
+@pytest.mark.integration
+def test_a_job_killed_three_times_ends_with_the_texts_of_an_uninterrupted_one(model_dir, tmp_path):
+    """SIGKILL at three random points of a 300-line job, each followed by the same command again:
+    300 answered custom_ids, none twice, no truncated line, the texts of the uninterrupted run."""
+    import numpy as np
+
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"id": f"r{i}", "keywords": "colony,enemy", "beams": 2, "candidates": 3,
-                                       "chunk": 2, "max_new_tokens": 24, "stop": "max"}) + "\n" for i in range(40)))
+                                       "chunk": 2, "max_new_tokens": 12, "stop": "max"}) + "\n" for i in range(300)))
     cmd = [sys.executable, "-m", "dbs_fast.cli", "run-batch", "-i", str(inp), "--model", str(model_dir),
-           "--max-rows", "6", "--max-queue", "2", "--seed", "11"]
+           "--max-rows", "12", "--max-queue", "4", "--seed", "11"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
     assert subprocess.run(cmd + ["-o", str(whole)], env=env, cwd=ROOT, capture_output=True).returncode == 0
-    proc = subprocess.Popen(cmd + ["-o", str(cut)], env=env, cwd=ROOT, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and (not cut.exists() or cut.read_text().count("\n") < 5):
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    before = cut.read_text().count("\n")
-    assert 5 <= before < 40, before                                 # killed in the middle
+    marks = sorted(np.random.default_rng(0).choice(np.arange(20, 280), 3, replace=False))
+    for mark in marks:                                             # each run starts where the last was killed
+        proc = subprocess.Popen(cmd + ["-o", str(cut)], env=env, cwd=ROOT, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while time.time() < deadline and (not cut.exists() or cut.read_text().count("\n") < mark):
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert cut.read_text().count("\n") < 300                  # killed before the end
     with open(cut, "a") as f:
         f.write('{"id": "batch_req_x", "custom_id": "r3')          # what a kill inside a write leaves
     assert subprocess.run(cmd + ["-o", str(cut)], env=env, cwd=ROOT, capture_output=True).returncode == 0
+    assert cut.read_text().endswith("\n")
     resumed, full = _lines(cut), _lines(whole)
-    assert set(resumed) == set(full) == {f"r{i}" for i in range(40)}
+    assert set(resumed) == set(full) == {f"r{i}" for i in range(300)}
     assert {k: _text(v) for k, v in resumed.items()} == {k: _text(v) for k, v in full.items()}
+
+
+def test_a_file_with_a_tenth_of_bad_lines_answers_every_good_one(dbs, model_dir, tmp_path):
+    """Bad JSON, unknown fields, bad values and unknown keywords: one error line each, naming the
+    field where there is one, and a valid answer for every other line."""
+    bad = {3: "{not json", 11: json.dumps({"keywords": "colony", "id": "u", "colour": "red"}),
+           19: json.dumps({"keywords": "colony", "id": "v", "beams": 0}),
+           27: json.dumps({"keywords": "colony,qzxvbnmw", "id": "w"})}
+    lines = [bad.get(i) or json.dumps({"id": f"g{i}", "keywords": "colony", "max_new_tokens": 4, **SMALL})
+             for i in range(40)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    counts = run_batch(inp, out, ServiceOptions(model=str(model_dir), max_rows=24), dbs=dbs)
+    got = _lines(out)
+    assert counts["ok"] == 36 and counts["failed"] == 4 and len(got) == 40
+    assert {k: v["error"]["param"] for k, v in got.items() if v["error"]} == \
+        {"line-4": None, "u": "colour", "v": "beams", "w": "keywords"}
+    assert all(v["response"]["status_code"] == 200 and _text(v) is not None for v in got.values() if not v["error"])
 
 
 @pytest.mark.integration
