@@ -3,6 +3,7 @@ when the CUDA provider cannot run (the wrong onnxruntime build, missing CUDA lib
 nodes that CUDA has no kernels for)."""
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from pathlib import Path
@@ -83,16 +84,13 @@ def _both_onnxruntimes() -> bool:
     return True
 
 
-_PRELOADED: list[bool] = []
-
-
+@functools.cache
 def _preload_cuda_libraries(ort) -> None:
     """onnxruntime-gpu >= 1.21 loads the CUDA and cuDNN libraries of the `nvidia-*` pip packages (torch's, or
     `onnxruntime-gpu[cuda,cudnn]`'s) itself, so no LD_LIBRARY_PATH is needed; once per process, best effort
     (where it finds none, the provider's own start reports what is missing)."""
-    if _PRELOADED or not hasattr(ort, "preload_dlls"):
+    if not hasattr(ort, "preload_dlls"):
         return
-    _PRELOADED.append(True)
     try:
         ort.preload_dlls()
     except Exception as e:  # noqa: BLE001 - a failed preload leaves the provider's own message to explain

@@ -132,16 +132,20 @@ def output_line(cid: str, response: dict | None, error: dict | None) -> str:
 
 class FileSink:
     """Writes output lines to an open file, one write and a flush each (a kill cuts at most the
-    line being written), counting them; `progress(1)` per line."""
+    line being written), counting them; `progress(1)` per line. A sink is called with a request's
+    (custom_id, response, error)."""
 
     def __init__(self, f, progress=None):
         self.f, self.progress = f, progress
         self.counts = {"ok": 0, "failed": 0, "skipped": 0}
 
-    def __call__(self, line: str) -> None:
+    def __call__(self, cid: str, response: dict | None, error: dict | None) -> None:
+        self.write(output_line(cid, response, error), failed=error is not None)
+
+    def write(self, line: str, failed: bool) -> None:
         self.f.write(line + "\n")
         self.f.flush()
-        self.counts["failed" if json.loads(line)["error"] is not None else "ok"] += 1
+        self.counts["failed" if failed else "ok"] += 1
         self.skip(count=False)
 
     def skip(self, count: bool = True) -> None:
@@ -166,12 +170,16 @@ class BatchJob:
             if error is None:
                 error = self._submit(cid, kind, request, sink)
             if error is not None:
-                sink(output_line(cid, None, error))
+                sink(cid, None, error)
         while self.in_flight:
             self._collect(sink, block=True)
 
     def _submit(self, cid: str, kind: str, request: dict, sink) -> dict | None:
         """Queue the request; OpenAI's error object (for an output line) when it is bad."""
+        from pydantic import ValidationError
+
+        from .bodies import fault
+
         svc = self.svc
         request = dict(request)
         request.setdefault("seed", derived_seed(self.job_seed, cid))
@@ -193,13 +201,9 @@ class BatchJob:
             return e.body()["error"]
         except DBSError as e:
             return oa.error_body(422, str(e), e.field)["error"]
-        except Exception as e:  # noqa: BLE001 - pydantic's ValidationError (the serve extra's)
-            if hasattr(e, "errors"):
-                from .bodies import fault
-
-                param, msg = fault([{**x, "loc": ("body", *x.get("loc", ()))} for x in e.errors()])
-                return oa.error_body(422, msg, param)["error"]
-            raise
+        except ValidationError as e:
+            param, msg = fault(e.errors())
+            return oa.error_body(422, msg, param)["error"]
         job.send = lambda k, payload, cid=cid: self.results.put((cid, k, payload)) if k != "chunk" else None
         self.in_flight[cid] = reply
         while not svc.batcher.submit(job):          # the queue is full: write what has finished
@@ -216,10 +220,10 @@ class BatchJob:
         reply = self.in_flight.pop(cid)
         if kind == "result":
             body = reply.final(payload) if reply is not None else payload.to_json()
-            sink(output_line(cid, {"status_code": 200, "request_id": _request_id(cid), "body": body}, None))
+            sink(cid, {"status_code": 200, "request_id": _request_id(cid), "body": body}, None)
         else:
             status, detail = payload
-            sink(output_line(cid, None, oa.error_body(status, str(detail))["error"]))
+            sink(cid, None, oa.error_body(status, str(detail))["error"])
         return True
 
 
@@ -285,10 +289,15 @@ class RayEngine:
         self.job = BatchJob(svc, job_seed)
 
     def __call__(self, batch: dict) -> dict:
-        lines: list[str] = []
+        lines, failed = [], []
+
+        def sink(cid, response, error):
+            lines.append(output_line(cid, response, error))
+            failed.append(error is not None)
+
         self.job.answer(((c, k, json.loads(r), None) for c, k, r in
-                         zip(batch["custom_id"], batch["kind"], batch["request"])), lines.append)
-        return {"line": lines}
+                         zip(batch["custom_id"], batch["kind"], batch["request"])), sink)
+        return {"line": lines, "failed": failed}
 
 
 def run_batch_ray(inp: Path, out: Path, opts, job_seed: int = 0, address: str | None = None, workers: int = 2,
@@ -314,7 +323,7 @@ def run_batch_ray(inp: Path, out: Path, opts, job_seed: int = 0, address: str | 
                 if done:
                     sink.skip()
                 elif error is not None:
-                    sink(output_line(cid, None, error))
+                    sink(cid, None, error)
                 else:
                     records.append({"custom_id": cid, "kind": kind, "request": json.dumps(request)})
             if records:
@@ -323,7 +332,7 @@ def run_batch_ray(inp: Path, out: Path, opts, job_seed: int = 0, address: str | 
                     RayEngine, fn_constructor_kwargs={"opts": options, "job_seed": job_seed}, batch_size=batch_size,
                     concurrency=workers, num_cpus=cpus_per_worker, batch_format="numpy")
                 for row in ds.iter_rows():
-                    sink(str(row["line"]))
+                    sink.write(str(row["line"]), bool(row["failed"]))
     finally:
         if bar is not None:
             bar.close()

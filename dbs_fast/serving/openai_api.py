@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..config import JSON_NAMES, SEED_MAX, TASKS, body_attr, preset
+from ..config import JSON_NAMES, SEED_MAX, body_attr, preset
 from ..errors import DBSError
 from ..home import EMBEDDED_DIRS
 from ..search.result import GenerationResult
@@ -148,10 +148,10 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
     if body.keywords is None:
         raise Refused("keywords", "`keywords` (an extra body field) is required: the words the text must contain, "
                                   'e.g. extra_body={"keywords": ["enemy", "speed"]}')
-    if body.task is not None and body.task not in TASKS:
-        raise Refused("task", f"`task` must be one of {list(TASKS)}, got {body.task!r}")
-    if body.task is not None and body.paper:
-        raise Refused("paper", f"`task` {body.task!r} and `paper` are two presets: give one")
+    try:
+        base, _ = preset(body.task, body.paper)           # an unknown task, or two presets: a 400
+    except DBSError as e:
+        raise Refused(e.field, str(e)) from None
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > 4 or any(not s for s in stops):
         raise Refused("stop", "`stop` takes up to 4 non-empty sequences")
@@ -170,7 +170,6 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
     given = {name: getattr(body, body_attr(name, key)) for name, key in EXTRA.items()}
     given.update(temperature=body.temperature, top_p=body.top_p,
                  max_new_tokens=body.max_tokens or body.max_completion_tokens)
-    base, _ = preset(body.task, body.paper)
     beams = base.beams if given.get("beams") is None else given["beams"]
     if beams >= 1 and body.n > beams:                # (beams < 1 is refused with the config, naming beams)
         raise Refused("n", f"`n` ({body.n}) is more than the beams searched ({beams})")
