@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import OnnxBackend, onnx_backend
+from .backend import SCHEDULES, OnnxBackend, onnx_backend
 from .config import SEED_MAX, DBSConfig
 from .errors import DBSError, naming
 from .home import EMBEDDED_DIRS, embedded_model_dir
@@ -107,8 +107,11 @@ class DirectedBeamSearch:
     def __init__(self, model: str | Path = "default", embeddings: str = "default",
                  config: DBSConfig | None = None, scorer: str = "self", backend: str = "onnx",
                  provider: str = "cpu", threads: int | None = None, subword_fallback: bool = False,
-                 quiet: bool = True, kv_layout: str = "auto", context_cache_mb: int = 256):
-        self.config = config or DBSConfig()
+                 quiet: bool = True, kv_layout: str = "auto", context_cache_mb: int = 256,
+                 schedule: str = "distinct"):
+        if schedule not in SCHEDULES:
+            raise DBSError(f"`schedule` must be one of {SCHEDULES}, got {schedule!r}", "schedule", schedule)
+        self.config, self.schedule = config or DBSConfig(), schedule
         self.model_dir = resolve_model_dir(model, quiet)
         self.manifest = read_manifest(self.model_dir)
         set_threads(threads, sleep_when_idle=backend != "torch")
@@ -310,7 +313,7 @@ class DirectedBeamSearch:
         decode graph, else on one cache row per candidate."""
         be = self.backend
         if self.decoder is not None:
-            be = onnx_backend(self.backend.model, self.decoder, cfg)
+            be = onnx_backend(self.backend.model, self.decoder, cfg, self.schedule)
         return BeamSearch(be, self.scorer, cfg, (), progress,
                           self.sentence_end if cfg.needs_sentence_ends else None,
                           self.word_piece if cfg.guarantee or cfg.boost_word_starts else None)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import kernels
+from .kv.groups import distinct_rows
 from .kv.prefix_cache import PrefixCache
 from .model import KVCache, OnnxModel
 
@@ -41,8 +42,10 @@ class Backend(Protocol):
     def prefill(self, contexts: list[list[int]]) -> tuple[Any, Any]:
         """Left-padded contexts -> the last position's logits (B, V) and the cache."""
 
-    def step(self, tokens: np.ndarray, cache) -> tuple[Any, Any]:
-        """One new token per row (R,) -> logits (R, V) and the cache."""
+    def step(self, tokens: np.ndarray, cache, need: np.ndarray | None = None) -> tuple[Any, Any]:
+        """One new token per row (R,) -> logits (R, V) and the cache. `need` (R,) bool: the rows
+        whose logits will be read (default all); a backend may leave the others' rows out, and
+        then says in `computed` which rows it ran (one per model row)."""
 
     def feed(self, tokens: np.ndarray, cache) -> tuple[Any, Any]:
         """Known tokens (R, k) -> the logits after each (R, k, V) and the cache."""
@@ -86,6 +89,7 @@ class OnnxBackend:
     """The ONNX model with one cache row per candidate (model.onnx), the Numba kernel as sampler."""
 
     name = "onnx"
+    computed = None                  # every row of a step is a model row
 
     def __init__(self, model: OnnxModel):
         self.model = model
@@ -100,7 +104,7 @@ class OnnxBackend:
         logits, cache = self.model.forward(ids, self.model.empty_cache(len(contexts)), mask)
         return logits[:, -1], cache                                       # (B, V)
 
-    def step(self, tokens: np.ndarray, cache: KVCache) -> tuple[np.ndarray, KVCache]:
+    def step(self, tokens: np.ndarray, cache: KVCache, need: np.ndarray | None = None) -> tuple[np.ndarray, KVCache]:
         logits, cache = self.model.forward(tokens[:, None], cache)
         return logits[:, -1], cache
 
@@ -171,13 +175,20 @@ class PrefixBackend(OnnxBackend):
     each beam's prefix once, each candidate's chunk on its own. The scheduler's rows are the `live` rows of a PrefixCache laid
     out as beams of `s` rows; `select` (keep + repeat, drop, admission) regroups them. Prefill
     runs through the same graph (`PrefixDecoder.prefill`), so model.onnx is never opened. Sampling,
-    tokens and logits rows are the row backend's."""
+    tokens and logits rows are the row backend's.
+
+    With `distinct` (and a decode graph that computes distinct rows), a step runs one model row per
+    distinct history among the rows that `need` logits (`dbs_fast.kv.groups`): the copies of a
+    candidate, and the candidates of a beam that drew the same tokens, are computed once; ended rows
+    not at all. `computed` then names the scheduler row standing for each model row."""
 
     name = "onnx-prefix"
 
-    def __init__(self, model: OnnxModel, decoder, s: int, k: int, reserve: int = 0):
+    def __init__(self, model: OnnxModel, decoder, s: int, k: int, reserve: int = 0, distinct: bool = True):
         super().__init__(model)
         self.decoder, self.s, self.k, self.reserve = decoder, s, k, reserve
+        self.distinct = distinct and decoder.distinct
+        self.computed: np.ndarray | None = None
 
     def prefill(self, contexts: list[list[int]]):
         ids, mask = left_pad(contexts, self.pad_id)
@@ -185,10 +196,24 @@ class PrefixBackend(OnnxBackend):
         logits, cache = self.decoder.prefill(ids, mask, m.kv_heads, m.head_dim, self.s, self.k, self.reserve)
         return logits, Layout(cache, np.arange(len(contexts)) * self.s)
 
-    def step(self, tokens: np.ndarray, lay: "Layout"):
-        ids = np.full(lay.cache.chunk_mask.shape[0], self.pad_id, np.int64)
+    def step(self, tokens: np.ndarray, lay: "Layout", need: np.ndarray | None = None):
+        cache = lay.cache
+        ids = np.full(cache.chunk_mask.shape[0], self.pad_id, np.int64)
         ids[lay.live] = tokens
-        return self.decoder.step(ids, lay.cache)[lay.live], lay
+        if not self.distinct:
+            return self.decoder.step(ids, cache)[lay.live], lay
+        needed = np.zeros(len(ids), bool)
+        needed[lay.live if need is None else lay.live[need]] = True
+        group, slot_row, row_slot = distinct_rows(cache.groups(), ids, needed)
+        row_of = np.full(len(ids), -1, np.int64)
+        row_of[lay.live] = np.arange(len(lay.live))
+        self.computed = row_of[row_slot]
+        if not len(row_slot):                   # nothing to read: the slot stays as it was, unread
+            cache.advance()
+            cache.group = group
+            return np.zeros((len(tokens), self.vocab_size), np.float32), lay
+        logits = self.decoder.step(ids[row_slot], cache, rows=(slot_row, row_slot), group=group)
+        return logits[slot_row[lay.live]], lay
 
     def feed(self, tokens: np.ndarray, lay: "Layout"):
         """Known tokens (R, k) of this chunk, one decode step each: the logits after each (R, k, V)."""
@@ -212,13 +237,20 @@ class PrefixBackend(OnnxBackend):
         return lay
 
 
-def onnx_backend(model: OnnxModel, decoder, cfg) -> OnnxBackend:
+# how a step's rows are chosen: "distinct" computes each distinct candidate history once (and a
+# chunk's last token for the kept beams only) where the decode graph can; "plain" every row
+SCHEDULES = ("distinct", "plain")
+
+
+def onnx_backend(model: OnnxModel, decoder, cfg, schedule: str = "distinct") -> OnnxBackend:
     """The ONNX backend a search at `cfg` runs on: the prefix cache where the export has a decode
-    graph (`decoder`, a `PrefixDecoder`), else one cache row per candidate."""
+    graph (`decoder`, a `PrefixDecoder`), else one cache row per candidate. `schedule`: "distinct"
+    computes each distinct candidate history once where the graph can; "plain" every row."""
     if decoder is None:
         return OnnxBackend(model)
     # a chunk never holds more than the budget's tokens (chunk > max_new_tokens allocates no more)
-    return PrefixBackend(model, decoder, cfg.candidates, min(cfg.chunk, cfg.max_new_tokens), cfg.max_new_tokens)
+    return PrefixBackend(model, decoder, cfg.candidates, min(cfg.chunk, cfg.max_new_tokens), cfg.max_new_tokens,
+                         distinct=schedule == "distinct")
 
 
 @dataclass

@@ -114,11 +114,16 @@ def config_from_args(a, task: str | None = None, **extra) -> tuple[DBSConfig, st
 
 
 def _add_kv_layout(p):
+    from .backend import SCHEDULES
     from .kv.prefix_cache import KV_LAYOUTS
 
     p.add_argument("--kv-layout", default="auto", choices=KV_LAYOUTS,
                    help="KV cache: prefix = the prefix cache (each request's context and each beam's prefix once; needs decode.onnx from this "
                         "version's export), rows = one cache row per candidate, auto = prefix where available")
+    p.add_argument("--schedule", default="distinct", choices=SCHEDULES,
+                   help="distinct (default): each distinct candidate history through the model once, a chunk's last "
+                        "token for the kept beams only (on the prefix cache); plain: every row at every step. The "
+                        "same texts either way")
 
 
 def _add_generate(sub):
@@ -206,7 +211,7 @@ def _run_generate(a) -> int:
     preflight(a.model, cfg, a.context, quiet=fmt == "json")
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, backend=a.backend,
                              provider=a.provider, threads=a.threads, subword_fallback=a.subword_fallback,
-                             quiet=fmt == "json", kv_layout=a.kv_layout)
+                             quiet=fmt == "json", kv_layout=a.kv_layout, schedule=a.schedule)
     progress = None if fmt == "json" else Progress("generating")
     try:
         r = dbs.generate(a.context, a.keywords, seed=a.seed, progress=progress, ban=a.ban)
@@ -346,7 +351,8 @@ def _run_eval(a) -> int:
         raise DBSError(f"`--start` must be below the number of sets ({len(sets)}), got {a.start}")
     sets = sets[a.start:][: a.limit]
     seed = a.seed + a.start               # set i's seed is seed + i, as in a run from set 0
-    dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads, kv_layout=a.kv_layout)
+    dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads, kv_layout=a.kv_layout,
+                             schedule=a.schedule)
     if a.stories:
         from .evaluation.runs import run_stories
 
@@ -383,7 +389,8 @@ def _add_bench(sub):
                                                                       "--quick: 10)")
     p.add_argument("--contenders", default=None,
                    help="comma-separated (default: all of dbs_fast/bench/suite.py's CONTENDERS); onnx-fp32/onnx-int8 "
-                        "run the prefix cache (decode.onnx), the -rows ones the row layout")
+                        "run the prefix cache (decode.onnx), the -rows ones the row layout, onnx-fp32-plain the prefix "
+                        "cache with every row computed (--schedule plain)")
     p.add_argument("--tokenizer", default=None, help="GPT-2 tokenizer dir (default ../shared/data/gpt2-tokenizer)")
     p.add_argument("--checkpoint", default=None, help="a transformers checkpoint instead of random GPT-2 large")
     p.add_argument("--shape", default="gpt2-large", choices=["gpt2-large", "gpt2", "distilgpt2"],
@@ -542,7 +549,8 @@ def _run_run_batch(a) -> int:
     from .serving.service import ServiceOptions
 
     opts = ServiceOptions(model=a.model, embeddings=a.embeddings, max_rows=a.max_rows, max_queue=a.max_queue,
-                          threads=a.threads, provider=a.provider, kv_layout=a.kv_layout, timeout=float("inf"))
+                          threads=a.threads, provider=a.provider, kv_layout=a.kv_layout, schedule=a.schedule,
+                          timeout=float("inf"))
     if a.ray is not None:
         try:
             import ray.data  # noqa: F401
@@ -569,7 +577,7 @@ def _run_serve(a) -> int:
     key = a.api_key if a.api_key is not None else os.environ.get("DBS_FAST_API_KEY") or None
     opts = ServiceOptions(model=a.model, embeddings=a.embeddings, max_rows=a.max_rows, max_queue=a.max_queue,
                           threads=a.threads, provider=a.provider, timeout=a.timeout, grace=a.grace,
-                          kv_layout=a.kv_layout, admit_wait=a.admit_wait, chunked_prefill=a.chunked_prefill, api_key=key, auth_health=a.auth_health,
+                          kv_layout=a.kv_layout, schedule=a.schedule, admit_wait=a.admit_wait, chunked_prefill=a.chunked_prefill, api_key=key, auth_health=a.auth_health,
                           max_body_bytes=a.max_body_bytes, cors_origins=tuple(a.cors_origin))
     if not 0 < a.port < 65536:
         raise DBSError(f"`--port` must be in 1..65535, got {a.port}")

@@ -10,7 +10,7 @@ MANIFEST = "dbs_fast_model.json"
 # bumped whenever an export's files change in a way this version cannot read: an export with
 # another version is refused with "re-export it with `dbs-fast export --force`" (embedded models
 # are exported again on their own)
-EXPORT_FORMAT_VERSION = 3
+EXPORT_FORMAT_VERSION = 4
 
 
 def current_export(model_dir: Path) -> bool:

@@ -51,6 +51,7 @@ class TorchBackend:
     come to the host for the scheduler), as `provider` picks it for the ONNX engine."""
 
     name = "torch"
+    computed = None                  # every row of a step is a model row
 
     def __init__(self, model_dir, threads: int | None = None, device: str = "cpu"):
         try:
@@ -87,7 +88,8 @@ class TorchBackend:
                              use_cache=True)
         return out.logits[:, -1].float(), out.past_key_values
 
-    def step(self, tokens, cache):
+    def step(self, tokens, cache, need=None):
+        """The plain schedule: every row, whatever `need` says (the reference the others are measured by)."""
         t = self.torch
         self._mask = t.cat([self._mask, t.ones((self._mask.shape[0], 1), dtype=self._mask.dtype, device=self.device)], 1)
         with t.inference_mode():

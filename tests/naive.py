@@ -100,3 +100,17 @@ def extend_prefix_ref(prefix, chunk, src, s, j):
     tokens of row src[i] (chunk slot-major (K, b, kv, s, d))."""
     src = np.asarray(src)
     return np.concatenate([prefix[src // s], chunk[:j, src // s, :, src % s].transpose(0, 2, 1, 3)], axis=2)
+
+
+def distinct_rows_ref(group, ids, need):
+    """`dbs_fast.kv.groups.distinct_rows` by a loop over the slots: a row per new (group, token)
+    among the slots that need logits, in the order of their first slot."""
+    rows, row_slot = {}, []
+    for i in range(len(group)):
+        if need[i]:
+            assert group[i] >= 0
+            if (group[i], ids[i]) not in rows:
+                rows[(group[i], ids[i])] = len(row_slot)
+                row_slot.append(i)
+    new_group = [rows.get((g, t), -1) if g >= 0 else -1 for g, t in zip(group, ids)]
+    return new_group, [max(g, 0) for g in new_group], row_slot

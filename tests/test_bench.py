@@ -47,13 +47,16 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
             assert not r.get("same_load_matmul_seconds")
     # the prefix-cache contenders and PyTorch took turns (ABC CBA), loaded together; the row layouts after
     turns = point["in_turns"]
-    assert turns == ["onnx-fp32", "onnx-int8", "torch-fp32"]
+    assert turns == ["onnx-fp32", "onnx-int8", "onnx-fp32-plain", "torch-fp32"]
     started = sorted((t, c, i) for c in turns for i, t in enumerate(point["contenders"][c]["started_unix"]))
     assert [(c, i) for _, c, i in started] == [(c, 0) for c in turns] + [(c, 1) for c in turns[::-1]]
     last = max(t for t, _, _ in started)
     assert all(min(point["contenders"][c]["started_unix"]) > last for c in ("onnx-fp32-rows", "onnx-int8-rows"))
     fp32, rows = point["contenders"]["onnx-fp32"], point["contenders"]["onnx-fp32-rows"]
     assert fp32["texts"] == rows["texts"] and fp32["kv_cache_bytes"] > 0 and rows["kv_cache_bytes"] > 0
+    # the plain schedule: the same texts, every row computed; the distinct one computed fewer
+    plain = point["contenders"]["onnx-fp32-plain"]
+    assert plain["texts"] == fp32["texts"] and plain["model_rows_ratio"] == 1.0 > fp32["model_rows_ratio"] > 0
     # same seeds and keywords: the fp32 engine and the PyTorch baseline write the same text
     assert point["contenders"]["onnx-fp32"]["texts"] == point["contenders"]["torch-fp32"]["texts"]
     ratios = point["ratios"]

@@ -8,6 +8,7 @@ Contenders, each in its own process (peak memory and cold start are its own):
   onnx-fp32   the engine on the fp32 export, the prefix cache (decode.onnx: one prefix per beam)
   onnx-int8   the engine on the `--quantize int8` export, the prefix cache
   onnx-fp32-rows, onnx-int8-rows   the same on the row layout (one cache row per candidate)
+  onnx-fp32-plain   onnx-fp32 with every row computed at every step (`--schedule plain`)
   torch-fp32  the same scheduler over transformers with its KV cache and a torch sampler
   reference   the authors' way as the paper describes it: one candidate at a time, batch 1,
               the whole sequence re-run for every token, no KV cache (PyTorch). Measured on
@@ -55,12 +56,13 @@ CONTEXT = "It is"
 KEYWORD_SETS = [["enemy", "speed", "meet", "colony", "mouth"],
                 ["garden", "winter", "doctor", "song", "river"],
                 ["market", "storm", "letter", "horse", "silver"]]
-CONTENDERS = ("onnx-fp32", "onnx-int8", "onnx-fp32-rows", "onnx-int8-rows", "torch-fp32", "reference")
+CONTENDERS = ("onnx-fp32", "onnx-int8", "onnx-fp32-rows", "onnx-int8-rows", "onnx-fp32-plain", "torch-fp32", "reference")
 ENGINES = tuple(c for c in CONTENDERS if c != "reference")
 # seconds per step by stage (the search's `timed` labels): the model call; sample = guidance and the
 # kernel's draw; the kv gather of the kept beams; the scorer; quality = keyword credit and Q; text =
 # detokenising and keyword detection; python = the rest (scheduling glue)
 STAGES = ("model", "sample", "kv_gather", "scorer", "quality", "text", "python")
+ROW_COUNTS = ("model_rows", "plain_row_steps")     # a result's timings that count rows, not seconds
 SHARED_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "data" / "gpt2-tokenizer"
 
 
@@ -140,7 +142,7 @@ def _matmul_step_in_child(model_dir: str, rows: int, int8: bool, threads: int | 
 def _stage_ms(r, steps: int) -> dict:
     t = dict(r.timings)
     per = {s: 1e3 * t.get(s, 0.0) / steps for s in STAGES if s != "python"}
-    per["python"] = 1e3 * (r.seconds - sum(t.values())) / steps              # scheduling glue
+    per["python"] = 1e3 * (r.seconds - sum(v for k, v in t.items() if k not in ROW_COUNTS)) / steps   # scheduling glue
     per["prefill_total"] = 1e3 * t.get("prefill", 0.0)
     return per
 
@@ -159,10 +161,11 @@ def worker_engine(spec: dict, order=None) -> dict:
     backend = "torch" if spec["contender"].startswith("torch") else "onnx"
     t0 = time.perf_counter()
     layout = "rows" if spec["contender"].endswith("-rows") else "auto"
+    schedule = "plain" if spec["contender"].endswith("-plain") else "distinct"
     provider = spec.get("provider", "cpu")
     # no context store: every generation prefills its context, as the PyTorch baseline does
     dbs = DirectedBeamSearch(spec["model_dir"], config=cfg, backend=backend, threads=spec.get("threads"),
-                             kv_layout=layout, provider=provider, context_cache_mb=0)
+                             kv_layout=layout, provider=provider, context_cache_mb=0, schedule=schedule)
     init = time.perf_counter() - t0
     sets = spec["keyword_sets"]
     context = spec.get("context", CONTEXT)
@@ -191,6 +194,9 @@ def worker_engine(spec: dict, order=None) -> dict:
         "kv_cache_bytes": statistics.median(r.kv_cache_bytes for r in runs),
         "seconds_median": statistics.median(secs), "seconds_min": min(secs), "seconds_max": max(secs),
         "seconds_all": secs, "repeats": len(runs), "started_unix": started,
+        # model rows the decode steps computed over the plain schedule's row-steps (b*s at every step)
+        "model_rows_ratio": sum(r.timings["model_rows"] for r in runs) / max(1, sum(r.timings["plain_row_steps"]
+                                                                                  for r in runs)),
         "candidate_tokens_per_second": statistics.median(r.candidate_tokens_per_second for r in runs),
         "step_ms": 1e3 * statistics.median(decode) / steps,
         "decode_seconds": statistics.median(decode), "candidate_tokens": statistics.median(tokens),
@@ -608,7 +614,7 @@ def markdown(report: dict) -> str:
                   roof_line
                   + (f" {', '.join(res['in_turns'])} took turns, one generation each per round (ABC CBA ...); "
                      f"the others ran one after another." if res.get("in_turns") else ""), "",
-                  "| contender | KV layout | s/generation (median, min-max) | candidate tok/s | step ms | x roofline | "
+                  "| contender | KV layout | s/generation (median, min-max; model rows / plain schedule) | candidate tok/s | step ms | x roofline | "
                   "x same-load roofline | model | sample | kv gather | scorer | quality | text | python | KV cache MB | "
                   "peak RSS GB (budget) | cold start s |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -626,7 +632,7 @@ def markdown(report: dict) -> str:
                 st = r["stage_ms_per_step"]
                 lines.append(
                     f"| {c} | {r.get('kv_layout', 'rows')} | {r['seconds_median']:.1f} "
-                    f"({r['seconds_min']:.1f}-{r['seconds_max']:.1f}) | "
+                    f"({r['seconds_min']:.1f}-{r['seconds_max']:.1f}; rows {r.get('model_rows_ratio', 1.0):.2f}x) | "
                     f"{r['candidate_tokens_per_second']:.0f} | {r['step_ms']:.0f} | "
                     f"{ratios.get(c + '_step_vs_roofline', float('nan')):.2f} | "
                     f"{ratios.get(c + '_step_vs_roofline_same_load', float('nan')):.2f} | "

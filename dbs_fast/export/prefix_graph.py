@@ -5,19 +5,22 @@ The row layout's graph (model.onnx) takes one past per row, so the b x s candida
 carry b x s copies of its context, gathered every chunk and re-copied (past + new -> present)
 every step. This graph takes three levels of cache:
 
-    input_ids, position_ids   (N, L)          N = b * s rows, row r a candidate of beam r // s
+    input_ids, position_ids   (n, L)          the n distinct rows computed (n <= N)
+    slot_row                  (N,)    int64   N = b * s attention slots, slot r a candidate of beam r // s:
+                                              the computed row whose history it holds
+    row_slot                  (n,)    int64   for each computed row, one slot that holds it
     context_mask              (R, C)  int64   R contexts (one per request), 0 = left padding
     context_beams             (R, M)  int64   the beams of each context, M blocks (one repeated where fewer)
     beam_slot                 (b,)    int64   each beam's block among the R * M
     prefix_mask               (b, T)  int64   0 = left padding
     chunk_mask                (N, U)  int64   1 = a token of this chunk already decoded
-    new_mask                  (N, L)  int64   0 = left padding among the new tokens
+    new_mask                  (n, L)  int64   0 = left padding among the new tokens
     context.L.key/value       (R, kv_heads, C, head_dim)   shared by every beam and candidate of a request
     prefix.L.key/value        (b, kv_heads, T, head_dim)   the tokens a beam generated, shared by its s candidates
     chunk.L.key/value         (U, b, kv_heads, s, head_dim)   each row's own chunk so far, slot-major:
                                                               the first U slots of the (K, ...) buffer
 
-and returns `logits` (N, vocab) of each row's last new token and only the new tokens'
+and returns `logits` (n, vocab) of each computed row's last new token and only the new tokens'
 `new.L.key/value` (b, kv_heads, s, L, head_dim): with L = 1 that is one slot of the chunk buffer,
 and the host binds it there, so the graph writes the new K/V in place; the kept rows' chunks are
 appended to the prefixes once per chunk (`dbs_fast.kv.prefix_cache.PrefixCache`). Nothing per step
@@ -27,15 +30,21 @@ runs a (left-padded) context as L new tokens per call over the columns before th
 
 Attention (Hydragen's decomposition, at two levels): all query rows of a request are rows of one
 batched matmul over its context, and those of a beam (its s candidates, their L new tokens and
-the g query heads of a kv head) of one over the beam's prefix; the same rows are scored against
-the beam's s rows of new keys, block-diagonal by their bias (a row sees its own new tokens,
-causal by position), and each row against its own chunk slots elementwise; one softmax over
+the g query heads of a kv head) of one over the beam's prefix; each row's queries are scored
+against its own new keys (causal by position) and its own chunk slots; one softmax over
 [context | prefix | chunk | new], the context entering it by its log-sum-exp (`attend`). RoPE
 (Llama family) is applied before anything is cached, so cached keys are position-final, as in
 Hugging Face's cache, by ORT's contrib `RotaryEmbedding` (CPU and CUDA kernels; `_rotary`). The
 attention is plain ONNX ops (MatMul, Softmax, ...), no contrib ops: `benchmarks/attention.py`
 measured ORT's DecoderMaskedMultiHeadAttention (cache indirection) at 11.8x and
 MultiHeadAttention on the row layout at 3.4x this attention's time, with 9.5x and 5x its cache.
+
+Distinct rows: candidates of a beam that drew the same tokens so far are the same sequence, with
+the same logits and the same new K/V. The weight matmuls, norms and the head run once per
+distinct row (n of them); only the attention runs on the N slots of the (b, s) layout, the
+queries and new keys gathered to the slots by `slot_row` and its output back by `row_slot`.
+Slots whose history no computed row holds (ended candidates, idle slots) take any row's values:
+their logits are not read and their chunk K/V are never attended by a live row.
 """
 from __future__ import annotations
 
@@ -48,6 +57,7 @@ from dbs_fast.kv.prefix_cache import DECODE_GRAPH, PrefixCache
 from dbs_fast.model import OnnxModel
 
 MASKED = -1e4     # additive bias of a masked key (finite, see export/fuse.py)
+LANES = 16        # float32 lanes of the widest vector unit (AVX-512): `attend` logs each row's number this wide
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 
 
@@ -62,7 +72,7 @@ def family(config) -> str:
 
 class Dims(NamedTuple):
     """The sizes a layer's attention reshapes by. The export takes the dynamic ones (N, L, b, s, T,
-    K, R, M, C) once from the graph's inputs and the static ones (H, kv, d) from the config, so that
+    K, R, M, C, n) once from the graph's inputs and the static ones (H, kv, d) from the config, so that
     the shape arithmetic is one copy that every layer shares (ORT merges the identical nodes), not
     a Shape/Gather/Unsqueeze/Concat chain per layer and tensor: on the default, 2206 nodes per step
     after ORT's optimisations instead of 3619."""
@@ -78,22 +88,18 @@ class Dims(NamedTuple):
     H: int
     kv: int
     d: int
+    n: object = None  # distinct rows computed (the weight matmuls' rows); None: n = N
 
 
 def block_biases(chunk_mask, seen, dims: Dims):
     """The additive biases of the beam-major attention, built once per step for all layers: chunk
     (b, 1, s*L*g, U), each query row against its own row's U chunk slots (`chunk_mask` (N, U), 1 =
-    decoded), and new (b, 1, s*L*g, s*L), block-diagonal: a row sees only its own new tokens
+    decoded), and new (b, 1, s*L*g, L), each query row against its own row's L new tokens
     (`seen` (N, L, L) bool: new query i sees new key j). Query rows are ordered (candidate, new
-    token, query head of the kv head), new keys (candidate, column)."""
-    import torch
-
+    token, query head of the kv head)."""
     L, b, s, H, kv = dims.L, dims.b, dims.s, dims.H, dims.kv
     g = H // kv
-    col = torch.arange(s)
-    own = (col[:, None] == col[None, :])[None, :, None, None, :, None]               # (1, s_q, 1, 1, s_k, 1)
-    sees_new = own & seen.reshape(b, s, L, 1, 1, L)                                   # (b, s, L, 1, s, L)
-    sees_new = sees_new.expand(b, s, L, g, s, L).reshape(b, 1, s * L * g, -1)
+    sees_new = seen.reshape(b, s, L, 1, L).expand(b, s, L, g, L).reshape(b, 1, s * L * g, L)
     sees_chunk = (chunk_mask.reshape(b, s, 1, 1, -1) > 0).expand(b, s, L, g, chunk_mask.shape[1])
 
     return mask_bias(sees_chunk).reshape(b, 1, s * L * g, -1), mask_bias(sees_new)
@@ -112,9 +118,12 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims):
     C) (Hydragen's decomposition, one level up): the beams' query rows are gathered into M blocks
     per context (`Biases.context_beams`; a context with fewer beams repeats one, whose extra rows
     are computed and dropped) and their results gathered back (`beam_slot`). Every query of a
-    beam is a row of one matmul against the beam's prefix, (b, kv, s*L*g, d) x (b, kv, d, T), and
-    of one against its s rows of new keys, block-diagonal by its bias (s*L columns); each row
-    scores its own chunk slots elementwise (a product and a sum over d per slot: only the U slots
+    beam is a row of one matmul against the beam's prefix, (b, kv, s*L*g, d) x (b, kv, d, T); each
+    row's L*g queries are scored against its own L new keys in one batched matmul over the rows
+    (not against the beam's s*L new keys masked block-diagonal: there a row's own key sat at its
+    candidate's column, so identical candidates summed their softmax in different orders and
+    differed in the last bits; here every row's scores are laid out alike); each row scores its
+    own chunk slots elementwise (a product and a sum over d per slot: only the U slots
     bound, not the s*K columns of a block-diagonal matmul over the beam's chunks, which took ~40%
     of the attention at the paper setting). The two parts are one softmax: the context's part
     enters the beam's softmax as one more key per query row, scored by the log-sum-exp of its
@@ -125,7 +134,7 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims):
     54.0 on a Zen 2)."""
     import torch
 
-    N, L, b, s, T, U, R, M, C, H, kv, d = dims
+    N, L, b, s, T, U, R, M, C, H, kv, d, _ = dims
     g = H // kv
     q6 = q.reshape(b, s, L, kv, g, d).permute(0, 3, 1, 2, 4, 5)                          # (b, kv, s, L, g, d)
     qg = q6.reshape(b, kv, -1, d)                                                        # (b, kv, s*L*g, d)
@@ -136,8 +145,12 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims):
     qx = qx.reshape(R, kv, -1, d)
     sx = torch.matmul(qx, xk.transpose(2, 3)) * scale + biases.context                   # (R, kv, M*s*L*g, C)
     px = torch.softmax(sx, dim=-1)
-    # log sum_j exp(sx_j) = sx_j - log(px_j) for any j; at the largest score px_j >= 1 / C
-    lse = sx.max(dim=-1, keepdim=True).values - torch.log(px.max(dim=-1, keepdim=True).values)
+    # log sum_j exp(sx_j) = sx_j - log(px_j) for any j; at the largest score px_j >= 1 / C. The log
+    # of each row's one number is taken LANES times over, so that every row's log is a full
+    # vector lane of the elementwise kernel: a row in the tensor's tail would take the kernel's
+    # scalar path and round differently from the same row elsewhere in the batch.
+    pmax = px.max(dim=-1, keepdim=True).values
+    lse = sx.max(dim=-1, keepdim=True).values - torch.log(pmax.expand(*pmax.shape[:-1], LANES))[..., :1]
     ox = torch.cat([torch.matmul(px, xv), lse], dim=-1)                                  # (R, kv, M*s*L*g, d+1)
     ox = torch.index_select(ox.reshape(R, kv, M, -1, d + 1).transpose(1, 2).reshape(R * M, kv, -1, d + 1), 0,
                             biases.beam_slot)                                            # (b, kv, s*L*g, d+1)
@@ -146,12 +159,14 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims):
     sp = torch.matmul(qg, pk.transpose(2, 3)) * scale + biases.prefix                   # (b, kv, s*L*g, T)
     sc = (q6.reshape(b, kv, s, L * g, d)[None] * ck[:, :, :, :, None, :]).sum(-1)        # (U, b, kv, s, L*g)
     sc = sc.permute(1, 2, 3, 4, 0).reshape(b, kv, s * L * g, U) * scale + biases.chunk
-    sn = torch.matmul(qg, kn.reshape(b, kv, -1, d).transpose(2, 3)) * scale + biases.new  # (.., s*L)
+    sn = torch.matmul(q6.reshape(b, kv, s, L * g, d), kn.transpose(3, 4)).reshape(b, kv, s * L * g, L) * scale \
+        + biases.new                                                                     # (b, kv, s*L*g, L)
     w = torch.softmax(torch.cat([sp, sc, sn, ox[..., d:]], dim=-1), dim=-1)
     wc = w[..., T:T + U].reshape(b, kv, s, L * g, U).permute(4, 0, 1, 2, 3)[..., None]  # (U, b, kv, s, L*g, 1)
     terms = (wc * cv[:, :, :, :, None, :]).reshape(U, -1)                                # (U, b*kv*s*L*g*d)
     oc = torch.matmul(torch.ones_like(terms[:, :1]).transpose(0, 1), terms).reshape(b, kv, s * L * g, d)
-    o = (torch.matmul(w[..., :T], pv) + oc + torch.matmul(w[..., T + U:-1], vn.reshape(b, kv, -1, d))
+    on = torch.matmul(w[..., T + U:-1].reshape(b, kv, s, L * g, L), vn).reshape(b, kv, s * L * g, d)
+    o = (torch.matmul(w[..., :T], pv) + oc + on
          + w[..., -1:] * ox[..., :d])
     return o.reshape(b, kv, s, L, g, d).permute(0, 2, 3, 1, 4, 5).reshape(N, L, H * d), kn, vn
 
@@ -168,6 +183,22 @@ class Biases(NamedTuple):
     new: object
     context_beams: object
     beam_slot: object
+    slot_row: object = None     # (N,) the computed row each attention slot takes (None: slot r = row r)
+    row_slot: object = None     # (n,) the slot each computed row's attention output comes from
+
+
+def to_slots(x, biases):
+    """Per computed row (n, ...) -> per attention slot (N, ...)."""
+    import torch
+
+    return x if biases.slot_row is None else torch.index_select(x, 0, biases.slot_row)
+
+
+def to_rows(x, biases):
+    """Per attention slot (N, ...) -> per computed row (n, ...)."""
+    import torch
+
+    return x if biases.row_slot is None else torch.index_select(x, 0, biases.row_slot)
 
 
 def mask_bias(mask):
@@ -188,14 +219,16 @@ def _decoder(model):
             super().__init__()
             self.model = model
 
-        def forward(self, input_ids, position_ids, context_mask, context_beams, beam_slot, prefix_mask, chunk_mask,
-                    new_mask, *kv):
+        def forward(self, input_ids, position_ids, slot_row, row_slot, context_mask, context_beams, beam_slot,
+                    prefix_mask, chunk_mask, new_mask, *kv):
             # new key j is seen by new query i when it is a token (not padding) at or before i
             seen = (position_ids[:, None, :] <= position_ids[:, :, None]) & (new_mask[:, None, :] > 0)
-            dims = Dims(*input_ids.shape, prefix_mask.shape[0], kv[4].shape[3], prefix_mask.shape[1],
-                        chunk_mask.shape[1], *context_beams.shape, context_mask.shape[1], *heads)
+            seen = torch.index_select(seen, 0, slot_row)
+            dims = Dims(slot_row.shape[0], input_ids.shape[1], prefix_mask.shape[0], kv[4].shape[3],
+                        prefix_mask.shape[1], chunk_mask.shape[1], *context_beams.shape, context_mask.shape[1], *heads,
+                        input_ids.shape[0])
             biases = Biases(mask_bias(context_mask)[:, None, None, :], mask_bias(prefix_mask)[:, None, None, :],
-                            *block_biases(chunk_mask, seen, dims), context_beams, beam_slot)
+                            *block_biases(chunk_mask, seen, dims), context_beams, beam_slot, slot_row, row_slot)
             return (_gpt2 if fam == "gpt2" else _llama)(self.model, input_ids, position_ids, biases, kv, dims)
 
     return PrefixDecoder().eval()
@@ -211,18 +244,18 @@ def _heads(cfg) -> tuple[int, int, int]:
 # no reshape around it; only the attention sees (N, L, heads, d).
 def _llama(model, ids, pos, biases, kv, dims):
     m = model.model
-    N, L, H, KV, d = dims.N, dims.L, dims.H, dims.kv, dims.d
-    h = m.embed_tokens(ids.reshape(-1))                                # (N * L, D)
+    n, L, H, KV, d = dims.n, dims.L, dims.H, dims.kv, dims.d
+    h = m.embed_tokens(ids.reshape(-1))                                # (n * L, D)
     rope = _rotary(model, h, pos, dims)
     new = []
     for i, layer in enumerate(m.layers):
         x = layer.input_layernorm(h)
         a = layer.self_attn
-        q = rope(a.q_proj(x), H)                                       # (N, L, H, d)
-        k = rope(a.k_proj(x), KV)                                      # (N, L, KV, d)
-        v = a.v_proj(x).reshape(N, L, KV, d)
-        o, kn, vn = attend(q, k, v, *kv[6 * i:6 * i + 6], biases, a.scaling, dims)
-        h = h + a.o_proj(o.reshape(-1, H * d))
+        q = rope(a.q_proj(x), H)                                       # (n, L, H, d)
+        k = rope(a.k_proj(x), KV)                                      # (n, L, KV, d)
+        v = a.v_proj(x).reshape(n, L, KV, d)
+        o, kn, vn = attend(*(to_slots(t, biases) for t in (q, k, v)), *kv[6 * i:6 * i + 6], biases, a.scaling, dims)
+        h = h + a.o_proj(to_rows(o, biases).reshape(-1, H * d))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         new += [kn, vn]                                                # (b, KV, s, L, d)
     return (_logits(model, m.norm(h), dims), *new)
@@ -248,7 +281,7 @@ def rope_kind(model) -> str:
 
 
 def _rotary(model, h, pos, dims: Dims):
-    """(N * L, heads * d) -> (N, L, heads, d) with RoPE applied. For the static rotary types it
+    """(n * L, heads * d) -> (n, L, heads, d) with RoPE applied (n: the computed rows). For the static rotary types it
     exports as one `com.microsoft.RotaryEmbedding` per tensor, which looks the angles up in a
     (max_positions, d/2) table, instead of 7 elementwise nodes per tensor (Slice, Slice, Neg,
     Concat, Mul, Mul, Add): the default's step runs 1877 nodes instead of 2206. On the CPU the
@@ -257,9 +290,9 @@ def _rotary(model, h, pos, dims: Dims):
     the same math either way."""
     import torch
 
-    N, L, d = dims.N, dims.L, dims.d
+    N, L, d = dims.n, dims.L, dims.d
     if rope_kind(model) != "contrib":
-        cos, sin = model.model.rotary_emb(h, pos)                      # (N, L, d), attention scaling applied
+        cos, sin = model.model.rotary_emb(h, pos)                      # (n, L, d), attention scaling applied
         return lambda y, heads: _rope(y.reshape(N, L, heads, d), cos[:, :, None], sin[:, :, None], d)
     P = model.config.max_position_embeddings
     tc, ts = (t[0, :, :d // 2].contiguous() for t in model.model.rotary_emb(h, torch.arange(P)[None]))
@@ -284,15 +317,15 @@ def _gpt2(model, ids, pos, biases, kv, dims):
     import torch
 
     t = model.transformer
-    N, L, H, d = dims.N, dims.L, dims.H, dims.d
+    n, L, H, d = dims.n, dims.L, dims.H, dims.d
     D = H * d
-    h = t.wte(ids.reshape(-1)) + t.wpe(pos.reshape(-1))               # (N * L, D)
+    h = t.wte(ids.reshape(-1)) + t.wpe(pos.reshape(-1))               # (n * L, D)
     conv = lambda c, x: torch.addmm(c.bias, x, c.weight)               # noqa: E731  (Conv1D without its reshapes)
     new = []
     for i, block in enumerate(t.h):
-        q, k, v = (y.reshape(N, L, H, d) for y in conv(block.attn.c_attn, block.ln_1(h)).split(D, dim=1))
+        q, k, v = (to_slots(y.reshape(n, L, H, d), biases) for y in conv(block.attn.c_attn, block.ln_1(h)).split(D, dim=1))
         o, kn, vn = attend(q, k, v, *kv[6 * i:6 * i + 6], biases, 1.0 / math.sqrt(d), dims)
-        h = h + conv(block.attn.c_proj, o.reshape(-1, D))
+        h = h + conv(block.attn.c_proj, to_rows(o, biases).reshape(-1, D))
         mlp = block.mlp
         h = h + conv(mlp.c_proj, mlp.act(conv(mlp.c_fc, block.ln_2(h))))
         new += [kn, vn]                                                # (b, H, s, L, d)
@@ -300,11 +333,11 @@ def _gpt2(model, ids, pos, biases, kv, dims):
 
 
 def _logits(model, h, dims):
-    """(N, vocab) from the hidden states (N * L, D): the last new token's."""
+    """(n, vocab) from the hidden states (n * L, D): the last new token's."""
     import torch
 
     head = model.lm_head
-    return torch.nn.functional.linear(h.reshape(dims.N, dims.L, -1)[:, -1, :], head.weight, head.bias)
+    return torch.nn.functional.linear(h.reshape(dims.n, dims.L, -1)[:, -1, :], head.weight, head.bias)
 
 
 def share_tied_head(path: Path) -> int:
@@ -355,7 +388,7 @@ def save(g, path: Path) -> None:
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    ins = ["input_ids", "position_ids", "context_mask", "context_beams", "beam_slot", "prefix_mask", "chunk_mask",
+    ins = ["input_ids", "position_ids", "slot_row", "row_slot", "context_mask", "context_beams", "beam_slot", "prefix_mask", "chunk_mask",
            "new_mask"]
     outs = ["logits"]
     for i in range(num_layers):
@@ -374,21 +407,22 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
     H, KV, d = _heads(cfg)
     b, s, T, K, n, C = 2, 3, 5, 4, 2, 6    # n new tokens per row (dynamic, like the rest); one context
     N = b * s
-    args = [torch.zeros(N, n, dtype=torch.int64), C + T + torch.arange(n).repeat(N, 1),
+    args = [torch.zeros(N, n, dtype=torch.int64), C + T + torch.arange(n).repeat(N, 1), torch.arange(N), torch.arange(N),
             torch.ones(1, C, dtype=torch.int64), torch.arange(b)[None], torch.arange(b),
             torch.ones(b, T, dtype=torch.int64), torch.zeros(N, K, dtype=torch.int64), torch.ones(N, n, dtype=torch.int64)]
     for _ in range(L):
         args += [torch.zeros(1, KV, C, d), torch.zeros(1, KV, C, d), torch.zeros(b, KV, T, d), torch.zeros(b, KV, T, d),
                  torch.zeros(K, b, KV, s, d), torch.zeros(K, b, KV, s, d)]
     ins, outs = io_names(L)
-    axes = {"input_ids": {0: "rows", 1: "new"}, "position_ids": {0: "rows", 1: "new"},
+    axes = {"input_ids": {0: "rows", 1: "new"}, "position_ids": {0: "rows", 1: "new"}, "slot_row": {0: "slots"},
+            "row_slot": {0: "rows"},
             "context_mask": {0: "contexts", 1: "context"}, "context_beams": {0: "contexts", 1: "blocks"},
-            "beam_slot": {0: "beams"}, "prefix_mask": {0: "beams", 1: "prefix"}, "chunk_mask": {0: "rows", 1: "slots"},
+            "beam_slot": {0: "beams"}, "prefix_mask": {0: "beams", 1: "prefix"}, "chunk_mask": {0: "slots", 1: "chunk"},
             "new_mask": {0: "rows", 1: "new"}, "logits": {0: "rows"}}
     for i in range(L):
         axes.update({**{f"context.{i}.{t}": {0: "contexts", 2: "context"} for t in ("key", "value")},
                      f"prefix.{i}.key": {0: "beams", 2: "prefix"}, f"prefix.{i}.value": {0: "beams", 2: "prefix"},
-                     **{f"chunk.{i}.{t}": {0: "slots", 1: "beams", 3: "candidates"} for t in ("key", "value")},
+                     **{f"chunk.{i}.{t}": {0: "chunk", 1: "beams", 3: "candidates"} for t in ("key", "value")},
                      **{f"new.{i}.{t}": {0: "beams", 2: "candidates", 3: "new"} for t in ("key", "value")}})
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
@@ -397,7 +431,7 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
     saved = share_tied_head(path)
     rope = {"rope": rope_kind(model)} if family(cfg) == "llama" else {}
     return {"graph": path.name, "family": family(cfg), "layers": L, "opset": opset, **rope,
-            "inputs": "input_ids, position_ids, context_mask, context_beams, beam_slot, prefix_mask, chunk_mask, "
+            "inputs": "input_ids, position_ids, slot_row, row_slot, context_mask, context_beams, beam_slot, prefix_mask, chunk_mask, "
                       "new_mask, context.L.key/value, prefix.L.key/value, chunk.L.key/value", "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved}
 
 

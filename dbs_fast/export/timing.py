@@ -49,6 +49,8 @@ def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2, C: int = CONT
             out[n] = np.arange(b)[None]
         elif n == "beam_slot":
             out[n] = np.arange(b)
+        elif n in ("slot_row", "row_slot"):               # every slot its own row: the plain schedule
+            out[n] = np.arange(N)
         elif n == "new_mask":
             out[n] = np.ones((N, 1), np.int64)
         elif n == "chunk_mask":

@@ -126,6 +126,9 @@ class PrefixDecoder:
         self.vocab = self.session.get_outputs()[0].shape[-1]
         names = [i.name for i in self.session.get_inputs()]
         self.layers = sum(n.startswith("prefix.") for n in names) // 2
+        # the graph computes distinct rows only (`slot_row`, `row_slot`; an older export computes every slot)
+        self.distinct = "slot_row" in names
+        self._arange = np.arange(0)
         self._out: list[np.ndarray] = []
         # one IO binding for all steps: an input is bound again only when its array is not the one
         # bound (the cache's buffers are written in place between steps, so most are not rebound:
@@ -147,10 +150,15 @@ class PrefixDecoder:
         self.host_bytes_total, self.calls = 0, 0                    # ... and over all calls
         self.store: ContextStore | None = None      # prefilled contexts kept across requests (host cache only)
 
-    def _buffers(self, cache: PrefixCache, L: int, new: bool = True) -> list[np.ndarray]:
-        """Logits (N, vocab) and, with `new`, the new K/V (b, kv, s, L, d) per tensor, reused while
-        the shapes are the same."""
-        n = cache.chunk_mask.shape[0]
+    def _identity(self, n: int) -> np.ndarray:
+        if len(self._arange) < n:
+            self._arange = np.arange(max(n, 64), dtype=np.int64)
+        return self._arange[:n]
+
+    def _buffers(self, cache: PrefixCache, L: int, new: bool = True, n: int | None = None) -> list[np.ndarray]:
+        """Logits (n, vocab) (n: the rows computed, default every slot) and, with `new`, the new
+        K/V (b, kv, s, L, d) per tensor, reused while the shapes are the same."""
+        n = cache.chunk_mask.shape[0] if n is None else n
         _, b, kv, s, d = cache.chunk[0].shape
         shapes = [(n, self.vocab)] + [(b, kv, s, L, d) for _ in cache.chunk if new]
         if [o.shape for o in self._out] != shapes:
@@ -272,21 +280,27 @@ class PrefixDecoder:
         return np.stack(logits), PrefixCache.start(past, mask, s, k, reserve, self.ops)
 
     def step(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None,
-             new_mask: np.ndarray | None = None) -> np.ndarray:
+             new_mask: np.ndarray | None = None, rows: tuple | None = None,
+             group: np.ndarray | None = None) -> np.ndarray:
         """Logits (N, vocab) of the next token of every row; the rows' new K/V go into `cache`'s
         chunk. `input_ids` (N,) or (N, L): L new tokens per row; `positions` (N, L): instead of the
-        cache's own count; `new_mask` (N, L): 0 = padding. The logits are a buffer the next step
-        overwrites: copy what must outlive it."""
-        logits, _ = self.run(input_ids, cache, positions, new_mask, in_place=True)
+        cache's own count; `new_mask` (N, L): 0 = padding. `rows` (slot_row, row_slot) computes the
+        distinct rows only (`dbs_fast.kv.groups.distinct_rows`): `input_ids` and the logits are then
+        theirs (n rows), and `group` the slots' history groups after it (`PrefixCache.group`; None:
+        not tracked). The logits are a buffer the next step overwrites: copy what must outlive it."""
+        logits, _ = self.run(input_ids, cache, positions, new_mask, in_place=True, rows=rows)
         cache.advance()                                # written in place, into the chunk's next slot
+        cache.group = group
         return logits
 
     def run(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None,
-            new_mask: np.ndarray | None = None, in_place: bool = False) -> tuple[np.ndarray, list | None]:
-        """One call of the graph: logits (N, vocab) and the new K/V (b, kv, s, L, d) per tensor, both
+            new_mask: np.ndarray | None = None, in_place: bool = False,
+            rows: tuple | None = None) -> tuple[np.ndarray, list | None]:
+        """One call of the graph: logits (n, vocab) and the new K/V (b, kv, s, L, d) per tensor, both
         buffers of this decoder; the cache is not changed. `in_place` (one new token per row): the
         new K/V are written into the cache's next chunk slot instead, and None comes back for them
-        (`PrefixCache.advance` counts them)."""
+        (`PrefixCache.advance` counts them). `rows`: (slot_row, row_slot), the distinct rows to
+        compute (None: every slot is its own row)."""
         ids = np.ascontiguousarray(input_ids, np.int64).reshape(len(input_ids), -1)
         L = ids.shape[1]
         in_place = in_place and L == 1
@@ -294,18 +308,29 @@ class PrefixDecoder:
         self.host_bytes, self.calls = 0, self.calls + 1
         chunk, chunk_mask = cache.slots()
         context_beams, beam_slot = cache.blocks()
+        N = chunk_mask.shape[0]
+        if rows is None:
+            if len(ids) != N:
+                raise ValueError(f"{len(ids)} rows of input for {N} slots: give `rows`")
+            positions = cache.positions() if positions is None else positions
+        else:
+            positions = cache.positions()[rows[1]] if positions is None else positions
         feeds = {"input_ids": ids,
-                 "position_ids": cache.positions() if positions is None else positions,
+                 "position_ids": positions,
                  "context_mask": cache.context_mask, "context_beams": context_beams, "beam_slot": beam_slot,
                  "prefix_mask": cache.mask, "chunk_mask": chunk_mask,
                  "new_mask": np.ones(ids.shape, np.int64) if new_mask is None else new_mask.astype(np.int64)}
+        if self.distinct:
+            feeds["slot_row"], feeds["row_slot"] = rows if rows is not None else (self._identity(N),) * 2
+        elif rows is not None:
+            raise ValueError("this decode graph computes every slot (re-export the model for distinct rows)")
         for i in range(self.layers):
             for level, tensors in (("context", cache.context), ("prefix", cache.prefix), ("chunk", chunk)):
                 feeds.update({f"{level}.{i}.key": tensors[2 * i], f"{level}.{i}.value": tensors[2 * i + 1]})
         for name, arr in feeds.items():
             self._bind(name, np.ascontiguousarray(arr) if isinstance(arr, np.ndarray) else arr)
         if self.ops is not HOST and not in_place:      # a prefill: the new K/V stay on the device
-            out = self._buffers(cache, L, new=False)
+            out = self._buffers(cache, L, new=False, n=len(ids))
             self._bind(self.outputs[0], out[0], output=True)
             for name in self.outputs[1:]:
                 io.bind_output(name, self.ops.device, self.ops.device_id)
@@ -314,7 +339,7 @@ class PrefixDecoder:
             from .device import DeviceArray
 
             return out[0], [DeviceArray(v, tuple(v.shape())) for v in io.get_outputs()[1:]]
-        out = self._buffers(cache, L, new=not in_place)
+        out = self._buffers(cache, L, new=not in_place, n=len(ids))
         if in_place:
             out = out + cache.next_slot()
         for name, arr in zip(self.outputs, out):

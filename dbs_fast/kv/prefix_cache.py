@@ -100,6 +100,9 @@ class PrefixCache:
     used: int = 0              # tokens decoded in this chunk
     capacity: int = 0          # prefix columns expected at most (max_new_tokens + 1): the buffers' size
     ops: object = HOST         # where the tensors live: HOST (NumPy) or a dbs_fast.kv.device.DeviceOps
+    # (N,) each row's history group in this chunk (`dbs_fast.kv.groups`): rows of one group hold the
+    # same sequence; -1 a row no step computes any more (idle, ended); None: every row its own
+    group: np.ndarray | None = None
     # flat buffers the cache allocated itself: `_own` backs `prefix`, `_spare` is free. The chunk
     # boundary writes the next prefixes into the spare ones and swaps (ping-pong): one copy, no
     # allocation, so no page faults, at most boundaries.
@@ -118,7 +121,11 @@ class PrefixCache:
         past = [np.ascontiguousarray(t) for t in past] if ops is HOST else past
         prefix = [ops.zeros((b, t.shape[1], 1, t.shape[3])) for t in past]
         return cls(past, np.asarray(mask, np.int64), np.arange(b), prefix, np.zeros((b, 1), np.int64), chunk,
-                   np.zeros((b * s, k), np.int64), s, capacity=1 + reserve, ops=ops)
+                   np.zeros((b * s, k), np.int64), s, capacity=1 + reserve, ops=ops, group=np.repeat(np.arange(b), s))
+
+    def groups(self) -> np.ndarray:
+        """`group`, or every row its own where the cache does not track them."""
+        return np.arange(self.chunk_mask.shape[0]) if self.group is None else self.group
 
     @property
     def beams(self) -> int:
@@ -180,7 +187,8 @@ class PrefixCache:
         one is now. Rows with the same sequence share a beam: after decoded chunk tokens, the
         copies of one row; before any, the rows of one beam. A beam is its parent prefix plus
         that chunk (a gather of a few tokens per beam), with up to s rows; more copies than s
-        take several beams. Slots a beam does not fill are idle rows (their logits unused)."""
+        take several beams. Slots a beam does not fill are idle rows (their logits unused). Rows
+        that held one history group (copies of one sequence) are one group again."""
         idx = np.asarray(idx, dtype=np.int64)
         j, s = self.used, self.s
         key = idx if j else idx // s
@@ -197,6 +205,8 @@ class PrefixCache:
         src = np.empty(int(per.sum()), np.int64)
         src[beam] = key                                         # the key each new beam copies
         parent = src // s if j else src
+        old = self.groups()[idx]
+        same = np.where(old >= 0, old, len(self.chunk_mask) + idx) if j else key   # copies of one history
         if j:
             self._extend(src, j)
             self.mask = np.concatenate([self.mask[parent], np.ones((len(src), j), np.int64)], axis=1)
@@ -210,7 +220,9 @@ class PrefixCache:
             self.chunk_mask = np.zeros((n, self.chunk_mask.shape[1]), np.int64)
         else:
             self.chunk_mask[:] = 0            # stale chunk K/V stays: masked, overwritten column by column
-        self.used = 0
+        group = np.full(n, -1, np.int64)
+        group[beam * s + slot % s] = np.unique(same, return_inverse=True)[1].ravel()
+        self.group, self.used = group, 0
         return beam * s + slot % s
 
     def _extend(self, src: np.ndarray, j: int) -> None:
@@ -275,6 +287,7 @@ class PrefixCache:
                            *joined(a.prefix, a.mask, b.prefix, b.mask),
                            [ops.concat(x, y, 1) for x, y in zip(a.chunk, b.chunk)],
                            np.concatenate([a.chunk_mask, b.chunk_mask]), a.s,
+                           group=np.concatenate([a.groups(), np.where(b.groups() >= 0, b.groups() + len(a.chunk_mask), -1)]),
                            capacity=max(a.mask.shape[1], b.mask.shape[1]) + max(c.capacity - c.mask.shape[1] for c in (a, b)),
                            ops=ops)
 

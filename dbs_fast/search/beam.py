@@ -104,6 +104,8 @@ class Slot:
     t0: float                 # when it joined
     cand0: int                # the batch's candidate-token count then
     chunks: int = 0           # chunks decoded
+    model_rows: int = 0       # model rows its decode steps computed
+    plain_rows: int = 0       # row-steps of the plain schedule: b*s rows at every step of a chunk
 
 
 @dataclass
@@ -114,6 +116,8 @@ class Finished:
     rows: Rows
     seconds: float                      # from joining to leaving
     candidate_tokens: int               # sampled by the whole batch while it was in
+    model_rows: int = 0                 # model rows its decode steps computed
+    plain_rows: int = 0                 # ... and those the plain schedule computes
 
     @property
     def candidate_tokens_per_second(self) -> float:
@@ -125,7 +129,11 @@ class BeamSearch:
 
     Requests join (`admit`) and leave (`step` returns them, `drop` cancels them) at chunk
     boundaries, so a running batch can take new work (continuous batching); `run` admits a
-    fixed set and decodes it to the end. All requests of one batch share its config."""
+    fixed set and decodes it to the end. All requests of one batch share its config.
+
+    On a backend that computes distinct rows only (`distinct`), a chunk's last token runs through
+    the model after the selection, for the kept beams only (the chunk's scores come from the
+    steps before it); otherwise every row takes k steps, the plain schedule."""
 
     def __init__(self, backend, scorer, cfg: DBSConfig, requests: list[Request] = (), progress=None,
                  sentence_end: np.ndarray | None = None, word_piece: np.ndarray | None = None):
@@ -141,6 +149,7 @@ class BeamSearch:
         self.rows: Rows | None = None
         self.tables: BatchTables | None = None     # the requests' tables, rebuilt when one joins or leaves
         self.pending = self.cache = None      # next-token logits (R, V) and the KV cache of the rows
+        self.kept_last = bool(getattr(backend, "distinct", False))   # the last step for the kept beams only
         if requests:
             self.admit(list(requests))
 
@@ -181,11 +190,18 @@ class BeamSearch:
             rows.ended |= done[rows.req]
         keep = quality.select_best(rows.req, rows.cum, cfg.beams)
         self.chunks += 1
-        for s in self.slots:
+        plain = np.bincount(rows.req, minlength=len(self.slots)) * (k - last)
+        for s, n in zip(self.slots, plain):
             s.chunks += 1
+            s.plain_rows += int(n)
         kept = rows.take(keep)
         leave = last.copy()
         leave |= np.bincount(kept.req[~kept.ended], minlength=len(self.slots)) == 0   # every beam ended
+        stay = keep[~leave[rows.req[keep]]]
+        if self.kept_last and len(stay):          # the chunk's last token, for the beams that go on
+            need = np.zeros(len(rows.req), bool)
+            need[stay] = True
+            self._next_logits(rows, rows.tokens[:, -1], need & self._drawing(rows))
         finished = self._finished(kept, leave)
         self._regrow(rows, keep, leave)
         return finished
@@ -248,7 +264,8 @@ class BeamSearch:
             r = kept.take(np.flatnonzero(kept.req == q))           # a copy: safe to shift
             r.drop_columns(int(r.col0[0]))
             r.req[:], s = 0, self.slots[q]
-            out.append(Finished(s.request, r, now - s.t0, self.candidate_tokens - s.cand0))
+            out.append(Finished(s.request, r, now - s.t0, self.candidate_tokens - s.cand0, s.model_rows,
+                                s.plain_rows))
         return out
 
     def _leave(self, gone: np.ndarray) -> None:
@@ -310,9 +327,13 @@ class BeamSearch:
             d = self._draw(rows, seen, base + j, boost_first)
             live = self._append(rows, d, base + j)
             seen = self._mark_seen(rows, text_before, d, live, seen, base + j)
-            if not (last and j == k - 1):
-                self._next_logits(d.ids)
+            if j < k - 1 or not (last or self.kept_last):
+                self._next_logits(rows, d.ids, self._drawing(rows))
         return rows, rows.tokens[:, base:]
+
+    def _drawing(self, rows: Rows) -> np.ndarray:
+        """Rows that draw another token (whose next logits are read)."""
+        return ~rows.ended & (rows.n_tok < self.cfg.max_new_tokens)
 
     @timed("sample")
     def _draw(self, rows: Rows, seen: np.ndarray, col: int, boost_first) -> Draw:
@@ -360,10 +381,14 @@ class BeamSearch:
         return seen
 
     @timed("model")
-    def _next_logits(self, ids: np.ndarray) -> None:
-        """One decode step of the model over the drawn tokens: the next logits, the cache grown."""
-        self.pending, self.cache = self.be.step(ids, self.cache)
+    def _next_logits(self, rows: Rows, ids: np.ndarray, need: np.ndarray) -> None:
+        """One decode step of the model over the drawn tokens: the next logits (read for the rows
+        in `need`), the cache grown; the model rows it took counted per request."""
+        self.pending, self.cache = self.be.step(ids, self.cache, need)
         self.t.kv(self.cache)
+        done = rows.req if self.be.computed is None else rows.req[self.be.computed]
+        for s, n in zip(self.slots, np.bincount(done, minlength=len(self.slots))):
+            s.model_rows += int(n)
 
     @timed("text")
     def _seen_now(self, rows: Rows, text_before, idx, masks, unfinished) -> np.ndarray:

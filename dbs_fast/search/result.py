@@ -34,7 +34,9 @@ class GenerationResult:
     tokens_per_second: float      # generated tokens of the result / seconds
     candidate_tokens_per_second: float  # all sampled candidate tokens / seconds (batch-wide)
     candidate_tokens: int = 0     # candidate tokens the batch sampled while this request was in
-    timings: dict = field(default_factory=dict)  # seconds by stage (batch-wide)
+    timings: dict = field(default_factory=dict)  # seconds by stage (batch-wide); this request's
+    #                               "model_rows" (rows its decode steps computed) and "plain_row_steps"
+    #                               (b*s rows at every step: the plain schedule's)
     kv_cache_bytes: int = 0       # peak bytes of the batch's KV cache over its steps (0: not known)
     prompt_tokens: int = 0        # tokens of the context as the model read it
 
@@ -109,5 +111,5 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
         perplexity=float(np.exp(-lp.mean())) if n_gen else float("nan"), new_tokens=n_gen,
         beams=beams, seconds=seconds, tokens_per_second=n_gen / seconds,
         candidate_tokens_per_second=fin.candidate_tokens_per_second, candidate_tokens=fin.candidate_tokens,
-        timings=timings,
+        timings={**timings, "model_rows": fin.model_rows, "plain_row_steps": fin.plain_rows},
         kv_cache_bytes=kv_bytes, prompt_tokens=len(fin.request.context_ids))

@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal, Optional, Union
 
+from ..backend import SCHEDULES
 from ..config import (
     DEFAULT_CONTEXT,
     JSON_NAMES,
@@ -52,6 +53,7 @@ class ServiceOptions:
     threads: Optional[int] = None
     provider: str = "cpu"
     kv_layout: str = "auto"        # the prefix cache where the export has it (see DirectedBeamSearch)
+    schedule: str = "distinct"     # distinct candidate histories computed once (see DirectedBeamSearch)
     timeout: float = 300.0         # per request, seconds (a request may ask for less)
     grace: float = 30.0            # at shutdown: seconds to finish running requests before cancelling them
     admit_wait: float = 0.1        # at a boundary where requests ended: seconds to wait for their clients' next
@@ -77,6 +79,8 @@ class ServiceOptions:
 
         if self.kv_layout not in KV_LAYOUTS:
             raise DBSError(f"`--kv-layout` must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        if self.schedule not in SCHEDULES:
+            raise DBSError(f"`--schedule` must be one of {SCHEDULES}, got {self.schedule!r}")
 
 
 FIELD_OF = JSON_NAMES                                        # DBSConfig field -> JSON field
@@ -181,7 +185,7 @@ class Service:
         try:
             dbs = self._preloaded or DirectedBeamSearch(self.opts.model, self.opts.embeddings, threads=self.opts.threads,
                                                         provider=self.opts.provider, quiet=True,
-                                                        kv_layout=self.opts.kv_layout)
+                                                        kv_layout=self.opts.kv_layout, schedule=self.opts.schedule)
             dbs.word_piece, dbs.sentence_end                           # built once, before the first request
             dbs.generate(DEFAULT_CONTEXT, "day", config=DBSConfig(beams=1, candidates=1, max_new_tokens=8, stop="max"))  # warm-up
             self.metrics.store = dbs.decoder.store if dbs.decoder is not None else None
