@@ -107,3 +107,37 @@ def test_an_underscore_piece_continues_the_word_before_it():
     assert not starts_word(" making") and not starts_word(".") and not starts_word("")
     pieces = ["_making", " making", "making", "-making", "_"]
     assert word_piece_tokens(lambda i: pieces[i], len(pieces)).tolist() == [True, False, True, False, True]
+
+
+@pytest.mark.parametrize("text, ends", [
+    ("It is one of the town's main rivers, which a doctor named Dr.", False),
+    ("She married Mr.", False),
+    ("She married Mrs.", False),
+    ("They walked down St.", False),
+    ("Bring fruit, e.g.", False),
+    ("The letter was signed by John F.", False),
+    ("Ask Prof.", False),
+    ("The river is long.", True),
+    ("It happened in 2003.", True),
+    ("He shouted: stop!", True),
+    ("Is it?", True),
+    ('He said "yes."', True),
+])
+def test_a_sentence_does_not_end_at_an_abbreviation_or_an_initial(text, ends):
+    from dbs_fast.text.occurrence import ends_a_sentence_here, ends_sentence
+
+    assert ends_sentence(text)                        # the token table's test: it ends like a sentence
+    assert ends_a_sentence_here(text) is ends
+
+
+def test_the_certain_text_stops_at_the_last_real_sentence_end():
+    import numpy as np
+
+    from dbs_fast.search.beam import certain_length
+
+    seqs = [np.array([1, 2, 9, 3, 9, 4]), np.array([1, 2, 9, 3, 9, 5])]   # 9: a "." token
+    end = np.zeros(10, bool)
+    end[9] = True
+    assert certain_length(seqs, end) == 5
+    assert certain_length(seqs, end, is_end=lambda n: n != 5) == 3        # the 2nd "." follows "Dr"
+    assert certain_length(seqs, end, is_end=lambda n: False) == 0

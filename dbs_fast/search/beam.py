@@ -68,17 +68,18 @@ def timed(stage: str):
     return wrap
 
 
-def certain_length(seqs: list[np.ndarray], sentence_end: np.ndarray | None = None) -> int:
+def certain_length(seqs: list[np.ndarray], sentence_end: np.ndarray | None = None, is_end=None) -> int:
     """Tokens of a request that no later chunk can change, `seqs` its beams' tokens: their
     common prefix; with `sentence_end` (stop="sentence"), up to its last sentence end, as a
-    result can be trimmed back to one."""
+    result can be trimmed back to one (`is_end(n)`: whether the first n tokens, ending like a
+    sentence, end one: not at "Dr.")."""
     n = min(map(len, seqs), default=0)
     if seqs and n:
         same = np.all(np.stack([s[:n] for s in seqs]) == seqs[0][:n], axis=0)
         n = int(np.argmin(same)) if not same.all() else n
     if sentence_end is not None:
-        ends = np.flatnonzero(sentence_end[seqs[0][:n]]) if n else []
-        n = int(ends[-1]) + 1 if len(ends) else 0
+        ends = [int(e) + 1 for e in (np.flatnonzero(sentence_end[seqs[0][:n]]) if n else [])]
+        n = next((e for e in reversed(ends) if is_end is None or is_end(e)), 0)
     return n
 
 
@@ -225,7 +226,12 @@ class BeamSearch:
         tokens (with stop="sentence", up to its last sentence end: a result can be trimmed back
         to one), decoded without a trailing partial character."""
         seqs = [self.rows.generated(i) for i in np.flatnonzero(self.rows.req == q)]
-        n = certain_length(seqs, self.sentence_end if self.cfg.stop == "sentence" else None)
+        context = self.slots[q].request.context
+
+        def is_end(n: int) -> bool:
+            return occurrence.ends_a_sentence_here(context + self.be.decode_batch([seqs[0][:n]])[0])
+
+        n = certain_length(seqs, self.sentence_end if self.cfg.stop == "sentence" else None, is_end)
         return self.be.decode_batch([seqs[0][:n]])[0][self.tables.tail[q]:].rstrip("\ufffd") if n else ""
 
     # -- requests joining and leaving ---------------------------------------------------------
@@ -377,7 +383,11 @@ class BeamSearch:
         seen = seen | new
         guidance.advance_forcing(self.tables, rows, d.force, seen, col + 1, self.word_piece)
         if self.cfg.stop == "sentence":   # all keywords in (before or in this chunk) + sentence end
-            rows.ended |= live & (self._remaining(rows, seen) == 0) & self.sentence_end[d.ids]
+            end = np.flatnonzero(live & (self._remaining(rows, seen) == 0) & self.sentence_end[d.ids])
+            if len(end):                  # not at an abbreviation or an initial ("Dr.", "J.")
+                texts = self._generated_texts(rows, end)
+                rows.ended[end] |= [occurrence.ends_a_sentence_here(self.slots[rows.req[i]].request.context + t)
+                                    for i, t in zip(end, texts)]
         return seen
 
     @timed("model")

@@ -103,6 +103,32 @@ def ends_sentence(text: str) -> bool:
     return bool(text.strip()) and _SENTENCE_END.search(text) is not None
 
 
+# what follows a text to ask the splitter whether the text's last sentence end is one: a
+# capitalised word, as a new sentence would start
+_PROBE = " The"
+_TAIL = 80          # characters of the text the decision looks at (a sentence splitter's rules are local)
+
+
+def ends_a_sentence_here(text: str) -> bool:
+    """Whether `text`, whose last token ends like a sentence (`ends_sentence`), ends one: pySBD (a
+    port of the Pragmatic Segmenter's rules) splits `text` + " The" after it. "Dr.", "Mr.", "e.g.",
+    "St." and middle initials do not end a sentence; "U.S." and "p.m." do before a capital."""
+    return _splits(text[-_TAIL:].lstrip())
+
+
+@lru_cache(maxsize=4096)
+def _splits(tail: str) -> bool:
+    parts = _segmenter().segment(tail + _PROBE)
+    return len(parts) > 1 and parts[-1].strip() == _PROBE.strip()
+
+
+@lru_cache(maxsize=None)
+def _segmenter():
+    import pysbd
+
+    return pysbd.Segmenter(language="en", clean=False)
+
+
 def word_piece_tokens(decode_one, vocab_size: int):
     """Boolean (V,) array: tokens whose text starts with a letter or digit (they continue the word
     before them: "rink" after "hockey" makes "hockeyrink")."""
