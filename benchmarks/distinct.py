@@ -8,10 +8,15 @@ equal both ways, model rows over the plain schedule's row-steps, and the median 
 seconds per generation (plain / distinct), pair by pair.
 
     python -m benchmarks.distinct --settings default,paper,commongen --sets 50 --commongen 100 --out runs/distinct
+
+`--step-rows 70,40,7,1` also times one decode step of the default at b = 7, s = 10 (70 attention
+slots, a prefix of 41 columns) computing that many distinct rows (median of 7): what a step
+costs before its first row and per row.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -58,6 +63,39 @@ def run_setting(arms: dict, setting: str, n: int, log) -> dict:
             "requests": rows}
 
 
+def step_rows(dbs, counts: list[int], repeats: int = 7) -> dict:
+    """Seconds of one decode step at 70 slots, computing `n` distinct rows, for n in `counts`."""
+    import numpy as np
+
+    dec, m = dbs.decoder, dbs.backend.model
+    ids = np.array([m.encode("It is")])
+    _, cache = dec.prefill(ids, np.ones_like(ids), m.kv_heads, m.head_dim, 10, 5, 90)
+    cache.regroup(np.zeros(7, np.int64))
+    rng = np.random.default_rng(0)
+    for _ in range(8):                                         # eight chunks: a prefix of 41 columns
+        for _ in range(5):
+            dec.step(rng.integers(100, 5000, cache.chunk_mask.shape[0]), cache)
+        cache.keep(rng.choice(cache.chunk_mask.shape[0], 7, replace=False))
+    for _ in range(2):
+        dec.step(rng.integers(100, 5000, 70), cache)
+
+    def fresh():
+        c = copy.copy(cache)
+        c.chunk, c.chunk_mask = [x.copy() for x in cache.chunk], cache.chunk_mask.copy()
+        return c
+
+    out = {}
+    for n in counts:
+        secs = []
+        for _ in range(repeats):
+            c, t0 = fresh(), time.perf_counter()
+            dec.step(rng.integers(100, 5000, n), c, rows=(np.arange(70) % n, np.arange(n)))
+            secs.append(time.perf_counter() - t0)
+        out[n] = statistics.median(secs)
+        print(f"step at {n} computed rows of 70 slots: {1e3 * out[n]:.1f} ms", flush=True)
+    return {"prefix_columns": int(cache.mask.shape[1]), "seconds": out}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
@@ -65,6 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sets", type=int, default=50, help="paper keyword sets for default and paper")
     ap.add_argument("--commongen", type=int, default=100, help="CommonGen dev sets")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--step-rows", default="", help="comma-separated computed-row counts to time one step at")
     ap.add_argument("--out", default="runs/distinct")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -73,7 +112,10 @@ def main(argv=None) -> int:
     for dbs in arms.values():                                  # warm-up: kernels compiled, pages in
         dbs.generate("A", "day", seed=0)
     res = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "model": a.model, "settings": {}}
-    for setting in a.settings.split(","):
+    if a.step_rows:
+        res["step_rows"] = step_rows(arms["distinct"], [int(n) for n in a.step_rows.split(",")])
+        (out / "distinct.json").write_text(json.dumps(res, indent=2))
+    for setting in filter(None, a.settings.split(",")):
         r = run_setting(arms, setting, a.commongen if setting == "commongen" else a.sets,
                         lambda m: print(m, file=sys.stderr, flush=True))
         res["settings"][setting] = r

@@ -106,6 +106,7 @@ def free_port() -> int:
 
 
 SERVER_CHECKOUT: tuple | None = None     # (checkout dir, its DBS_FAST_HOME) that servers run from
+SERVER_ARGS: list[str] = []              # more `dbs-fast serve` options for every server (`--schedule`)
 
 
 class ServerProcess:
@@ -116,7 +117,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "dbs_fast.cli", "serve", "--model", model, "--port", str(self.port),
                "--max-rows", str(max_rows), "--max-queue", "1024"] + (["--threads", str(threads)] if threads else []) + (
                    ["--admit-wait", str(admit_wait)] if admit_wait is not None else []) + (
-                   ["--api-key", api_key] if api_key else []) + ([] if chunked_prefill else ["--no-chunked-prefill"])
+                   ["--api-key", api_key] if api_key else []) + ([] if chunked_prefill else ["--no-chunked-prefill"]) + SERVER_ARGS
         env = {**os.environ, "PYTHONSAFEPATH": "1"}       # a checkout's dbs_fast/ must not shadow the package
         if SERVER_CHECKOUT:                              # `--server-checkout`: another commit's engine serves
             env.update(PYTHONPATH=str(SERVER_CHECKOUT[0]), DBS_FAST_HOME=str(SERVER_CHECKOUT[1]))
@@ -468,6 +469,8 @@ def main(argv=None) -> int:
                     help="servers run the engine of another checkout, with its own DBS_FAST_HOME (an A/B of commits)")
     ap.add_argument("--join-context", type=int, default=2000,
                     help="context tokens of the request that joins in the long-join arm (default 2000)")
+    ap.add_argument("--schedule", choices=["distinct", "plain"], default=None,
+                    help="the servers' --schedule (default: theirs)")
     ap.add_argument("--admit-wait", type=float, default=None,
                     help="the servers' --admit-wait (seconds; default: the server's default)")
     ap.add_argument("--openai", action="store_true",
@@ -478,6 +481,8 @@ def main(argv=None) -> int:
         SMALL = TASK
     if a.server_checkout:
         SERVER_CHECKOUT = tuple(a.server_checkout)
+    if a.schedule:
+        SERVER_ARGS[:] = ["--schedule", a.schedule]
     key = API_KEY if a.openai else None
     if a.openai:                                  # the paper arm and the join test speak /v1/generate's own stream
         a.skip = ",".join(filter(None, [a.skip, "paper", "join", "long-join"]))
