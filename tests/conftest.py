@@ -49,6 +49,25 @@ def make_checkpoint(kind: str, out: Path) -> Path:
         cfg = GPT2Config(vocab_size=V, n_positions=256, n_embd=32, n_layer=2, n_head=4,
                          bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
         model = GPT2LMHeadModel(cfg)
+    elif kind == "qwen3":                      # the Llama layer with an RMSNorm on each head's q and k
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                          bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+        model = Qwen3ForCausalLM(cfg)
+        with torch.no_grad():                  # norms that are not the identity, so that parity sees them
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    elif kind == "phi3":                       # the Llama layer with fused q/k/v and gate/up projections
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        cfg = Phi3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         original_max_position_embeddings=256, bos_token_id=tok.eos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, tie_word_embeddings=False)
+        model = Phi3ForCausalLM(cfg)
     else:
         cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

