@@ -60,6 +60,13 @@ def make_checkpoint(kind: str, out: Path) -> Path:
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    elif kind == "opt":                        # learned positions (offset 2), pre-norm blocks, ReLU MLP
+        from transformers import OPTConfig, OPTForCausalLM
+
+        cfg = OPTConfig(vocab_size=V, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                        max_position_embeddings=256, word_embed_proj_dim=32, bos_token_id=tok.eos_token_id,
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+        model = OPTForCausalLM(cfg)
     elif kind == "phi3":                       # the Llama layer with fused q/k/v and gate/up projections
         from transformers import Phi3Config, Phi3ForCausalLM
 

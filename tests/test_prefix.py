@@ -554,10 +554,10 @@ def test_the_context_store_drops_what_a_new_context_makes_redundant_and_keeps_it
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("kind", ["qwen3", "phi3"])
-def test_a_llama_like_family_exports_onto_the_shared_context_graph_and_generates(kind, tmp_path):
-    """Qwen3 (the Llama layer with q/k norms) and Phi-3 (fused q/k/v and gate/up) through
-    `export`: its decode graph passes the export's
+@pytest.mark.parametrize("kind, family", [("qwen3", "llama"), ("phi3", "llama"), ("opt", "opt")])
+def test_a_family_exports_onto_the_shared_context_graph_and_generates(kind, family, tmp_path):
+    """Qwen3 (the Llama layer with q/k norms), Phi-3 (fused q/k/v and gate/up) and OPT (learned
+    positions) through `export`: its decode graph passes the export's
     parity check against model.onnx, decodes each row as the transformers model does over the
     whole sequence (two left-padded contexts, a chunk, a keep, another chunk), and generates."""
     from conftest import make_checkpoint
@@ -571,12 +571,12 @@ def test_a_llama_like_family_exports_onto_the_shared_context_graph_and_generates
     out = tmp_path / "onnx"
     export_model(str(ckpt), out, quiet=True)
     m = json.loads((out / "dbs_fast_model.json").read_text())
-    assert m["model_type"] == kind and m["prefix_decode"]["family"] == "llama", m["prefix_decode"]
+    assert m["model_type"] == kind and m["prefix_decode"]["family"] == family, m["prefix_decode"]
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     dec, rng, s, k = PrefixDecoder(out / "decode.onnx"), np.random.default_rng(0), 3, 3
     ctx = np.array([[11, 12, 13, 14, 15], [0, 0, 0, 21, 22]])
     mask = np.array([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
-    _, cache = dec.prefill(ctx, mask, 2, 8, s, k)                     # 2 kv heads of 8
+    _, cache = dec.prefill(ctx, mask, m["num_kv_heads"], m["head_dim"], s, k)
     seqs = [[int(x) for x, mk in zip(ctx[r // s], mask[r // s]) if mk] for r in range(2 * s)]
     for chunk in range(2):
         for _ in range(k):

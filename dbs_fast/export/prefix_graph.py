@@ -65,13 +65,19 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 def family(config) -> str:
     if config.model_type == "gpt2":
         return "gpt2"
+    if config.model_type == "opt":
+        if not getattr(config, "do_layer_norm_before", True) or \
+                getattr(config, "word_embed_proj_dim", config.hidden_size) != config.hidden_size:
+            raise ValueError("no prefix-shared decode graph for OPT with its norms after the blocks or a projected "
+                             "embedding (OPT-350m)")
+        return "opt"
     if config.model_type in LLAMA_FAMILY:
         if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"no prefix-shared decode graph for partial rotary embeddings "
                              f"(partial_rotary_factor {config.partial_rotary_factor})")
         return "llama"
     raise ValueError(f"no prefix-shared decode graph for model type {config.model_type!r} "
-                     f"(supported: gpt2, {', '.join(LLAMA_FAMILY)})")
+                     f"(supported: gpt2, opt, {', '.join(LLAMA_FAMILY)})")
 
 
 class Dims(NamedTuple):
@@ -233,7 +239,7 @@ def _decoder(model):
                         input_ids.shape[0])
             biases = Biases(mask_bias(context_mask)[:, None, None, :], mask_bias(prefix_mask)[:, None, None, :],
                             *block_biases(chunk_mask, seen, dims), context_beams, beam_slot, slot_row, row_slot)
-            return (_gpt2 if fam == "gpt2" else _llama)(self.model, input_ids, position_ids, biases, kv, dims)
+            return LAYERS[fam](self.model, input_ids, position_ids, biases, kv, dims)
 
     return PrefixDecoder().eval()
 
@@ -350,6 +356,30 @@ def _gpt2(model, ids, pos, biases, kv, dims):
         h = h + conv(mlp.c_proj, mlp.act(conv(mlp.c_fc, block.ln_2(h))))
         new += [kn, vn]                                                # (b, H, s, L, d)
     return (_logits(model, t.ln_f(h), dims), *new)
+
+
+def _opt(model, ids, pos, biases, kv, dims):
+    """OPT (pre-norm, learned positions offset by 2, ReLU MLP, biased projections)."""
+    import torch
+
+    m = model.model.decoder
+    n, L, H, d = dims.n, dims.L, dims.H, dims.d
+    pe = m.embed_positions
+    h = m.embed_tokens(ids.reshape(-1)) + torch.nn.functional.embedding(pos.reshape(-1) + pe.offset, pe.weight)
+    new = []
+    for i, layer in enumerate(m.layers):
+        a, x = layer.self_attn, layer.self_attn_layer_norm(h)
+        q, k, v = (to_slots(p(x).reshape(n, L, H, d), biases) for p in (a.q_proj, a.k_proj, a.v_proj))
+        o, kn, vn = attend(q, k, v, *kv[6 * i:6 * i + 6], biases, a.scaling, dims)
+        h = h + a.out_proj(to_rows(o, biases).reshape(-1, H * d))
+        h = h + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(h))))
+        new += [kn, vn]
+    if m.final_layer_norm is not None:
+        h = m.final_layer_norm(h)
+    return (_logits(model, h, dims), *new)
+
+
+LAYERS = {"gpt2": _gpt2, "llama": _llama, "opt": _opt}
 
 
 def _logits(model, h, dims):
