@@ -157,13 +157,15 @@ class PrefixDecoder:
 
     def _buffers(self, cache: PrefixCache, L: int, new: bool = True, n: int | None = None) -> list[np.ndarray]:
         """Logits (n, vocab) (n: the rows computed, default every slot) and, with `new`, the new
-        K/V (b, kv, s, L, d) per tensor, reused while the shapes are the same."""
-        n = cache.chunk_mask.shape[0] if n is None else n
+        K/V (b, kv, s, L, d) per tensor, reused while the shapes are the same. The logits are the
+        first n rows of a buffer for every slot, so that a step computing fewer distinct rows
+        than the last allocates nothing."""
+        N = cache.chunk_mask.shape[0]
         _, b, kv, s, d = cache.chunk[0].shape
-        shapes = [(n, self.vocab)] + [(b, kv, s, L, d) for _ in cache.chunk if new]
+        shapes = [(N, self.vocab)] + [(b, kv, s, L, d) for _ in cache.chunk if new]
         if [o.shape for o in self._out] != shapes:
             self._out = [np.empty(sh, np.float32) for sh in shapes]
-        return self._out
+        return [self._out[0][:N if n is None else n]] + self._out[1:]
 
     def _bind(self, name: str, arr, output: bool = False) -> None:
         """Bind `arr` (a NumPy array, or a DeviceArray on the cache's device) to `name` unless it is
