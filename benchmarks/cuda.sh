@@ -2,10 +2,12 @@
 # The CUDA path against PyTorch on the GPU, on an offline GPU machine that has Python 3.12, a CUDA build
 # of torch, numba, tokenizers and onnx. What it lacks comes in the parts of ../shared/gpu/pack.sh, copied
 # under /tmp/gpu beforehand (docs/guides/gpu.md); this unpacks, installs into /tmp/site, and measures:
-# random GPT-2-large shapes, onnx-fp32 (prefix cache on the GPU) and torch-fp32 taking turns.
+# random GPT-2-large shapes, onnx-fp32 (prefix cache on the GPU, distinct rows), onnx-fp32-plain (every row
+# computed) and torch-fp32 taking turns.
 #   OUT=runs/cuda TOKENS=20 REPEATS=3 bash benchmarks/cuda.sh
 set -euo pipefail
 OUT=${OUT:-runs/cuda}; TOKENS=${TOKENS:-20}; REPEATS=${REPEATS:-3}; SHAPE=${SHAPE:-gpt2-large}
+CONTENDERS=${CONTENDERS:-onnx-fp32,onnx-fp32-plain,torch-fp32}
 mkdir -p /tmp/gpu "$OUT"
 if [ -d .gpu/p05 ]; then cp -r .gpu/p05/* /tmp/gpu/; fi
 if [ ! -d /tmp/gpu/wheels ]; then cat /tmp/gpu/chunk.* | tar -x -C /tmp/gpu; fi
@@ -15,6 +17,6 @@ export PYTHONPATH=/tmp/site:$PWD DBS_FAST_HOME=/tmp/home PYTHONUNBUFFERED=1
   python3 -c "import onnxruntime as o, torch; print('onnxruntime', o.__version__, o.get_available_providers()); print('torch', torch.__version__, torch.cuda.is_available())"
   lscpu | grep -m1 'Model name' || true
 } 2>&1 | tee "$OUT/machine.txt"
-python3 -m dbs_fast.cli bench --provider cuda --no-default --contenders onnx-fp32,torch-fp32 --sweep "" \
+python3 -m dbs_fast.cli bench --provider cuda --no-default --contenders "$CONTENDERS" --sweep "" \
   --shape "$SHAPE" --max-new-tokens "$TOKENS" --repeats "$REPEATS" --tokenizer /tmp/gpu/gpt2-tokenizer \
   --workdir /tmp/bench_work --out "$OUT/bench" 2>&1 | tee "$OUT/log"
