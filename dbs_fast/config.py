@@ -90,6 +90,9 @@ class DBSConfig:
                                        "> 1 discourages tokens already used (1 = off)")
     no_repeat_ngram_size: int = option(3, "--no-repeat-ngram-size", int,
                                        "ban repeating any n-gram of this size (0 = off)")
+    no_repeat_word_window: int = option(5, "--no-repeat-word-window", int,
+                                        "word loops: a word is not drawn right after itself, nor a third time "
+                                        "within this many words (0 = off)")
     stop: str = option("sentence", "--stop", str, "sentence: end at the first sentence end after the last "
                        "keyword; max: always max-new-tokens (the paper)", STOPS)
 
@@ -135,6 +138,8 @@ class DBSConfig:
             bad("repetition_penalty", "must be > 0 (1 = off)")
         if not _is_int(self.no_repeat_ngram_size, 0):
             bad("no_repeat_ngram_size", "must be an integer >= 0 (0 = off)")
+        if not _is_int(self.no_repeat_word_window, 0) or self.no_repeat_word_window == 1:
+            bad("no_repeat_word_window", "must be 0 (off) or an integer >= 2")
         for f in fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
@@ -155,7 +160,7 @@ class DBSConfig:
 
     @property
     def shapes_logits(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0
+        return self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0 or self.no_repeat_word_window > 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -187,7 +192,7 @@ def body_attr(name: str, key: str) -> str:
 # With --guarantee the concepts are forced in time for a 24-token sentence and no sentence ends
 # before they are all in.
 PAPER = {"boost_word_starts": False, "complete_words": False, "alpha_fluent": None, "late_boost_first": False,
-         "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "stop": "max"}
+         "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "no_repeat_word_window": 0, "stop": "max"}
 COMMONGEN = {"order": "any", "match": "lemma", "max_new_tokens": 40, "lam": 1.0, "reserve_per_keyword": 6,
              "prompt_style": "few-shot", "shots": 3, "sentence_deadline": 24}
 COMMONGEN_CONTEXT = "Here is one sentence describing an everyday scene:\n"

@@ -6,13 +6,17 @@ inverse CDF in id order), up to float noise in the logits of the two runtimes.
 """
 from __future__ import annotations
 
+from functools import cached_property
+
 import numpy as np
 
+from . import kernels
 from .backend import left_pad
 from .errors import DBSError
 from .manifest import read_manifest
 from .model import load_tokenizer
 from .text.constraints import banned_tokens
+from .text.occurrence import word_classes
 
 
 def torch_sample(logits, uniforms, row_word, dense_boosts, temperature, top_p, boost_first):
@@ -132,7 +136,8 @@ class TorchBackend:
 
     def shape(self, logits, cfg, history, history_start):
         """Repetition penalty and n-gram bans with transformers' own logits processors, per row
-        (rows have different left padding)."""
+        (rows have different left padding); word loops by the kernel's rule, which transformers
+        does not have."""
         from transformers import (
             NoRepeatNGramLogitsProcessor,
             RepetitionPenaltyLogitsProcessor,
@@ -142,13 +147,24 @@ class TorchBackend:
         procs = ([RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty)] if cfg.repetition_penalty != 1.0 else []) \
             + ([NoRepeatNGramLogitsProcessor(cfg.no_repeat_ngram_size)] if cfg.no_repeat_ngram_size > 0 else [])
         out = logits.clone()
+        W = cfg.no_repeat_word_window
+        loop = np.empty(max(W, 1), np.int64)
         for r in range(out.shape[0]):
             ids = t.as_tensor(history[r, history_start[r]:], dtype=t.long, device=self.device)[None]
             row = out[r:r + 1]
             for p in procs:
                 row = p(ids, row)
             out[r] = row[0]
+            if W:
+                n = kernels.repeated_words(history[r].astype(np.int64), int(history_start[r]), history.shape[1],
+                                           self.word_class, W, loop)
+                out[r, t.as_tensor(loop[:n], device=self.device)] = -float("inf")
         return out
+
+    @cached_property
+    def word_class(self) -> np.ndarray:
+        """(V,) int8: each token's place in a word (`occurrence.word_classes`)."""
+        return word_classes(self.decode_one, self.vocab_size)
 
     def ban(self, logits, history, history_start, bans, row_ban):
         """Banned sequences per row, by `constraints.banned_tokens` (the kernel's rule); a group's

@@ -25,11 +25,35 @@ def banned_tokens(history, ban_seqs):
     return out
 
 
-def shape_logits(x, history, penalty=1.0, ngram=0):
-    """Repetition penalty (CTRL / transformers) and n-gram bans on raw logits (float32)."""
+def word_loop_tokens(history, word_class, window):
+    """The word-loop rule, spelled out: cut the history into words (a word-start token and the
+    word pieces after it; other tokens are no words), keep the last window - 1, and ban a one-token
+    word if it is the last word, or if it is two of those words already."""
+    if window <= 0 or history is None:
+        return set()
+    words = []
+    for t in (int(x) for x in history):
+        if word_class[t] == 1:
+            words.append([t])
+        elif word_class[t] == 2 and words and words[-1] is not None:
+            words[-1].append(t)
+        elif word_class[t] == 0 and words and words[-1] is not None:
+            words.append(None)              # marks the end of the word before: pieces after it start nothing
+    words = [w for w in words if w is not None][-(window - 1):]
+    singles = [w[0] for w in words if len(w) == 1]
+    out = {t for t in singles if singles.count(t) >= 2}
+    if words and len(words[-1]) == 1:
+        out.add(words[-1][0])
+    return out
+
+
+def shape_logits(x, history, penalty=1.0, ngram=0, word_class=None, window=0):
+    """Repetition penalty (CTRL / transformers), n-gram and word-loop bans on raw logits (float32)."""
     x = x.astype(np.float32).copy()
     if history is None:
         return x
+    for t in word_loop_tokens(history, word_class, window):
+        x[t] = -np.inf
     seen = np.unique(np.asarray(history, np.int64))
     if penalty != 1.0 and len(seen):
         v = x[seen]
@@ -40,7 +64,7 @@ def shape_logits(x, history, penalty=1.0, ngram=0):
 
 
 def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, boost_first=False,
-               histories=None, penalty=1.0, ngram=0, bans=None, force=None):
+               histories=None, penalty=1.0, ngram=0, bans=None, force=None, word_class=None, window=0):
     """dense_boosts: list per row of a (V,) boost vector or None; histories: list per row of token ids;
     bans: list per row of banned token sequences; force: per row a token id or -1."""
     R, V = logits.shape
@@ -51,7 +75,7 @@ def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, 
         raw = (logits[r].astype(np.float32) * inv_t)
         logz = float(raw.max()) + np.log(np.exp((raw - raw.max()).astype(np.float64)).sum())
         h = None if histories is None else histories[r]
-        s = shape_logits(logits[r], h, penalty, ngram) * inv_t
+        s = shape_logits(logits[r], h, penalty, ngram, word_class, window) * inv_t
         for t in banned_tokens(h, None if bans is None else bans[r]):
             s[t] = -np.inf
         if force is not None and force[r] >= 0:

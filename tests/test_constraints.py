@@ -146,7 +146,8 @@ def test_sentence_deadline_puts_every_keyword_in_the_first_sentence(dbs, order):
 
     from dbs_fast.evaluation.runs import first_sentence
 
-    cfg = replace(dbs.config, order=order, guarantee=True, stop="max", max_new_tokens=30, lam=0.0)
+    cfg = replace(dbs.config, order=order, guarantee=True, stop="max", max_new_tokens=30, lam=0.0,
+                  no_repeat_word_window=0)        # the deadline alone (texts of a fixed random model)
     deadline = replace(cfg, sentence_deadline=10)
     hits, before = [], []
     for seed in range(6):

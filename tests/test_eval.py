@@ -128,6 +128,16 @@ def test_rep_n_and_distinct_n_by_hand():
     assert distinct_n(["a b", "a b"], 2) == 0.5 and distinct_n(["a b c"], 2) == 1.0 and distinct_n([], 2) == 0.0
 
 
+def test_word_loop_by_hand():
+    from dbs_fast.evaluation.metrics import word_loop
+
+    assert word_loop("The city of music - a summer summer summer winter.")
+    assert word_loop("child, child, doctor and child")                # punctuation is no word
+    assert not word_loop("the cat and the dog the")                   # the third "the" is 5 words on
+    assert word_loop("the cat and the dog the", window=6)
+    assert not word_loop("") and not word_loop("a a") and word_loop("a a a")
+
+
 # -- CommonGen ----------------------------------------------------------------------------------
 def test_commongen_coverage_by_lemma():
     from dbs_fast.evaluation.metrics import coverage

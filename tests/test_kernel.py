@@ -1,9 +1,15 @@
 """The Numba logits kernel against the NumPy reference (tests/naive.py) and transformers."""
 import numpy as np
 import pytest
-from naive import banned_ngram_tokens, banned_tokens, sample_ref, shape_logits
+from naive import (
+    banned_ngram_tokens,
+    banned_tokens,
+    sample_ref,
+    shape_logits,
+    word_loop_tokens,
+)
 
-from dbs_fast.kernels import csr_boosts, sample
+from dbs_fast.kernels import csr_boosts, repeated_words, sample
 from dbs_fast.text.embeddings import SparseBoost
 
 
@@ -121,6 +127,67 @@ def test_anti_repetition_matches_reference_exactly(boost_first, penalty, ngram, 
         np.testing.assert_allclose(glp, wlp, atol=1e-4)          # the model's own log-prob, unshaped
         for r, h in enumerate(rows):
             assert got[r] not in banned_ngram_tokens(h, ngram)
+
+
+def _word_histories(rng, R, V, H=30):
+    """Histories over a few word-start tokens (0-5), word pieces (6-8) and punctuation (9), so that
+    words repeat, loop and span tokens; the rest of the vocabulary is words, pieces, others."""
+    word_class = rng.integers(0, 3, V).astype(np.int8)
+    word_class[:6], word_class[6:9], word_class[9] = 1, 2, 0
+    weights = np.array([4, 4, 3, 3, 2, 2, 1, 1, 1, 2], float)
+    hist = np.zeros((R, H), np.int32)
+    start = rng.integers(0, H // 2, R).astype(np.int32)
+    for r in range(R):
+        hist[r, start[r]:] = rng.choice(10, H - start[r], p=weights / weights.sum())
+        if r % 3 == 0:                                    # a loop of one word at the end
+            hist[r, -2:] = hist[r, -3] = 2
+    return word_class, hist, start, [hist[r, start[r]:] for r in range(R)]
+
+
+@pytest.mark.parametrize("window", [2, 3, 5, 8])
+def test_word_loop_bans_match_reference(window):
+    rng = np.random.default_rng(window)
+    word_class, hist, start, rows = _word_histories(rng, 300, 50)
+    out = np.empty(window, np.int64)
+    n_banned = 0
+    for r, h in enumerate(rows):
+        n = repeated_words(hist[r], int(start[r]), hist.shape[1], word_class, window, out)
+        assert set(out[:n].tolist()) == word_loop_tokens(h, word_class, window)
+        assert len(set(out[:n].tolist())) == n                  # each banned once
+        n_banned += n
+    assert n_banned > 100                                        # the rule bans something here
+
+
+def test_word_loop_rule_cases():
+    # 0 " summer", 1 " sum", 2 "mer", 3 ",", 4 " and", 5 " the", 6 " sun"
+    word_class = np.array([1, 1, 2, 0, 1, 1, 1], np.int8)
+    bans = lambda h, w=5: word_loop_tokens(h, word_class, w)    # noqa: E731
+    assert bans([0]) == {0}                              # not right after itself
+    assert bans([0, 3]) == {0}                           # "summer," then " summer": still back to back
+    assert bans([0, 4]) == {4}                           # "summer and": "summer" may come a second time
+    assert bans([0, 4, 0, 6]) == {0, 6}                  # ... not a third time within 5 words
+    assert bans([0, 4, 5, 0, 6]) == {6}                  # the first "summer" is 5 words back
+    assert bans([0, 4, 5, 0, 6], 6) == {0, 6}            # within a window of 6 it is not
+    assert bans([1, 2]) == set()                         # "summer" of two tokens is no one-token word
+    assert bans([1, 2, 1, 2, 1]) == {1}                  # its first token alone is the last word
+    assert bans([0], 0) == set()
+
+
+def test_word_loop_never_drawn_and_logp_is_the_models():
+    V = 50
+    word_class = np.zeros(V, np.int8)
+    word_class[:10] = 1
+    logits = np.zeros((3, V), np.float32)
+    logits[:, 7] = 50.0                                        # token 7 has all the mass
+    hist = np.array([[1, 7, 2, 7, 3], [1, 2, 3, 4, 7], [7, 1, 2, 3, 4]], np.int32)
+    u = np.array([0.0, 0.5, 0.999])
+    ids, lp = sample(logits, u, top_p=0.9, history=hist, word_class=word_class, no_repeat_word_window=5)
+    assert ids[0] != 7 and ids[1] != 7 and ids[2] == 7       # twice in 4 words; right after itself; 5 back
+    plain, plp = sample(logits, u, top_p=0.9)
+    assert (plain == 7).all()
+    ref, rlp = sample_ref(logits, u, 1.0, 0.9, histories=list(hist), word_class=word_class, window=5)
+    assert np.array_equal(ids, ref)
+    np.testing.assert_allclose(lp, rlp, atol=1e-4)
 
 
 def test_shaping_matches_transformers_processors():

@@ -3,7 +3,9 @@
 - rep-n of one text: 1 - unique n-grams / n-grams (0 = no n-gram repeats; "a b a b" has
   rep-2 = 1 - 2/3);
 - distinct-n of a set of texts: unique n-grams / n-grams, pooled over the set (1 = no n-gram
-  is ever reused, across texts too).
+  is ever reused, across texts too);
+- a word loop in one text: some word three times within five consecutive words ("a summer
+  summer summer winter"), which rep-n of short texts barely shows.
 Words are lower-cased runs of letters/digits; punctuation is not a word.
 
 CommonGen's coverage: the fraction of concepts that the text uses in some form, matched by
@@ -23,6 +25,13 @@ def rep_n(text: str, n: int) -> float:
     """1 - unique/total n-grams of one text; 0.0 for a text with no n-gram."""
     g = ngrams(words(text), n)
     return 1.0 - len(set(g)) / len(g) if g else 0.0
+
+
+def word_loop(text: str, times: int = 3, window: int = 5) -> bool:
+    """Whether some word occurs `times` times within `window` consecutive words of `text`."""
+    ws = words(text)
+    spans = (ws[i:i + window] for i in range(max(len(ws) - window + 1, 1)))
+    return any(span.count(w) >= times for span in spans for w in set(span))
 
 
 def distinct_n(texts, n: int) -> float:

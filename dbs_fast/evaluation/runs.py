@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from dbs_fast.errors import DBSError
-from dbs_fast.evaluation.metrics import coverage, distinct_n, rep_n
+from dbs_fast.evaluation.metrics import coverage, distinct_n, rep_n, word_loop
 from dbs_fast.text.words import words
 
 # NLTK's English stop-word list (the corpus download is not available offline).
@@ -140,7 +140,7 @@ def _row(i, kws, mode, r, n_batch, context) -> dict:
     return {"set": i, "mode": mode, "keywords": kws, "success_rate": r.success_rate,
             "perplexity": r.perplexity, "success_length": r.success_length, "seconds": r.seconds / n_batch,
             "batch_seconds": r.seconds, "batch_sets": n_batch, "new_tokens": r.new_tokens, "stopped": r.stopped,
-            "rep_2": rep_n(r.generated, 2), "rep_4": rep_n(r.generated, 4),
+            "rep_2": rep_n(r.generated, 2), "rep_4": rep_n(r.generated, 4), "word_loop": float(word_loop(r.generated)),
             "context": context, "generated": r.generated, "text": r.text, "found": r.found,
             "distinct_beams": len({b["text"] for b in r.beams})}
 
@@ -182,7 +182,8 @@ def current_rows(rows, configs: dict) -> list[dict]:
 
 
 METRICS = ("success_rate", "perplexity", "success_length", "seconds")
-QUALITY = ("success_rate", "judge_ppl", "perplexity", "rep_2", "rep_4", "success_length", "new_tokens", "seconds")
+QUALITY = ("success_rate", "judge_ppl", "perplexity", "rep_2", "rep_4", "word_loop", "success_length", "new_tokens",
+           "seconds")
 
 
 def _aggregate(rows, metrics=METRICS) -> dict:
@@ -270,14 +271,15 @@ def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed
     span = f" (sets {first_set}-{first_set + len(sets) - 1})" if first_set else ""
     lines = [f"{len(sets)} keyword sets{span}, context {context!r}; judge: {summary['judge']} (perplexity of the "
              f"generated text given the context, judge's own tokenizer); self ppl: the generator grading itself.", "",
-             "| run | success rate | judge ppl (mean / median) | self ppl | rep-2 | rep-4 | distinct-2 | distinct-4 | "
-             "success length | new tokens | ends at sentence/EOS | seconds/set |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| run | success rate | judge ppl (mean / median) | self ppl | rep-2 | rep-4 | word loops | distinct-2 | "
+             "distinct-4 | success length | new tokens | ends at sentence/EOS | seconds/set |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode in configs:
         a = summary[mode]
         lines.append(f"| {mode} | {a['success_rate']['mean']:.2f} ± {a['success_rate']['std']:.2f} | "
                      f"{a['judge_ppl']['mean']:.1f} / {a['judge_ppl']['median']:.1f} | {a['perplexity']['mean']:.1f} | "
-                     f"{a['rep_2']['mean']:.3f} | {a['rep_4']['mean']:.3f} | {a['distinct_2']:.3f} | "
+                     f"{a['rep_2']['mean']:.3f} | {a['rep_4']['mean']:.3f} | {a['word_loop']['mean']:.3f} | "
+                     f"{a['distinct_2']:.3f} | "
                      f"{a['distinct_4']:.3f} | {a['success_length']['mean']:.1f} | {a['new_tokens']['mean']:.1f} | "
                      f"{a['ends_at_sentence']:.2f} | {a['seconds']['mean']:.1f} |")
     if refs is not None:

@@ -137,6 +137,25 @@ def word_piece_tokens(decode_one, vocab_size: int):
     return np.array([starts_word(decode_one(i)) for i in range(vocab_size)], bool)
 
 
+WORD_OTHER, WORD_START, WORD_PIECE = 0, 1, 2     # `word_classes`
+
+
+def word_classes(decode_one, vocab_size: int):
+    """int8 (V,) array for the kernel's word-loop rule: WORD_START for a token that begins a word
+    with a letter after a space (" summer"), WORD_PIECE for one that continues the word before it ("mer"),
+    WORD_OTHER for the rest (punctuation, numbers after a space, spaces)."""
+    import numpy as np
+
+    out = np.zeros(vocab_size, np.int8)
+    for i in range(vocab_size):
+        piece = decode_one(i)
+        if starts_word(piece):
+            out[i] = WORD_PIECE
+        elif piece[:1].isspace() and piece.lstrip()[:1].isalpha():
+            out[i] = WORD_START
+    return out
+
+
 def sentence_end_tokens(decode_one, vocab_size: int):
     """Boolean (V,) array: tokens that, decoded alone, end a sentence ("." "!" '."' " end." ...)."""
     import numpy as np
