@@ -19,6 +19,7 @@ from .errors import DBSError
 
 BOOST_ORDERS = ("filter_then_boost", "boost_then_filter")
 STOPS = ("max", "sentence")
+PICKS = ("q", "likelihood", "consensus")      # dbs_fast.search.result.pick
 ORDERS = ("next", "any")
 MATCHES = ("stem", "lemma")
 PROMPT_STYLES = ("none", "instruction", "chat", "few-shot")   # dbs_fast.text.prompt
@@ -95,6 +96,9 @@ class DBSConfig:
                                         "within this many words (0 = off)")
     stop: str = option("sentence", "--stop", str, "sentence: end at the first sentence end after the last "
                        "keyword; max: always max-new-tokens (the paper)", STOPS)
+    pick: str = option("q", "--pick", str, "the beam returned: q, the best by the quality score (the paper); "
+                       "likelihood, the finished beam with the best mean log-prob per token; consensus, the "
+                       "finished beam most like the other finished ones (BLEU-4, minimum Bayes risk)", PICKS)
 
     @classmethod
     def paper(cls, **overrides) -> "DBSConfig":
@@ -192,7 +196,8 @@ def body_attr(name: str, key: str) -> str:
 # With --guarantee the concepts are forced in time for a 24-token sentence and no sentence ends
 # before they are all in.
 PAPER = {"boost_word_starts": False, "complete_words": False, "alpha_fluent": None, "late_boost_first": False,
-         "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "no_repeat_word_window": 0, "stop": "max"}
+         "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "no_repeat_word_window": 0, "stop": "max",
+         "pick": "q"}
 COMMONGEN = {"order": "any", "match": "lemma", "max_new_tokens": 40, "lam": 1.0, "reserve_per_keyword": 6,
              "prompt_style": "few-shot", "shots": 3, "sentence_deadline": 24}
 COMMONGEN_CONTEXT = "Here is one sentence describing an everyday scene:\n"

@@ -388,3 +388,41 @@ def test_a_tasks_text_output_is_the_answer_without_its_context(exported, capsys)
     assert first and COMMONGEN_CONTEXT.strip() not in first and first == first.strip()
     assert cli(args + ["--task", "commongen", "--context", "Yesterday"]) == 0
     assert capsys.readouterr().out.startswith("Yesterday")
+
+
+def test_pick_rules_on_hand_made_beams():
+    from dbs_fast.search.result import pick
+
+    def beam(text, score, finished, logprob):
+        return {"text": text, "score": score, "finished": finished, "logprob": logprob}
+
+    beams = [beam("a dog runs after a frisbee in the", 3.0, False, -1.0),      # the best Q, unfinished
+             beam("a dog catches the frisbee.", 2.0, True, -2.5),
+             beam("the dog catches a frisbee.", 1.5, True, -2.0),
+             beam("a dog catches the frisbee in a park.", 1.0, True, -3.0)]
+    assert pick("q", beams) == 0
+    assert pick("likelihood", beams) == 2                    # the best mean log-prob among the finished
+    assert pick("consensus", beams) == 1                     # the finished text most like the other two
+    none = [dict(b, finished=False) for b in beams]
+    assert pick("likelihood", none) == 0                     # nothing finished: among the scored ones
+    dropped = [dict(b, score=-np.inf) if i else b for i, b in enumerate(none)]
+    assert pick("consensus", dropped) == 0 and pick("likelihood", [beams[1]]) == 0
+
+
+@pytest.mark.parametrize("rule", ["likelihood", "consensus"])
+def test_a_picked_result_is_a_finished_beam_returned_first(dbs, rule):
+    """The returned text is the picked beam (first in `beams`), and under q it is the best score;
+    a pick changes the returned beam only, never the search. (The random model finishes one beam
+    at a time; the rules themselves are tested on hand-made beams above.)"""
+    cfg = replace(SMALL, max_new_tokens=30, guarantee=True)
+    for seed in range(6):
+        q = dbs.generate("It is", KW[:2], seed=seed, config=cfg)
+        r = dbs.generate("It is", KW[:2], seed=seed, config=replace(cfg, pick=rule))
+        assert sorted(map(str, q.beams)) == sorted(map(str, r.beams))      # the same search
+        assert q.beams[0]["score"] == max(b["score"] for b in q.beams)
+        assert r.beams[0]["text"].startswith(r.generated)
+        finished = [b for b in r.beams if b["finished"]]
+        if finished:
+            assert r.beams[0]["finished"]
+            if rule == "likelihood":
+                assert r.beams[0]["logprob"] == max(b["logprob"] for b in finished)

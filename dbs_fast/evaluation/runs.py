@@ -16,6 +16,7 @@ import numpy as np
 
 from dbs_fast.errors import DBSError
 from dbs_fast.evaluation.metrics import coverage, distinct_n, rep_n, word_loop
+from dbs_fast.search.result import json_safe
 from dbs_fast.text.words import words
 
 # NLTK's English stop-word list (the corpus download is not available offline).
@@ -142,7 +143,7 @@ def _row(i, kws, mode, r, n_batch, context) -> dict:
             "batch_seconds": r.seconds, "batch_sets": n_batch, "new_tokens": r.new_tokens, "stopped": r.stopped,
             "rep_2": rep_n(r.generated, 2), "rep_4": rep_n(r.generated, 4), "word_loop": float(word_loop(r.generated)),
             "context": context, "generated": r.generated, "text": r.text, "found": r.found,
-            "distinct_beams": len({b["text"] for b in r.beams})}
+            "distinct_beams": len({b["text"] for b in r.beams}), "beams": json_safe(r.beams)}
 
 
 def run_modes(dbs, sets, configs: dict, path: Path, context="It is", batch=4, seed=0, quiet=False,

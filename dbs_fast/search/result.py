@@ -12,6 +12,7 @@ import numpy as np
 from ..config import DBSConfig
 from ..text import occurrence
 from ..text.constraints import Keyword
+from ..text.words import words
 from .beam import Finished
 
 
@@ -29,7 +30,8 @@ class GenerationResult:
     #                               sentence end after the keywords at max_new_tokens; "max": budget
     perplexity: float             # exp(-mean scorer log-prob) of the generated tokens
     new_tokens: int
-    beams: list[dict]             # every different final beam, best first: text, score
+    beams: list[dict]             # every different final beam, the returned one first, then by score: text,
+    #                               score (Q), finished (every keyword, then a sentence end or EOS), logprob (mean per token)
     seconds: float
     tokens_per_second: float      # generated tokens of the result / seconds
     candidate_tokens_per_second: float  # all sampled candidate tokens / seconds (batch-wide)
@@ -71,6 +73,32 @@ def found_at(texts: list[str], keywords: list[Keyword], rule: str = "stem") -> d
     return found
 
 
+def pick(rule: str, beams: list[dict]) -> int:
+    """Which of `beams` (dicts of text, score, finished, logprob; by score, best first) is returned:
+    "q" the first (the paper's); otherwise among the finished beams (else those still scored, else
+    all), "likelihood" the best mean log-prob per token and "consensus" the one with the highest
+    mean BLEU-4 against the others (minimum Bayes risk decoding; nltk's BLEU, smoothed). Ties go
+    to the better score."""
+    if rule == "q" or len(beams) == 1:
+        return 0
+    pool = [j for j, b in enumerate(beams) if b["finished"]] or \
+        [j for j, b in enumerate(beams) if math.isfinite(b["score"])] or [0]
+    if rule == "likelihood":
+        return max(pool, key=lambda j: (beams[j]["logprob"] if math.isfinite(beams[j]["logprob"]) else -math.inf, -j))
+    if len(pool) == 1:
+        return pool[0]
+    from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
+
+    toks = {j: words(beams[j]["text"]) for j in pool}
+    smooth = SmoothingFunction().method1
+
+    def agreement(j: int) -> float:
+        return float(np.mean([sentence_bleu([toks[o]], toks[j], smoothing_function=smooth) if toks[j] else 0.0
+                              for o in pool if o != j]))
+
+    return max(pool, key=lambda j: (agreement(j), -j))
+
+
 def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], list[str]], eos_ids,
                  sentence_end: np.ndarray | None, timings: dict, kv_bytes: int = 0) -> GenerationResult:
     """The result of a request that left the batch: its best beam, trimmed, with its stats.
@@ -82,7 +110,21 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
         return [t[tail:] for t in decode_batch(seqs)]
 
     order = np.argsort(-rows.cum, kind="stable")
-    best = order[0]
+    every = (1 << len(kws)) - 1
+    finished = rows.ended & np.isfinite(rows.cum) & ((rows.found & every) == every)   # all keywords, then an end
+    beams, seen = [], set()                 # every different final beam (copies once), by score
+    for i, t in zip(order, decode([rows.tokens[i, : rows.n_tok[i]] for i in order])):
+        if t not in seen:
+            seen.add(t)
+            n = int(rows.n_tok[i])
+            beams.append({"text": t, "score": float(rows.cum[i]),
+                          "finished": bool(finished[i]),
+                          "logprob": float(rows.logp[i, :n].mean()) if n else float("nan"), "row": int(i)})
+    chosen = pick(cfg.pick, beams)
+    beams.insert(0, beams.pop(chosen))
+    best = beams[0]["row"]
+    for b in beams:
+        del b["row"]
     n_gen = int(rows.n_tok[best])
     toks = rows.tokens[best, :n_gen]
     texts = decode([toks[:n] for n in range(1, len(toks) + 1)]) or [""]
@@ -101,11 +143,6 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
     hits = [found[k.text]["token"] for k in kws if found[k.text] is not None]   # a keyword listed twice counts twice
     success_length = max(hits) if len(hits) == len(kws) else cfg.max_new_tokens
     lp = rows.logp[best, :n_gen]
-    beams, seen = [], set()                 # every different final beam, best first (copies once)
-    for i, t in zip(order, decode([rows.tokens[i, : rows.n_tok[i]] for i in order])):
-        if t not in seen:
-            seen.add(t)
-            beams.append({"text": t, "score": float(rows.cum[i])})
     return GenerationResult(
         text=context + generated, context=context, generated=generated, keywords=[k.text for k in kws],
         found=found, success_rate=len(hits) / len(kws), success_length=int(success_length), stopped=stopped,
