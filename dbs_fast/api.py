@@ -75,9 +75,21 @@ def memory_needed(cfg: DBSConfig, context_tokens: int, manifest: dict) -> int:
     return 3 * rows * manifest["vocab_size"] * 4 + rows * (context_tokens + cfg.max_new_tokens) * per_token
 
 
-def check_size(cfg: DBSConfig, context_tokens: int, manifest: dict) -> None:
+def decode_window(manifest: dict, kv_layout: str = "auto") -> int | None:
+    """The tokens the decode graph attends to when the model's layers slide a window (Gemma's
+    local layers) that the graph does not mask, on the layout `kv_layout` picks; None: no limit."""
+    graph = manifest.get("prefix_decode") or {}
+    return graph.get("sliding_window") if graph.get("written") and kv_layout != "rows" else None
+
+
+def check_size(cfg: DBSConfig, context_tokens: int, manifest: dict, window: int | None = None) -> None:
     """DBSError, before anything is allocated, for a request longer than the model's context window
-    or larger than this machine's free memory (`manifest`: the export's)."""
+    (or than `window`, `decode_window`'s) or larger than this machine's free memory (`manifest`:
+    the export's)."""
+    if window and context_tokens + cfg.max_new_tokens > window:
+        raise DBSError(f"context ({context_tokens} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the "
+                       f"{window} tokens of this model's sliding attention window, which its shared-context "
+                       f"decode graph does not slide: use --kv-layout rows for longer texts", "context")
     limit = manifest.get("max_positions")
     if limit and context_tokens + cfg.max_new_tokens > limit:
         field = "max_new_tokens" if cfg.max_new_tokens >= limit else "context"
@@ -93,12 +105,13 @@ def check_size(cfg: DBSConfig, context_tokens: int, manifest: dict) -> None:
                        f"--candidates or --max-new-tokens", field, getattr(cfg, field))
 
 
-def preflight(model, cfg: DBSConfig, context: str, quiet: bool = True) -> None:
+def preflight(model, cfg: DBSConfig, context: str, quiet: bool = True, kv_layout: str = "auto") -> None:
     """`check_size` from the export's manifest and tokenizer alone, before the model loads (the
     CLI's check: a bad size fails in a second, not after loading a model)."""
     d = resolve_model_dir(model, quiet)
     n = len(load_tokenizer(str(d / "tokenizer.json")).encode(context or "").ids) if isinstance(context, str) else 0
-    check_size(cfg, max(n, 1), read_manifest(d))
+    manifest = read_manifest(d)
+    check_size(cfg, max(n, 1), manifest, decode_window(manifest, kv_layout))
 
 
 class DirectedBeamSearch:
@@ -255,7 +268,7 @@ class DirectedBeamSearch:
             raise DBSError(f"`seed` must be an integer in 0..{SEED_MAX}, got {seed!r}", "seed", seed)
         kws, bans = parse_constraints(keywords, ban)
         ids, plain = self._prompted_ids(context, kws, cfg)
-        check_size(cfg, len(ids), self.manifest)
+        check_size(cfg, len(ids), self.manifest, decode_window(self.manifest) if self.decoder is not None else None)
         enc = self._pieces
         force = [constraints.keyword_tokens(enc, k)[0] for k in kws]
         for k, f in zip(kws, force):

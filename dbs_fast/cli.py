@@ -208,7 +208,7 @@ def _run_generate(a) -> int:
     from .api import DirectedBeamSearch, parse_constraints, preflight
 
     parse_constraints(a.keywords, a.ban)       # bad keywords and sizes fail before the model loads
-    preflight(a.model, cfg, a.context, quiet=fmt == "json")
+    preflight(a.model, cfg, a.context, quiet=fmt == "json", kv_layout=a.kv_layout)
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, backend=a.backend,
                              provider=a.provider, threads=a.threads, subword_fallback=a.subword_fallback,
                              quiet=fmt == "json", kv_layout=a.kv_layout, schedule=a.schedule)

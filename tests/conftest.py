@@ -75,6 +75,26 @@ def make_checkpoint(kind: str, out: Path) -> Path:
                          original_max_position_embeddings=256, bos_token_id=tok.eos_token_id,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, tie_word_embeddings=False)
         model = Phi3ForCausalLM(cfg)
+    elif kind in ("gemma2", "gemma3"):         # norms around each block; local + global layers; soft-capping (2)
+        from transformers import (
+            Gemma2Config,
+            Gemma2ForCausalLM,
+            Gemma3ForCausalLM,
+            Gemma3TextConfig,
+        )
+
+        common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=256, query_pre_attn_scalar=8,
+                      sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+                      bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+        if kind == "gemma2":
+            model = Gemma2ForCausalLM(Gemma2Config(**common, attn_logit_softcapping=5.0, final_logit_softcapping=3.0))
+        else:
+            model = Gemma3ForCausalLM(Gemma3TextConfig(**common, rope_local_base_freq=100.0))
+        with torch.no_grad():                  # norms that are not the identity (Gemma's start at 1 + 0)
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(-0.5, 0.5)
     else:
         cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -554,10 +554,12 @@ def test_the_context_store_drops_what_a_new_context_makes_redundant_and_keeps_it
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("kind, family", [("qwen3", "llama"), ("phi3", "llama"), ("opt", "opt")])
+@pytest.mark.parametrize("kind, family", [("qwen3", "llama"), ("phi3", "llama"), ("opt", "opt"), ("gemma3", "gemma"),
+                                          ("gemma2", "gemma")])
 def test_a_family_exports_onto_the_shared_context_graph_and_generates(kind, family, tmp_path):
-    """Qwen3 (the Llama layer with q/k norms), Phi-3 (fused q/k/v and gate/up) and OPT (learned
-    positions) through `export`: its decode graph passes the export's
+    """Qwen3 (the Llama layer with q/k norms), Phi-3 (fused q/k/v and gate/up), OPT (learned
+    positions), Gemma 3 (norms around each block, q/k norms, local and global RoPE) and Gemma 2
+    (attention and final logit soft-capping) through `export`: its decode graph passes the export's
     parity check against model.onnx, decodes each row as the transformers model does over the
     whole sequence (two left-padded contexts, a chunk, a keep, another chunk), and generates."""
     from conftest import make_checkpoint
@@ -571,7 +573,8 @@ def test_a_family_exports_onto_the_shared_context_graph_and_generates(kind, fami
     out = tmp_path / "onnx"
     export_model(str(ckpt), out, quiet=True)
     m = json.loads((out / "dbs_fast_model.json").read_text())
-    assert m["model_type"] == kind and m["prefix_decode"]["family"] == family, m["prefix_decode"]
+    assert m["model_type"] == {"gemma3": "gemma3_text"}.get(kind, kind) and m["prefix_decode"]["family"] == family, \
+        m["prefix_decode"]
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     dec, rng, s, k = PrefixDecoder(out / "decode.onnx"), np.random.default_rng(0), 3, 3
     ctx = np.array([[11, 12, 13, 14, 15], [0, 0, 0, 21, 22]])
@@ -592,3 +595,12 @@ def test_a_family_exports_onto_the_shared_context_graph_and_generates(kind, fami
         seqs = [list(seqs[[4, 1][r // s]]) for r in range(2 * s)]
     r = DirectedBeamSearch(out).generate("It is", "river", config=DBSConfig(beams=2, candidates=2, max_new_tokens=8))
     assert r.new_tokens > 0
+    if kind == "gemma3":        # its local layers' window (64) is not slid by the graph: a longer text is refused
+        from dbs_fast.errors import DBSError
+
+        assert m["prefix_decode"]["sliding_window"] == 64
+        long = DBSConfig(beams=2, candidates=2, max_new_tokens=70, stop="max")
+        with pytest.raises(DBSError, match="sliding attention window.*--kv-layout rows") as e:
+            DirectedBeamSearch(out).generate("It is", "river", config=long)
+        assert e.value.field == "context"
+        assert DirectedBeamSearch(out, kv_layout="rows").generate("It is", "river", config=long).new_tokens == 70

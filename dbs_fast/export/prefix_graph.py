@@ -53,13 +53,15 @@ from pathlib import Path
 from typing import NamedTuple
 
 from dbs_fast.kv.decoder import PrefixDecoder
-from dbs_fast.kv.prefix_cache import DECODE_GRAPH, PrefixCache
+from dbs_fast.kv.prefix_cache import DECODE_GRAPH
 from dbs_fast.model import OnnxModel
 
 MASKED = -1e4     # additive bias of a masked key (finite, see export/fuse.py)
 LANES = 16        # float32 lanes of the widest vector unit (AVX-512): `attend` logs each row's number this wide
 # the Llama layer, with options: qwen3 an RMSNorm on each head's q and k, phi3 fused q/k/v
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# norms around each block, q/k norms, local and global RoPE, logit soft-capping (Gemma 2)
+GEMMA_FAMILY = ("gemma2", "gemma3_text")
 
 
 def family(config) -> str:
@@ -71,13 +73,15 @@ def family(config) -> str:
             raise ValueError("no prefix-shared decode graph for OPT with its norms after the blocks or a projected "
                              "embedding (OPT-350m)")
         return "opt"
+    if config.model_type in GEMMA_FAMILY:
+        return "gemma"
     if config.model_type in LLAMA_FAMILY:
         if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"no prefix-shared decode graph for partial rotary embeddings "
                              f"(partial_rotary_factor {config.partial_rotary_factor})")
         return "llama"
     raise ValueError(f"no prefix-shared decode graph for model type {config.model_type!r} "
-                     f"(supported: gpt2, opt, {', '.join(LLAMA_FAMILY)})")
+                     f"(supported: gpt2, opt, {', '.join(LLAMA_FAMILY + GEMMA_FAMILY)})")
 
 
 class Dims(NamedTuple):
@@ -115,7 +119,7 @@ def block_biases(chunk_mask, seen, dims: Dims):
     return mask_bias(sees_chunk).reshape(b, 1, s * L * g, -1), mask_bias(sees_new)
 
 
-def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims):
+def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, softcap: float | None = None):
     """Attention of L new tokens per row, row r = candidate r % s of beam r // s, over three levels:
     its request's context, its beam's generated prefix and its own chunk (then its new tokens).
     q (N, L, H, d); k, v (N, L, kv, d): the new tokens'; xk, xv (R, kv, C, d): the contexts, one
@@ -141,8 +145,12 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims):
     Softmax node), so no score tensor is transposed; only q and d + 1 numbers per query row are. The chunk's weighted values are summed over the slots by a (1, U) x (U, ...)
     MatMul of ones: ONNX Runtime's ReduceSum over the leading axis was slower (GPT-2 large, 36
     layers, 7 x 10 rows, the attention alone: 36.2 vs 41.6 ms at prefix 82 on a Zen 4, 49.6 vs
-    54.0 on a Zen 2)."""
+    54.0 on a Zen 2). `softcap` (Gemma 2): scores become softcap * tanh(score / softcap) before
+    the mask."""
     import torch
+
+    def cap(x):
+        return x if softcap is None else torch.tanh(x / softcap) * softcap
 
     N, L, b, s, T, U, R, M, C, H, kv, d, _ = dims
     g = H // kv
@@ -153,7 +161,7 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims):
     # normalised output and the log of its sum of exponentials
     qx = torch.index_select(qg, 0, biases.context_beams.reshape(-1)).reshape(R, M, kv, -1, d).transpose(1, 2)
     qx = qx.reshape(R, kv, -1, d)
-    sx = torch.matmul(qx, xk.transpose(2, 3)) * scale + biases.context                   # (R, kv, M*s*L*g, C)
+    sx = cap(torch.matmul(qx, xk.transpose(2, 3)) * scale) + biases.context                  # (R, kv, M*s*L*g, C)
     px = torch.softmax(sx, dim=-1)
     # log sum_j exp(sx_j) = sx_j - log(px_j) for any j; at the largest score px_j >= 1 / C. The log
     # of each row's one number is taken LANES times over, so that every row's log is a full
@@ -166,11 +174,11 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims):
                             biases.beam_slot)                                            # (b, kv, s*L*g, d+1)
     # the beam: its prefix, each row's chunk, its rows' new tokens; the context joins the softmax
     # as one more key whose score is its log-sum-exp and whose value is its normalised output
-    sp = torch.matmul(qg, pk.transpose(2, 3)) * scale + biases.prefix                   # (b, kv, s*L*g, T)
+    sp = cap(torch.matmul(qg, pk.transpose(2, 3)) * scale) + biases.prefix                # (b, kv, s*L*g, T)
     sc = (q6.reshape(b, kv, s, L * g, d)[None] * ck[:, :, :, :, None, :]).sum(-1)        # (U, b, kv, s, L*g)
-    sc = sc.permute(1, 2, 3, 4, 0).reshape(b, kv, s * L * g, U) * scale + biases.chunk
-    sn = torch.matmul(q6.reshape(b, kv, s, L * g, d), kn.transpose(3, 4)).reshape(b, kv, s * L * g, L) * scale \
-        + biases.new                                                                     # (b, kv, s*L*g, L)
+    sc = cap(sc.permute(1, 2, 3, 4, 0).reshape(b, kv, s * L * g, U) * scale) + biases.chunk
+    sn = cap(torch.matmul(q6.reshape(b, kv, s, L * g, d), kn.transpose(3, 4)).reshape(b, kv, s * L * g, L) * scale) \
+        + biases.new                                                                    # (b, kv, s*L*g, L)
     w = torch.softmax(torch.cat([sp, sc, sn, ox[..., d:]], dim=-1), dim=-1)
     wc = w[..., T:T + U].reshape(b, kv, s, L * g, U).permute(4, 0, 1, 2, 3)[..., None]  # (U, b, kv, s, L*g, 1)
     terms = (wc * cv[:, :, :, :, None, :]).reshape(U, -1)                                # (U, b*kv*s*L*g*d)
@@ -306,7 +314,7 @@ def rope_kind(model) -> str:
     return "contrib" if getattr(model.model.rotary_emb, "rope_type", "default") in STATIC_ROPE else "elementwise"
 
 
-def _rotary(model, h, pos, dims: Dims):
+def _rotary(model, h, pos, dims: Dims, emb=None):
     """(n * L, heads * d) -> (n, L, heads, d) with RoPE applied (n: the computed rows). For the static rotary types it
     exports as one `com.microsoft.RotaryEmbedding` per tensor, which looks the angles up in a
     (max_positions, d/2) table, instead of 7 elementwise nodes per tensor (Slice, Slice, Neg,
@@ -317,11 +325,12 @@ def _rotary(model, h, pos, dims: Dims):
     import torch
 
     N, L, d = dims.n, dims.L, dims.d
+    emb = model.model.rotary_emb if emb is None else emb              # Gemma's local layers: their own
     if rope_kind(model) != "contrib":
-        cos, sin = model.model.rotary_emb(h, pos)                      # (n, L, d), attention scaling applied
+        cos, sin = emb(h, pos)                                         # (n, L, d), attention scaling applied
         return lambda y, heads: _rope(y.reshape(N, L, heads, d), cos[:, :, None], sin[:, :, None], d)
     P = model.config.max_position_embeddings
-    tc, ts = (t[0, :, :d // 2].contiguous() for t in model.model.rotary_emb(h, torch.arange(P)[None]))
+    tc, ts = (t[0, :, :d // 2].contiguous() for t in emb(h, torch.arange(P)[None]))
 
     class Rotary(torch.autograd.Function):
         @staticmethod
@@ -379,7 +388,47 @@ def _opt(model, ids, pos, biases, kv, dims):
     return (_logits(model, h, dims), *new)
 
 
-LAYERS = {"gpt2": _gpt2, "llama": _llama, "opt": _opt}
+def _gemma(model, ids, pos, biases, kv, dims):
+    """Gemma 2 and 3: embeddings scaled by sqrt(D) (Gemma 3 in `embed_tokens`), norms before and after
+    each block, Gemma 3's q/k norms, RoPE of a local base on the sliding-window layers (Gemma 3),
+    attention and final logit soft-capping (Gemma 2). The sliding window itself is not masked: the
+    export records it, and a request longer than it is refused on this graph."""
+    import torch
+
+    m, cfg = model.model, model.config
+    n, L, H, KV, d = dims.n, dims.L, dims.H, dims.kv, dims.d
+    h = m.embed_tokens(ids.reshape(-1))                                # (n * L, D)
+    if not hasattr(m.embed_tokens, "embed_scale"):                     # Gemma 2 scales after the lookup
+        h = h * torch.tensor(cfg.hidden_size ** 0.5, dtype=h.dtype)
+    ropes = {"full_attention": _rotary(model, h, pos, dims)}
+    local = getattr(m, "rotary_emb_local", None)
+    ropes["sliding_attention"] = ropes["full_attention"] if local is None else _rotary(model, h, pos, dims, local)
+    new = []
+    for i, layer in enumerate(m.layers):
+        a = layer.self_attn
+        q, k, v = _qkv(a, layer.input_layernorm(h), H, KV, d)
+        rope = ropes[getattr(layer, "attention_type", "full_attention")]
+        q = rope(_head_norm(a, "q_norm", q, H, d), H)
+        k = rope(_head_norm(a, "k_norm", k, KV, d), KV)
+        o, kn, vn = attend(*(to_slots(t, biases) for t in (q, k, v.reshape(n, L, KV, d))), *kv[6 * i:6 * i + 6],
+                           biases, a.scaling, dims, softcap=getattr(cfg, "attn_logit_softcapping", None))
+        h = h + layer.post_attention_layernorm(a.o_proj(to_rows(o, biases).reshape(-1, H * d)))
+        h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        new += [kn, vn]
+    logits = _logits(model, m.norm(h), dims)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    return (logits if cap is None else torch.tanh(logits / cap) * cap, *new)
+
+
+LAYERS = {"gpt2": _gpt2, "llama": _llama, "opt": _opt, "gemma": _gemma}
+
+
+def sliding_window(config) -> int | None:
+    """The attention window of a model whose layers attend to the last W tokens only (Gemma 2/3's
+    local layers, Mistral's and Phi-3's where set), or None."""
+    w = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    return int(w) if w and (types is None or "sliding_attention" in types) else None
 
 
 def _logits(model, h, dims):
@@ -479,15 +528,16 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
         torch.onnx.export(dec, tuple(args), str(path), input_names=ins, output_names=outs, dynamic_axes=axes,
                           opset_version=opset, dynamo=False, do_constant_folding=True)
     saved = share_tied_head(path)
-    rope = {"rope": rope_kind(model)} if family(cfg) == "llama" else {}
-    return {"graph": path.name, "family": family(cfg), "layers": L, "opset": opset, **rope,
+    rope = {"rope": rope_kind(model)} if family(cfg) in ("llama", "gemma") else {}
+    window = {"sliding_window": sliding_window(cfg)} if sliding_window(cfg) else {}
+    return {"graph": path.name, "family": family(cfg), "layers": L, "opset": opset, **rope, **window,
             "inputs": "input_ids, position_ids, slot_row, row_slot, context_mask, context_beams, beam_slot, prefix_mask, chunk_mask, "
                       "new_mask, context.L.key/value, prefix.L.key/value, chunk.L.key/value", "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved}
 
 
 def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0) -> dict:
     """decode.onnx against model.onnx of the same export: two left-padded contexts prefilled in
-    one call of each, then 2 beams x s candidates, two chunks of k random tokens with a keep
+    one call of each (each graph's own), then 2 beams x s candidates, two chunks of k random tokens with a keep
     between them; max |logit diff| and mean KL over the prefill and every step."""
     import numpy as np
 
@@ -496,9 +546,12 @@ def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0) -> dict:
     V = full.vocab_size
     ctx, mask = rng.integers(1, V, (2, 4)), np.array([[1, 1, 1, 1], [0, 0, 1, 1]])
     ref, past = full.forward(ctx, full.empty_cache(2), mask)
-    got, _ = dec.prefill(ctx, mask, full.kv_heads, full.head_dim, s, k)
+    # each graph goes on from its own prefill: model.onnx may number a left-padded row's positions
+    # from its first column (Gemma's export), the decode graph from its first token; RoPE makes
+    # the logits the same either way, not the keys
+    got, pc = dec.prefill(ctx, mask, full.kv_heads, full.head_dim, s, k)
     diff, kls = float(np.abs(ref[:, -1] - got).max()), [_kl(ref[:, -1], got)]
-    pc, rows = PrefixCache.start(past.tensors, past.mask, s, k), past.repeat(s)
+    rows = past.repeat(s)
     for chunk in range(2):
         for _ in range(k):
             tok = rng.integers(1, V, 2 * s)
