@@ -67,14 +67,25 @@ def make_checkpoint(kind: str, out: Path) -> Path:
                         max_position_embeddings=256, word_embed_proj_dim=32, bos_token_id=tok.eos_token_id,
                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
         model = OPTForCausalLM(cfg)
-    elif kind == "phi3":                       # the Llama layer with fused q/k/v and gate/up projections
-        from transformers import Phi3Config, Phi3ForCausalLM
+    elif kind in ("phi3", "phi4"):             # the Llama layer with fused q/k/v and gate/up projections;
+        from transformers import (  # phi4: a rotary over half of each head
+            Phi3Config,
+            Phi3ForCausalLM,
+        )
 
         cfg = Phi3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          original_max_position_embeddings=256, bos_token_id=tok.eos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, tie_word_embeddings=False)
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, tie_word_embeddings=False,
+                         partial_rotary_factor=0.5 if kind == "phi4" else 1.0)
         model = Phi3ForCausalLM(cfg)
+    elif kind == "neox":                       # fused per-head q/k/v, a quarter of each head rotated, parallel residual
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+        cfg = GPTNeoXConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=256,
+                            use_parallel_residual=True, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+        model = GPTNeoXForCausalLM(cfg)
     elif kind in ("gemma2", "gemma3"):         # norms around each block; local + global layers; soft-capping (2)
         from transformers import (
             Gemma2Config,

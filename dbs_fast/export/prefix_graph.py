@@ -76,12 +76,11 @@ def family(config) -> str:
     if config.model_type in GEMMA_FAMILY:
         return "gemma"
     if config.model_type in LLAMA_FAMILY:
-        if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"no prefix-shared decode graph for partial rotary embeddings "
-                             f"(partial_rotary_factor {config.partial_rotary_factor})")
         return "llama"
+    if config.model_type == "gpt_neox":
+        return "neox"
     raise ValueError(f"no prefix-shared decode graph for model type {config.model_type!r} "
-                     f"(supported: gpt2, opt, {', '.join(LLAMA_FAMILY + GEMMA_FAMILY)})")
+                     f"(supported: gpt2, opt, gpt_neox, {', '.join(LLAMA_FAMILY + GEMMA_FAMILY)})")
 
 
 class Dims(NamedTuple):
@@ -308,10 +307,18 @@ def _rope(x, cos, sin, d: int):
 STATIC_ROPE = ("default", "linear", "llama3")
 
 
-def rope_kind(model) -> str:
+def rotary_module(model):
+    """The model's rotary embedding module (the global one where there are two)."""
+    return model.gpt_neox.rotary_emb if hasattr(model, "gpt_neox") else model.model.rotary_emb
+
+
+def rope_kind(model, emb=None) -> str:
     """How the decode graph applies RoPE: 'contrib' (one com.microsoft.RotaryEmbedding per tensor,
-    angles from a table) for the static rotary types, else 'elementwise'."""
-    return "contrib" if getattr(model.model.rotary_emb, "rope_type", "default") in STATIC_ROPE else "elementwise"
+    angles from a table) for the static rotary types over the whole head, else 'elementwise'
+    (other types, and a rotary over part of each head: Phi-4-mini, GPT-NeoX)."""
+    emb = rotary_module(model) if emb is None else emb
+    whole = 2 * emb.inv_freq.shape[-1] == _heads(model.config)[2]
+    return "contrib" if whole and getattr(emb, "rope_type", "default") in STATIC_ROPE else "elementwise"
 
 
 def _rotary(model, h, pos, dims: Dims, emb=None):
@@ -325,10 +332,17 @@ def _rotary(model, h, pos, dims: Dims, emb=None):
     import torch
 
     N, L, d = dims.n, dims.L, dims.d
-    emb = model.model.rotary_emb if emb is None else emb              # Gemma's local layers: their own
-    if rope_kind(model) != "contrib":
-        cos, sin = emb(h, pos)                                         # (n, L, d), attention scaling applied
-        return lambda y, heads: _rope(y.reshape(N, L, heads, d), cos[:, :, None], sin[:, :, None], d)
+    emb = rotary_module(model) if emb is None else emb                # Gemma's local layers: their own
+    if rope_kind(model, emb) != "contrib":
+        cos, sin = emb(h, pos)                                         # (n, L, r), attention scaling applied
+        r = 2 * emb.inv_freq.shape[-1]                                 # r < d: the rest of each head passes
+
+        def partial(y, heads):
+            y = y.reshape(N, L, heads, d)
+            out = _rope(y[..., :r], cos[:, :, None], sin[:, :, None], r)
+            return out if r == d else torch.cat([out, y[..., r:]], dim=-1)
+
+        return partial
     P = model.config.max_position_embeddings
     tc, ts = (t[0, :, :d // 2].contiguous() for t in emb(h, torch.arange(P)[None]))
 
@@ -420,7 +434,31 @@ def _gemma(model, ids, pos, biases, kv, dims):
     return (logits if cap is None else torch.tanh(logits / cap) * cap, *new)
 
 
-LAYERS = {"gpt2": _gpt2, "llama": _llama, "opt": _opt, "gemma": _gemma}
+def _neox(model, ids, pos, biases, kv, dims):
+    """GPT-NeoX (Pythia): q/k/v fused per head, a rotary over part of each head, the attention and
+    the MLP side by side on the same input (parallel residual) or one after the other."""
+    t = model.gpt_neox
+    n, L, H, d = dims.n, dims.L, dims.H, dims.d
+    h = t.embed_in(ids.reshape(-1))                                    # (n * L, D)
+    rope = _rotary(model, h, pos, dims)
+    new = []
+    for i, layer in enumerate(t.layers):
+        a = layer.attention
+        q, k, v = a.query_key_value(layer.input_layernorm(h)).reshape(-1, H, 3 * d).chunk(3, dim=-1)
+        q, k = rope(q, H), rope(k, H)                                  # (n, L, H, d)
+        o, kn, vn = attend(*(to_slots(x, biases) for x in (q, k, v.reshape(n, L, H, d))), *kv[6 * i:6 * i + 6],
+                           biases, a.scaling, dims)
+        o = a.dense(to_rows(o, biases).reshape(-1, H * d))
+        if layer.use_parallel_residual:
+            h = h + o + layer.mlp(layer.post_attention_layernorm(h))
+        else:
+            h = h + o
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        new += [kn, vn]
+    return (_logits(model, t.final_layer_norm(h), dims), *new)
+
+
+LAYERS = {"gpt2": _gpt2, "llama": _llama, "opt": _opt, "gemma": _gemma, "neox": _neox}
 
 
 def sliding_window(config) -> int | None:
@@ -435,7 +473,7 @@ def _logits(model, h, dims):
     """(n, vocab) from the hidden states (n * L, D): the last new token's."""
     import torch
 
-    head = model.lm_head
+    head = model.embed_out if hasattr(model, "gpt_neox") else model.lm_head
     return torch.nn.functional.linear(h.reshape(dims.n, dims.L, -1)[:, -1, :], head.weight, head.bias)
 
 
@@ -528,7 +566,7 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
         torch.onnx.export(dec, tuple(args), str(path), input_names=ins, output_names=outs, dynamic_axes=axes,
                           opset_version=opset, dynamo=False, do_constant_folding=True)
     saved = share_tied_head(path)
-    rope = {"rope": rope_kind(model)} if family(cfg) in ("llama", "gemma") else {}
+    rope = {"rope": rope_kind(model)} if family(cfg) in ("llama", "gemma", "neox") else {}
     window = {"sliding_window": sliding_window(cfg)} if sliding_window(cfg) else {}
     return {"graph": path.name, "family": family(cfg), "layers": L, "opset": opset, **rope, **window,
             "inputs": "input_ids, position_ids, slot_row, row_slot, context_mask, context_beams, beam_slot, prefix_mask, chunk_mask, "
