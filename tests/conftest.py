@@ -60,6 +60,14 @@ def make_checkpoint(kind: str, out: Path) -> Path:
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    elif kind == "smollm3":                    # the Llama layer; every other layer without RoPE (NoPE)
+        from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+        cfg = SmolLM3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                            no_rope_layers=[1, 0], bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.eos_token_id)
+        model = SmolLM3ForCausalLM(cfg)
     elif kind == "opt":                        # learned positions (offset 2), pre-norm blocks, ReLU MLP
         from transformers import OPTConfig, OPTForCausalLM
 

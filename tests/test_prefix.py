@@ -555,12 +555,13 @@ def test_the_context_store_drops_what_a_new_context_makes_redundant_and_keeps_it
 
 @pytest.mark.integration
 @pytest.mark.parametrize("kind, family", [("qwen3", "llama"), ("phi3", "llama"), ("phi4", "llama"), ("opt", "opt"),
-                                          ("gemma3", "gemma"), ("gemma2", "gemma"), ("neox", "neox")])
+                                          ("gemma3", "gemma"), ("gemma2", "gemma"), ("neox", "neox"),
+                                          ("smollm3", "llama")])
 def test_a_family_exports_onto_the_shared_context_graph_and_generates(kind, family, tmp_path):
     """Qwen3 (the Llama layer with q/k norms), Phi-3 (fused q/k/v and gate/up), OPT (learned
     positions), Gemma 3 (norms around each block, q/k norms, local and global RoPE), Gemma 2
     (attention and final logit soft-capping), Phi-4-mini's half-head rotary and GPT-NeoX (per-head
-    fused q/k/v, a partial rotary, parallel residual) through `export`: its decode graph passes the export's
+    fused q/k/v, a partial rotary, parallel residual) and SmolLM3 (layers without RoPE) through `export`: its decode graph passes the export's
     parity check against model.onnx, decodes each row as the transformers model does over the
     whole sequence (two left-padded contexts, a chunk, a keep, another chunk), and generates."""
     from conftest import make_checkpoint

@@ -58,8 +58,9 @@ from dbs_fast.model import OnnxModel
 
 MASKED = -1e4     # additive bias of a masked key (finite, see export/fuse.py)
 LANES = 16        # float32 lanes of the widest vector unit (AVX-512): `attend` logs each row's number this wide
-# the Llama layer, with options: qwen3 an RMSNorm on each head's q and k, phi3 fused q/k/v
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# the Llama layer, with options: qwen3 an RMSNorm on each head's q and k, phi3 fused q/k/v,
+# smollm3 layers without RoPE
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 # norms around each block, q/k norms, local and global RoPE, logit soft-capping (Gemma 2)
 GEMMA_FAMILY = ("gemma2", "gemma3_text")
 
@@ -269,8 +270,9 @@ def _llama(model, ids, pos, biases, kv, dims):
         x = layer.input_layernorm(h)
         a = layer.self_attn
         q, k, v = _qkv(a, x, H, KV, d)
-        q = rope(_head_norm(a, "q_norm", q, H, d), H)                  # (n, L, H, d)
-        k = rope(_head_norm(a, "k_norm", k, KV, d), KV)                # (n, L, KV, d)
+        turn = rope if getattr(a, "use_rope", True) else lambda y, heads: y.reshape(n, L, heads, d)   # SmolLM3: NoPE
+        q = turn(_head_norm(a, "q_norm", q, H, d), H)                  # (n, L, H, d)
+        k = turn(_head_norm(a, "k_norm", k, KV, d), KV)                # (n, L, KV, d)
         v = v.reshape(n, L, KV, d)
         o, kn, vn = attend(*(to_slots(t, biases) for t in (q, k, v)), *kv[6 * i:6 * i + 6], biases, a.scaling, dims)
         h = h + a.o_proj(to_rows(o, biases).reshape(-1, H * d))
