@@ -17,7 +17,7 @@ from . import kernels
 from .kv.groups import distinct_rows
 from .kv.prefix_cache import PrefixCache
 from .model import KVCache, OnnxModel
-from .text.occurrence import word_classes
+from .text.occurrence import WordTable, word_table
 
 
 def left_pad(seqs: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
@@ -157,12 +157,12 @@ class OnnxBackend:
                               history_start=history_start, repetition_penalty=cfg.repetition_penalty,
                               no_repeat_ngram_size=cfg.no_repeat_ngram_size, bans=bans, row_ban=row_ban,
                               force=force, boost_exp=self._boost_exp, no_repeat_word_window=cfg.no_repeat_word_window,
-                              word_class=self.word_class if cfg.no_repeat_word_window else None)
+                              words=self.words if cfg.no_repeat_word_window else None)
 
     @cached_property
-    def word_class(self) -> np.ndarray:
-        """(V,) int8: each token's place in a word, for the word-loop rule (`occurrence.word_classes`)."""
-        return word_classes(self.decode_one, self.vocab_size)
+    def words(self) -> WordTable:
+        """The vocabulary's words, for the word-loop rule (`occurrence.word_table`)."""
+        return word_table(self.decode_one, self.vocab_size)
 
     def encode(self, text: str) -> list[int]:
         return self.model.encode(text)

@@ -24,10 +24,10 @@ logits processors run before its warpers): `rep_penalty` divides the positive lo
 already in the row's history (context + generated) and multiplies the negative ones;
 `no_repeat_ngram` bans every token that would complete an n-gram already in the history.
 Word loops ("summer summer summer", which no n-gram repeats) are banned by word: with a window
-W > 0, a one-token word (a WORD_START token not followed by a WORD_PIECE, `word_class`) is not
-drawn right after itself, nor when it is already two of the last W - 1 words (a third time
-within W words); punctuation between words does not count as a word. Longer words that loop
-repeat an n-gram, which the n-gram ban sees. The history is `hseq[r, hstart[r]:hend]`. None of
+W > 0, a word spelled by one token (`occurrence.WordTable`: " Summer", "summer" and " summer" are
+one word) does not begin right after itself, nor when it is already two of the last W - 1 words
+(a third time within W words); punctuation between words is no word ("one-to-one" is three).
+Longer words that loop repeat an n-gram, which the n-gram ban sees. The history is `hseq[r, hstart[r]:hend]`. None of
 these changes the returned log-probability (the model's own, so the scorer still measures the
 model's fluency).
 """
@@ -102,10 +102,11 @@ def _mass_histogram(bk, e, hist):
 
 
 @njit(cache=True, nogil=True)
-def repeated_words(h, start, end, word_class, window, out):
-    """Word-loop bans of one history `h[start:end]` (module docstring): the one-token words that
-    may not be drawn next, written to `out` (at least `window` long); returns how many."""
-    singles = np.empty(max(window - 1, 1), np.int64)     # one-token words, the most recent first
+def repeated_words(h, start, end, word_class, key, window, out):
+    """Word-loop bans of one history `h[start:end]` (module docstring): the words (keys of
+    `occurrence.WordTable`) that may not begin next, written to `out` (at least `window` long);
+    returns how many."""
+    singles = np.empty(max(window - 1, 1), np.int64)     # one-token words' keys, the most recent first
     n_single = 0
     n_words = 0
     first = -1                                           # the most recent word, if one token
@@ -113,12 +114,12 @@ def repeated_words(h, start, end, word_class, window, out):
     i = end - 1
     while i >= start and n_words < window - 1:
         c = word_class[h[i]]
-        if c == 1:
-            if not piece_after:
-                singles[n_single] = h[i]
+        if c == 1 or (c == 2 and (i == start or word_class[h[i - 1]] == 0)):     # a word begins at i
+            if not piece_after and key[h[i]] >= 0:
+                singles[n_single] = key[h[i]]
                 n_single += 1
                 if n_words == 0:
-                    first = h[i]
+                    first = key[h[i]]
             n_words += 1
         piece_after = c == 2
         i -= 1
@@ -127,23 +128,45 @@ def repeated_words(h, start, end, word_class, window, out):
         out[n] = first
         n += 1
     for a in range(n_single):
-        t = singles[a]
+        k = singles[a]
         seen = 0
         for b in range(n_single):
-            seen += singles[b] == t
+            seen += singles[b] == k
         known = False
         for b in range(n):
-            known = known or out[b] == t
+            known = known or out[b] == k
         if seen >= 2 and not known:
-            out[n] = t
+            out[n] = k
             n += 1
     return n
 
 
 @njit(cache=True, nogil=True)
-def _penalise(x, s, inv_temp, h, start, end, penalty, ngram, word_class, window):
-    """Repetition penalty, n-gram and word-loop bans of one row into `s` (scaled logits); returns
-    the max penalised value (penalty < 1 can raise a logit above the row's max)."""
+def word_loop_tokens(h, start, end, word_class, key, key_ptr, key_tok, window):
+    """The tokens the word-loop rule bans after the history `h[start:end]`: every token that would
+    begin a banned word there (a WORD_START token; a WORD_PIECE one only after a token that is no
+    word)."""
+    loop = np.empty(window, np.int64)
+    n = repeated_words(h, start, end, word_class, key, window, loop)
+    after_other = end > start and word_class[h[end - 1]] == 0
+    size = 0
+    for j in range(n):
+        size += key_ptr[loop[j] + 1] - key_ptr[loop[j]]
+    out = np.empty(size, np.int64)
+    m = 0
+    for j in range(n):
+        for q in range(key_ptr[loop[j]], key_ptr[loop[j] + 1]):
+            t = key_tok[q]
+            if word_class[t] == 1 or after_other:
+                out[m] = t
+                m += 1
+    return out[:m]
+
+
+@njit(cache=True, nogil=True)
+def _penalise(x, s, inv_temp, h, start, end, penalty, ngram):
+    """Repetition penalty and n-gram bans of one row into `s` (scaled logits); returns the max
+    penalised value (penalty < 1 can raise a logit above the row's max)."""
     top = np.float32(-np.inf)
     if penalty != 1.0:
         for i in range(start, end):
@@ -160,10 +183,6 @@ def _penalise(x, s, inv_temp, h, start, end, penalty, ngram, word_class, window)
                     break
             if same:
                 s[h[i + ngram - 1]] = -np.inf
-    if window > 0:
-        loop = np.empty(window, np.int64)
-        for j in range(repeated_words(h, start, end, word_class, window, loop)):
-            s[loop[j]] = -np.inf
     return top
 
 
@@ -361,8 +380,8 @@ def _unboosted_mass(e, f):
 
 @njit(parallel=True, cache=True)
 def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense,
-                 boost_first, hseq, hstart, hend, penalty, ngram, word_class, window, row_ban, ban_ptr, seq_ptr,
-                 seq_tok, force, uniforms, out_ids, out_logp):
+                 boost_first, hseq, hstart, hend, penalty, ngram, word_class, key, key_ptr, key_tok, window, row_ban,
+                 ban_ptr, seq_ptr, seq_tok, force, uniforms, out_ids, out_logp):
     R, V = logits.shape
     for r in prange(R):
         x = logits[r]
@@ -378,7 +397,12 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
         top = m
         shaped = penalty != 1.0 or ngram > 0 or window > 0
         if shaped:
-            top = max(top, _penalise(x, s, inv_temp, hseq[r], hstart[r], hend, penalty, ngram, word_class, window))
+            top = max(top, _penalise(x, s, inv_temp, hseq[r], hstart[r], hend, penalty, ngram))
+        loops = np.empty(0, np.int32)        # word-loop bans: tokens of words in the history, not only its own
+        if window > 0:
+            loops = word_loop_tokens(hseq[r], hstart[r], hend, word_class, key, key_ptr, key_tok, window).astype(np.int32)
+            for t in loops:
+                s[t] = -np.inf
         g = row_ban[r]
         n_banned = 0
         banned = np.empty(ban_ptr[g + 1] - ban_ptr[g] if g >= 0 else 0, np.int32)
@@ -396,7 +420,8 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
         total = _mass_histogram(bk, e, hist)                 # their sum and histogram
         unguided = total                     # the log-prob returned is the unguided one:
         if shaped or n_banned > 0:           # undo the penalties, bans and (boost_first) boosts
-            hs = np.sort(np.concatenate((hseq[r, hstart[r]:hend] if shaped else hseq[r, 0:0], banned[:n_banned])))
+            hs = np.sort(np.concatenate((hseq[r, hstart[r]:hend] if shaped else hseq[r, 0:0], banned[:n_banned],
+                                         loops)))
             unguided += _unguided_mass_delta(x, e, inv_temp, top, hs, boost_ids, lo if bf else hi, hi)
         elif bf and w >= 0:                  # each weight divided by its exp(boost): no cancellation
             unguided = _unboosted_mass(e, boost_exp[row_dense[r]])
@@ -423,7 +448,7 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
            history_start: np.ndarray | None = None, repetition_penalty: float = 1.0,
            no_repeat_ngram_size: int = 0, bans=None, row_ban: np.ndarray | None = None,
            force: np.ndarray | None = None, boost_exp: np.ndarray | None = None,
-           word_class: np.ndarray | None = None, no_repeat_word_window: int = 0) -> tuple[np.ndarray, np.ndarray]:
+           words=None, no_repeat_word_window: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Draw one token per row of `logits` (R, V) float32; returns (ids (R,) int64, logp (R,) float32).
 
     `row_word[r]` indexes the CSR boost table (`boost_ptr`, `boost_ids` ascending per word,
@@ -431,8 +456,8 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
     row (boost then filter where true, filter then boost elsewhere). `history` (R, H) holds each row's tokens so far
     (context + generated), the row's own starting at `history_start[r]` (left padding before);
     it is needed only for `repetition_penalty` != 1, `no_repeat_ngram_size` > 0 or
-    `no_repeat_word_window` > 0 (which also needs `word_class`, `occurrence.word_classes`), or for
-    bans of more than one token.
+    `no_repeat_word_window` > 0 (which also needs `words`, the vocabulary's
+    `occurrence.WordTable`), or for bans of more than one token.
 
     `bans` = (group_ptr, seq_ptr, seq_tok): group g holds banned token sequences
     group_ptr[g]:group_ptr[g+1], sequence q is seq_tok[seq_ptr[q]:seq_ptr[q+1]]; `row_ban[r]` is
@@ -454,9 +479,12 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
     shaped = repetition_penalty != 1.0 or no_repeat_ngram_size > 0 or no_repeat_word_window > 0
     if shaped and history is None:
         raise ValueError("repetition_penalty / no_repeat_ngram_size / no_repeat_word_window need the rows' token history")
-    if no_repeat_word_window > 0 and word_class is None:
-        raise ValueError("no_repeat_word_window needs the vocabulary's word_class")
-    word_class = np.zeros(1, np.int8) if word_class is None else np.asarray(word_class, np.int8)
+    if no_repeat_word_window > 0 and words is None:
+        raise ValueError("no_repeat_word_window needs the vocabulary's words (occurrence.WordTable)")
+    if words is None:
+        words = (np.zeros(1, np.int8), np.full(1, -1, np.int32), np.zeros(1, np.int64), np.zeros(0, np.int32))
+    word_class, key, key_ptr, key_tok = (np.asarray(a, t) for a, t in zip(words, (np.int8, np.int32, np.int64,
+                                                                                   np.int32)))
     if bans is None or row_ban is None:
         bans, row_ban = (np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int32)), np.full(R, -1)
     multi = int(bans[1][-1] - bans[1][0]) > len(bans[1]) - 1    # more tokens than (non-empty) sequences
@@ -483,7 +511,8 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0
                  boost_ptr.astype(np.int64), boost_ids.astype(np.int32), boost_vals, boost_exp, row_dense,
                  np.broadcast_to(np.asarray(boost_first, bool), (R,)).copy(), np.ascontiguousarray(history, dtype=np.int32),
                  np.asarray(history_start, dtype=np.int32), int(history.shape[1]),
-                 np.float32(repetition_penalty), int(no_repeat_ngram_size), word_class, int(no_repeat_word_window),
+                 np.float32(repetition_penalty), int(no_repeat_ngram_size), word_class, key, key_ptr, key_tok,
+                 int(no_repeat_word_window),
                  np.asarray(row_ban, np.int64), np.asarray(bans[0], np.int64), np.asarray(bans[1], np.int64),
                  np.asarray(bans[2], np.int32), force, uniforms.astype(np.float64), out_ids, out_logp)
     return out_ids, out_logp

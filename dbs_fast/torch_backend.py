@@ -16,7 +16,7 @@ from .errors import DBSError
 from .manifest import read_manifest
 from .model import load_tokenizer
 from .text.constraints import banned_tokens
-from .text.occurrence import word_classes
+from .text.occurrence import WordTable, word_table
 
 
 def torch_sample(logits, uniforms, row_word, dense_boosts, temperature, top_p, boost_first):
@@ -148,7 +148,6 @@ class TorchBackend:
             + ([NoRepeatNGramLogitsProcessor(cfg.no_repeat_ngram_size)] if cfg.no_repeat_ngram_size > 0 else [])
         out = logits.clone()
         W = cfg.no_repeat_word_window
-        loop = np.empty(max(W, 1), np.int64)
         for r in range(out.shape[0]):
             ids = t.as_tensor(history[r, history_start[r]:], dtype=t.long, device=self.device)[None]
             row = out[r:r + 1]
@@ -156,15 +155,15 @@ class TorchBackend:
                 row = p(ids, row)
             out[r] = row[0]
             if W:
-                n = kernels.repeated_words(history[r].astype(np.int64), int(history_start[r]), history.shape[1],
-                                           self.word_class, W, loop)
-                out[r, t.as_tensor(loop[:n], device=self.device)] = -float("inf")
+                banned = kernels.word_loop_tokens(history[r].astype(np.int64), int(history_start[r]), history.shape[1],
+                                                  *self.words, W)
+                out[r, t.as_tensor(banned, device=self.device)] = -float("inf")
         return out
 
     @cached_property
-    def word_class(self) -> np.ndarray:
-        """(V,) int8: each token's place in a word (`occurrence.word_classes`)."""
-        return word_classes(self.decode_one, self.vocab_size)
+    def words(self) -> WordTable:
+        """The vocabulary's words, for the word-loop rule (`occurrence.word_table`)."""
+        return word_table(self.decode_one, self.vocab_size)
 
     def ban(self, logits, history, history_start, bans, row_ban):
         """Banned sequences per row, by `constraints.banned_tokens` (the kernel's rule); a group's

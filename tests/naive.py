@@ -25,34 +25,37 @@ def banned_tokens(history, ban_seqs):
     return out
 
 
-def word_loop_tokens(history, word_class, window):
-    """The word-loop rule, spelled out: cut the history into words (a word-start token and the
-    word pieces after it; other tokens are no words), keep the last window - 1, and ban a one-token
-    word if it is the last word, or if it is two of those words already."""
-    if window <= 0 or history is None:
+def word_loop_tokens(history, words, window):
+    """The word-loop rule, spelled out. `words`: (word_class, key, ...) as `occurrence.WordTable`.
+    Cut the history into words (a word-start token, or a word piece after a token that is no
+    word, and the word pieces after it), keep the last window - 1, and ban every word spelled by
+    one token that is the last word or two of those words already: every token of that word that
+    would begin a word here."""
+    if window <= 0 or history is None or not len(history):
         return set()
-    words = []
-    for t in (int(x) for x in history):
-        if word_class[t] == 1:
-            words.append([t])
-        elif word_class[t] == 2 and words and words[-1] is not None:
-            words[-1].append(t)
-        elif word_class[t] == 0 and words and words[-1] is not None:
-            words.append(None)              # marks the end of the word before: pieces after it start nothing
-    words = [w for w in words if w is not None][-(window - 1):]
-    singles = [w[0] for w in words if len(w) == 1]
-    out = {t for t in singles if singles.count(t) >= 2}
-    if words and len(words[-1]) == 1:
-        out.add(words[-1][0])
-    return out
+    cls, key = words[0], words[1]
+    h = [int(x) for x in history]
+    spans = []                                   # token lists of the words, in order
+    for i, t in enumerate(h):
+        if cls[t] == 1 or (cls[t] == 2 and (i == 0 or cls[h[i - 1]] == 0)):
+            spans.append([t])
+        elif cls[t] == 2:
+            spans[-1].append(t)
+    last = spans[-(window - 1):]
+    singles = [key[w[0]] for w in last if len(w) == 1 and key[w[0]] >= 0]
+    banned = {k for k in singles if singles.count(k) >= 2}
+    if last and len(last[-1]) == 1 and key[last[-1][0]] >= 0:
+        banned.add(key[last[-1][0]])
+    after_other = cls[h[-1]] == 0
+    return {t for t in range(len(cls)) if key[t] in banned and (cls[t] == 1 or (cls[t] == 2 and after_other))}
 
 
-def shape_logits(x, history, penalty=1.0, ngram=0, word_class=None, window=0):
+def shape_logits(x, history, penalty=1.0, ngram=0, words=None, window=0):
     """Repetition penalty (CTRL / transformers), n-gram and word-loop bans on raw logits (float32)."""
     x = x.astype(np.float32).copy()
     if history is None:
         return x
-    for t in word_loop_tokens(history, word_class, window):
+    for t in word_loop_tokens(history, words, window):
         x[t] = -np.inf
     seen = np.unique(np.asarray(history, np.int64))
     if penalty != 1.0 and len(seen):
@@ -64,7 +67,7 @@ def shape_logits(x, history, penalty=1.0, ngram=0, word_class=None, window=0):
 
 
 def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, boost_first=False,
-               histories=None, penalty=1.0, ngram=0, bans=None, force=None, word_class=None, window=0):
+               histories=None, penalty=1.0, ngram=0, bans=None, force=None, words=None, window=0):
     """dense_boosts: list per row of a (V,) boost vector or None; histories: list per row of token ids;
     bans: list per row of banned token sequences; force: per row a token id or -1."""
     R, V = logits.shape
@@ -75,7 +78,7 @@ def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, 
         raw = (logits[r].astype(np.float32) * inv_t)
         logz = float(raw.max()) + np.log(np.exp((raw - raw.max()).astype(np.float64)).sum())
         h = None if histories is None else histories[r]
-        s = shape_logits(logits[r], h, penalty, ngram, word_class, window) * inv_t
+        s = shape_logits(logits[r], h, penalty, ngram, words, window) * inv_t
         for t in banned_tokens(h, None if bans is None else bans[r]):
             s[t] = -np.inf
         if force is not None and force[r] >= 0:

@@ -10,8 +10,12 @@ from dbs_fast.api import DirectedBeamSearch
 from dbs_fast.config import DBSConfig
 
 # 22 tokens in chunks of 4 (a short last chunk); n-gram bans and a two-word ban need each row's
-# history, which is shifted for rows that joined late
-CFG = DBSConfig(beams=2, candidates=3, chunk=4, max_new_tokens=22, no_repeat_ngram_size=2, stop="max")
+# history, which is shifted for rows that joined late. The word-loop rule is off: it reads the same
+# history, and with it on these seeds reach a draw at a boundary that a last-bit difference of
+# the logits (6e-8: this tiny model's prefix graph in a batch of four requests, against alone)
+# flips
+CFG = DBSConfig(beams=2, candidates=3, chunk=4, max_new_tokens=22, no_repeat_ngram_size=2, no_repeat_word_window=0,
+                stop="max")
 JOBS = [("It is", "colony,enemy", None, 0),
         ("The quick brown fox jumps over the lazy dog near the river", "mouth|meet", "of the", 1),
         ("A", "speed,river,enemy", "fox", 2),

@@ -6,10 +6,12 @@ from naive import (
     banned_tokens,
     sample_ref,
     shape_logits,
-    word_loop_tokens,
+)
+from naive import (
+    word_loop_tokens as word_loop_ref,
 )
 
-from dbs_fast.kernels import csr_boosts, repeated_words, sample
+from dbs_fast.kernels import csr_boosts, sample, word_loop_tokens
 from dbs_fast.text.embeddings import SparseBoost
 
 
@@ -129,63 +131,70 @@ def test_anti_repetition_matches_reference_exactly(boost_first, penalty, ngram, 
             assert got[r] not in banned_ngram_tokens(h, ngram)
 
 
-def _word_histories(rng, R, V, H=30):
-    """Histories over a few word-start tokens (0-5), word pieces (6-8) and punctuation (9), so that
-    words repeat, loop and span tokens; the rest of the vocabulary is words, pieces, others."""
-    word_class = rng.integers(0, 3, V).astype(np.int8)
-    word_class[:6], word_class[6:9], word_class[9] = 1, 2, 0
-    weights = np.array([4, 4, 3, 3, 2, 2, 1, 1, 1, 2], float)
+def _table(texts):
+    from dbs_fast.text.occurrence import word_table
+
+    return word_table(lambda i: texts[i], len(texts))
+
+
+def _word_histories(rng, R, H=30):
+    """Histories over words that repeat, loop, span tokens and follow punctuation, as texts."""
+    texts = [" summer", " Summer", "summer", " sum", "mer", ",", "-", " and", " the", "one", " one", " 42", "ed"]
+    weights = np.array([4, 2, 2, 3, 3, 2, 2, 3, 3, 2, 2, 1, 1], float)
     hist = np.zeros((R, H), np.int32)
     start = rng.integers(0, H // 2, R).astype(np.int32)
     for r in range(R):
-        hist[r, start[r]:] = rng.choice(10, H - start[r], p=weights / weights.sum())
+        hist[r, start[r]:] = rng.choice(len(texts), H - start[r], p=weights / weights.sum())
         if r % 3 == 0:                                    # a loop of one word at the end
-            hist[r, -2:] = hist[r, -3] = 2
-    return word_class, hist, start, [hist[r, start[r]:] for r in range(R)]
+            hist[r, -3:] = 0
+    return _table(texts), hist, start, [hist[r, start[r]:] for r in range(R)]
 
 
 @pytest.mark.parametrize("window", [2, 3, 5, 8])
 def test_word_loop_bans_match_reference(window):
     rng = np.random.default_rng(window)
-    word_class, hist, start, rows = _word_histories(rng, 300, 50)
-    out = np.empty(window, np.int64)
+    words, hist, start, rows = _word_histories(rng, 400)
     n_banned = 0
     for r, h in enumerate(rows):
-        n = repeated_words(hist[r], int(start[r]), hist.shape[1], word_class, window, out)
-        assert set(out[:n].tolist()) == word_loop_tokens(h, word_class, window)
-        assert len(set(out[:n].tolist())) == n                  # each banned once
-        n_banned += n
-    assert n_banned > 100                                        # the rule bans something here
+        got = word_loop_tokens(hist[r].astype(np.int64), int(start[r]), hist.shape[1], *words, window)
+        assert set(got.tolist()) == word_loop_ref(h, words, window) and len(set(got.tolist())) == len(got)
+        n_banned += len(got)
+    assert n_banned > 200                                        # the rule bans something here
 
 
 def test_word_loop_rule_cases():
-    # 0 " summer", 1 " sum", 2 "mer", 3 ",", 4 " and", 5 " the", 6 " sun"
-    word_class = np.array([1, 1, 2, 0, 1, 1, 1], np.int8)
-    bans = lambda h, w=5: word_loop_tokens(h, word_class, w)    # noqa: E731
-    assert bans([0]) == {0}                              # not right after itself
-    assert bans([0, 3]) == {0}                           # "summer," then " summer": still back to back
-    assert bans([0, 4]) == {4}                           # "summer and": "summer" may come a second time
-    assert bans([0, 4, 0, 6]) == {0, 6}                  # ... not a third time within 5 words
-    assert bans([0, 4, 5, 0, 6]) == {6}                  # the first "summer" is 5 words back
-    assert bans([0, 4, 5, 0, 6], 6) == {0, 6}            # within a window of 6 it is not
-    assert bans([1, 2]) == set()                         # "summer" of two tokens is no one-token word
-    assert bans([1, 2, 1, 2, 1]) == {1}                  # its first token alone is the last word
-    assert bans([0], 0) == set()
+    texts = [" summer", " Summer", "summer", " sum", "mer", ",", "-", " and", " the", " sun", "one", " one"]
+    w = _table(texts)
+
+    def bans(*pieces, window=5):
+        return {texts[t] for t in word_loop_ref([texts.index(p) for p in pieces], w, window)}
+
+    assert bans(" summer") == {" summer", " Summer"}                 # not right after itself, in any case
+    assert bans(" summer", ",") == {" summer", " Summer", "summer"}  # "summer," then "summer": still
+    assert bans(" summer", " and") == {" and"}                       # a second "summer" is fine
+    assert bans(" summer", " and", " Summer", " sun") >= {" summer", " Summer"}   # not a third within 5
+    assert not bans(" summer", " and", " the", " Summer", " sun") & {" summer", " Summer"}   # 5 words back
+    assert bans(" summer", " and", " the", " Summer", " sun", window=6) >= {" summer", " Summer"}
+    assert bans(" sum", "mer") == set()                              # a word of two tokens is no one-token word
+    assert bans(" one", "-", "one", "-") == {" one", "one"}          # "one-to-one": "-one" is a word
+    assert bans(" summer", window=0) == set()
 
 
 def test_word_loop_never_drawn_and_logp_is_the_models():
-    V = 50
-    word_class = np.zeros(V, np.int8)
-    word_class[:10] = 1
-    logits = np.zeros((3, V), np.float32)
-    logits[:, 7] = 50.0                                        # token 7 has all the mass
-    hist = np.array([[1, 7, 2, 7, 3], [1, 2, 3, 4, 7], [7, 1, 2, 3, 4]], np.int32)
+    texts = [" a", " b", " c", " d", " e", ",", " summer", " Summer"]
+    w = _table(texts)
+    logits = np.zeros((3, len(texts)), np.float32)
+    logits[:, 6], logits[:, 7] = 50.0, 49.0                    # " summer", " Summer": all the mass; banned
+    #                                                            " Summer" need not be in the history: its mass
+    #                                                            still counts in the model's own log-prob
+    hist = np.array([[0, 6, 1, 7, 2], [0, 1, 2, 3, 6], [6, 0, 1, 2, 3]], np.int32)
     u = np.array([0.0, 0.5, 0.999])
-    ids, lp = sample(logits, u, top_p=0.9, history=hist, word_class=word_class, no_repeat_word_window=5)
-    assert ids[0] != 7 and ids[1] != 7 and ids[2] == 7       # twice in 4 words; right after itself; 5 back
+    ids, lp = sample(logits, u, top_p=0.9, history=hist, words=w, no_repeat_word_window=5)
+    assert ids[0] not in (6, 7) and ids[1] not in (6, 7) and ids[2] in (6, 7)   # twice in 4 words; right
+    #                                                            after itself; 5 words back
     plain, plp = sample(logits, u, top_p=0.9)
-    assert (plain == 7).all()
-    ref, rlp = sample_ref(logits, u, 1.0, 0.9, histories=list(hist), word_class=word_class, window=5)
+    assert np.isin(plain, [6, 7]).all()
+    ref, rlp = sample_ref(logits, u, 1.0, 0.9, histories=list(hist), words=w, window=5)
     assert np.array_equal(ids, ref)
     np.testing.assert_allclose(lp, rlp, atol=1e-4)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
+from typing import NamedTuple
 
 from nltk.stem.porter import PorterStemmer
 
@@ -137,23 +138,42 @@ def word_piece_tokens(decode_one, vocab_size: int):
     return np.array([starts_word(decode_one(i)) for i in range(vocab_size)], bool)
 
 
-WORD_OTHER, WORD_START, WORD_PIECE = 0, 1, 2     # `word_classes`
+WORD_OTHER, WORD_START, WORD_PIECE = 0, 1, 2     # `word_table`
 
 
-def word_classes(decode_one, vocab_size: int):
-    """int8 (V,) array for the kernel's word-loop rule: WORD_START for a token that begins a word
-    with a letter after a space (" summer"), WORD_PIECE for one that continues the word before it ("mer"),
-    WORD_OTHER for the rest (punctuation, numbers after a space, spaces)."""
+class WordTable(NamedTuple):
+    """The vocabulary's words, for the kernel's word-loop rule. `word_class` (V,) int8:
+    WORD_START for a token that begins a word with a letter after a space (" summer"), WORD_PIECE
+    for one that starts with a letter and so continues the word before it ("mer"; after
+    punctuation it begins one: "-one"), WORD_OTHER for the rest. `key` (V,) int32: the word a
+    token spells on its own (its letters, lower-cased: " One", "one" and " one" share one), -1
+    where it has other characters. Key k's tokens: `key_tok[key_ptr[k]:key_ptr[k + 1]]`."""
+    word_class: object
+    key: object
+    key_ptr: object
+    key_tok: object
+
+
+def word_table(decode_one, vocab_size: int) -> WordTable:
     import numpy as np
 
-    out = np.zeros(vocab_size, np.int8)
+    cls = np.zeros(vocab_size, np.int8)
+    key = np.full(vocab_size, -1, np.int32)
+    keys: dict[str, int] = {}
     for i in range(vocab_size):
         piece = decode_one(i)
         if starts_word(piece):
-            out[i] = WORD_PIECE
+            cls[i] = WORD_PIECE
         elif piece[:1].isspace() and piece.lstrip()[:1].isalpha():
-            out[i] = WORD_START
-    return out
+            cls[i] = WORD_START
+        word = piece.strip().lower()
+        if cls[i] != WORD_OTHER and word.isalpha():
+            key[i] = keys.setdefault(word, len(keys))
+    order = np.argsort(key, kind="stable")
+    order = order[key[order] >= 0]
+    ptr = np.zeros(len(keys) + 1, np.int64)
+    np.cumsum(np.bincount(key[order], minlength=len(keys)), out=ptr[1:])
+    return WordTable(cls, key, ptr, order.astype(np.int32))
 
 
 def sentence_end_tokens(decode_one, vocab_size: int):
