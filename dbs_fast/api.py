@@ -30,11 +30,14 @@ _EMB_CACHE: dict[str, Embeddings] = {}
 def resolve_model_dir(model: str | Path, quiet: bool = True) -> Path:
     if str(model) in EMBEDDED_DIRS:
         d = embedded_model_dir(str(model))
-        if current_export(d):
+        current = current_export(d)
+        if current and (read_manifest(d).get("prefix_decode") or {}).get("written", True):
             return d
         try:
             from .export.convert import ensure_embedded
         except ImportError as e:
+            if current:          # without its decode graph, on the row layout
+                return d
             raise DBSError(f"the embedded model {model!r} is exported on first use, which needs the export "
                            f"extra: pip install 'dbs-fast[export]' (missing: {e.name})") from None
         return ensure_embedded(str(model), quiet=quiet)

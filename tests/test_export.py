@@ -482,3 +482,21 @@ def test_gemma_tokenizer_rebuild_gives_the_known_encodings():
     assert tok.encode(" the", add_special_tokens=False).tokens == ["▁the"]
     text = "It is a fine day.\n\nHello  world, naïve café"
     assert tok.decode(tok.encode(text).ids, skip_special_tokens=True) == text
+
+
+def test_an_embedded_export_without_the_decode_graph_its_family_now_has_is_due(tmp_path):
+    """An embedded model exported before its family had a shared-context graph is exported again
+    once; one whose graph failed parity, or of a family still without one, is not."""
+    from dbs_fast.export.convert import _decode_graph_due
+    from dbs_fast.manifest import MANIFEST
+
+    def due(model_type, reason):
+        (tmp_path / MANIFEST).write_text(json.dumps({"model_type": model_type,
+                                                     "prefix_decode": {"written": False, "reason": reason}}))
+        return _decode_graph_due(tmp_path)
+
+    assert due("gemma3_text", "no prefix-shared decode graph for model type 'gemma3_text' (supported: gpt2)")
+    assert not due("gemma3_text", "parity against model.onnx: max |logit diff| 5.81e-01")
+    assert not due("bloom", "no prefix-shared decode graph for model type 'bloom' (supported: gpt2)")
+    (tmp_path / MANIFEST).write_text(json.dumps({"model_type": "llama", "prefix_decode": {"written": True}}))
+    assert not _decode_graph_due(tmp_path)
