@@ -5,6 +5,18 @@ Reported per arm: texts with a word loop (a word three times within five words),
 new tokens, the judge's perplexity (a model other than the generator) and rep-4, and the texts.
 
     python -m benchmarks.loops --tokens 2000 --n 25 --out runs/loops-long
+
+`--pool NAME=DIR,DIR,... NAME=...` instead pools the texts of `dbs-fast eval` runs (several seeds
+of one arm) into one row per arm: success, the judge's perplexity, rep-4, texts with a word loop,
+new tokens. For the paper's 50 sets at 4 seeds, with the rule and without:
+
+    for s in 0 100 200 300; do
+      dbs-fast eval --sets paper --runs dbs --prompt-style none --seed $s --out runs/loops-paper-on-s$s
+      dbs-fast eval --sets paper --runs dbs --prompt-style none --seed $s --no-repeat-word-window 0 \
+        --out runs/loops-paper-off-s$s
+    done
+    python -m benchmarks.loops --pool "rule=runs/loops-paper-on-s0,...;without=runs/loops-paper-off-s0,..." \
+        --out runs/loops-paper
 """
 from __future__ import annotations
 
@@ -29,8 +41,37 @@ def contexts(tokenizer, n: int, tokens: int, stride: int) -> list[str]:
     return [tokenizer.decode(ids[i * stride: i * stride + tokens]) for i in range(n)]
 
 
+def pool(spec: str, out: Path) -> None:
+    """One row per arm of the pooled eval runs (`--pool`)."""
+    lines = ["| arm | texts | success | judge ppl (mean / median) | rep-4 | texts with a word loop | new tokens | "
+             "sets whose text changed |", "|---|---|---|---|---|---|---|---|"]
+    report, first = {}, None
+    for part in spec.split(";"):
+        name, dirs = part.split("=", 1)
+        rows = [r for d in dirs.split(",") for r in sorted((json.loads(line) for line in (
+            Path(d) / "results.jsonl").read_text().splitlines()), key=lambda r: r["set"])]
+        ppl = [r["judge_ppl"] for r in rows if r.get("judge_ppl") is not None]
+        a = {"texts": len(rows), "success_rate": float(np.mean([r["success_rate"] for r in rows])),
+             "judge_ppl_mean": float(np.mean(ppl)), "judge_ppl_median": float(np.median(ppl)),
+             "rep_4": float(np.mean([rep_n(r["generated"], 4) for r in rows])),
+             "word_loops": int(sum(word_loop(r["generated"]) for r in rows)),
+             "new_tokens": float(np.mean([r["new_tokens"] for r in rows])),
+             "generated": [r["generated"] for r in rows]}
+        changed = "" if first is None else f"{sum(x != y for x, y in zip(first, a['generated']))} of {len(rows)}"
+        first = a["generated"] if first is None else first
+        report[name] = a
+        lines.append(f"| {name} | {a['texts']} | {a['success_rate']:.3f} | {a['judge_ppl_mean']:.1f} / "
+                     f"{a['judge_ppl_median']:.1f} | {a['rep_4']:.3f} | {a['word_loops']} | {a['new_tokens']:.1f} | "
+                     f"{changed} |")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pooled.json").write_text(json.dumps(report, indent=2))
+    (out / "pooled.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pool", default=None, help='"NAME=DIR,DIR;NAME=DIR,...": pool eval runs per arm instead')
     p.add_argument("--tokens", type=int, default=2000, help="context tokens (default 2000)")
     p.add_argument("--n", type=int, default=25, help="generations per arm (default 25)")
     p.add_argument("--batch", type=int, default=5, help="generations decoded together (default 5)")
@@ -38,6 +79,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    if a.pool:
+        return pool(a.pool, Path(a.out))
     dbs = DirectedBeamSearch("default", threads=a.threads)
     ctxs = contexts(dbs.backend.tokenizer, a.n, a.tokens, stride=200)
     sets = builtin_sets("paper")
