@@ -428,17 +428,17 @@ def test_a_gguf_file_given_by_path_exports_onto_the_shared_context_graph(tmp_pat
 
 
 # -- the GGUF tokenizer rebuild ------------------------------------------------------------------
-def _tiny_gguf(path):
+def _sp_vocab():
     """A SentencePiece-style GGUF vocabulary: control tokens, bytes, pieces with scores."""
-    gguf = pytest.importorskip("gguf")
     pieces = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [3, 3, 3, 2] + [6] * 256
     normal = ["▁", "t", "h", "e", "▁t", "he", "▁the", "▁th", "c", "a", "▁c", "at", "▁cat", "s"]
     scores = [0.0] * len(pieces) + [-float(i) for i in range(len(normal))]
     # merges by the merged token's score: "▁the" (-6) before "▁th" (-7); "he" (-5) before both
-    pieces += normal
-    types += [1] * len(normal)
-    w = gguf.GGUFWriter(str(path), "llama")
+    return pieces + normal, scores, types + [1] * len(normal)
+
+
+def _add_vocab(w, pieces, scores, types):
     w.add_tokenizer_model("llama")
     w.add_token_list(pieces)
     w.add_token_scores(scores)
@@ -446,6 +446,14 @@ def _tiny_gguf(path):
     w.add_bos_token_id(2)
     w.add_eos_token_id(1)
     w.add_unk_token_id(3)
+
+
+def _tiny_gguf(path):
+    """A GGUF file with `_sp_vocab` and no tensors."""
+    gguf = pytest.importorskip("gguf")
+    pieces, scores, types = _sp_vocab()
+    w = gguf.GGUFWriter(str(path), "llama")
+    _add_vocab(w, pieces, scores, types)
     w.add_add_bos_token(True)
     w.add_add_space_prefix(False)
     w.write_header_to_file()
@@ -453,6 +461,81 @@ def _tiny_gguf(path):
     w.write_tensors_to_file()
     w.close()
     return pieces
+
+
+def _tiny_llama_gguf(path):
+    """A whole tiny Llama in a GGUF file, written with gguf's writer as llama.cpp's converter
+    writes one: the vocabulary of `_tiny_gguf`, hyper-parameters, and f32 tensors under llama.cpp's
+    names (q and k permuted for its RoPE layout)."""
+    gguf = pytest.importorskip("gguf")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    pieces, scores, types = _sp_vocab()
+    H, KV, D, F, L = 4, 2, 32, 64, 2
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(pieces), hidden_size=D, intermediate_size=F,
+                                         num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=KV,
+                                         max_position_embeddings=256, tie_word_embeddings=False))
+
+    def permute(w, heads):          # llama.cpp's convert_hf_to_gguf: rotate-half pairs interleaved
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(256)
+    w.add_embedding_length(D)
+    w.add_feed_forward_length(F)
+    w.add_block_count(L)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_rope_dimension_count(D // H)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(len(pieces))
+    w.add_file_type(0)                                             # all f32
+    _add_vocab(w, pieces, scores, types)
+    sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    for i in range(L):
+        p = f"model.layers.{i}."
+        for name, key in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
+            w.add_tensor(f"blk.{i}.{name}.weight", sd[p + key + ".weight"])
+        w.add_tensor(f"blk.{i}.attn_q.weight", permute(sd[p + "self_attn.q_proj.weight"], H))
+        w.add_tensor(f"blk.{i}.attn_k.weight", permute(sd[p + "self_attn.k_proj.weight"], KV))
+        for name, key in (("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                          ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")):
+            w.add_tensor(f"blk.{i}.{name}.weight", sd[p + key + ".weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model
+
+
+def test_a_gguf_file_written_by_the_gguf_writer_exports_and_generates(tmp_path):
+    """A tiny Llama written to GGUF as llama.cpp writes one: `export --model FILE.gguf` reads its
+    weights, its hyper-parameters and its tokenizer from the file, passes parity, writes the
+    decode graph, and generates; the model it reads is the model written (q and k un-permuted)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dbs_fast import DBSConfig, DirectedBeamSearch
+
+    path = tmp_path / "tiny.gguf"
+    written = _tiny_llama_gguf(path)
+    out = tmp_path / "tiny"
+    assert cli(["export", "--model", str(path), "--out", str(out), "--quiet"]) == 0
+    m = json.loads((out / MANIFEST).read_text())
+    assert m["gguf_file"] == "tiny.gguf" and m["gguf_quantization"] == "ALL_F32" and m["parity"]["passed"]
+    assert m["prefix_decode"]["written"] and m["num_layers"] == 2 and m["num_kv_heads"] == 2
+    read = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32)
+    ids = torch.tensor([[2, 270, 271, 272]])
+    with torch.no_grad():
+        np.testing.assert_allclose(read(ids).logits.numpy(), written(ids).logits.numpy(), atol=1e-5)
+    r = DirectedBeamSearch(out).generate("the cat", "cat", config=DBSConfig(beams=2, candidates=2, max_new_tokens=6))
+    assert r.new_tokens > 0
 
 
 def test_gguf_tokenizer_rebuild_on_a_tiny_vocabulary(tmp_path):
