@@ -16,7 +16,7 @@ from .manifest import current_export, read_manifest
 from .model import OnnxModel, load_tokenizer
 from .numba_runtime import set_threads
 from .scorer import OnnxScorer, SelfScorer
-from .search.beam import BeamSearch, Finished, Request
+from .search.beam import BeamSearch, Finished, Request, certain_text
 from .search.result import GenerationResult, build_result, json_safe  # noqa: F401  (json_safe: part of the API)
 from .text import constraints, occurrence, prompt
 from .text.chat import ChatTemplate
@@ -378,6 +378,6 @@ class Batch:
 
     def certain(self, wanted=None) -> list[tuple[Request, str]]:
         """Per request in the batch (those for which `wanted(request)` holds): its text that is
-        already certain (see `BeamSearch.certain`)."""
-        return [(r, self.search.certain(q)) for q, r in enumerate(self.requests)
+        already certain (`search.beam.certain_text`)."""
+        return [(r, certain_text(self.search, q)) for q, r in enumerate(self.requests)
                 if wanted is None or wanted(r)]

@@ -109,6 +109,28 @@ class Slot:
     plain_rows: int = 0       # row-steps of the plain schedule: b*s rows at every step of a chunk
 
 
+def certain_text(search: "BeamSearch", q: int) -> str:
+    """Text of request q of a running `search` that no later chunk can change: the common prefix
+    of its beams' tokens (with stop="sentence", up to its last sentence end: a result can be
+    trimmed back to one), decoded without a trailing partial character. What streams send."""
+    rows, be = search.rows, search.be
+    seqs = [rows.generated(i) for i in np.flatnonzero(rows.req == q)]
+    context = search.slots[q].request.context
+
+    def is_end(n: int) -> bool:
+        return occurrence.ends_a_sentence_here(context + be.decode_batch([seqs[0][:n]])[0])
+
+    n = certain_length(seqs, search.sentence_end if search.cfg.stop == "sentence" else None, is_end)
+    return be.decode_batch([seqs[0][:n]])[0][search.tables.tail[q]:].rstrip("\ufffd") if n else ""
+
+
+def uniforms(slots: list, req: np.ndarray) -> np.ndarray:
+    """One uniform per row for the kernel's draw, from each row's request's own generator (rows
+    of a request are contiguous), so a request draws the same numbers in any batch."""
+    counts = np.bincount(req, minlength=len(slots))
+    return np.concatenate([s.rng.random(n) for s, n in zip(slots, counts)])
+
+
 @dataclass
 class Finished:
     """A request that left the batch: its final beams (request index 0, tokens from column 0)."""
@@ -124,17 +146,27 @@ class Finished:
     def candidate_tokens_per_second(self) -> float:
         return self.candidate_tokens / max(self.seconds, 1e-9)
 
+    @staticmethod
+    def leaving(kept: Rows, leave: np.ndarray, slots: list, candidate_tokens: int) -> list["Finished"]:
+        """The requests in `leave` (bool per slot), each with its kept rows (copies, request 0,
+        tokens from column 0) and its counts."""
+        now, out = time.perf_counter(), []
+        for q in np.flatnonzero(leave):
+            r = kept.take(np.flatnonzero(kept.req == q))           # a copy: safe to shift
+            r.drop_columns(int(r.col0[0]))
+            r.req[:], s = 0, slots[q]
+            out.append(Finished(s.request, r, now - s.t0, candidate_tokens - s.cand0, s.model_rows, s.plain_rows))
+        return out
+
 
 class BeamSearch:
-    """DBS over a batch of requests with a backend (model + sampler) and a scorer.
-
-    Requests join (`admit`) and leave (`step` returns them, `drop` cancels them) at chunk
-    boundaries, so a running batch can take new work (continuous batching); `run` admits a
-    fixed set and decodes it to the end. All requests of one batch share its config.
-
-    On a backend that computes distinct rows only (`distinct`), a chunk's last token runs through
-    the model after the selection, for the kept beams only (the chunk's scores come from the
-    steps before it); otherwise every row takes k steps, the plain schedule."""
+    """DBS over a batch of requests with a backend (model + sampler) and a scorer. Requests join
+    (`admit`) and leave (`step` returns them, `drop` cancels them) at chunk boundaries, so a
+    running batch can take new work (continuous batching); `run` admits a fixed set and decodes it
+    to the end. All requests of one batch share its config. On a backend that computes distinct
+    rows only (`distinct`), a chunk's last token runs through the model after the selection, for
+    the kept beams only (the chunk's scores come from the steps before it); otherwise every row
+    takes k steps, the plain schedule."""
 
     def __init__(self, backend, scorer, cfg: DBSConfig, requests: list[Request] = (), progress=None,
                  sentence_end: np.ndarray | None = None, word_piece: np.ndarray | None = None):
@@ -203,7 +235,7 @@ class BeamSearch:
             need = np.zeros(len(rows.req), bool)
             need[stay] = True
             self._next_logits(rows, rows.tokens[:, -1], need & self._drawing(rows))
-        finished = self._finished(kept, leave)
+        finished = Finished.leaving(kept, leave, self.slots, self.candidate_tokens)
         self._regrow(rows, keep, leave)
         return finished
 
@@ -220,19 +252,6 @@ class BeamSearch:
         dup = self.rows.ended & (np.arange(len(grow)) % s > 0)
         self.rows.cum[dup] = -np.inf                        # an ended beam is one candidate, not s
         self._leave(leave)
-
-    def certain(self, q: int) -> str:
-        """Text of request q that no later chunk can change: the common prefix of its beams'
-        tokens (with stop="sentence", up to its last sentence end: a result can be trimmed back
-        to one), decoded without a trailing partial character."""
-        seqs = [self.rows.generated(i) for i in np.flatnonzero(self.rows.req == q)]
-        context = self.slots[q].request.context
-
-        def is_end(n: int) -> bool:
-            return occurrence.ends_a_sentence_here(context + self.be.decode_batch([seqs[0][:n]])[0])
-
-        n = certain_length(seqs, self.sentence_end if self.cfg.stop == "sentence" else None, is_end)
-        return self.be.decode_batch([seqs[0][:n]])[0][self.tables.tail[q]:].rstrip("\ufffd") if n else ""
 
     # -- requests joining and leaving ---------------------------------------------------------
     @timed("prefill")
@@ -263,16 +282,6 @@ class BeamSearch:
         self.pending, self.cache = self.be.gather(self.pending, self.cache, stay)
         self.scorer.select(stay)
         self._leave(gone)
-
-    def _finished(self, kept: Rows, leave: np.ndarray) -> list[Finished]:
-        now, out = time.perf_counter(), []
-        for q in np.flatnonzero(leave):
-            r = kept.take(np.flatnonzero(kept.req == q))           # a copy: safe to shift
-            r.drop_columns(int(r.col0[0]))
-            r.req[:], s = 0, self.slots[q]
-            out.append(Finished(s.request, r, now - s.t0, self.candidate_tokens - s.cand0, s.model_rows,
-                                s.plain_rows))
-        return out
 
     def _leave(self, gone: np.ndarray) -> None:
         """Forget the requests in `gone` (their rows are already out): renumber the rest, drop
@@ -318,10 +327,6 @@ class BeamSearch:
     def _unfinished(self, rows: Rows, forcing: np.ndarray, ahead: int) -> np.ndarray:
         return guidance.unfinished(self.tables, rows, forcing, ahead, self.word_piece)
 
-    def _uniforms(self, rows: Rows) -> np.ndarray:
-        counts = np.bincount(rows.req, minlength=len(self.slots))
-        return np.concatenate([s.rng.random(n) for s, n in zip(self.slots, counts)])
-
     def _sample_chunk(self, rows: Rows, text_before: list[str], k: int, last: bool):
         R = len(rows.req)
         seen = np.zeros(R, np.int64)         # keywords seen in this chunk so far (guidance moves on)
@@ -352,7 +357,7 @@ class BeamSearch:
         word = np.where(healing, -1, guidance.guide_words(cfg, tb, rows, cand)).astype(np.int32)
         force = guidance.forced(cfg, tb, rows, rem, n_done)
         hist, hstart = guidance.history(cfg, tb, rows, col, healing)
-        ids, lp = self.be.sample(self.pending, self._uniforms(rows), word, tb.boosts.csr, cfg, hist, hstart,
+        ids, lp = self.be.sample(self.pending, uniforms(self.slots, rows.req), word, tb.boosts.csr, cfg, hist, hstart,
                                  boost_first, bans=tb.bans, row_ban=guidance.ban_groups(cfg, tb, rows, rem, healing,
                                                                                         n_done),
                                  force=force)

@@ -9,7 +9,7 @@ distinct beams. The constraints and every DBS option are extra body fields (the 
 `stop_at` ("sentence" or "max"). A standard field the engine cannot honour is a 400 naming it.
 
 Streaming sends only text that no later chunk can change (the common prefix of the request's
-surviving beams, `BeamSearch.certain`), so a delta is never revised; the last chunk carries the
+surviving beams, `search.beam.certain_text`), so a delta is never revised; the last chunk carries the
 rest of the winning beam, then `data: [DONE]`.
 """
 from __future__ import annotations
