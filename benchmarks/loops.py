@@ -1,5 +1,6 @@
 """Word loops after a long context: N generations, each after its own window of about T tokens of
-English text (sentences of CommonGen train, packaged) with one of the paper's keyword sets, with
+English text (the packaged CommonGen dev references, one sentence after another) with one of the
+paper's keyword sets, with
 the word-loop rule (the default) and without it (`no_repeat_word_window=0`), the same seeds.
 Reported per arm: texts with a word loop (a word three times within five words), success,
 new tokens, the judge's perplexity (a model other than the generator) and rep-4, and the texts.
@@ -29,13 +30,13 @@ import numpy as np
 
 from dbs_fast.api import DirectedBeamSearch
 from dbs_fast.evaluation.metrics import rep_n, word_loop
-from dbs_fast.evaluation.runs import builtin_sets
-from dbs_fast.text.prompt import train_pool
+from dbs_fast.evaluation.runs import builtin_refs, builtin_sets
 
 
 def contexts(tokenizer, n: int, tokens: int, stride: int) -> list[str]:
     """`n` windows of `tokens` tokens of the packaged English text, `stride` tokens apart."""
-    ids = tokenizer.encode(" ".join(s for _, s in train_pool()), add_special_tokens=False).ids
+    text = " ".join(ref for refs in builtin_refs("commongen-dev") for ref in refs)
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
     if len(ids) < tokens + (n - 1) * stride:
         raise SystemExit(f"the packaged text has {len(ids)} tokens: too few for {n} windows of {tokens}")
     return [tokenizer.decode(ids[i * stride: i * stride + tokens]) for i in range(n)]
@@ -82,7 +83,7 @@ def main(argv=None) -> None:
     if a.pool:
         return pool(a.pool, Path(a.out))
     dbs = DirectedBeamSearch("default", threads=a.threads)
-    ctxs = contexts(dbs.backend.tokenizer, a.n, a.tokens, stride=200)
+    ctxs = contexts(dbs.backend.tokenizer, a.n, a.tokens, stride=1000)
     sets = builtin_sets("paper")
     jobs = [(ctxs[i], sets[i % len(sets)]) for i in range(a.n)]
     arms = {"word-loop rule": dbs.config, "without it": replace(dbs.config, no_repeat_word_window=0)}
