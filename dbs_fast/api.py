@@ -164,9 +164,11 @@ class DirectedBeamSearch:
 
     @property
     def word_piece(self) -> np.ndarray:
-        """(V,) bool: tokens that continue a word (built on first use of guarantee/boost_word_starts)."""
+        """(V,) bool: tokens that continue a word, the WORD_PIECE tokens of the backend's word table
+        (`occurrence.word_table`), which the word-loop rule reads too: the vocabulary is decoded
+        once for both (built on first use)."""
         if self._word_piece is None:
-            self._word_piece = occurrence.word_piece_tokens(self.backend.decode_one, self.backend.vocab_size)
+            self._word_piece = self.backend.words.word_class == occurrence.WORD_PIECE
         return self._word_piece
 
     def _pieces(self, text: str) -> list[int]:
