@@ -96,6 +96,10 @@ class DBSConfig:
                                         "within this many words (0 = off)")
     stop: str = option("sentence", "--stop", str, "sentence: end at the first sentence end after the last "
                        "keyword; max: always max-new-tokens (the paper)", STOPS)
+    finished: int = option(1, "--finished", int, "stop=sentence: the finished candidates (every keyword, then a "
+                           "sentence end or EOS) a request gathers before it ends; each is set aside and the "
+                           "other beams go on (1: the first chunk with one ends the request); --pick chooses "
+                           "among them")
     pick: str = option("q", "--pick", str, "the beam returned: q, the best by the quality score (the paper); "
                        "likelihood, the finished beam with the best mean log-prob per token; consensus, the "
                        "finished beam most like the other finished ones (BLEU-4, minimum Bayes risk)", PICKS)
@@ -114,7 +118,7 @@ class DBSConfig:
         def bad(name: str, msg: str):
             raise DBSError(f"`{name}` {msg}, got {getattr(self, name)!r}", name, getattr(self, name))
 
-        for name in ("beams", "candidates", "chunk", "max_new_tokens"):
+        for name in ("beams", "candidates", "chunk", "max_new_tokens", "finished"):
             if not _is_int(getattr(self, name), 1):
                 bad(name, "must be an integer >= 1")
         if not (0.0 < self.top_p <= 1.0):

@@ -163,3 +163,39 @@ def test_late_rows_boost_before_the_nucleus_cut():
     assert list(quality.boost_first(cfg, ahead)) == [True, False, False]     # 30 left: only 5 words are late
     assert quality.boost_first(DBSConfig(late_boost_first=False), ahead) is False
     assert quality.boost_first(DBSConfig.paper(boost_order="boost_then_filter"), ahead) is True
+
+
+def test_finished_candidates_are_gathered_across_chunks_and_picked_among(dbs):
+    """stop="sentence" with `finished` N: each finished candidate is set aside and the other beams
+    go on until N different ones are in (or the budget ends). The result's beams are those
+    candidates, all finished and different; the first chunk's are among them (the search is the
+    same up to there); a pick chooses among them all."""
+    from dataclasses import replace
+
+    ends = np.random.default_rng(0).random(dbs.backend.vocab_size) < 0.15
+    dbs._sentence_end = ends
+    try:
+        cfg = replace(dbs.config, stop="sentence", max_new_tokens=60, lam=40.0)
+        gathered = 0
+        for seed in range(4):
+            one = dbs.generate("It is", KW, seed=seed, config=cfg)
+            many = dbs.generate("It is", KW, seed=seed, config=replace(cfg, finished=4))
+            if not one.beams[0]["finished"]:
+                continue
+            texts = [b["text"] for b in many.beams]
+            assert all(b["finished"] for b in many.beams) and len(set(texts)) == len(texts)
+            assert {b["text"] for b in one.beams} <= set(texts)
+            assert many.stopped in ("sentence", "eos") and many.success_rate == 1.0
+            gathered = max(gathered, len(texts))
+            liked = dbs.generate("It is", KW, seed=seed, config=replace(cfg, finished=4, pick="likelihood"))
+            assert liked.beams[0]["logprob"] == max(b["logprob"] for b in many.beams)
+            batch = dbs.batch(replace(cfg, finished=4, pick="likelihood"))   # what a stream sends stays true
+            batch.admit([dbs.request("It is", KW, seed=seed, config=batch.config)])
+            certain, done = [], []
+            while not done:
+                certain += [t for _, t in batch.certain()]
+                done = batch.decode_chunk()
+            assert all(done[0][1].generated.startswith(t) for t in certain)
+        assert gathered > 1
+    finally:
+        dbs._sentence_end = None

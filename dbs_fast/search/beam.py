@@ -107,6 +107,23 @@ class Slot:
     chunks: int = 0           # chunks decoded
     model_rows: int = 0       # model rows its decode steps computed
     plain_rows: int = 0       # row-steps of the plain schedule: b*s rows at every step of a chunk
+    pool: list = field(default_factory=list)   # stop="sentence": its finished candidates set aside (Rows,
+    #                                            request 0, tokens from column 0), each text once
+    pooled: set = field(default_factory=set)   # ... their token sequences
+
+    def set_aside(self, rows: Rows) -> None:
+        """Keep the finished candidates `rows` of this request (copies) that are new."""
+        rows.drop_columns(int(rows.col0[0]))
+        new = []
+        for i in range(len(rows.req)):
+            key = rows.generated(i).tobytes()
+            if key not in self.pooled:
+                self.pooled.add(key)
+                new.append(i)
+        if new:
+            part = rows.take(np.array(new))
+            part.req[:] = 0
+            self.pool.append(part)
 
 
 def certain_text(search: "BeamSearch", q: int) -> str:
@@ -115,6 +132,7 @@ def certain_text(search: "BeamSearch", q: int) -> str:
     trimmed back to one), decoded without a trailing partial character. What streams send."""
     rows, be = search.rows, search.be
     seqs = [rows.generated(i) for i in np.flatnonzero(rows.req == q)]
+    seqs += [p.generated(i) for p in search.slots[q].pool for i in range(len(p.req))]   # set aside: returnable
     context = search.slots[q].request.context
 
     def is_end(n: int) -> bool:
@@ -146,16 +164,23 @@ class Finished:
     def candidate_tokens_per_second(self) -> float:
         return self.candidate_tokens / max(self.seconds, 1e-9)
 
+    pooled: bool = False                # rows are the finished candidates it gathered (from any chunk)
+
     @staticmethod
-    def leaving(kept: Rows, leave: np.ndarray, slots: list, candidate_tokens: int) -> list["Finished"]:
-        """The requests in `leave` (bool per slot), each with its kept rows (copies, request 0,
-        tokens from column 0) and its counts."""
+    def leaving(kept: Rows, leave: np.ndarray, slots: list, candidate_tokens: int, pad: int) -> list["Finished"]:
+        """The requests in `leave` (bool per slot), each with its finished candidates if it
+        gathered any, else its kept rows (copies, request 0, tokens from column 0), and its counts."""
         now, out = time.perf_counter(), []
         for q in np.flatnonzero(leave):
-            r = kept.take(np.flatnonzero(kept.req == q))           # a copy: safe to shift
-            r.drop_columns(int(r.col0[0]))
-            r.req[:], s = 0, slots[q]
-            out.append(Finished(s.request, r, now - s.t0, candidate_tokens - s.cand0, s.model_rows, s.plain_rows))
+            s = slots[q]
+            if s.pool:
+                r = Rows.stack(s.pool, pad)
+            else:
+                r = kept.take(np.flatnonzero(kept.req == q))           # a copy: safe to shift
+                r.drop_columns(int(r.col0[0]))
+                r.req[:] = 0
+            out.append(Finished(s.request, r, now - s.t0, candidate_tokens - s.cand0, s.model_rows, s.plain_rows,
+                                bool(s.pool)))
         return out
 
 
@@ -217,10 +242,10 @@ class BeamSearch:
         text_before = self._texts(rows)
         rows, chunk = self._sample_chunk(rows, text_before, k, bool(last.all()))
         self._quality(rows, text_before, self._scorer_logprobs(rows, chunk, bool(last.all())), k)
-        if cfg.stop == "sentence":      # a request with a finished beam is done: its unfinished ones drop
-            done, drop = quality.finished_requests(rows.req, rows.ended, self._remaining(rows, 0), len(self.slots))
-            rows.cum[drop] = -np.inf
-            rows.ended |= done[rows.req]
+        full = np.zeros(len(self.slots), bool)
+        if cfg.stop == "sentence":      # finished candidates are set aside; the other beams go on
+            full = self._set_aside(rows)
+            rows.ended |= full[rows.req]
         keep = quality.select_best(rows.req, rows.cum, cfg.beams)
         self.chunks += 1
         plain = np.bincount(rows.req, minlength=len(self.slots)) * (k - last)
@@ -228,16 +253,27 @@ class BeamSearch:
             s.chunks += 1
             s.plain_rows += int(n)
         kept = rows.take(keep)
-        leave = last.copy()
-        leave |= np.bincount(kept.req[~kept.ended], minlength=len(self.slots)) == 0   # every beam ended
+        leave = last | full
+        leave |= np.bincount(kept.req[~kept.ended & np.isfinite(kept.cum)],
+                             minlength=len(self.slots)) == 0   # no beam goes on
         stay = keep[~leave[rows.req[keep]]]
         if self.kept_last and len(stay):          # the chunk's last token, for the beams that go on
             need = np.zeros(len(rows.req), bool)
             need[stay] = True
             self._next_logits(rows, rows.tokens[:, -1], need & self._drawing(rows))
-        finished = Finished.leaving(kept, leave, self.slots, self.candidate_tokens)
+        finished = Finished.leaving(kept, leave, self.slots, self.candidate_tokens, self.pad)
         self._regrow(rows, keep, leave)
         return finished
+
+    def _set_aside(self, rows: Rows) -> np.ndarray:
+        """stop="sentence": the chunk's finished candidates (every keyword, then a sentence end or
+        EOS) join their requests' pools and leave the beams; returns the requests whose pool is
+        full (`finished` texts)."""
+        done = quality.finished_rows(rows.ended, self._remaining(rows, 0)) & np.isfinite(rows.cum)
+        for q in np.unique(rows.req[done]):
+            self.slots[q].set_aside(rows.take(np.flatnonzero(done & (rows.req == q))))
+        rows.cum[done] = -np.inf
+        return np.array([len(s.pooled) >= self.cfg.finished for s in self.slots], bool)
 
     @timed("kv_gather")
     def _regrow(self, rows: Rows, keep: np.ndarray, leave: np.ndarray) -> None:

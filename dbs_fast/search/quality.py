@@ -123,10 +123,6 @@ def select_best(req: np.ndarray, cum: np.ndarray, beams: int) -> np.ndarray:
     return np.sort(order[rank < beams])
 
 
-def finished_requests(req: np.ndarray, ended: np.ndarray, remaining: np.ndarray, n_requests: int):
-    """stop="sentence": (the requests with a finished beam, every keyword in then a sentence end
-    or EOS, (n_requests,) bool; the rows to drop, their requests' unfinished beams, (R,) bool)."""
-    finished = ended & (remaining == 0)
-    done = np.zeros(n_requests, bool)
-    done[req[finished]] = True
-    return done, done[req] & ~finished
+def finished_rows(ended: np.ndarray, remaining: np.ndarray) -> np.ndarray:
+    """stop="sentence": the finished candidates, every keyword in then a sentence end or EOS, (R,) bool."""
+    return ended & (remaining == 0)

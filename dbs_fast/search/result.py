@@ -30,8 +30,10 @@ class GenerationResult:
     #                               sentence end after the keywords at max_new_tokens; "max": budget
     perplexity: float             # exp(-mean scorer log-prob) of the generated tokens
     new_tokens: int
-    beams: list[dict]             # every different final beam, the returned one first, then by score: text,
-    #                               score (Q), finished (every keyword, then a sentence end or EOS), logprob (mean per token)
+    beams: list[dict]             # every different final beam (with stop="sentence", every different finished
+    #                               candidate if there was one), the returned one first, then by score: text, score
+    #                               (Q summed over its chunks; ranked per chunk among candidates of several chunks),
+    #                               finished (every keyword, then a sentence end or EOS), logprob (mean per token)
     seconds: float
     tokens_per_second: float      # generated tokens of the result / seconds
     candidate_tokens_per_second: float  # all sampled candidate tokens / seconds (batch-wide)
@@ -109,7 +111,10 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
     def decode(seqs):
         return [t[tail:] for t in decode_batch(seqs)]
 
-    order = np.argsort(-rows.cum, kind="stable")
+    rank = rows.cum
+    if fin.pooled:          # candidates that finished in different chunks: Q per chunk, not Q summed
+        rank = rows.cum / np.maximum(1, np.ceil(rows.n_tok / cfg.chunk))
+    order = np.argsort(-rank, kind="stable")
     every = (1 << len(kws)) - 1
     finished = rows.ended & np.isfinite(rows.cum) & ((rows.found & every) == every)   # all keywords, then an end
     beams, seen = [], set()                 # every different final beam (copies once), by score

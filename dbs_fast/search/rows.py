@@ -41,6 +41,17 @@ class Rows:
     def concat(parts: list["Rows"]) -> "Rows":
         return Rows(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Rows)))
 
+    @staticmethod
+    def stack(parts: list["Rows"], pad: int) -> "Rows":
+        """Rows whose tokens all start at column 0, of any width, as one (padded on the right)."""
+        width = max(p.tokens.shape[1] for p in parts)
+
+        def widen(a, fill):
+            return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)
+
+        return Rows.concat([Rows(**{**{f.name: getattr(p, f.name) for f in fields(Rows)},
+                                    "tokens": widen(p.tokens, pad), "logp": widen(p.logp, 0)}) for p in parts])
+
     def drop_columns(self, c: int) -> None:
         """Forget the token columns before `c` (no row's tokens start before it)."""
         self.tokens, self.logp, self.col0 = self.tokens[:, c:], self.logp[:, c:], self.col0 - c
