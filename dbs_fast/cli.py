@@ -69,7 +69,7 @@ def _add_export(sub):
                    help="int8: dynamic (fastest; fails parity on outlier-heavy models such as the default); "
                         "int8-block: weight-only 8-bit blocks of 32 (MatMul layers only); auto: exports fp32, int8 "
                         "and int8-block, times a decode step of each that passes parity on this CPU and keeps "
-                        "the fastest (fp32 unless a quantised one is 5% faster)")
+                        "the fastest (fp32 unless a quantised one is 5%% faster)")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--quiet", action="store_true", help="print only the manifest's summary")
     p.set_defaults(func=_run_export)

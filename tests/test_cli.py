@@ -79,6 +79,7 @@ def test_every_flag_explains_itself(capsys):
     for name, p in build_parser()._subparsers._group_actions[0].choices.items():
         for action in p._actions:
             assert action.help, (name, action.option_strings)
+        p.format_help()                                  # every help text formats ("5%" must be "5%%")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
