@@ -80,9 +80,11 @@ def memory_needed(cfg: DBSConfig, context_tokens: int, manifest: dict) -> int:
 
 def decode_window(manifest: dict, kv_layout: str = "auto") -> int | None:
     """The tokens the decode graph attends to when the model's layers slide a window (Gemma's
-    local layers) that the graph does not mask, on the layout `kv_layout` picks; None: no limit."""
+    local layers) that the graph does not mask (an export older than the masked window), on the
+    layout `kv_layout` picks; None: no limit."""
     graph = manifest.get("prefix_decode") or {}
-    return graph.get("sliding_window") if graph.get("written") and kv_layout != "rows" else None
+    due = graph.get("written") and not graph.get("window_masked") and kv_layout != "rows"
+    return graph.get("sliding_window") if due else None
 
 
 def check_size(cfg: DBSConfig, context_tokens: int, manifest: dict, window: int | None = None) -> None:

@@ -104,7 +104,7 @@ def make_checkpoint(kind: str, out: Path) -> Path:
 
         common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, max_position_embeddings=256, query_pre_attn_scalar=8,
-                      sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+                      sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                       bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
         if kind == "gemma2":
             model = Gemma2ForCausalLM(Gemma2Config(**common, attn_logit_softcapping=5.0, final_logit_softcapping=3.0))

@@ -568,8 +568,9 @@ def test_gemma_tokenizer_rebuild_gives_the_known_encodings():
 
 
 def test_an_embedded_export_without_the_decode_graph_its_family_now_has_is_due(tmp_path):
-    """An embedded model exported before its family had a shared-context graph is exported again
-    once; one whose graph failed parity, or of a family still without one, is not."""
+    """An embedded model exported before its family had a shared-context graph, or before that
+    graph slid its local layers' window, is exported again once; one whose graph failed parity, or
+    of a family still without one, is not."""
     from dbs_fast.export.convert import _decode_graph_due
     from dbs_fast.manifest import MANIFEST
 
@@ -583,3 +584,11 @@ def test_an_embedded_export_without_the_decode_graph_its_family_now_has_is_due(t
     assert not due("bloom", "no prefix-shared decode graph for model type 'bloom' (supported: gpt2)")
     (tmp_path / MANIFEST).write_text(json.dumps({"model_type": "llama", "prefix_decode": {"written": True}}))
     assert not _decode_graph_due(tmp_path)
+
+    def graph(**given):
+        (tmp_path / MANIFEST).write_text(json.dumps({"model_type": "gemma3_text",
+                                                     "prefix_decode": {"written": True, **given}}))
+        return _decode_graph_due(tmp_path)
+
+    assert graph(sliding_window=512)                                  # a graph that does not slide its window
+    assert not graph(sliding_window=512, window_masked=True)

@@ -446,21 +446,24 @@ def ensure_embedded(name: str = "default", quiet: bool = False) -> Path:
              f"({EXPORT_FORMAT_VERSION}): exporting it again (once)", quiet)
         export_model(name, d, force=True, quiet=quiet)
     elif _decode_graph_due(d):
-        _log(f"the export of {name!r} in {d} predates its family's shared-context decode graph: exporting it "
-             f"again (once)", quiet)
+        _log(f"the export of {name!r} in {d} predates this version's shared-context decode graph for its "
+             f"family: exporting it again (once)", quiet)
         export_model(name, d, force=True, quiet=quiet)
     return d
 
 
 def _decode_graph_due(d: Path) -> bool:
     """Whether an export was written without the decode graph that this version writes for its
-    model type (an embedded model exported before its family had one)."""
+    model type (an embedded model exported before its family had one, or before the graph slid
+    its local layers' window)."""
     from types import SimpleNamespace
 
     from . import prefix_graph
 
     m = json.loads((d / MANIFEST).read_text())
     graph = m.get("prefix_decode") or {}
+    if graph.get("written") and graph.get("sliding_window") and not graph.get("window_masked"):
+        return True              # a graph that does not slide its local layers' window
     if graph.get("written", True) or not str(graph.get("reason", "")).startswith("no prefix-shared decode graph for "
                                                                                   "model type"):
         return False             # written, or left out for another reason (a failed parity stays failed)

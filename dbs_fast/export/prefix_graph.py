@@ -189,6 +189,40 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     return o.reshape(b, kv, s, L, g, d).permute(0, 2, 3, 1, 4, 5).reshape(N, L, H * d), kn, vn
 
 
+def window_biases(biases, seen, position_ids, context_mask, prefix_mask, chunk_mask, dims: Dims, window: int):
+    """`biases` for the layers that attend to the last `window` positions only (Gemma's local
+    layers; Mistral's where set): a query at position p sees a key at position j when p - window
+    < j <= p, at every level. Positions are counted as the host numbers them: a context column's
+    is the real tokens before it, a prefix column's its context's length plus the beam's real
+    tokens before it, chunk slot u's the context and prefix lengths plus u. `seen` (N, L, L): new
+    query i sees new key j (causal); query rows ordered as in `block_biases`."""
+    import torch
+
+    b, s, L, H, kv, M = dims.b, dims.s, dims.L, dims.H, dims.kv, dims.M
+    g = H // kv
+    q = torch.index_select(position_ids, 0, biases.slot_row) if biases.slot_row is not None else position_ids
+    q = q.reshape(b, s, L, 1).expand(b, s, L, g).reshape(b, -1)                      # (b, s*L*g) query positions
+    far = q[:, :, None] - window                                                     # keys at or before it: out
+
+    def out(bias, pos):                         # a beam's keys at positions `pos` (b, cols), out of the window
+        return bias + (pos[:, None, :] <= far).to(torch.float32)[:, None] * MASKED
+
+    n_ctx = context_mask.sum(-1)                                                     # (R,)
+    beam_ctx = torch.index_select(n_ctx, 0, torch.div(biases.beam_slot, M, rounding_mode="floor"))   # (b,)
+    ctx_pos = torch.cumsum(context_mask, -1) - 1                                     # (R, C)
+    qx = torch.index_select(q, 0, biases.context_beams.reshape(-1)).reshape(context_mask.shape[0], -1)  # (R, M*s*L*g)
+    context = biases.context + (ctx_pos[:, None, :] <= qx[:, :, None] - window).to(torch.float32)[:, None] * MASKED
+    pre_pos = beam_ctx[:, None] + torch.cumsum(prefix_mask, -1) - 1                 # (b, T)
+    prefix = out(biases.prefix, pre_pos)
+    U = chunk_mask.shape[1]
+    c_pos = (beam_ctx + prefix_mask.sum(-1))[:, None] + torch.arange(U)[None]        # (b, U)
+    chunk = out(biases.chunk, c_pos)
+    new_pos = position_ids if biases.slot_row is None else torch.index_select(position_ids, 0, biases.slot_row)
+    near = seen & (new_pos[:, None, :] > new_pos[:, :, None] - window)               # (N, L, L)
+    sees_new = near.reshape(b, s, L, 1, L).expand(b, s, L, g, L).reshape(b, 1, s * L * g, L)
+    return biases._replace(context=context, prefix=prefix, chunk=chunk, new=mask_bias(sees_new))
+
+
 class Biases(NamedTuple):
     """What a step's attention takes besides the tensors, built once for all layers: the additive
     biases of the context (R, 1, 1, C), the prefixes (b, 1, 1, T), the chunks and the new tokens
@@ -203,6 +237,15 @@ class Biases(NamedTuple):
     beam_slot: object
     slot_row: object = None     # (N,) the computed row each attention slot takes (None: slot r = row r)
     row_slot: object = None     # (n,) the slot each computed row's attention output comes from
+    window: object = None       # the biases of the layers that slide a window (`window_biases`), or None
+
+
+def layer_biases(biases, layer=None):
+    """The biases of a layer: its window's where its attention slides one (`attention_type`
+    "sliding_attention", or every layer of a model with a window and no layer types)."""
+    if biases.window is None or getattr(layer, "attention_type", "sliding_attention") != "sliding_attention":
+        return biases
+    return biases.window
 
 
 def to_slots(x, biases):
@@ -231,6 +274,7 @@ def _decoder(model):
 
     fam = family(model.config)
     heads = _heads(model.config)
+    window = sliding_window(model.config)
 
     class PrefixDecoder(torch.nn.Module):
         def __init__(self):
@@ -247,6 +291,9 @@ def _decoder(model):
                         input_ids.shape[0])
             biases = Biases(mask_bias(context_mask)[:, None, None, :], mask_bias(prefix_mask)[:, None, None, :],
                             *block_biases(chunk_mask, seen, dims), context_beams, beam_slot, slot_row, row_slot)
+            if window:
+                biases = biases._replace(window=window_biases(biases, seen, position_ids, context_mask, prefix_mask,
+                                                              chunk_mask, dims, window))
             return LAYERS[fam](self.model, input_ids, position_ids, biases, kv, dims)
 
     return PrefixDecoder().eval()
@@ -274,7 +321,8 @@ def _llama(model, ids, pos, biases, kv, dims):
         q = turn(_head_norm(a, "q_norm", q, H, d), H)                  # (n, L, H, d)
         k = turn(_head_norm(a, "k_norm", k, KV, d), KV)                # (n, L, KV, d)
         v = v.reshape(n, L, KV, d)
-        o, kn, vn = attend(*(to_slots(t, biases) for t in (q, k, v)), *kv[6 * i:6 * i + 6], biases, a.scaling, dims)
+        o, kn, vn = attend(*(to_slots(t, biases) for t in (q, k, v)), *kv[6 * i:6 * i + 6], layer_biases(biases, layer),
+                           a.scaling, dims)
         h = h + a.o_proj(to_rows(o, biases).reshape(-1, H * d))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         new += [kn, vn]                                                # (b, KV, s, L, d)
@@ -407,8 +455,8 @@ def _opt(model, ids, pos, biases, kv, dims):
 def _gemma(model, ids, pos, biases, kv, dims):
     """Gemma 2 and 3: embeddings scaled by sqrt(D) (Gemma 3 in `embed_tokens`), norms before and after
     each block, Gemma 3's q/k norms, RoPE of a local base on the sliding-window layers (Gemma 3),
-    attention and final logit soft-capping (Gemma 2). The sliding window itself is not masked: the
-    export records it, and a request longer than it is refused on this graph."""
+    attention and final logit soft-capping (Gemma 2); the local layers attend within their window
+    (`window_biases`)."""
     import torch
 
     m, cfg = model.model, model.config
@@ -427,7 +475,8 @@ def _gemma(model, ids, pos, biases, kv, dims):
         q = rope(_head_norm(a, "q_norm", q, H, d), H)
         k = rope(_head_norm(a, "k_norm", k, KV, d), KV)
         o, kn, vn = attend(*(to_slots(t, biases) for t in (q, k, v.reshape(n, L, KV, d))), *kv[6 * i:6 * i + 6],
-                           biases, a.scaling, dims, softcap=getattr(cfg, "attn_logit_softcapping", None))
+                           layer_biases(biases, layer), a.scaling, dims,
+                           softcap=getattr(cfg, "attn_logit_softcapping", None))
         h = h + layer.post_attention_layernorm(a.o_proj(to_rows(o, biases).reshape(-1, H * d)))
         h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
         new += [kn, vn]
@@ -569,7 +618,7 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
                           opset_version=opset, dynamo=False, do_constant_folding=True)
     saved = share_tied_head(path)
     rope = {"rope": rope_kind(model)} if family(cfg) in ("llama", "gemma", "neox") else {}
-    window = {"sliding_window": sliding_window(cfg)} if sliding_window(cfg) else {}
+    window = {"sliding_window": sliding_window(cfg), "window_masked": True} if sliding_window(cfg) else {}
     return {"graph": path.name, "family": family(cfg), "layers": L, "opset": opset, **rope, **window,
             "inputs": "input_ids, position_ids, slot_row, row_slot, context_mask, context_beams, beam_slot, prefix_mask, chunk_mask, "
                       "new_mask, context.L.key/value, prefix.L.key/value, chunk.L.key/value", "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved}
