@@ -19,7 +19,7 @@ from .errors import DBSError
 
 BOOST_ORDERS = ("filter_then_boost", "boost_then_filter")
 STOPS = ("max", "sentence")
-PICKS = ("q", "likelihood", "consensus")      # dbs_fast.search.result.pick
+PICKS = ("q", "likelihood", "consensus", "blend")      # dbs_fast.search.result.pick
 ORDERS = ("next", "any")
 MATCHES = ("stem", "lemma")
 PROMPT_STYLES = ("none", "instruction", "chat", "few-shot")   # dbs_fast.text.prompt
@@ -102,7 +102,8 @@ class DBSConfig:
                            "among them")
     pick: str = option("q", "--pick", str, "the beam returned: q, the best by the quality score (the paper); "
                        "likelihood, the finished beam with the best mean log-prob per token; consensus, the "
-                       "finished beam most like the other finished ones (BLEU-4, minimum Bayes risk)", PICKS)
+                       "finished beam most like the other finished ones (BLEU-4, minimum Bayes risk); blend, the finished beam "
+                       "with the smallest place by Q plus half its place by likelihood", PICKS)
 
     @classmethod
     def paper(cls, **overrides) -> "DBSConfig":

@@ -407,9 +407,14 @@ def test_pick_rules_on_hand_made_beams():
     assert pick("likelihood", none) == 0                     # nothing finished: among the scored ones
     dropped = [dict(b, score=-np.inf) if i else b for i, b in enumerate(none)]
     assert pick("consensus", dropped) == 0 and pick("likelihood", [beams[1]]) == 0
+    assert pick("blend", beams) == 1                         # places by Q 0, 1, 2 and by likelihood 1, 0, 2
+    fused = [beam(t, 4.0 - n, True, lp) for n, (t, lp) in enumerate([("a", -3.0), ("b", -1.0), ("c", -2.0),
+                                                                         ("d", -2.5)])]
+    assert pick("blend", fused) == 1                         # 1 + 0 beats 0 + 3/2: the likeliest, second by Q
+    assert pick("blend", fused[:1] + fused[2:]) == 0         # 0 + 1 (a) against 1 + 0 (c): the tie to Q
 
 
-@pytest.mark.parametrize("rule", ["likelihood", "consensus"])
+@pytest.mark.parametrize("rule", ["likelihood", "consensus", "blend"])
 def test_a_picked_result_is_a_finished_beam_returned_first(dbs, rule):
     """The returned text is the picked beam (first in `beams`), and under q it is the best score;
     a pick changes the returned beam only, never the search. (The random model finishes one beam

@@ -75,18 +75,28 @@ def found_at(texts: list[str], keywords: list[Keyword], rule: str = "stem") -> d
     return found
 
 
+BLEND_WEIGHT = 0.5    # "blend": the weight of a beam's place by likelihood beside its place by Q
+
+
 def pick(rule: str, beams: list[dict]) -> int:
     """Which of `beams` (dicts of text, score, finished, logprob; by score, best first) is returned:
     "q" the first (the paper's); otherwise among the finished beams (else those still scored, else
-    all), "likelihood" the best mean log-prob per token and "consensus" the one with the highest
-    mean BLEU-4 against the others (minimum Bayes risk decoding; nltk's BLEU, smoothed). Ties go
-    to the better score."""
+    all), "likelihood" the best mean log-prob per token, "consensus" the one with the highest
+    mean BLEU-4 against the others (minimum Bayes risk decoding; nltk's BLEU, smoothed) and
+    "blend" the smallest place by Q plus half its place by likelihood (rank fusion: 0 is the
+    best). Ties go to the better score."""
     if rule == "q" or len(beams) == 1:
         return 0
     pool = [j for j, b in enumerate(beams) if b["finished"]] or \
         [j for j, b in enumerate(beams) if math.isfinite(b["score"])] or [0]
+    def logprob(j: int) -> float:
+        return beams[j]["logprob"] if math.isfinite(beams[j]["logprob"]) else -math.inf
+
     if rule == "likelihood":
-        return max(pool, key=lambda j: (beams[j]["logprob"] if math.isfinite(beams[j]["logprob"]) else -math.inf, -j))
+        return max(pool, key=lambda j: (logprob(j), -j))
+    if rule == "blend":       # rank fusion: the place by Q plus BLEND_WEIGHT x the place by likelihood
+        place = {j: n for n, j in enumerate(sorted(pool, key=lambda j: (-logprob(j), j)))}
+        return min(pool, key=lambda j: (pool.index(j) + BLEND_WEIGHT * place[j], j))
     if len(pool) == 1:
         return pool[0]
     from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
