@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from dbs_fast.api import DirectedBeamSearch
-from dbs_fast.bench.machine import machine
 from dbs_fast.evaluation.runs import builtin_sets
+
+from .turns import in_turns, summary
 
 
 def main(argv=None) -> None:
@@ -35,21 +34,12 @@ def main(argv=None) -> None:
         raise SystemExit(f"{a.model} has no shared-context decode graph (its manifest's prefix_decode says why)")
     cfg = replace(engines["prefix"].config, max_new_tokens=a.max_new_tokens)
     jobs = builtin_sets("paper")[:a.sets]
-    seconds = {lay: [] for lay in engines}
-    texts = {}
-    for rnd in range(a.rounds + 1):
-        for lay in (("prefix", "rows") if rnd % 2 == 0 else ("rows", "prefix")):
-            t0 = time.perf_counter()
-            res = [engines[lay].generate("It is", kws, seed=i, config=cfg) for i, kws in enumerate(jobs)]
-            if rnd:                                   # round 0 is the cold one
-                seconds[lay].append((time.perf_counter() - t0) / len(jobs))
-            texts[lay] = [r.generated for r in res]
-    pairs = [r / p for p, r in zip(seconds["prefix"], seconds["rows"])]
-    report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": a.model,
-              "sets": a.sets, "rounds": a.rounds, "max_new_tokens": a.max_new_tokens,
-              "seconds_per_generation": {k: statistics.median(v) for k, v in seconds.items()},
-              "rows_over_prefix": statistics.median(pairs), "pairs": pairs,
-              "same_texts": sum(x == y for x, y in zip(texts["prefix"], texts["rows"])), "texts": texts}
+    seconds, results = in_turns(("prefix", "rows"), lambda lay: [
+        engines[lay].generate("It is", kws, seed=i, config=cfg) for i, kws in enumerate(jobs)], a.rounds, len(jobs))
+    texts = {lay: [r.generated for r in res[-1]] for lay, res in results.items()}
+    report = summary(("prefix", "rows"), seconds, texts, model=a.model, sets=a.sets, rounds=a.rounds,
+                     max_new_tokens=a.max_new_tokens)
+    pairs = report["pairs"]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "layouts.json").write_text(json.dumps(report, indent=2))

@@ -252,3 +252,16 @@ def test_transfers_counts_what_a_step_moves_with_the_cache_on_host_and_on_device
     assert r["same_text"] and r["host"]["graph_calls"] == r["device"]["graph_calls"] > 0
     assert 0 < r["device"]["mb_per_call"] < r["host"]["mb_per_call"]
     assert r["cache_mb_per_call_on_host_path"] == pytest.approx(r["host"]["mb_per_call"] - r["device"]["mb_per_call"])
+
+
+@pytest.mark.integration
+def test_scorer_probe_times_both_scorers_and_a_scorer_equal_to_the_generator_keeps_its_texts(exported, tmp_path):
+    """The generator exported again as its own second model scores what `self` scores: the same
+    texts; the probe times both in turns and counts the scorer's share of a generation."""
+    from benchmarks.scorer import main as probe
+
+    probe(["--model", str(exported["gpt2"]), "--scorer", str(exported["gpt2"]), "--sets", "2", "--rounds", "1",
+           "--out", str(tmp_path)])
+    r = json.loads((tmp_path / "scorer.json").read_text())
+    assert r["same_texts"] == 2 and len(r["pairs"]) == 1 and r["scorer_over_self"] > 0
+    assert r["scorer_share_of_time"]["scorer"] > 0 and r["scorer_share_of_time"]["self"] < r["scorer_share_of_time"]["scorer"]
