@@ -12,7 +12,7 @@ from .errors import DBSError, naming
 from .home import EMBEDDED_DIRS, embedded_model_dir
 from .kv.decoder import ContextStore, PrefixDecoder
 from .kv.prefix_cache import DECODE_GRAPH, KV_LAYOUTS
-from .manifest import current_export, read_manifest
+from .manifest import current_export, read_manifest, window_unmasked
 from .model import OnnxModel, load_tokenizer
 from .numba_runtime import set_threads
 from .scorer import OnnxScorer, SelfScorer
@@ -31,7 +31,8 @@ def resolve_model_dir(model: str | Path, quiet: bool = True) -> Path:
     if str(model) in EMBEDDED_DIRS:
         d = embedded_model_dir(str(model))
         current = current_export(d)
-        if current and (read_manifest(d).get("prefix_decode") or {}).get("written", True):
+        if current and (read_manifest(d).get("prefix_decode") or {}).get("written", True) and \
+                not window_unmasked(read_manifest(d)):
             return d
         try:
             from .export.convert import ensure_embedded
@@ -82,9 +83,8 @@ def decode_window(manifest: dict, kv_layout: str = "auto") -> int | None:
     """The tokens the decode graph attends to when the model's layers slide a window (Gemma's
     local layers) that the graph does not mask (an export older than the masked window), on the
     layout `kv_layout` picks; None: no limit."""
-    graph = manifest.get("prefix_decode") or {}
-    due = graph.get("written") and not graph.get("window_masked") and kv_layout != "rows"
-    return graph.get("sliding_window") if due else None
+    unmasked = window_unmasked(manifest) and kv_layout != "rows"
+    return manifest["prefix_decode"]["sliding_window"] if unmasked else None
 
 
 def check_size(cfg: DBSConfig, context_tokens: int, manifest: dict, window: int | None = None) -> None:

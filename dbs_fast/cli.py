@@ -404,8 +404,9 @@ def _add_bench(sub):
     p.add_argument("--one-by-one", action="store_true",
                    help="run each contender on its own, one after another (default: onnx-fp32, onnx-int8 and "
                         "torch-fp32 stay loaded together and take turns, generation by generation)")
-    p.add_argument("--contexts", default=None, help="only the context-length arm on the embedded default, e.g. "
+    p.add_argument("--contexts", default=None, help="only the context-length arm (on --model), e.g. "
                    "2,256,1024,2048: seconds per generation, KV bytes and peak RSS per length (contexts.md)")
+    p.add_argument("--model", default="default", help="with --contexts: an exported model dir or an embedded name")
     p.add_argument("--shared", type=int, default=None, help="with --contexts: also the time to the first chunk "
                    "of a request whose first N context tokens another request's context shares (the context store)")
     p.set_defaults(func=_run_bench)
@@ -428,7 +429,7 @@ def _run_bench(a) -> int:
         from .bench.contexts import run_contexts
 
         run_contexts(sorted(lengths), Path(a.out), Path(a.workdir), repeats=a.repeats or 2, threads=a.threads,
-                     shared=a.shared)
+                     model=a.model, shared=a.shared)
         return 0
     try:
         from .bench.suite import CONTENDERS, run_bench

@@ -41,3 +41,10 @@ def read_manifest(model_dir: Path) -> dict:
             raise DBSError(f"{model_dir}: {rel} is {f.stat().st_size} bytes, the manifest says {size} "
                            f"(truncated or replaced); re-export the model")
     return manifest
+
+
+def window_unmasked(manifest: dict) -> bool:
+    """Whether the export's decode graph leaves its layers' sliding window unmasked (written
+    before the graph slid it): a request longer than the window is refused there."""
+    graph = manifest.get("prefix_decode") or {}
+    return bool(graph.get("written") and graph.get("sliding_window") and not graph.get("window_masked"))

@@ -592,3 +592,18 @@ def test_an_embedded_export_without_the_decode_graph_its_family_now_has_is_due(t
 
     assert graph(sliding_window=512)                                  # a graph that does not slide its window
     assert not graph(sliding_window=512, window_masked=True)
+
+
+def test_only_a_graph_that_leaves_its_window_unmasked_limits_a_request_to_the_window():
+    from dbs_fast.api import check_size, decode_window
+    from dbs_fast.config import DBSConfig
+    from dbs_fast.errors import DBSError
+
+    old = {"prefix_decode": {"written": True, "sliding_window": 16}, "max_positions": 4096, "vocab_size": 10,
+           "num_layers": 1, "num_kv_heads": 1, "head_dim": 4}
+    new = {**old, "prefix_decode": {**old["prefix_decode"], "window_masked": True}}
+    assert decode_window(old) == 16 and decode_window(old, "rows") is None and decode_window(new) is None
+    cfg = DBSConfig(max_new_tokens=10)
+    with pytest.raises(DBSError, match="sliding attention window.*--kv-layout rows"):
+        check_size(cfg, 20, old, decode_window(old))
+    check_size(cfg, 20, new, decode_window(new))                      # slid: the model's whole window

@@ -1,6 +1,6 @@
 """`dbs-fast bench --contexts 2,256,1024,2048`: what a longer prompt costs.
 
-One loaded worker per context length (the engine's own `worker_engine`, the embedded default),
+One loaded worker per context length (the engine's own `worker_engine`, the embedded default or `--model`),
 taking turns generation by generation so that the machine's load falls on every length alike:
 the paper's search (b=7, s=10, k=5), 40 new tokens, `stop="max"`, keywords river/doctor/winter,
 after English text cut to N tokens (sentences of CommonGen train, packaged). The workers run

@@ -21,7 +21,12 @@ from dbs_fast.cpu import cpu_signature
 from dbs_fast.errors import DBSError
 from dbs_fast.home import embedded_model_dir
 from dbs_fast.kv.prefix_cache import DECODE_GRAPH
-from dbs_fast.manifest import EXPORT_FORMAT_VERSION, MANIFEST, current_export
+from dbs_fast.manifest import (
+    EXPORT_FORMAT_VERSION,
+    MANIFEST,
+    current_export,
+    window_unmasked,
+)
 from dbs_fast.model import OnnxModel
 
 from . import parity as parity_mod
@@ -462,7 +467,7 @@ def _decode_graph_due(d: Path) -> bool:
 
     m = json.loads((d / MANIFEST).read_text())
     graph = m.get("prefix_decode") or {}
-    if graph.get("written") and graph.get("sliding_window") and not graph.get("window_masked"):
+    if window_unmasked(m):
         return True              # a graph that does not slide its local layers' window
     if graph.get("written", True) or not str(graph.get("reason", "")).startswith("no prefix-shared decode graph for "
                                                                                   "model type"):
