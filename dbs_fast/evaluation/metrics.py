@@ -5,7 +5,10 @@
 - distinct-n of a set of texts: unique n-grams / n-grams, pooled over the set (1 = no n-gram
   is ever reused, across texts too);
 - a word loop in one text: some word three times within five consecutive words ("a summer
-  summer summer winter"), which rep-n of short texts barely shows.
+  summer summer winter"), which rep-n of short texts barely shows;
+- a false sentence end: a text that ends with a period after an abbreviation ("Dr."), an
+  initial ("J.") or a number (a decimal point: "3."), by a list of its own (not the splitter the
+  engine stops by, so that it checks the engine rather than repeating it).
 Words are lower-cased runs of letters/digits; punctuation is not a word.
 
 CommonGen's coverage: the fraction of concepts that the text uses in some form, matched by
@@ -14,7 +17,14 @@ of speech (a word may be covered through any reading of it).
 """
 from __future__ import annotations
 
+import re
+
 from ..text.words import lemmas, words
+
+# abbreviations a sentence does not end at, lower-cased, without their last period
+ABBREVIATIONS = frozenset("dr mr mrs ms mx st jr sr prof mt ft vs etc e.g i.e u.s u.k a.m p.m inc ltd co corp "
+                          "gen gov sen rep col capt lt sgt rev fig approx dept est jan feb mar apr aug sept oct nov dec"
+                          .split())
 
 
 def ngrams(ws: list[str], n: int) -> list[tuple[str, ...]]:
@@ -32,6 +42,16 @@ def word_loop(text: str, times: int = 3, window: int = 5) -> bool:
     ws = words(text)
     spans = (ws[i:i + window] for i in range(max(len(ws) - window + 1, 1)))
     return any(span.count(w) >= times for span in spans for w in set(span))
+
+
+def false_end(text: str) -> bool:
+    """Whether `text` ends with a period that does not end a sentence: after an abbreviation of
+    `ABBREVIATIONS`, a single capital (an initial) or a number (a decimal point to come)."""
+    m = re.search(r"(\S+)\.[\"')\]]*\s*$", text)
+    if m is None:
+        return False
+    last = m.group(1).lstrip("\"'([")
+    return last.lower() in ABBREVIATIONS or re.fullmatch(r"[A-HJ-Z]|\d+|(?:[A-Za-z]\.)+[A-Za-z]", last) is not None
 
 
 def distinct_n(texts, n: int) -> float:
