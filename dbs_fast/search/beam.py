@@ -149,6 +149,16 @@ def uniforms(slots: list, req: np.ndarray) -> np.ndarray:
     return np.concatenate([s.rng.random(n) for s, n in zip(slots, counts)])
 
 
+def set_aside(slots: list[Slot], rows: Rows, done: np.ndarray, want: int) -> np.ndarray:
+    """stop="sentence": the finished candidates `done` (every keyword, then a sentence end or EOS)
+    join their requests' pools and leave the beams; returns the requests whose pool holds `want`
+    different texts."""
+    for q in np.unique(rows.req[done]):
+        slots[q].set_aside(rows.take(np.flatnonzero(done & (rows.req == q))))
+    rows.cum[done] = -np.inf
+    return np.array([len(s.pooled) >= want for s in slots], bool)
+
+
 @dataclass
 class Finished:
     """A request that left the batch: its final beams (request index 0, tokens from column 0)."""
@@ -242,10 +252,9 @@ class BeamSearch:
         text_before = self._texts(rows)
         rows, chunk = self._sample_chunk(rows, text_before, k, bool(last.all()))
         self._quality(rows, text_before, self._scorer_logprobs(rows, chunk, bool(last.all())), k)
-        full = np.zeros(len(self.slots), bool)
-        if cfg.stop == "sentence":      # finished candidates are set aside; the other beams go on
-            full = self._set_aside(rows)
-            rows.ended |= full[rows.req]
+        done = (cfg.stop == "sentence") & quality.finished_rows(rows.ended, self._remaining(rows, 0)) & np.isfinite(rows.cum)
+        full = set_aside(self.slots, rows, done, cfg.finished)   # set aside, the other beams go on; full: they end
+        rows.ended |= full[rows.req]
         keep = quality.select_best(rows.req, rows.cum, cfg.beams)
         self.chunks += 1
         plain = np.bincount(rows.req, minlength=len(self.slots)) * (k - last)
@@ -264,16 +273,6 @@ class BeamSearch:
         finished = Finished.leaving(kept, leave, self.slots, self.candidate_tokens, self.pad)
         self._regrow(rows, keep, leave)
         return finished
-
-    def _set_aside(self, rows: Rows) -> np.ndarray:
-        """stop="sentence": the chunk's finished candidates (every keyword, then a sentence end or
-        EOS) join their requests' pools and leave the beams; returns the requests whose pool is
-        full (`finished` texts)."""
-        done = quality.finished_rows(rows.ended, self._remaining(rows, 0)) & np.isfinite(rows.cum)
-        for q in np.unique(rows.req[done]):
-            self.slots[q].set_aside(rows.take(np.flatnonzero(done & (rows.req == q))))
-        rows.cum[done] = -np.inf
-        return np.array([len(s.pooled) >= self.cfg.finished for s in self.slots], bool)
 
     @timed("kv_gather")
     def _regrow(self, rows: Rows, keep: np.ndarray, leave: np.ndarray) -> None:
