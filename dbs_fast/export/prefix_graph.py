@@ -624,16 +624,19 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
                       "new_mask, context.L.key/value, prefix.L.key/value, chunk.L.key/value", "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved}
 
 
-def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0) -> dict:
-    """decode.onnx against model.onnx of the same export: two left-padded contexts prefilled in
-    one call of each (each graph's own), then 2 beams x s candidates, two chunks of k random tokens with a keep
-    between them; max |logit diff| and mean KL over the prefill and every step."""
+def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0, context: int = 4) -> dict:
+    """decode.onnx against model.onnx of the same export: two left-padded contexts of `context`
+    and `context` - 2 random tokens prefilled in one call of each (each graph's own), then 2 beams
+    x s candidates, two chunks of k random tokens with a keep between them; max |logit diff| and
+    mean KL over the prefill and every step. A `context` longer than the model's sliding window
+    checks the window."""
     import numpy as np
 
     full, dec = OnnxModel(model_dir), PrefixDecoder(model_dir / DECODE_GRAPH)
     rng = np.random.default_rng(seed)
     V = full.vocab_size
-    ctx, mask = rng.integers(1, V, (2, 4)), np.array([[1, 1, 1, 1], [0, 0, 1, 1]])
+    ctx, mask = rng.integers(1, V, (2, context)), np.ones((2, context), np.int64)
+    mask[1, :2] = 0
     ref, past = full.forward(ctx, full.empty_cache(2), mask)
     # each graph goes on from its own prefill: model.onnx may number a left-padded row's positions
     # from its first column (Gemma's export), the decode graph from its first token; RoPE makes
