@@ -3,8 +3,9 @@ English text (the packaged CommonGen dev references, one sentence after another)
 paper's keyword sets, with
 the word-loop rule (the default) and without it (`no_repeat_word_window=0`), the same seeds.
 Reported per arm: texts with a word loop (a word three times within five words), texts that
-stopped at a sentence end that is none (after an abbreviation, an initial or a number:
-`dbs_fast.evaluation.metrics.false_end`), success, new tokens, the judge's perplexity (a model
+stopped at a sentence end that is none (after an abbreviation or an initial:
+`dbs_fast.evaluation.metrics.false_end`) and those that stopped after a number (a year, or a
+decimal point: read them), success, new tokens, the judge's perplexity (a model
 other than the generator) and rep-4, and the texts.
 
     python -m benchmarks.loops --tokens 2000 --n 25 --out runs/loops-long
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from dbs_fast.api import DirectedBeamSearch
-from dbs_fast.evaluation.metrics import false_end, rep_n, word_loop
+from dbs_fast.evaluation.metrics import false_end, number_end, rep_n, word_loop
 from dbs_fast.evaluation.runs import builtin_refs, builtin_sets
 
 
@@ -44,15 +45,16 @@ def contexts(tokenizer, n: int, tokens: int, stride: int) -> list[str]:
     return [tokenizer.decode(ids[i * stride: i * stride + tokens]) for i in range(n)]
 
 
-def false_ends(rows) -> int:
-    """Texts (dicts of `generated`, `stopped`) that stopped at a sentence end that is none."""
-    return int(sum(false_end(r["generated"]) for r in rows if r["stopped"] in ("sentence", "trimmed")))
+def false_ends(rows, rule=false_end) -> int:
+    """Texts (dicts of `generated`, `stopped`) that stopped at a sentence end that is none (or that
+    `rule` finds)."""
+    return int(sum(rule(r["generated"]) for r in rows if r["stopped"] in ("sentence", "trimmed")))
 
 
 def pool(spec: str, out: Path) -> None:
     """One row per arm of the pooled eval runs (`--pool`)."""
     lines = ["| arm | texts | success | judge ppl (mean / median) | rep-4 | texts with a word loop | "
-             "false sentence ends | new tokens | sets whose text changed |", "|---|---|---|---|---|---|---|---|---|"]
+             "false sentence ends (after a number) | new tokens | sets whose text changed |", "|---|---|---|---|---|---|---|---|---|"]
     report, first = {}, None
     for part in spec.split(";"):
         name, dirs = part.split("=", 1)
@@ -63,13 +65,13 @@ def pool(spec: str, out: Path) -> None:
              "judge_ppl_mean": float(np.mean(ppl)), "judge_ppl_median": float(np.median(ppl)),
              "rep_4": float(np.mean([rep_n(r["generated"], 4) for r in rows])),
              "word_loops": int(sum(word_loop(r["generated"]) for r in rows)),
-             "false_ends": false_ends(rows), "new_tokens": float(np.mean([r["new_tokens"] for r in rows])),
+             "false_ends": false_ends(rows), "number_ends": false_ends(rows, number_end), "new_tokens": float(np.mean([r["new_tokens"] for r in rows])),
              "generated": [r["generated"] for r in rows]}
         changed = "" if first is None else f"{sum(x != y for x, y in zip(first, a['generated']))} of {len(rows)}"
         first = a["generated"] if first is None else first
         report[name] = a
         lines.append(f"| {name} | {a['texts']} | {a['success_rate']:.3f} | {a['judge_ppl_mean']:.1f} / "
-                     f"{a['judge_ppl_median']:.1f} | {a['rep_4']:.3f} | {a['word_loops']} | {a['false_ends']} | "
+                     f"{a['judge_ppl_median']:.1f} | {a['rep_4']:.3f} | {a['word_loops']} | {a['false_ends']} ({a['number_ends']}) | "
                      f"{a['new_tokens']:.1f} | "
                      f"{changed} |")
     out.mkdir(parents=True, exist_ok=True)
@@ -112,7 +114,8 @@ def main(argv=None) -> None:
             [(c, g) for (c, _), g in zip(jobs[i:i + 8], gen[i:i + 8])])] if judge else []
         report["arms"][name] = {
             "word_loops": int(sum(map(word_loop, gen))),
-            "false_ends": false_ends([{"generated": g, "stopped": r.stopped} for g, r in zip(gen, res)]),
+            "false_ends": false_ends(ended := [{"generated": g, "stopped": r.stopped} for g, r in zip(gen, res)]),
+            "number_ends": false_ends(ended, number_end),
             "success_rate": float(np.mean([r.success_rate for r in res])),
             "new_tokens": float(np.mean([r.new_tokens for r in res])),
             "rep_4": float(np.mean([rep_n(g, 4) for g in gen])),
@@ -122,11 +125,11 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "loops.json").write_text(json.dumps(report, indent=2))
     lines = [f"{a.n} generations after about {a.tokens} tokens of English text each; judge {a.judge}.", "",
-             "| arm | texts with a word loop | false sentence ends | success | new tokens | rep-4 | judge ppl (median) |",
+             "| arm | texts with a word loop | false sentence ends (after a number) | success | new tokens | rep-4 | judge ppl (median) |",
              "|---|---|---|---|---|---|---|"]
     for name, r in report["arms"].items():
         judged = f"{r['judge_ppl_median']:.1f}" if r["judge_ppl_median"] is not None else "-"
-        lines.append(f"| {name} | {r['word_loops']} of {a.n} | {r['false_ends']} | {r['success_rate']:.3f} | {r['new_tokens']:.1f} | "
+        lines.append(f"| {name} | {r['word_loops']} of {a.n} | {r['false_ends']} ({r['number_ends']}) | {r['success_rate']:.3f} | {r['new_tokens']:.1f} | "
                      f"{r['rep_4']:.3f} | {judged} |")
     (out / "loops.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -141,13 +141,14 @@ def test_word_loop_by_hand():
 @pytest.mark.parametrize("text, false", [
     ("It is one of the town's main rivers, which a doctor named Dr.", True), ("She met Mr.", True),
     ("He lives on Main St.", True), ("Fruit, e.g.", True), ("A trip to the U.S.", True), ("It was John F.", True),
-    ("The price rose to 3.", True), ('He said "Dr."', True),
+    ('He said "Dr."', True), ("The price rose to 3.", False), ("It was in 2012.", False),
     ("The dog caught the frisbee.", False), ('He said "no."', False), ("It was I.", False), ("No period", False),
     ("The doctor said so. Then he left.", False)])
-def test_a_false_sentence_end_is_an_abbreviation_an_initial_or_a_number(text, false):
-    from dbs_fast.evaluation.metrics import false_end
+def test_a_false_sentence_end_is_an_abbreviation_or_an_initial(text, false):
+    from dbs_fast.evaluation.metrics import false_end, number_end
 
     assert false_end(text) is false
+    assert number_end(text) is (text.endswith(("3.", "2012.")))
 
 
 # -- CommonGen ----------------------------------------------------------------------------------

@@ -6,9 +6,10 @@
   is ever reused, across texts too);
 - a word loop in one text: some word three times within five consecutive words ("a summer
   summer summer winter"), which rep-n of short texts barely shows;
-- a false sentence end: a text that ends with a period after an abbreviation ("Dr."), an
-  initial ("J.") or a number (a decimal point: "3."), by a list of its own (not the splitter the
-  engine stops by, so that it checks the engine rather than repeating it).
+- a false sentence end: a text that ends with a period after an abbreviation ("Dr.") or an
+  initial ("J."), by a list of its own (not the splitter the engine stops by, so that it checks
+  the engine rather than repeating it); a number before the period ("in 2012.") ends sentences
+  too often to count as false without reading the text (`number_end` finds those).
 Words are lower-cased runs of letters/digits; punctuation is not a word.
 
 CommonGen's coverage: the fraction of concepts that the text uses in some form, matched by
@@ -44,14 +45,23 @@ def word_loop(text: str, times: int = 3, window: int = 5) -> bool:
     return any(span.count(w) >= times for span in spans for w in set(span))
 
 
+def _before_last_period(text: str) -> str | None:
+    m = re.search(r"(\S+)\.[\"')\]]*\s*$", text)
+    return None if m is None else m.group(1).lstrip("\"'([")
+
+
 def false_end(text: str) -> bool:
     """Whether `text` ends with a period that does not end a sentence: after an abbreviation of
-    `ABBREVIATIONS`, a single capital (an initial) or a number (a decimal point to come)."""
-    m = re.search(r"(\S+)\.[\"')\]]*\s*$", text)
-    if m is None:
-        return False
-    last = m.group(1).lstrip("\"'([")
-    return last.lower() in ABBREVIATIONS or re.fullmatch(r"[A-HJ-Z]|\d+|(?:[A-Za-z]\.)+[A-Za-z]", last) is not None
+    `ABBREVIATIONS` or a single capital (an initial)."""
+    last = _before_last_period(text)
+    return last is not None and (last.lower() in ABBREVIATIONS or
+                                 re.fullmatch(r"[A-HJ-Z]|(?:[A-Za-z]\.)+[A-Za-z]", last) is not None)
+
+
+def number_end(text: str) -> bool:
+    """Whether `text` ends with a period right after a number ("in 2012.", or a decimal point)."""
+    last = _before_last_period(text)
+    return last is not None and re.fullmatch(r"[$£€]?\d[\d,]*", last) is not None
 
 
 def distinct_n(texts, n: int) -> float:
