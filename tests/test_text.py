@@ -118,7 +118,9 @@ def test_an_underscore_piece_continues_the_word_before_it():
     ("The letter was signed by John F.", False),
     ("Ask Prof.", False),
     ("The river is long.", True),
-    ("It happened in 2003.", True),
+    ("It happened in 2003.", False),           # a period after a digit may be a decimal point
+    ("The total cost of a million dollars is $1.", False),
+    ("It happened in 2003!", True),
     ("He shouted: stop!", True),
     ("Is it?", True),
     ('He said "yes."', True),

@@ -110,11 +110,17 @@ _PROBE = " The"
 _TAIL = 80          # characters of the text the decision looks at (a sentence splitter's rules are local)
 
 
+_DIGIT_PERIOD = re.compile(r"\d\.\s*$")
+
+
 def ends_a_sentence_here(text: str) -> bool:
     """Whether `text`, whose last token ends like a sentence (`ends_sentence`), ends one: pySBD (a
     port of the Pragmatic Segmenter's rules) splits `text` + " The" after it. "Dr.", "Mr.", "e.g.",
-    "St." and middle initials do not end a sentence; "U.S." and "p.m." do before a capital."""
-    return _splits(text[-_TAIL:].lstrip())
+    "St." and middle initials do not end a sentence; "U.S." and "p.m." do before a capital. A
+    period right after a digit does not either: it may be a decimal point ("$1." of "$1.5"), and
+    the text cannot see the next token; a sentence that does end after a number ("in 2012.")
+    then ends at its next end."""
+    return _DIGIT_PERIOD.search(text) is None and _splits(text[-_TAIL:].lstrip())
 
 
 @lru_cache(maxsize=4096)
