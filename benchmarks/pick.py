@@ -61,12 +61,14 @@ def main(argv=None) -> None:
     p.add_argument("--run", default="dbs", help="the eval's run to re-pick (default: dbs)")
     p.add_argument("--judge", default="auto", help="a model dir or embedded name (auto: the eval's own judge)")
     p.add_argument("--threads", type=int, default=None, help="the judge's threads (default: all cores)")
+    p.add_argument("--start", type=int, default=0, help="only the sets from this index of the eval's on (default 0)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     src = Path(a.eval)
     summary = json.loads((src / "summary.json").read_text())
     rows = [json.loads(line) for line in (src / "results.jsonl").read_text().splitlines()]
-    rows = sorted((r for r in rows if r["mode"] == a.run and "beams" in r), key=lambda r: r["set"])
+    rows = sorted((r for r in rows if r["mode"] == a.run and "beams" in r and r["set"] >= a.start),
+                  key=lambda r: r["set"])
     if not rows:
         raise SystemExit(f"no rows of run {a.run!r} with their beams in {src}")
     first = summary.get("first_set", 0)
@@ -83,7 +85,8 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     report = {"eval": str(src), "run": a.run, "judge": judge.name if judge else None, "rules": {}}
     examples = sorted(random.Random(0).sample(range(len(rows)), min(3, len(rows))))
-    lines = [f"{len(rows)} sets of `{src}` (run {a.run}), re-picked; judge {report['judge']}.", "",
+    lines = [f"{len(rows)} sets of `{src}` (run {a.run}{f', from its set {a.start}' if a.start else ''}), re-picked; "
+             f"judge {report['judge']}.", "",
              "| pick | changed | finished | " + ("coverage | all concepts | BLEU-4 | CIDEr-D | " if refs else
                                                  "success | ") + "judge ppl (median / mean) | rep-4 | word loops | words |",
              "|---|---|---|" + ("---|---|---|---|" if refs else "---|") + "---|---|---|---|"]
