@@ -100,7 +100,7 @@ class DBSConfig:
                            "sentence end or EOS) a request gathers before it ends; each is set aside and the "
                            "other beams go on (1: the first chunk with one ends the request); --pick chooses "
                            "among them")
-    pick: str = option("q", "--pick", str, "the beam returned: q, the best by the quality score (the paper); "
+    pick: str = option("blend", "--pick", str, "the beam returned: q, the best by the quality score (the paper); "
                        "likelihood, the finished beam with the best mean log-prob per token; consensus, the "
                        "finished beam most like the other finished ones (BLEU-4, minimum Bayes risk); blend, the finished beam "
                        "with the smallest place by Q plus half its place by likelihood", PICKS)
@@ -199,12 +199,14 @@ def body_attr(name: str, key: str) -> str:
 # lambda 1 kept coverage at 0.98 and the sentences' length at people's (dev sets 0-39: lambda 8
 # wrote 6.9-word telegraph, judge perplexity 124; lambda 1, 9.5 words and 49; people, 10.1 and 36).
 # With --guarantee the concepts are forced in time for a 24-token sentence and no sentence ends
-# before they are all in.
+# before they are all in. The sentence returned is picked (`blend`, the default) among 7 finished
+# ones: on all 993 dev sets the judge's median fell from 50.1 (q) to 39.7 (people's 33.4) at the
+# same BLEU-4 (13.4).
 PAPER = {"boost_word_starts": False, "complete_words": False, "alpha_fluent": None, "late_boost_first": False,
          "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "no_repeat_word_window": 0, "stop": "max",
          "pick": "q"}
 COMMONGEN = {"order": "any", "match": "lemma", "max_new_tokens": 40, "lam": 1.0, "reserve_per_keyword": 6,
-             "prompt_style": "few-shot", "shots": 3, "sentence_deadline": 24}
+             "prompt_style": "few-shot", "shots": 3, "sentence_deadline": 24, "finished": 7}
 COMMONGEN_CONTEXT = "Here is one sentence describing an everyday scene:\n"
 DEFAULT_CONTEXT = "It is"           # the context when a request gives none (the paper's examples start so)
 SEED_MAX = 2**63 - 1                # numpy's generators take seeds in 0..2**63-1

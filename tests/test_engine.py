@@ -419,7 +419,7 @@ def test_a_picked_result_is_a_finished_beam_returned_first(dbs, rule):
     """The returned text is the picked beam (first in `beams`), and under q it is the best score;
     a pick changes the returned beam only, never the search. (The random model finishes one beam
     at a time; the rules themselves are tested on hand-made beams above.)"""
-    cfg = replace(SMALL, max_new_tokens=30, guarantee=True)
+    cfg = replace(SMALL, max_new_tokens=30, guarantee=True, pick="q")
     for seed in range(6):
         q = dbs.generate("It is", KW[:2], seed=seed, config=cfg)
         r = dbs.generate("It is", KW[:2], seed=seed, config=replace(cfg, pick=rule))
