@@ -15,6 +15,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from dbs_fast.api import DirectedBeamSearch  # noqa: E402
 from dbs_fast.config import DBSConfig  # noqa: E402
+from dbs_fast.evaluation.metrics import false_end, word_loop  # noqa: E402
 from dbs_fast.serving.service import ServiceOptions, create_app  # noqa: E402
 
 SMALL = {"beams": 2, "candidates": 3, "chunk": 4, "max_new_tokens": 16}
@@ -100,6 +101,7 @@ def test_requests_served_together_get_the_text_they_get_alone(server, dbs):
         cfg_extra = {k: v for k, v in extra.items() if k != "ban"}
         want = dbs.generate(ctx, kw, seed=seed, config=replace(DBSConfig(), **SMALL, **cfg_extra), ban=extra.get("ban"))
         assert got["generated"] == want.generated, (ctx, kw)
+        assert not word_loop(got["generated"]) and not (got["stopped"] == "sentence" and false_end(got["generated"]))
 
 
 @pytest.mark.parametrize("body, field", [
