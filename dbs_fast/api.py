@@ -31,8 +31,8 @@ def resolve_model_dir(model: str | Path, quiet: bool = True) -> Path:
     if str(model) in EMBEDDED_DIRS:
         d = embedded_model_dir(str(model))
         current = current_export(d)
-        if current and (read_manifest(d).get("prefix_decode") or {}).get("written", True) and \
-                not window_unmasked(read_manifest(d)):
+        manifest = read_manifest(d) if current else {}
+        if current and (manifest.get("prefix_decode") or {}).get("written", True) and not window_unmasked(manifest):
             return d
         try:
             from .export.convert import ensure_embedded

@@ -200,8 +200,8 @@ def window_biases(biases, seen, position_ids, context_mask, prefix_mask, chunk_m
 
     b, s, L, H, kv, M = dims.b, dims.s, dims.L, dims.H, dims.kv, dims.M
     g = H // kv
-    q = torch.index_select(position_ids, 0, biases.slot_row) if biases.slot_row is not None else position_ids
-    q = q.reshape(b, s, L, 1).expand(b, s, L, g).reshape(b, -1)                      # (b, s*L*g) query positions
+    slot_pos = position_ids if biases.slot_row is None else torch.index_select(position_ids, 0, biases.slot_row)
+    q = slot_pos.reshape(b, s, L, 1).expand(b, s, L, g).reshape(b, -1)               # (b, s*L*g) query positions
     far = q[:, :, None] - window                                                     # keys at or before it: out
 
     def out(bias, pos):                         # a beam's keys at positions `pos` (b, cols), out of the window
@@ -217,8 +217,7 @@ def window_biases(biases, seen, position_ids, context_mask, prefix_mask, chunk_m
     U = chunk_mask.shape[1]
     c_pos = (beam_ctx + prefix_mask.sum(-1))[:, None] + torch.arange(U)[None]        # (b, U)
     chunk = out(biases.chunk, c_pos)
-    new_pos = position_ids if biases.slot_row is None else torch.index_select(position_ids, 0, biases.slot_row)
-    near = seen & (new_pos[:, None, :] > new_pos[:, :, None] - window)               # (N, L, L)
+    near = seen & (slot_pos[:, None, :] > slot_pos[:, :, None] - window)             # (N, L, L)
     sees_new = near.reshape(b, s, L, 1, L).expand(b, s, L, g, L).reshape(b, 1, s * L * g, L)
     return biases._replace(context=context, prefix=prefix, chunk=chunk, new=mask_bias(sees_new))
 

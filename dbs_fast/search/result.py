@@ -96,7 +96,7 @@ def pick(rule: str, beams: list[dict]) -> int:
         return max(pool, key=lambda j: (logprob(j), -j))
     if rule == "blend":       # rank fusion: the place by Q plus BLEND_WEIGHT x the place by likelihood
         place = {j: n for n, j in enumerate(sorted(pool, key=lambda j: (-logprob(j), j)))}
-        return min(pool, key=lambda j: (pool.index(j) + BLEND_WEIGHT * place[j], j))
+        return min((n + BLEND_WEIGHT * place[j], j) for n, j in enumerate(pool))[1]
     if len(pool) == 1:
         return pool[0]
     from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
