@@ -7,6 +7,11 @@ summed by operator type. Random K/V and token ids: the cost does not depend on t
 Prints ms per step by operator (median step time without the profiler first) and writes the
 same as JSON with --out.
 
+With `--provider cuda` the step runs on ORT's CUDA provider with its inputs and outputs bound on the
+GPU (as the engine's cache is), and the result adds the graph as ORT runs it there: its nodes by
+operator and by provider, the host<->GPU copies ORT inserted (`Memcpy*`), and the step's milliseconds
+per node. A node's profiled time on the GPU is its launch on the host, not its kernel.
+
 ORT's profiler records each node's kernel time with its own cost inside it: on a chain of tiny
 nodes timed with and without the profiler (2-core Zen 2, 2026-11-25, a one-off probe), a Reshape that costs 0.6 us
 was recorded as 9 us, a Relu of 70 x 8 floats (0.5 us) as 6 us, an Add of 70 x 576 (7.6 us) as
@@ -28,12 +33,14 @@ import time
 from pathlib import Path
 
 from dbs_fast.bench.machine import machine
-from dbs_fast.export.timing import feeds, median_run
+from dbs_fast.export.timing import feeds, median_run, median_seconds
 
 
-def _session(model, threads: int | None, prof_dir: str | None = None, optimize: bool = True):
-    """An ORT CPU session of `model` (a path or serialized bytes), profiling into `prof_dir` if given;
-    `optimize=False` keeps the graph as it is (ORT's default options otherwise, which spin)."""
+def _session(model, threads: int | None, prof_dir: str | None = None, optimize: bool = True,
+             provider: str = "cpu", optimized: Path | None = None):
+    """An ORT session of `model` (a path or serialized bytes) on `provider`, profiling into `prof_dir`
+    if given and writing the graph as ORT optimized it to `optimized` if given; `optimize=False` keeps
+    the graph as it is (ORT's default options otherwise, which spin)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -44,34 +51,81 @@ def _session(model, threads: int | None, prof_dir: str | None = None, optimize: 
     so.enable_profiling = prof_dir is not None
     if prof_dir is not None:
         so.profile_file_prefix = str(Path(prof_dir) / "p")
-    return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so,
-                                providers=["CPUExecutionProvider"])
+    if optimized is not None:                            # weights beside it: a graph over 2 GB cannot be one file
+        so.optimized_model_filepath = str(optimized)
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "weights.bin")
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    providers = ["CPUExecutionProvider"]
+    if provider == "cuda":
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise SystemExit(f"--provider cuda: this onnxruntime ({ort.__version__}) has no CUDA provider")
+        if hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so, providers=providers)
 
 
-def _profiled_events(model, x: dict, repeats: int, threads: int | None, optimize: bool = True) -> list[dict]:
+def _runner(sess, x: dict, provider: str):
+    """One run of `sess` on `x`: on the CUDA provider with inputs and outputs bound on the GPU (copied
+    up once), so a run times the graph and not the transfers."""
+    if provider != "cuda":
+        return lambda: sess.run(None, x)
+    import onnxruntime as ort
+
+    binding = sess.io_binding()
+    for name, v in x.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0))
+    for o in sess.get_outputs():
+        binding.bind_output(o.name, "cuda", 0)
+    return lambda: sess.run_with_iobinding(binding)
+
+
+def _profiled_events(model, x: dict, repeats: int, threads: int | None, optimize: bool = True,
+                     provider: str = "cpu") -> list[dict]:
     """The profiler's events of 1 + `repeats` runs of `model` on `x` (the first is cold)."""
     with tempfile.TemporaryDirectory() as d:
-        sess = _session(model, threads, d, optimize)
+        sess = _session(model, threads, d, optimize, provider)
+        run = _runner(sess, x, provider)
         for _ in range(1 + repeats):
-            sess.run(None, x)
+            run()
         return json.loads(Path(sess.end_profiling()).read_text())
 
 
-def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | None) -> dict:
-    plain = _session(graph, threads)
+def placement(graph: Path, threads: int | None, provider: str) -> dict:
+    """The graph as ORT runs it on `provider`: its nodes by operator, and the host<->device copies ORT
+    inserted around nodes left to the CPU (the optimized graph, written out and read back)."""
+    import onnx
+
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "optimized.onnx"
+        _session(graph, threads, provider=provider, optimized=out)
+        ops = collections.Counter(n.op_type for n in onnx.load(str(out), load_external_data=False).graph.node)
+    return {"nodes": sum(ops.values()), "memcpy_nodes": sum(n for op, n in ops.items() if op.startswith("Memcpy")),
+            "by_operator": dict(ops.most_common())}
+
+
+def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | None, provider: str = "cpu") -> dict:
+    plain = _session(graph, threads, provider=provider)
     x = feeds(plain, b, s, T)
-    step = median_run(plain, x, repeats)
+    step = median_seconds(_runner(plain, x, provider), repeats)
     del plain
-    dur, count = by_operator(_profiled_events(graph, x, repeats, threads), skip=1)
+    events = _profiled_events(graph, x, repeats, threads, provider=provider)
+    dur, count = by_operator(events, skip=1)
     total = sum(dur.values())
-    over = profiler_overhead_us(threads)
+    over = profiler_overhead_us(threads) if provider == "cpu" else 0.0
     ops = [{"op": op, "ms_per_step": us / repeats / 1e3, "share": us / total, "nodes_per_step": count[op] / repeats,
             "ms_less_overhead": max(0.0, us - over * count[op]) / repeats / 1e3}
            for op, us in dur.most_common()]
-    return {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "graph": str(graph),
-            "beams": b, "candidates": s, "prefix": T, "step_ms_median": 1e3 * step,
-            "profiled_ms_per_step": total / repeats / 1e3, "profiler_overhead_us": over,
-            "ms_less_overhead_per_step": sum(o["ms_less_overhead"] for o in ops), "ops": ops}
+    r = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "graph": str(graph), "provider": provider,
+         "beams": b, "candidates": s, "prefix": T, "step_ms_median": 1e3 * step,
+         "profiled_ms_per_step": total / repeats / 1e3, "profiler_overhead_us": over,
+         "ms_less_overhead_per_step": sum(o["ms_less_overhead"] for o in ops), "ops": ops}
+    if provider == "cuda":
+        nodes = collections.Counter(e["args"].get("provider", "?") for e in _warm_nodes(events, skip=1))
+        r["nodes_per_step_by_provider"] = {p: n / repeats for p, n in nodes.items()}
+        r["placement"] = placement(graph, threads, provider)
+        r["step_us_per_node"] = 1e3 * r["step_ms_median"] / max(1, r["placement"]["nodes"])
+    return r
 
 
 def profiler_overhead_us(threads: int | None, nodes: int = 400, repeats: int = 7) -> float:
@@ -118,18 +172,26 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix", type=int, default=47, help="prefix length T (47: the middle of the paper's run)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: ORT's CUDA provider, inputs and outputs bound on the GPU (onnxruntime-gpu)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     a = ap.parse_args(argv)
     graph = Path(a.model) / "decode.onnx"
     if not graph.is_file():
         ap.error(f"{graph} not found: export the model with this version (`dbs-fast export`)")
-    r = profile(graph, a.beams, a.candidates, a.prefix, a.repeats, a.threads)
+    r = profile(graph, a.beams, a.candidates, a.prefix, a.repeats, a.threads, a.provider)
     print(f"{graph}: {r['step_ms_median']:.1f} ms per step (median, no profiler); by operator: profiled "
           f"{r['profiled_ms_per_step']:.1f} ms, less the profiler's {r['profiler_overhead_us']:.1f} us per node "
           f"{r['ms_less_overhead_per_step']:.1f} ms")
     for o in r["ops"][:15]:
         print(f"  {o['op']:28s} {o['ms_per_step']:7.1f} ms  {100 * o['share']:5.1f}%  {o['nodes_per_step']:5.0f} nodes"
               f"  less overhead {o['ms_less_overhead']:7.1f} ms")
+    if "placement" in r:
+        pl = r["placement"]
+        print(f"  on {a.provider}: {pl['nodes']} nodes after ORT's optimization ({pl['memcpy_nodes']} host<->GPU copies), "
+              f"{r['step_us_per_node']:.2f} us of the step per node; nodes run by provider: "
+              + ", ".join(f"{p} {n:.0f}" for p, n in r["nodes_per_step_by_provider"].items()))
+        print("  optimized graph by operator: " + ", ".join(f"{op} {n}" for op, n in list(pl["by_operator"].items())[:20]))
     if a.out:
         Path(a.out).write_text(json.dumps(r, indent=2))
     return 0
