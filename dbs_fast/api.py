@@ -18,7 +18,7 @@ from .numba_runtime import set_threads
 from .scorer import OnnxScorer, SelfScorer
 from .search.beam import BeamSearch, Finished, Request, certain_text
 from .search.result import GenerationResult, build_result, json_safe  # noqa: F401  (json_safe: part of the API)
-from .text import constraints, occurrence, prompt
+from .text import constraints, occurrence, openings, prompt
 from .text.chat import ChatTemplate
 from .text.embeddings import Embeddings, SimilarityTable
 
@@ -296,8 +296,24 @@ class DirectedBeamSearch:
                       for k in kws]
         ban_seqs = constraints.ban_sequences(enc, bans)
         heal = self._heal(ids, cfg, sum(map(len, force)), ban_seqs) if plain else None
-        return Request(heal.context_ids if heal else ids, kws, int(seed), boosts, force, phrases,
-                       ban_seqs, context, heal=heal)
+        req_ids = heal.context_ids if heal else ids
+        return Request(req_ids, kws, int(seed), boosts, force, phrases, ban_seqs, context, heal=heal,
+                       openings=self._openings(context, kws, cfg, len(ids) - len(req_ids)) if plain else [])
+
+    def _openings(self, context: str, kws, cfg: DBSConfig, healed: int) -> list[tuple]:
+        """The token sequences of `cfg.openings`' phrases after `context` (from the token the healing
+        re-writes, if any), each as the context and the phrase tokenise together; a phrase that
+        would change the context's own tokens is left out."""
+        if cfg.openings == "none":
+            return []
+        ctx = self._pieces(context)
+        keep = len(ctx) - healed
+        out = []
+        for phrase in openings.subject_phrases([k.text for k in kws], cfg.beams * (cfg.candidates - 1)):
+            ids = self._pieces(openings.opening_text(context, phrase))
+            if ids[:keep] == ctx[:keep] and len(ids) > keep:
+                out.append(tuple(ids[keep:]))
+        return out
 
     def prefill_left(self, request: Request) -> int:
         """Context tokens that `request`'s admission would prefill now (all but what the context

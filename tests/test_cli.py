@@ -18,7 +18,7 @@ BAD_OPTION = {
     "order": ("sideways", "--order"), "match": ("prefix", "--match"),
     "repetition_penalty": ("0", "`repetition_penalty`"), "no_repeat_ngram_size": ("-1", "`no_repeat_ngram_size`"),
     "no_repeat_word_window": ("1", "`no_repeat_word_window`"), "pick": ("best", "--pick"),
-    "finished": ("0", "`finished`"),
+    "finished": ("0", "`finished`"), "openings": ("verbs", "--openings"),
     "stop": ("eventually", "--stop"), "beams_type": ("many", "--beams"),
     "prompt_style": ("loud", "--prompt-style"), "heal": ("maybe", "--heal"), "shots": ("201", "`shots`"),
     "sentence_deadline": ("-1", "`sentence_deadline`"), "min_sentence": ("-1", "`min_sentence`"),

@@ -431,3 +431,31 @@ def test_a_picked_result_is_a_finished_beam_returned_first(dbs, rule):
             assert r.beams[0]["finished"]
             if rule == "likelihood":
                 assert r.beams[0]["logprob"] == max(b["logprob"] for b in finished)
+
+
+def test_openings_begin_the_first_chunks_candidates(dbs):
+    """With openings, a request's first chunk has b*s rows: one begun with each subject phrase (the
+    context and the phrase tokenised together, from the token the healing re-writes), at least b
+    drawing freely; the quality score then keeps b, and the text continues the context."""
+    from dbs_fast.text.openings import opening_text, subject_phrases
+
+    cfg = replace(SMALL, openings="subjects")
+    context = "Here is one scene:\n"
+    req = dbs.request(context, KW, seed=2, config=cfg)
+    phrases = subject_phrases(KW, cfg.beams * (cfg.candidates - 1))
+    assert len(req.openings) == len(phrases) > 0
+    healed = dbs.backend.decode_batch([req.context_ids])[0]
+    assert [healed + dbs.backend.decode_batch([list(s)])[0] for s in req.openings] == \
+        [opening_text(context, p) for p in phrases]
+    search = dbs.beam_search(cfg)
+    search.admit([req])
+    rows, n = search.rows, cfg.beams * cfg.candidates
+    seeded = min(len(req.openings), n - cfg.beams)
+    assert len(rows.req) == n and (rows.fseq[:seeded] >= 0).all() and (rows.fseq[seeded:] < 0).all()
+    rows, _ = search._sample_chunk(rows, search._texts(rows), cfg.chunk, False)
+    for i, seq in enumerate(req.openings[:seeded]):
+        m = min(len(seq), cfg.chunk)
+        assert list(rows.tokens[i, :m]) == list(seq[:m])
+    r = dbs.generate(context, KW, seed=2, config=cfg)
+    assert r.text == context + r.generated and r.text == dbs.generate(context, KW, seed=2, config=cfg).text
+    assert dbs.request("It is", KW, seed=2).openings == []                    # off by default

@@ -143,3 +143,14 @@ def test_the_certain_text_stops_at_the_last_real_sentence_end():
     assert certain_length(seqs, end) == 5
     assert certain_length(seqs, end, is_end=lambda n: n != 5) == 3        # the 2nd "." follows "Dr"
     assert certain_length(seqs, end, is_end=lambda n: False) == 0
+
+
+def test_subject_phrases_put_the_concepts_first_then_people():
+    from dbs_fast.text.openings import PEOPLE, opening_text, subject_phrases
+
+    assert subject_phrases(["dog", "apple", "Paris", "ice cream"], 100) == \
+        ["The dog", "A dog", "The apple", "An apple", *PEOPLE]        # one lower-case word each
+    assert subject_phrases(["man"], 3) == ["The man", "A man", "A woman"]  # no phrase twice
+    assert subject_phrases(["dog"], 0) == []
+    assert opening_text("A scene:\n", "The dog") == "A scene:\nThe dog"
+    assert opening_text("It is", "The dog") == "It is The dog" and opening_text("", "A man") == "A man"

@@ -35,6 +35,7 @@ class Request:
     bans: list[tuple] = field(default_factory=list)     # banned token sequences
     context: str = ""                                   # the context as given (for the result)
     heal: Healing | None = None                         # token healing: the first token re-writes `heal.tail`
+    openings: list[tuple] = field(default_factory=list)  # token sequences that open first-chunk candidates
     merged: dict = field(default_factory=dict, repr=False)  # order="any": mask -> merged boost, cached
 
 
@@ -295,7 +296,8 @@ class BeamSearch:
         t0 = time.perf_counter()
         contexts = [r.context_ids for r in requests]
         pending, cache = self.be.prefill(contexts)                   # (Q, V)
-        first = np.repeat(np.arange(len(requests)), self.cfg.beams)  # step 1: b beams per request
+        per = self._first_rows
+        first = np.repeat(np.arange(len(requests)), per)             # step 1: b beams per request
         pending, cache = self.be.gather(pending, cache, first)
         self.scorer.admit(contexts, first)
         rows = Rows.new(first + len(self.slots), 0 if self.rows is None else self.rows.tokens.shape[1], self.pad)
@@ -304,8 +306,23 @@ class BeamSearch:
         else:
             self.rows = Rows.concat([self.rows, rows])
             self.pending, self.cache = self.be.join(self.pending, self.cache, pending, cache)
+        q0 = len(self.slots)
         self.slots += [Slot(r, np.random.default_rng(r.seed), t0, self.candidate_tokens) for r in requests]
         self._index()
+        self._open(len(self.rows.req) - len(first), q0, per)
+
+    @property
+    def _first_rows(self) -> int:
+        """Rows of a request's first chunk: b beams, or b*s candidates when openings seed some."""
+        return self.cfg.beams * (self.cfg.candidates if self.cfg.openings != "none" else 1)
+
+    def _open(self, row0: int, q0: int, per: int) -> None:
+        """The first rows of each joining request (requests q0.., `per` rows each from `row0`) begin
+        with its openings, forced; at least b rows draw freely."""
+        for q in range(q0, len(self.slots)):
+            seqs = self.tables.openings[q][:per - self.cfg.beams]
+            start = row0 + (q - q0) * per
+            self.rows.fseq[start:start + len(seqs)], self.rows.fpos[start:start + len(seqs)] = seqs, 0
 
     def drop(self, requests) -> None:
         """Cancel `requests` (between chunks): their rows leave, no result."""

@@ -26,6 +26,7 @@ class BatchTables:
     force_idx: np.ndarray        # (Q, K) int64 keyword -> its forced sequence in `forced`, -1 none
     need: np.ndarray             # (Q, K) int64 ... and that sequence's length
     phrases: list                # per request: [(keyword bit, first word's tokens, whole phrase's sequence)]
+    openings: list               # per request: its openings' sequences in `forced`
     seq_ptr: np.ndarray          # `forced` as CSR: sequence i is seq_tok[seq_ptr[i]:seq_ptr[i + 1]]
     seq_tok: np.ndarray
     bans: tuple | None           # (group_ptr, seq_ptr, seq_tok) of the ban groups, None: no bans at all
@@ -50,6 +51,7 @@ class BatchTables:
             for i, seq in enumerate(r.force):
                 force_idx[q, i], need[q, i] = forced.add(seq), len(seq)
             phrases.append([(1 << i, head, forced.add(whole)) for i, head, whole in r.phrases])
+        openings = [[forced.add(seq) for seq in r.openings] for r in requests]
         seq_ptr, seq_tok = forced.arrays()
         # ban groups: request q's bans, plus EOS while a keyword is missing (under guarantee: to the
         # budget's end; with a sentence deadline: every sentence end too, to the deadline without
@@ -67,7 +69,7 @@ class BatchTables:
             n_kw=n_kw, full=(np.left_shift(1, n_kw) - 1).astype(np.int64), word_base=word_base,
             boosts=BoostTable([b for r in requests for b in r.boosts],
                               {int(base): r.merged for base, r in zip(word_base, requests)}),
-            forced=forced, force_idx=force_idx, need=need, phrases=phrases, seq_ptr=seq_ptr, seq_tok=seq_tok,
+            forced=forced, force_idx=force_idx, need=need, phrases=phrases, openings=openings, seq_ptr=seq_ptr, seq_tok=seq_tok,
             bans=bans, ban_group=ban_group, multi_bans=any(len(b) > 1 for r in requests for b in r.bans))
 
     def remap_forcing(self, fseq: np.ndarray, before: "BatchTables") -> None:
