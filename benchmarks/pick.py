@@ -24,15 +24,35 @@ from dbs_fast.evaluation.runs import builtin_refs, commongen_scores
 from dbs_fast.search.result import pick
 from dbs_fast.text.words import words
 
+ORDERLESS = ("likelihood", "consensus")     # rules that read no place by Q (but to break ties)
 
-def repick(rows: list[dict], rule: str) -> list[dict]:
+
+def q_order(r: dict) -> list[int] | None:
+    """The indices of a row's beams in their order by Q, which `pick` reads as their places: by
+    each beam's `rank`; the stored order where the run picked by Q (the picked beam comes first
+    and was the best by Q); None where neither holds (a run picked otherwise, without ranks)."""
+    beams = r["beams"]
+    if all("rank" in b for b in beams):
+        return sorted(range(len(beams)), key=lambda j: beams[j]["rank"])
+    return list(range(len(beams))) if r.get("config", {}).get("pick", "q") == "q" else None
+
+
+def repick(rows: list[dict], rule: str) -> list[dict] | None:
     """The rows with `generated` as `rule` would have returned it (the run's own text where the
-    rule picks the beam the run returned: that one may be trimmed back to a sentence end)."""
+    rule picks the beam the run returned: that one may be trimmed back to a sentence end); None
+    where the beams' order by Q, which the rule reads, is not known (the run's own rule is its text)."""
     out = []
     for r in rows:
         beams = [{**b, "score": -np.inf if b["score"] is None else b["score"],
                   "logprob": np.nan if b["logprob"] is None else b["logprob"]} for b in r["beams"]]
-        j = pick(rule, beams)
+        order = q_order(r)
+        if r.get("config", {}).get("pick", "q") == rule:
+            j = 0                                       # the run's own pick
+        elif order is None and rule not in ORDERLESS:
+            return None
+        else:
+            order = order or list(range(len(beams)))
+            j = order[pick(rule, [beams[o] for o in order])]
         out.append({**r, "generated": r["generated"] if j == 0 else beams[j]["text"], "picked": j})
     return out
 
@@ -90,9 +110,14 @@ def main(argv=None) -> None:
              "| pick | changed | finished | " + ("coverage | all concepts | BLEU-4 | CIDEr-D | " if refs else
                                                  "success | ") + "judge ppl (median / mean) | rep-4 | word loops | words |",
              "|---|---|---|" + ("---|---|---|---|" if refs else "---|") + "---|---|---|---|"]
-    texts = {}
+    texts, rules = {}, []
     for rule in PICKS:
         picked = repick(rows, rule)
+        if picked is None:
+            lines.append(f"| {rule} | the beams' order by Q is not stored (a run picked by "
+                         f"{rows[0]['config'].get('pick')} before beams had `rank`) |")
+            continue
+        rules.append(rule)
         s = score(picked, judge, refs)
         report["rules"][rule] = s
         texts[rule] = [picked[i]["generated"] for i in examples]
@@ -104,8 +129,8 @@ def main(argv=None) -> None:
     lines += ["", "Examples (sets picked by seed 0):", ""]
     for n, i in enumerate(examples):
         lines.append(f"- set {first + rows[i]['set']} ({', '.join(rows[i]['keywords'])}):")
-        lines += [f"  - {rule}: {json.dumps(texts[rule][n].strip())}" for rule in PICKS]
-    report["examples"] = {rule: texts[rule] for rule in PICKS}
+        lines += [f"  - {rule}: {json.dumps(texts[rule][n].strip())}" for rule in rules]
+    report["examples"] = {rule: texts[rule] for rule in rules}
     (out / "pick.json").write_text(json.dumps(report, indent=2))
     (out / "pick.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

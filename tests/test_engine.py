@@ -425,6 +425,7 @@ def test_a_picked_result_is_a_finished_beam_returned_first(dbs, rule):
         r = dbs.generate("It is", KW[:2], seed=seed, config=replace(cfg, pick=rule))
         assert sorted(map(str, q.beams)) == sorted(map(str, r.beams))      # the same search
         assert q.beams[0]["score"] == max(b["score"] for b in q.beams)
+        assert [b["text"] for b in sorted(r.beams, key=lambda b: b["rank"])] == [b["text"] for b in q.beams]
         assert r.beams[0]["text"].startswith(r.generated)
         finished = [b for b in r.beams if b["finished"]]
         if finished:
@@ -459,3 +460,23 @@ def test_openings_begin_the_first_chunks_candidates(dbs):
     r = dbs.generate(context, KW, seed=2, config=cfg)
     assert r.text == context + r.generated and r.text == dbs.generate(context, KW, seed=2, config=cfg).text
     assert dbs.request("It is", KW, seed=2).openings == []                    # off by default
+
+
+def test_a_repick_reads_the_beams_order_by_q():
+    """`benchmarks.pick` re-picks stored beams in their order by Q: by `rank` where stored, the
+    stored order where the run picked by Q, and only the rules that read no order otherwise."""
+    from benchmarks.pick import repick
+
+    def row(pick, beams):
+        return {"generated": beams[0]["text"], "config": {"pick": pick}, "beams": beams}
+
+    a, b, c = ({"text": t, "score": sc, "finished": True, "logprob": lp} for t, sc, lp in
+               [("a.", 3.0, -3.0), ("b.", 2.0, -1.0), ("c.", 1.0, -2.0)])
+    ranked = row("likelihood", [dict(b, rank=1), dict(a, rank=0), dict(c, rank=2)])   # the likeliest first
+    assert [r["generated"] for r in repick([ranked], "q")] == ["a."]
+    assert [r["generated"] for r in repick([ranked], "likelihood")] == ["b."]
+    assert [r["generated"] for r in repick([ranked], "blend")] == ["a."]     # 0 + 2/2 ties b's 1 + 0: to Q
+    assert [r["generated"] for r in repick([row("q", [a, b, c])], "q")] == ["a."]
+    unranked = row("blend", [b, a, c])
+    assert repick([unranked], "q") is None and [r["generated"] for r in repick([unranked], "blend")] == ["b."]
+    assert [r["generated"] for r in repick([unranked], "likelihood")] == ["b."]

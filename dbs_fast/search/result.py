@@ -132,7 +132,7 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
         if t not in seen:
             seen.add(t)
             n = int(rows.n_tok[i])
-            beams.append({"text": t, "score": float(rows.cum[i]),
+            beams.append({"text": t, "score": float(rows.cum[i]), "rank": len(beams),
                           "finished": bool(finished[i]),
                           "logprob": float(rows.logp[i, :n].mean()) if n else float("nan"), "row": int(i)})
     chosen = pick(cfg.pick, beams)
