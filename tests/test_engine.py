@@ -480,3 +480,15 @@ def test_a_repick_reads_the_beams_order_by_q():
     unranked = row("blend", [b, a, c])
     assert repick([unranked], "q") is None and [r["generated"] for r in repick([unranked], "blend")] == ["b."]
     assert [r["generated"] for r in repick([unranked], "likelihood")] == ["b."]
+
+
+def test_a_pick_passes_over_a_word_loop():
+    """Every rule but q returns a finished candidate without a word loop where one has none: the
+    kernel bans loops of one-token words, not of words of several tokens."""
+    from dbs_fast.search.result import pick
+
+    beams = [{"text": t, "score": sc, "finished": True, "logprob": lp} for t, sc, lp in
+             [("The birdie hit a racket at the racket racket.", 3.0, -1.0), ("The birdie hit the racket.", 2.0, -1.1)]]
+    assert [pick(rule, beams) for rule in ("q", "likelihood", "blend", "consensus")] == [0, 1, 1, 1]
+    looped = [dict(b, text="a racket racket racket.") for b in beams]
+    assert pick("likelihood", looped) == 0                               # all loop: the rule as it was

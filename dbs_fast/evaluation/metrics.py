@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from ..text.words import lemmas, words
+from ..text.words import lemmas, word_loop, words  # noqa: F401 (word_loop: the metric)
 
 # abbreviations a sentence does not end at, lower-cased, without their last period
 ABBREVIATIONS = frozenset("dr mr mrs ms mx st jr sr prof mt ft vs etc e.g i.e u.s u.k a.m p.m inc ltd co corp "
@@ -36,13 +36,6 @@ def rep_n(text: str, n: int) -> float:
     """1 - unique/total n-grams of one text; 0.0 for a text with no n-gram."""
     g = ngrams(words(text), n)
     return 1.0 - len(set(g)) / len(g) if g else 0.0
-
-
-def word_loop(text: str, times: int = 3, window: int = 5) -> bool:
-    """Whether some word occurs `times` times within `window` consecutive words of `text`."""
-    ws = words(text)
-    spans = (ws[i:i + window] for i in range(max(len(ws) - window + 1, 1)))
-    return any(span.count(w) >= times for span in spans for w in set(span))
 
 
 def _before_last_period(text: str) -> str | None:

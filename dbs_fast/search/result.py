@@ -12,7 +12,7 @@ import numpy as np
 from ..config import DBSConfig
 from ..text import occurrence
 from ..text.constraints import Keyword
-from ..text.words import words
+from ..text.words import word_loop, words
 from .beam import Finished
 
 
@@ -81,7 +81,8 @@ BLEND_WEIGHT = 0.5    # "blend": the weight of a beam's place by likelihood besi
 def pick(rule: str, beams: list[dict]) -> int:
     """Which of `beams` (dicts of text, score, finished, logprob; by score, best first) is returned:
     "q" the first (the paper's); otherwise among the finished beams (else those still scored, else
-    all), "likelihood" the best mean log-prob per token, "consensus" the one with the highest
+    all), those without a word loop where any has none (a word of several tokens, which the
+    kernel's word-loop rule does not see: "a racket racket"), "likelihood" the best mean log-prob per token, "consensus" the one with the highest
     mean BLEU-4 against the others (minimum Bayes risk decoding; nltk's BLEU, smoothed) and
     "blend" the smallest place by Q plus half its place by likelihood (rank fusion: 0 is the
     best). Ties go to the better score."""
@@ -89,6 +90,7 @@ def pick(rule: str, beams: list[dict]) -> int:
         return 0
     pool = [j for j, b in enumerate(beams) if b["finished"]] or \
         [j for j, b in enumerate(beams) if math.isfinite(b["score"])] or [0]
+    pool = [j for j in pool if not word_loop(beams[j]["text"])] or pool   # no word loop where one has none
     def logprob(j: int) -> float:
         return beams[j]["logprob"] if math.isfinite(beams[j]["logprob"]) else -math.inf
 

@@ -40,3 +40,10 @@ class Keyword:
     def phrases(self) -> list[str]:
         """Each alternative as written (words joined by spaces)."""
         return self.text.split("|")
+
+
+def word_loop(text: str, times: int = 3, window: int = 5) -> bool:
+    """Whether some word occurs `times` times within `window` consecutive words of `text`."""
+    ws = words(text)
+    spans = (ws[i:i + window] for i in range(max(len(ws) - window + 1, 1)))
+    return any(span.count(w) >= times for span in spans for w in set(span))
