@@ -208,7 +208,7 @@ def body_attr(name: str, key: str) -> str:
 # ones. The first chunk's candidates open with subject phrases ("The dog", "A man"): on dev sets
 # 100-249 BLEU-4 rose from 10.0 to 14.3 and CIDEr-D from 10.47 to 13.07, the judge's median level
 # (39.6, 40.1). With openings the likeliest finished sentence (`likelihood`) is returned: on all
-# 993 dev sets BLEU-4 15.5, CIDEr-D 12.14, judge median 34.9 (people's 33.4), where `blend` gave
+# 993 dev sets BLEU-4 15.6, CIDEr-D 12.15, judge median 34.9 (people's 33.4), where `blend` gave
 # 16.5, 12.56 and 43.8; without openings `blend` gave 13.4, 10.62 and 39.7.
 PAPER = {"boost_word_starts": False, "complete_words": False, "alpha_fluent": None, "late_boost_first": False,
          "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "no_repeat_word_window": 0, "stop": "max",
