@@ -27,6 +27,11 @@ from dbs_fast.text.words import words
 ORDERLESS = ("likelihood", "consensus")     # rules that read no place by Q (but to break ties)
 
 
+def own_rule(r: dict) -> str:
+    """The rule the run picked this row's text by (runs before `pick` existed: q)."""
+    return r.get("config", {}).get("pick", "q")
+
+
 def q_order(r: dict) -> list[int] | None:
     """The indices of a row's beams in their order by Q, which `pick` reads as their places: by
     each beam's `rank`; the stored order where the run picked by Q (the picked beam comes first
@@ -34,7 +39,7 @@ def q_order(r: dict) -> list[int] | None:
     beams = r["beams"]
     if all("rank" in b for b in beams):
         return sorted(range(len(beams)), key=lambda j: beams[j]["rank"])
-    return list(range(len(beams))) if r.get("config", {}).get("pick", "q") == "q" else None
+    return list(range(len(beams))) if own_rule(r) == "q" else None
 
 
 def repick(rows: list[dict], rule: str) -> list[dict] | None:
@@ -46,7 +51,7 @@ def repick(rows: list[dict], rule: str) -> list[dict] | None:
         beams = [{**b, "score": -np.inf if b["score"] is None else b["score"],
                   "logprob": np.nan if b["logprob"] is None else b["logprob"]} for b in r["beams"]]
         order = q_order(r)
-        if r.get("config", {}).get("pick", "q") == rule:
+        if own_rule(r) == rule:
             j = 0                                       # the run's own pick
         elif order is None and rule not in ORDERLESS:
             return None
@@ -115,7 +120,7 @@ def main(argv=None) -> None:
         picked = repick(rows, rule)
         if picked is None:
             lines.append(f"| {rule} | the beams' order by Q is not stored (a run picked by "
-                         f"{rows[0]['config'].get('pick')} before beams had `rank`) |")
+                         f"{own_rule(rows[0])} before beams had `rank`) |")
             continue
         rules.append(rule)
         s = score(picked, judge, refs)

@@ -309,7 +309,7 @@ class DirectedBeamSearch:
         ctx = self._pieces(context)
         keep = len(ctx) - healed
         out = []
-        for phrase in openings.subject_phrases([k.text for k in kws], cfg.beams * (cfg.candidates - 1)):
+        for phrase in openings.subject_phrases([k.text for k in kws], cfg.opened_rows):
             ids = self._pieces(openings.opening_text(context, phrase))
             if ids[:keep] == ctx[:keep] and len(ids) > keep:
                 out.append(tuple(ids[keep:]))

@@ -168,6 +168,16 @@ class DBSConfig:
                                "pip install lemminflect", "match", self.match)
 
     @property
+    def first_rows(self) -> int:
+        """Rows of a request's first chunk: b beams, or b*s candidates when openings seed some."""
+        return self.beams * (self.candidates if self.openings != "none" else 1)
+
+    @property
+    def opened_rows(self) -> int:
+        """Of those, the most that openings begin: all but b, which draw freely."""
+        return self.first_rows - self.beams
+
+    @property
     def needs_sentence_ends(self) -> bool:
         """Whether the search reads the sentence-end token table (stopping, deadlines, bans)."""
         return self.stop == "sentence" or bool(self.sentence_deadline) or bool(self.min_sentence)

@@ -296,8 +296,7 @@ class BeamSearch:
         t0 = time.perf_counter()
         contexts = [r.context_ids for r in requests]
         pending, cache = self.be.prefill(contexts)                   # (Q, V)
-        per = self._first_rows
-        first = np.repeat(np.arange(len(requests)), per)             # step 1: b beams per request
+        first = np.repeat(np.arange(len(requests)), self.cfg.first_rows)   # step 1: b beams (b*s) per request
         pending, cache = self.be.gather(pending, cache, first)
         self.scorer.admit(contexts, first)
         rows = Rows.new(first + len(self.slots), 0 if self.rows is None else self.rows.tokens.shape[1], self.pad)
@@ -309,18 +308,14 @@ class BeamSearch:
         q0 = len(self.slots)
         self.slots += [Slot(r, np.random.default_rng(r.seed), t0, self.candidate_tokens) for r in requests]
         self._index()
-        self._open(len(self.rows.req) - len(first), q0, per)
+        self._open(len(self.rows.req) - len(first), q0)
 
-    @property
-    def _first_rows(self) -> int:
-        """Rows of a request's first chunk: b beams, or b*s candidates when openings seed some."""
-        return self.cfg.beams * (self.cfg.candidates if self.cfg.openings != "none" else 1)
-
-    def _open(self, row0: int, q0: int, per: int) -> None:
-        """The first rows of each joining request (requests q0.., `per` rows each from `row0`) begin
-        with its openings, forced; at least b rows draw freely."""
+    def _open(self, row0: int, q0: int) -> None:
+        """The first rows of each joining request (requests q0.., `first_rows` rows each from `row0`)
+        begin with its openings, forced; at least b rows draw freely."""
+        per = self.cfg.first_rows
         for q in range(q0, len(self.slots)):
-            seqs = self.tables.openings[q][:per - self.cfg.beams]
+            seqs = self.tables.openings[q][:self.cfg.opened_rows]
             start = row0 + (q - q0) * per
             self.rows.fseq[start:start + len(seqs)], self.rows.fpos[start:start + len(seqs)] = seqs, 0
 

@@ -82,8 +82,8 @@ def pick(rule: str, beams: list[dict]) -> int:
     """Which of `beams` (dicts of text, score, finished, logprob; by score, best first) is returned:
     "q" the first (the paper's); otherwise among the finished beams (else those still scored, else
     all), those without a word loop where any has none (a word of several tokens, which the
-    kernel's word-loop rule does not see: "a racket racket"), "likelihood" the best mean log-prob per token, "consensus" the one with the highest
-    mean BLEU-4 against the others (minimum Bayes risk decoding; nltk's BLEU, smoothed) and
+    kernel's word-loop rule does not see: "a racket racket"), "likelihood" the best mean log-prob
+    per token, "consensus" the one with the highest mean BLEU-4 against the others (minimum Bayes risk decoding; nltk's BLEU, smoothed) and
     "blend" the smallest place by Q plus half its place by likelihood (rank fusion: 0 is the
     best). Ties go to the better score."""
     if rule == "q" or len(beams) == 1:
