@@ -99,9 +99,22 @@ def placement(graph: Path, threads: int | None, provider: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "optimized.onnx"
         _session(graph, threads, provider=provider, optimized=out)
-        ops = collections.Counter(n.op_type for n in onnx.load(str(out), load_external_data=False).graph.node)
-    return {"nodes": sum(ops.values()), "memcpy_nodes": sum(n for op, n in ops.items() if op.startswith("Memcpy")),
+        ops = collections.Counter(op for op in _ops(onnx.load(str(out), load_external_data=False).graph))
+    raw = onnx.load(str(graph), load_external_data=False).graph
+    layers = sum(i.name.startswith("prefix.") for i in raw.input) // 2
+    nodes = sum(ops.values())
+    return {"nodes": nodes, "layers": layers, "nodes_per_layer": nodes / max(1, layers),
+            "memcpy_nodes": sum(n for op, n in ops.items() if op.startswith("Memcpy")),
             "by_operator": dict(ops.most_common())}
+
+
+def _ops(graph):
+    """The operator of every node of `graph`, those inside its If, Loop and Scan bodies too."""
+    for n in graph.node:
+        yield n.op_type
+        for a in n.attribute:
+            for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                yield from _ops(g)
 
 
 def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | None, provider: str = "cpu") -> dict:
@@ -120,11 +133,11 @@ def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | No
          "beams": b, "candidates": s, "prefix": T, "step_ms_median": 1e3 * step,
          "profiled_ms_per_step": total / repeats / 1e3, "profiler_overhead_us": over,
          "ms_less_overhead_per_step": sum(o["ms_less_overhead"] for o in ops), "ops": ops}
+    r["placement"] = placement(graph, threads, provider)
+    r["step_us_per_node"] = 1e3 * r["step_ms_median"] / max(1, r["placement"]["nodes"])
     if provider == "cuda":
         nodes = collections.Counter(e["args"].get("provider", "?") for e in _warm_nodes(events, skip=1))
         r["nodes_per_step_by_provider"] = {p: n / repeats for p, n in nodes.items()}
-        r["placement"] = placement(graph, threads, provider)
-        r["step_us_per_node"] = 1e3 * r["step_ms_median"] / max(1, r["placement"]["nodes"])
     return r
 
 
@@ -186,12 +199,13 @@ def main(argv=None) -> int:
     for o in r["ops"][:15]:
         print(f"  {o['op']:28s} {o['ms_per_step']:7.1f} ms  {100 * o['share']:5.1f}%  {o['nodes_per_step']:5.0f} nodes"
               f"  less overhead {o['ms_less_overhead']:7.1f} ms")
-    if "placement" in r:
-        pl = r["placement"]
-        print(f"  on {a.provider}: {pl['nodes']} nodes after ORT's optimization ({pl['memcpy_nodes']} host<->GPU copies), "
-              f"{r['step_us_per_node']:.2f} us of the step per node; nodes run by provider: "
-              + ", ".join(f"{p} {n:.0f}" for p, n in r["nodes_per_step_by_provider"].items()))
-        print("  optimized graph by operator: " + ", ".join(f"{op} {n}" for op, n in list(pl["by_operator"].items())[:20]))
+    pl = r["placement"]
+    print(f"  on {a.provider}: {pl['nodes']} nodes after ORT's optimization, {pl['nodes_per_layer']:.1f} per layer "
+          f"({pl['layers']} layers; the step's shared nodes counted in), {pl['memcpy_nodes']} host<->GPU copies, "
+          f"{r['step_us_per_node']:.2f} us of the step per node"
+          + ("; nodes run by provider: " + ", ".join(f"{p} {n:.0f}" for p, n in r["nodes_per_step_by_provider"].items())
+             if "nodes_per_step_by_provider" in r else ""))
+    print("  optimized graph by operator: " + ", ".join(f"{op} {n}" for op, n in list(pl["by_operator"].items())[:20]))
     if a.out:
         Path(a.out).write_text(json.dumps(r, indent=2))
     return 0

@@ -70,6 +70,9 @@ def _add_export(sub):
                         "int8-block: weight-only 8-bit blocks of 32 (MatMul layers only); auto: exports fp32, int8 "
                         "and int8-block, times a decode step of each that passes parity on this CPU and keeps "
                         "the fastest (fp32 unless a quantised one is 5%% faster)")
+    p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32",
+                   help="fp16: the decode graph in float16 with one attention per candidate over its own keys, "
+                        "for --provider cuda (model.onnx stays fp32); default %(default)s")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--quiet", action="store_true", help="print only the manifest's summary")
     p.set_defaults(func=_run_export)
@@ -80,7 +83,8 @@ def _run_export(a) -> int:
         from .export.convert import export_model
     except ImportError as e:
         raise DBSError(f"export needs the export extra (`pip install 'dbs-fast[export]'`): {e}") from None
-    m = export_model(a.model, a.out, optimize=a.optimize, quantize=a.quantize, force=a.force, quiet=a.quiet)
+    m = export_model(a.model, a.out, optimize=a.optimize, quantize=a.quantize, force=a.force, quiet=a.quiet,
+                     dtype=a.dtype)
     keys = ("source", "architecture", "dtype", "steps", "parity") + (("quantize_auto",) if a.quantize == "auto" else ())
     print(json.dumps({k: m[k] for k in keys}, indent=2))
     return 0
@@ -388,7 +392,8 @@ def _add_bench(sub):
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per generation (default 90; "
                                                                       "--quick: 10)")
     p.add_argument("--contenders", default=None,
-                   help="comma-separated (default: all of dbs_fast/bench/suite.py's CONTENDERS); onnx-fp32/onnx-int8 "
+                   help="comma-separated (default: all of dbs_fast/bench/suite.py's CONTENDERS but the GPU's onnx-fp16, torch-fp16 "
+                        "and torch-fp16-compile); onnx-fp32/onnx-int8 "
                         "run the prefix cache (decode.onnx), the -rows ones the row layout, onnx-fp32-plain the prefix "
                         "cache with every row computed (--schedule plain)")
     p.add_argument("--tokenizer", default=None, help="GPT-2 tokenizer dir (default ../shared/data/gpt2-tokenizer)")
@@ -432,7 +437,7 @@ def _run_bench(a) -> int:
                      model=a.model, shared=a.shared)
         return 0
     try:
-        from .bench.suite import CONTENDERS, run_bench
+        from .bench.suite import DEFAULT_CONTENDERS, run_bench
     except ImportError as e:
         raise DBSError(f"bench needs the export and dev extras: pip install 'dbs-fast[export,dev]' ({e})") from None
     sweep = None
@@ -444,7 +449,7 @@ def _run_bench(a) -> int:
     if (a.repeats is not None and a.repeats < 1) or (a.max_new_tokens is not None and a.max_new_tokens < 1):
         raise DBSError("--repeats and --max-new-tokens must be >= 1")
     run_bench(Path(a.out), Path(a.workdir), quick=a.quick, repeats=a.repeats, max_new_tokens=a.max_new_tokens,
-              contenders=[c.strip() for c in a.contenders.split(",") if c.strip()] if a.contenders else CONTENDERS,
+              contenders=[c.strip() for c in a.contenders.split(",") if c.strip()] if a.contenders else DEFAULT_CONTENDERS,
               tokenizer=Path(a.tokenizer) if a.tokenizer else None,
               checkpoint=Path(a.checkpoint) if a.checkpoint else None, shape=a.shape,
               with_default=not a.no_default, threads=a.threads, sweep=sweep, in_turns=not a.one_by_one,

@@ -82,6 +82,23 @@ class TorchBackend:
         self._dense_key = None
         self._mask = None
 
+    def set_dtype(self, dtype: str) -> None:
+        """The model's weights and activations in `dtype` ("float16", "bfloat16" or "float32"), the
+        logits still handed to the sampler in float32: the baseline in the engine's dtype."""
+        self.model.to(getattr(self.torch, dtype))
+
+    def compile(self) -> None:
+        """The model's forward through `torch.compile(mode="reduce-overhead")` (CUDA graphs), sizes
+        dynamic so that a growing cache does not recompile at every step; the first generation
+        compiles and records (run it outside the timing), `compile_stats` counts what it did."""
+        self.model.forward = self.torch.compile(self.model.forward, mode="reduce-overhead", dynamic=True)
+
+    def compile_stats(self) -> dict:
+        """torch.compile's counters (graphs compiled, recompiles, graph breaks) since start."""
+        from torch._dynamo.utils import counters
+
+        return {group: dict(c) for group, c in counters.items() if group in ("stats", "recompiles", "graph_break")}
+
     def prefill(self, contexts):
         ids, mask = left_pad(contexts, self.pad_id)
         t = self.torch

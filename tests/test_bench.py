@@ -12,7 +12,7 @@ pytest.importorskip("matplotlib")
 
 @pytest.mark.integration
 def test_bench_on_a_tiny_model(checkpoints, tmp_path):
-    from dbs_fast.bench.suite import CONTENDERS, STAGES, run_bench
+    from dbs_fast.bench.suite import DEFAULT_CONTENDERS, STAGES, run_bench
 
     out = tmp_path / "out"
     rep = run_bench(out, tmp_path / "work", max_new_tokens=5, repeats=2, checkpoint=checkpoints["gpt2"],
@@ -27,7 +27,7 @@ def test_bench_on_a_tiny_model(checkpoints, tmp_path):
     roof = point["roofline"]
     for key in ("fp32_step_seconds", "int8_step_seconds", "fp32_gflops", "int8_gflops", "memory_bandwidth_gbs"):
         assert roof[key] > 0
-    assert set(point["contenders"]) == set(CONTENDERS)
+    assert set(point["contenders"]) == set(DEFAULT_CONTENDERS)
     for c, r in point["contenders"].items():
         assert "error" not in r, r
         assert r["peak_rss_bytes"] > 0 and r["cold_start_seconds"] > 0

@@ -10,6 +10,8 @@ Contenders, each in its own process (peak memory and cold start are its own):
   onnx-fp32-rows, onnx-int8-rows   the same on the row layout (one cache row per candidate)
   onnx-fp32-plain   onnx-fp32 with every row computed at every step (`--schedule plain`)
   torch-fp32  the same scheduler over transformers with its KV cache and a torch sampler
+  onnx-fp16, torch-fp16, torch-fp16-compile   the GPU's (not run unless named): the `--dtype fp16`
+              export, PyTorch in float16, and the same under torch.compile(mode="reduce-overhead")
   reference   the authors' way as the paper describes it: one candidate at a time, batch 1,
               the whole sequence re-run for every token, no KV cache (PyTorch). Measured on
               one chunk of one beam at the middle of a generation, extrapolated (see JSON).
@@ -33,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,8 +59,13 @@ CONTEXT = "It is"
 KEYWORD_SETS = [["enemy", "speed", "meet", "colony", "mouth"],
                 ["garden", "winter", "doctor", "song", "river"],
                 ["market", "storm", "letter", "horse", "silver"]]
-CONTENDERS = ("onnx-fp32", "onnx-int8", "onnx-fp32-rows", "onnx-int8-rows", "onnx-fp32-plain", "torch-fp32", "reference")
+CONTENDERS = ("onnx-fp32", "onnx-int8", "onnx-fp32-rows", "onnx-int8-rows", "onnx-fp32-plain", "torch-fp32", "reference",
+              "onnx-fp16", "torch-fp16", "torch-fp16-compile")
 ENGINES = tuple(c for c in CONTENDERS if c != "reference")
+# the GPU's: the fp16 export (gathered attention) and PyTorch in fp16, eager and compiled; not run by default
+GPU_CONTENDERS = ("onnx-fp16", "torch-fp16", "torch-fp16-compile")
+DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in GPU_CONTENDERS)
+TORCH = tuple(c for c in CONTENDERS if c.startswith("torch"))
 # seconds per step by stage (the search's `timed` labels): the model call; sample = guidance and the
 # kernel's draw; the kv gather of the kept beams; the scorer; quality = keyword credit and Q; text =
 # detokenising and keyword detection; python = the rest (scheduling glue)
@@ -76,10 +84,22 @@ def _export(src: str, out: Path, quantize: str | None) -> Path:
     return out
 
 
+def _fp16(fp32: str, out: Path) -> Path:
+    """The `--dtype fp16` export beside the fp32 one, made from it (`convert.float16_from`)."""
+    if not current_export(out):
+        from dbs_fast.export.convert import float16_from
+
+        print(f"[bench] the fp16 decode graph of {fp32} -> {out}", flush=True)
+        if out.exists():
+            shutil.rmtree(out)
+        float16_from(Path(fp32), out, quiet=True)
+    return out
+
+
 def prepare_points(workdir: Path, tokenizer: Path | None, checkpoint: Path | None, shape: str,
-                   with_default: bool, int8: bool = True) -> dict:
-    """{point: {"checkpoint", "onnx-fp32", "onnx-int8"}}; builds and exports what is missing (the int8
-    graphs only when `int8`: a contender runs them)."""
+                   with_default: bool, int8: bool = True, fp16: bool = False) -> dict:
+    """{point: {"checkpoint", "onnx-fp32", "onnx-int8", "onnx-fp16"}}; builds and exports what is missing
+    (the int8 and fp16 graphs only when `int8` and `fp16`: a contender runs them)."""
     points = {}
     if checkpoint is None:
         from .checkpoints import make_random_gpt2
@@ -98,10 +118,11 @@ def prepare_points(workdir: Path, tokenizer: Path | None, checkpoint: Path | Non
         if not (checkpoint / "config.json").is_file():
             raise DBSError(f"--checkpoint {checkpoint} is not a transformers checkpoint (no config.json)")
         name = checkpoint.name
-    points[name] = {"checkpoint": str(checkpoint), "int8_method": "int8",
-                    "onnx-fp32": str(_export(str(checkpoint), workdir / "onnx" / f"{name}-fp32", None)),
+    fp32 = str(_export(str(checkpoint), workdir / "onnx" / f"{name}-fp32", None))
+    points[name] = {"checkpoint": str(checkpoint), "int8_method": "int8", "onnx-fp32": fp32,
                     "onnx-int8": str(_export(str(checkpoint), workdir / "onnx" / f"{name}-int8", "int8"))
-                    if int8 else None}
+                    if int8 else None,
+                    "onnx-fp16": str(_fp16(fp32, workdir / "onnx" / f"{name}-fp16")) if fp16 else None}
     if with_default:
         from dbs_fast.api import resolve_model_dir
 
@@ -109,7 +130,8 @@ def prepare_points(workdir: Path, tokenizer: Path | None, checkpoint: Path | Non
         # dynamic int8 fails parity on SmolLM2 (activation outliers, see export/quantize.py)
         points["default"] = {"checkpoint": None, "onnx-fp32": str(fp32), "int8_method": "int8-block",
                              "onnx-int8": str(_export("default", workdir / "onnx" / "default-int8-block",
-                                                      "int8-block")) if int8 else None}
+                                                      "int8-block")) if int8 else None,
+                             "onnx-fp16": str(_fp16(str(fp32), workdir / "onnx" / "default-fp16")) if fp16 else None}
     return points
 
 
@@ -166,6 +188,10 @@ def worker_engine(spec: dict, order=None) -> dict:
     # no context store: every generation prefills its context, as the PyTorch baseline does
     dbs = DirectedBeamSearch(spec["model_dir"], config=cfg, backend=backend, threads=spec.get("threads"),
                              kv_layout=layout, provider=provider, context_cache_mb=0, schedule=schedule)
+    if backend == "torch" and "fp16" in spec["contender"]:
+        dbs.backend.set_dtype("float16")
+    if spec["contender"].endswith("-compile"):
+        dbs.backend.compile()
     init = time.perf_counter() - t0
     sets = spec["keyword_sets"]
     context = spec.get("context", CONTEXT)
@@ -220,6 +246,8 @@ def worker_engine(spec: dict, order=None) -> dict:
         "cpu_nodes_on_cuda": cpu_nodes_on_cuda(spec["model_dir"], "prefix" if dbs.decoder is not None else "rows", backend)
                               if provider == "cuda" else None,
     }
+    if spec["contender"].endswith("-compile"):   # after the cold generation (compiled and recorded there) and the timed ones
+        out["torch_compile"] = dbs.backend.compile_stats()
     sweep = []
     for b, s in spec.get("sweep", []):
         r = dbs.generate(context, sets[0], seed=0, config=replace(cfg, beams=b, candidates=s))
@@ -481,7 +509,7 @@ def _budget(model_dir: str, kv_layout: str) -> int:
 
 
 def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None = None,
-              max_new_tokens: int | None = None, contenders=CONTENDERS, tokenizer: Path | None = None,
+              max_new_tokens: int | None = None, contenders=DEFAULT_CONTENDERS, tokenizer: Path | None = None,
               checkpoint: Path | None = None, shape: str = "gpt2-large", with_default: bool = True,
               threads: int | None = None, sweep=None, reference_candidates: int | None = None,
               kernel_repeats: int = 20, in_turns: bool = True, provider: str = "cpu") -> dict:
@@ -500,7 +528,7 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
                                                                 [(1, 5), (3, 5), (5, 5), (5, 10)]))]
     ref_cands = reference_candidates or (1 if quick else 2)
     points = prepare_points(workdir, tokenizer, checkpoint, shape, with_default,
-                            int8=any("int8" in c for c in contenders))
+                            int8=any("int8" in c for c in contenders), fp16="onnx-fp16" in contenders)
     report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "quick": quick, "provider": provider,
               "config": cfg.to_dict(), "context": CONTEXT, "keyword_sets": KEYWORD_SETS, "points": {}}
     from .kernel import run as kernel_run
@@ -518,7 +546,7 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
                "memory_budget_bytes": {}, "contenders": {}}
         specs = {c: {"point": name, "contender": c, "config": cfg.to_dict(), "keyword_sets": KEYWORD_SETS,
                      "repeats": repeats, "threads": threads, "provider": provider,
-                     "model_dir": p["onnx-int8" if "int8" in c else "onnx-fp32"],
+                     "model_dir": p["onnx-int8" if "int8" in c else "onnx-fp16" if c == "onnx-fp16" else "onnx-fp32"],
                      "checkpoint": p["checkpoint"], "reference_candidates": ref_cands,
                      "sweep": sweep if c.startswith("onnx") and name == next(iter(points)) else []}
                  for c in contenders if c != "reference" or p["checkpoint"] is not None}
@@ -554,10 +582,10 @@ def _encode(model_dir: str, text: str) -> list[int]:
 def _ratios(res: dict, cfg: DBSConfig) -> None:
     c = {k: v for k, v in res["contenders"].items() if "error" not in v}
     r = {}
-    if "torch-fp32" in c:
+    for t in (t for t in TORCH if t in c):           # onnx-fp32_vs_torch (fp32), onnx-fp16_vs_torch-fp16, ...
         for k in (e for e in ENGINES if e.startswith("onnx")):
             if k in c:
-                r[f"{k}_vs_torch"] = c["torch-fp32"]["seconds_median"] / c[k]["seconds_median"]
+                r[f"{k}_vs_{'torch' if t == 'torch-fp32' else t}"] = c[t]["seconds_median"] / c[k]["seconds_median"]
     if "reference" in c:
         ref = c["reference"]["seconds_per_candidate_token"]
         for k in ENGINES:

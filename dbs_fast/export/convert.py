@@ -140,11 +140,15 @@ def _fix_gguf_tokenizer(src: Source, work: Path, quiet: bool) -> str:
     return "rebuilt from GGUF vocabulary (export/gguf_tokenizer.py)"
 
 
+# the decode graph's float type: fp16 (the GPU's) takes the gathered attention (export/prefix_graph.py)
+DTYPES = ("fp32", "fp16")
+
+
 class ParityFailed(DBSError):
     """The exported graph does not reproduce the checkpoint's logits."""
 
 
-def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet: bool) -> dict:
+def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet: bool, dtype: str = "fp32") -> dict:
     """Write the whole export into `work`; returns the manifest."""
     config = load_config(src)
     check_supported(config)
@@ -223,7 +227,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     }
     mode = "int8" if quantize else ("optimize" if "optimize" in steps else "fp32")
     _check_parity(model, work, manifest, mode, src.name, t0, quiet)
-    manifest["prefix_decode"] = _prefix_decode(model, work, quantize, quiet)
+    manifest["prefix_decode"] = _prefix_decode(model, work, quantize, quiet, dtype=dtype)
     manifest["files"] = _files(work)
     (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
@@ -270,10 +274,46 @@ def _quantised_from(fp32: Path, work: Path, method: str, model, quiet: bool) -> 
     return manifest
 
 
-def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_graph: Path | None = None) -> dict:
+def _providers() -> list[str]:
+    import onnxruntime as ort
+
+    return ort.get_available_providers()
+
+
+def float16_from(fp32: Path, out: Path, quiet: bool = False) -> dict:
+    """The `--dtype fp16` export of a model at `out`, from a finished fp32 export `fp32` of it: its
+    files linked (model.onnx stays fp32), the decode graph exported again with the gathered
+    attention and converted to float16, with the same checks as `--dtype fp16`; no second export
+    of model.onnx (on GPT-2 large, most of an export's time)."""
+    from .source import load_torch_model, resolve
+
+    def write(work: Path) -> dict:
+        base = json.loads((Path(fp32) / MANIFEST).read_text())
+        for f in Path(fp32).iterdir():
+            if f.is_file() and f.name != MANIFEST and not f.name.startswith(DECODE_GRAPH):
+                try:
+                    os.link(f, work / f.name)
+                except OSError:
+                    shutil.copy2(f, work / f.name)
+        model = load_torch_model(resolve(base["source"]))[0]
+        manifest = {k: v for k, v in base.items() if k != "prefix_decode"}
+        manifest["files"] = _files(work)
+        (work / MANIFEST).write_text(json.dumps(manifest, indent=2))       # what the parity check reads
+        manifest["prefix_decode"] = _prefix_decode(model, work, None, quiet, dtype="fp16")
+        manifest["files"] = _files(work)
+        (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        return manifest
+
+    return _whole(Path(out).expanduser(), write)
+
+
+def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_graph: Path | None = None,
+                   dtype: str = "fp32") -> dict:
     """The decode graph (export/prefix_graph.py) beside model.onnx, checked against it;
     optional: a model it cannot serve keeps the row layout, and the manifest says why.
-    `fp32_graph`: quantise that decode graph (of an fp32 export of the model) instead of exporting one."""
+    `fp32_graph`: quantise that decode graph (of an fp32 export of the model) instead of exporting one.
+    `dtype` "fp16": the graph with the gathered attention, checked in fp32, then in float16 (the
+    GPU's graph; model.onnx stays fp32)."""
     from . import prefix_graph
 
     try:
@@ -285,7 +325,8 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
         # in a folder of its own: over 2 GB, torch writes one file per tensor beside the graph
         if fp32_graph is None:
             fp32 = work / "_decode" / DECODE_GRAPH
-            info = prefix_graph.export_prefix_decoder(model, fp32)
+            info = prefix_graph.export_prefix_decoder(model, fp32,
+                                                      attention="gathered" if dtype == "fp16" else "split")
         else:
             fp32 = fp32_graph
             info = {k: v for k, v in json.loads((fp32.parent / MANIFEST).read_text())["prefix_decode"].items()
@@ -298,6 +339,13 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
             for f in fp32.parent.glob(DECODE_GRAPH + "*"):
                 os.replace(f, work / f.name)
         info.update(prefix_graph.parity(work))
+        if dtype == "fp16" and info["max_abs_logit_diff"] < 1e-3:
+            _log("the decode graph in float16 + parity against model.onnx", quiet)
+            info["float32"] = {k: info.pop(k) for k in ("max_abs_logit_diff", "mean_kl", "top1_agreement")}
+            info.update(prefix_graph.to_float16(work / DECODE_GRAPH))
+            # float16 is the GPU's: checked there where there is one
+            on = "cuda" if "CUDAExecutionProvider" in _providers() else "cpu"
+            info.update(prefix_graph.parity(work, provider=on), parity_provider=on)
     except Exception as e:                  # noqa: BLE001 -- optional graph: the export stands without it
         for f in work.glob(DECODE_GRAPH + "*"):
             f.unlink()
@@ -306,8 +354,8 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
         shutil.rmtree(work / "_decode", ignore_errors=True)
     # against model.onnx of the same export: fp32 graphs agree to float rounding; int8 ones differ
     # in their activation scales (prefill is column by column here), so the int8 export criterion
-    ok, why = parity_mod.judge(info, "int8") if quantize else (info["max_abs_logit_diff"] < 1e-3,
-                                                                   f"max |logit diff| {info['max_abs_logit_diff']:.2e}")
+    ok, why = parity_mod.judge(info, "int8") if quantize or dtype == "fp16" else \
+        (info["max_abs_logit_diff"] < 1e-3, f"max |logit diff| {info['max_abs_logit_diff']:.2e}")
     if not ok:
         (work / DECODE_GRAPH).unlink()
         return {"written": False, "reason": f"parity against model.onnx: {why}"}
@@ -315,12 +363,17 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
 
 
 def export_model(model: str, out: str | os.PathLike, optimize: bool = False, quantize: str | None = None,
-                 force: bool = False, quiet: bool = False) -> dict:
+                 force: bool = False, quiet: bool = False, dtype: str = "fp32") -> dict:
+    """`dtype` "fp16": the decode graph in float16 with the gathered attention, for the CUDA provider."""
     out = Path(out).expanduser()
     from .quantize import AUTO, METHODS
 
     if quantize is not None and quantize not in METHODS + (AUTO,):
         raise DBSError(f"`--quantize` must be one of {METHODS + (AUTO,)}, got {quantize!r}")
+    if dtype not in DTYPES:
+        raise DBSError(f"`--dtype` must be one of {DTYPES}, got {dtype!r}", "dtype", dtype)
+    if dtype != "fp32" and quantize is not None:
+        raise DBSError(f"`--dtype {dtype}` and `--quantize` do not go together: choose one", "dtype", dtype)
     if out.exists() and not force:
         raise DBSError(f"output directory {out} exists; pass --force to replace it")
     src = resolve(model)
@@ -331,7 +384,7 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
             if quantize == AUTO:
                 manifest = _export_auto(src, out, optimize, quiet)
             else:
-                manifest = _export_once(src, out, optimize, quantize, quiet)
+                manifest = _export_once(src, out, optimize, quantize, quiet, dtype)
     except BaseException:
         if Path(log).stat().st_size:
             print(f"[export] what the exporters wrote is in {log}", file=sys.stderr, flush=True)
@@ -394,9 +447,10 @@ def _export_auto(src: Source, out: Path, optimize: bool, quiet: bool) -> dict:
     return manifest
 
 
-def _export_once(src: Source, out: Path, optimize: bool, quantize: str | None, quiet: bool) -> dict:
+def _export_once(src: Source, out: Path, optimize: bool, quantize: str | None, quiet: bool,
+                 dtype: str = "fp32") -> dict:
     """One export into a temporary directory beside `out`, moved into place only when it is whole."""
-    return _whole(out, lambda work: _build(src, work, optimize, quantize, quiet))
+    return _whole(out, lambda work: _build(src, work, optimize, quantize, quiet, dtype))
 
 
 def _derive_once(fp32: Path, out: Path, method: str, model, quiet: bool) -> dict:

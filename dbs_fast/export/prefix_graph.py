@@ -63,6 +63,10 @@ LANES = 16        # float32 lanes of the widest vector unit (AVX-512): `attend` 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 # norms around each block, q/k norms, local and global RoPE, logit soft-capping (Gemma 2)
 GEMMA_FAMILY = ("gemma2", "gemma3_text")
+# the decode graph's attention: "split" reads each request's context and each beam's prefix once
+# (`attend`: the CPU's, and long contexts'); "gathered" gives each slot its own keys, about a third
+# of the nodes (`attend_gathered`: the GPU's, where launches bound a step)
+ATTENTIONS = ("split", "gathered")
 
 
 def family(config) -> str:
@@ -149,6 +153,9 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     the mask."""
     import torch
 
+    if biases.gathered is not None:
+        return attend_gathered(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale, dims, softcap)
+
     def cap(x):
         return x if softcap is None else torch.tanh(x / softcap) * softcap
 
@@ -187,6 +194,64 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     o = (torch.matmul(w[..., :T], pv) + oc + on
          + w[..., -1:] * ox[..., :d])
     return o.reshape(b, kv, s, L, g, d).permute(0, 2, 3, 1, 4, 5).reshape(N, L, H * d), kn, vn
+
+
+def attend_gathered(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, softcap: float | None = None):
+    """`attend` as one attention per slot over its own keys, [its context | its beam's prefix | its
+    chunk | its new tokens], gathered and concatenated (`Biases.slot_context`, `slot_beam`): one
+    score MatMul, one Add of the step's bias (`gathered_biases`), one Softmax, one MatMul, about 20
+    nodes a layer where the split form takes about 70. The context and the prefix are copied to
+    every slot at every layer (N x (C + T) keys where the split form reads one copy per request and
+    beam): cheap on a GPU at short contexts, where launches and not bytes bound the step; the split
+    form stays the CPU's and the long contexts' (docs/design/kv-cache.md). Same arguments and
+    results as `attend`."""
+    import torch
+
+    N, L, b, s, T, U, R, M, C, H, kv, d, _ = dims
+    g = H // kv
+    qs = q.reshape(N, L, kv, g, d).permute(0, 2, 1, 3, 4).reshape(N, kv, L * g, d)    # (N, kv, L*g, d)
+
+    def keys(x, p, c, new):                                                           # (N, kv, C+T+U+L, d)
+        return torch.cat([torch.index_select(x, 0, biases.slot_context), torch.index_select(p, 0, biases.slot_beam),
+                          c.permute(1, 3, 2, 0, 4).reshape(N, kv, -1, d), new.permute(0, 2, 1, 3)], dim=2)
+
+    scores = torch.matmul(qs, keys(xk, pk, ck, k).transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    o = torch.matmul(torch.softmax(scores + biases.gathered, dim=-1), keys(xv, pv, cv, v))  # (N, kv, L*g, d)
+    o = o.reshape(N, kv, L, g, d)
+    kn, vn = (x.reshape(b, s, L, kv, d).permute(0, 3, 1, 2, 4) for x in (k, v))      # (b, kv, s, L, d)
+    return o.permute(0, 2, 1, 3, 4).reshape(N, L, H * d), kn, vn
+
+
+def gathered_biases(biases, seen, position_ids, context_mask, prefix_mask, chunk_mask, dims: Dims,
+                    window: int | None = None):
+    """`biases` with what `attend_gathered` takes, built once per step for all layers: each slot's
+    context and beam, and the additive bias (N, 1, L*g, C+T+U+L) of its queries (ordered new
+    token, query head of the kv head) over [context | prefix | chunk | new] keys: padding and
+    undecoded chunk slots masked, new keys causal (`seen` (N, L, L), per slot), and with `window`
+    keys at or before a query's position - window masked too (positions numbered as
+    `window_biases` numbers them)."""
+    import torch
+
+    N, L, s, M, H, kv = dims.N, dims.L, dims.s, dims.M, dims.H, dims.kv
+    g = H // kv
+    slot_beam = torch.div(torch.arange(N), s, rounding_mode="floor")
+    slot_context = torch.index_select(torch.div(biases.beam_slot, M, rounding_mode="floor"), 0, slot_beam)
+    cm = torch.index_select(context_mask, 0, slot_context)                           # (N, C)
+    pm = torch.index_select(prefix_mask, 0, slot_beam)                               # (N, T)
+    old = torch.cat([cm, pm, chunk_mask], dim=1) > 0                                 # (N, C+T+U)
+    sees = torch.cat([old[:, None, :].expand(N, L, old.shape[1]), seen], dim=2)      # (N, L, C+T+U+L)
+    if window:
+        slot_pos = position_ids if biases.slot_row is None else torch.index_select(position_ids, 0, biases.slot_row)
+        n_ctx = cm.sum(-1, keepdim=True)                                             # (N, 1)
+        n_pre = n_ctx + pm.sum(-1, keepdim=True)
+        U = chunk_mask.shape[1]
+        key_pos = torch.cat([torch.cumsum(cm, -1) - 1, n_ctx + torch.cumsum(pm, -1) - 1,
+                             n_pre + torch.arange(U)[None], slot_pos], dim=1)        # (N, C+T+U+L)
+        sees = sees & (key_pos[:, None, :] > slot_pos[:, :, None] - window)
+    bias = mask_bias(sees)[:, None, :, None, :].expand(N, 1, L, g, sees.shape[2]).reshape(N, 1, L * g, -1)
+    return biases._replace(slot_context=slot_context, slot_beam=slot_beam, gathered=bias)
 
 
 def window_biases(biases, seen, position_ids, context_mask, prefix_mask, chunk_mask, dims: Dims, window: int):
@@ -237,6 +302,11 @@ class Biases(NamedTuple):
     slot_row: object = None     # (N,) the computed row each attention slot takes (None: slot r = row r)
     row_slot: object = None     # (n,) the slot each computed row's attention output comes from
     window: object = None       # the biases of the layers that slide a window (`window_biases`), or None
+    # the gathered attention (`attend_gathered`): each slot's context (N,) and beam (N,), and the
+    # additive bias (N, 1, L*g, C+T+U+L) of its queries over its keys; None: the split attention
+    slot_context: object = None
+    slot_beam: object = None
+    gathered: object = None
 
 
 def layer_biases(biases, layer=None):
@@ -268,7 +338,7 @@ def mask_bias(mask):
     return (1.0 - mask.to(torch.float32)) * MASKED
 
 
-def _decoder(model):
+def _decoder(model, attention: str = "split"):
     import torch
 
     fam = family(model.config)
@@ -288,6 +358,12 @@ def _decoder(model):
             dims = Dims(slot_row.shape[0], input_ids.shape[1], prefix_mask.shape[0], kv[4].shape[3],
                         prefix_mask.shape[1], chunk_mask.shape[1], *context_beams.shape, context_mask.shape[1], *heads,
                         input_ids.shape[0])
+            if attention == "gathered":
+                biases = Biases(None, None, None, None, context_beams, beam_slot, slot_row, row_slot)
+                levels = (seen, position_ids, context_mask, prefix_mask, chunk_mask, dims)
+                if window:
+                    biases = biases._replace(window=gathered_biases(biases, *levels, window))
+                return LAYERS[fam](self.model, input_ids, position_ids, gathered_biases(biases, *levels), kv, dims)
             biases = Biases(mask_bias(context_mask)[:, None, None, :], mask_bias(prefix_mask)[:, None, None, :],
                             *block_biases(chunk_mask, seen, dims), context_beams, beam_slot, slot_row, row_slot)
             if window:
@@ -312,8 +388,8 @@ def _llama(model, ids, pos, biases, kv, dims):
     h = m.embed_tokens(ids.reshape(-1))                                # (n * L, D)
     rope = _rotary(model, h, pos, dims)
     new = []
+    x = norm(m.layers[0].input_layernorm, h)
     for i, layer in enumerate(m.layers):
-        x = layer.input_layernorm(h)
         a = layer.self_attn
         q, k, v = _qkv(a, x, H, KV, d)
         turn = rope if getattr(a, "use_rope", True) else lambda y, heads: y.reshape(n, L, heads, d)   # SmolLM3: NoPE
@@ -322,25 +398,105 @@ def _llama(model, ids, pos, biases, kv, dims):
         v = v.reshape(n, L, KV, d)
         o, kn, vn = attend(*(to_slots(t, biases) for t in (q, k, v)), *kv[6 * i:6 * i + 6], layer_biases(biases, layer),
                            a.scaling, dims)
-        h = h + a.o_proj(to_rows(o, biases).reshape(-1, H * d))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        x, h = skip_norm(layer.post_attention_layernorm, a.o_proj(to_rows(o, biases).reshape(-1, H * d)), h)
+        after = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
+        x, h = skip_norm(after, layer.mlp(x), h)                       # the next layer's input, or the head's
         new += [kn, vn]                                                # (b, KV, s, L, d)
-    return (_logits(model, m.norm(h), dims), *new)
+    return (_logits(model, x, dims), *new)
 
 
 def _qkv(attn, x, H: int, KV: int, d: int):
-    """The layer's q (n * L, H * d), k and v (n * L, KV * d): three projections, or Phi-3's one
-    fused `qkv_proj` split."""
+    """The layer's q (n * L, H * d), k and v (n * L, KV * d): one projection on the three weights
+    packed (Phi-3's own `qkv_proj`), split: one MatMul and one Split where three MatMuls were."""
+    import torch
+
     if hasattr(attn, "qkv_proj"):
-        return attn.qkv_proj(x).split([H * d, KV * d, KV * d], dim=-1)
-    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
+    else:
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        w = torch.cat([p.weight for p in projs])
+        b = None if projs[0].bias is None else torch.cat([p.bias for p in projs])
+    return torch.nn.functional.linear(x, w, b).split([H * d, KV * d, KV * d], dim=-1)
 
 
 def _head_norm(attn, name: str, y, heads: int, d: int):
     """`y` (n * L, heads * d) with the layer's per-head norm `name` (Qwen3's q_norm / k_norm: an
     RMSNorm over each head's d, before RoPE) where it has one, else as it is."""
-    norm = getattr(attn, name, None)
-    return y if norm is None else norm(y.reshape(-1, heads, d)).reshape(y.shape)
+    module = getattr(attn, name, None)
+    return y if module is None else norm(module, y.reshape(-1, heads, d)).reshape(y.shape)
+
+
+def _gamma(norm):
+    """(scale, eps, bias) of a norm module: an RMSNorm's (Llama's weight, Gemma's 1 + weight; bias
+    None) or a LayerNorm's."""
+    import torch
+
+    eps = float(getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6))
+    w = norm.weight.detach()
+    if type(norm).__name__.startswith("Gemma"):
+        w = 1.0 + w.float()
+    if not isinstance(norm, torch.nn.LayerNorm):
+        return w, eps, None
+    return w, eps, torch.zeros_like(w) if norm.bias is None else norm.bias.detach()
+
+
+def _normed(h, w, eps, bias):
+    """The norm's math (fp32), as ORT's ops compute it: RMSNorm without a bias, LayerNorm with one."""
+    import torch
+
+    if bias is None:
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w
+    return torch.nn.functional.layer_norm(h, (h.shape[-1],), w, bias, eps)
+
+
+def norm(module, x):
+    """`module` (an RMSNorm or a LayerNorm) on `x` over its last axis, as one node: ONNX's
+    SimplifiedLayerNormalization (ORT's) or LayerNormalization, not the Pow/ReduceMean/Sqrt/Div/Mul
+    chain with float casts that the module's own code exports (which an fp16 graph keeps in fp32)."""
+    import torch
+
+    w, eps, bias = _gamma(module)
+
+    class Norm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y, gamma, beta):
+            return _normed(y, gamma, eps, beta)
+
+        @staticmethod
+        def symbolic(g, y, gamma, beta):
+            if bias is None:
+                out = g.op("SimplifiedLayerNormalization", y, gamma, epsilon_f=eps, axis_i=-1, stash_type_i=1)
+            else:
+                out = g.op("LayerNormalization", y, gamma, beta, epsilon_f=eps, axis_i=-1)
+            return out.setType(y.type())
+
+    return Norm.apply(x, w, bias)
+
+
+def skip_norm(module, x, skip):
+    """(module(skip + x), skip + x): a residual add and the norm after it as one node, ORT's
+    SkipSimplifiedLayerNormalization or SkipLayerNormalization (its fourth output is the sum)."""
+    import torch
+
+    w, eps, bias = _gamma(module)
+
+    class SkipNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y, r, gamma, beta):
+            h = r + y
+            return _normed(h, gamma, eps, beta), h
+
+        @staticmethod
+        def symbolic(g, y, r, gamma, beta):
+            if bias is None:
+                out, _, _, h = g.op("com.microsoft::SkipSimplifiedLayerNormalization", y, r, gamma, epsilon_f=eps,
+                                    outputs=4)
+            else:
+                out, _, _, h = g.op("com.microsoft::SkipLayerNormalization", y, r, gamma, beta, epsilon_f=eps,
+                                    outputs=4)
+            return out.setType(y.type()), h.setType(y.type())
+
+    return SkipNorm.apply(x, skip, w, bias)
 
 
 def _rope(x, cos, sin, d: int):
@@ -420,14 +576,15 @@ def _gpt2(model, ids, pos, biases, kv, dims):
     h = t.wte(ids.reshape(-1)) + t.wpe(pos.reshape(-1))               # (n * L, D)
     conv = lambda c, x: torch.addmm(c.bias, x, c.weight)               # noqa: E731  (Conv1D without its reshapes)
     new = []
+    x = norm(t.h[0].ln_1, h)
     for i, block in enumerate(t.h):
-        q, k, v = (to_slots(y.reshape(n, L, H, d), biases) for y in conv(block.attn.c_attn, block.ln_1(h)).split(D, dim=1))
+        q, k, v = (to_slots(y.reshape(n, L, H, d), biases) for y in conv(block.attn.c_attn, x).split(D, dim=1))
         o, kn, vn = attend(q, k, v, *kv[6 * i:6 * i + 6], biases, 1.0 / math.sqrt(d), dims)
-        h = h + conv(block.attn.c_proj, to_rows(o, biases).reshape(-1, D))
+        x, h = skip_norm(block.ln_2, conv(block.attn.c_proj, to_rows(o, biases).reshape(-1, D)), h)
         mlp = block.mlp
-        h = h + conv(mlp.c_proj, mlp.act(conv(mlp.c_fc, block.ln_2(h))))
+        x, h = skip_norm(t.h[i + 1].ln_1 if i + 1 < len(t.h) else t.ln_f, conv(mlp.c_proj, mlp.act(conv(mlp.c_fc, x))), h)
         new += [kn, vn]                                                # (b, H, s, L, d)
-    return (_logits(model, t.ln_f(h), dims), *new)
+    return (_logits(model, x, dims), *new)
 
 
 def _opt(model, ids, pos, biases, kv, dims):
@@ -467,19 +624,22 @@ def _gemma(model, ids, pos, biases, kv, dims):
     local = getattr(m, "rotary_emb_local", None)
     ropes["sliding_attention"] = ropes["full_attention"] if local is None else _rotary(model, h, pos, dims, local)
     new = []
+    x = norm(m.layers[0].input_layernorm, h)
     for i, layer in enumerate(m.layers):
         a = layer.self_attn
-        q, k, v = _qkv(a, layer.input_layernorm(h), H, KV, d)
+        q, k, v = _qkv(a, x, H, KV, d)
         rope = ropes[getattr(layer, "attention_type", "full_attention")]
         q = rope(_head_norm(a, "q_norm", q, H, d), H)
         k = rope(_head_norm(a, "k_norm", k, KV, d), KV)
         o, kn, vn = attend(*(to_slots(t, biases) for t in (q, k, v.reshape(n, L, KV, d))), *kv[6 * i:6 * i + 6],
                            layer_biases(biases, layer), a.scaling, dims,
                            softcap=getattr(cfg, "attn_logit_softcapping", None))
-        h = h + layer.post_attention_layernorm(a.o_proj(to_rows(o, biases).reshape(-1, H * d)))
-        h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        o = norm(layer.post_attention_layernorm, a.o_proj(to_rows(o, biases).reshape(-1, H * d)))
+        x, h = skip_norm(layer.pre_feedforward_layernorm, o, h)
+        after = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
+        x, h = skip_norm(after, norm(layer.post_feedforward_layernorm, layer.mlp(x)), h)
         new += [kn, vn]
-    logits = _logits(model, m.norm(h), dims)
+    logits = _logits(model, x, dims)
     cap = getattr(cfg, "final_logit_softcapping", None)
     return (logits if cap is None else torch.tanh(logits / cap) * cap, *new)
 
@@ -584,12 +744,15 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     return ins, outs
 
 
-def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
-    """Write the decode graph of `model` (a transformers causal LM, fp32, eval) to `path`."""
+def export_prefix_decoder(model, path: Path, opset: int = 17, attention: str = "split") -> dict:
+    """Write the decode graph of `model` (a transformers causal LM, fp32, eval) to `path`, its
+    attention `attention` (ATTENTIONS)."""
     import torch
 
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
     cfg = model.config
-    dec = _decoder(model)
+    dec = _decoder(model, attention)
     L = cfg.num_hidden_layers
     H, KV, d = _heads(cfg)
     b, s, T, K, n, C = 2, 3, 5, 4, 2, 6    # n new tokens per row (dynamic, like the rest); one context
@@ -618,20 +781,35 @@ def export_prefix_decoder(model, path: Path, opset: int = 17) -> dict:
     saved = share_tied_head(path)
     rope = {"rope": rope_kind(model)} if family(cfg) in ("llama", "gemma", "neox") else {}
     window = {"sliding_window": sliding_window(cfg), "window_masked": True} if sliding_window(cfg) else {}
-    return {"graph": path.name, "family": family(cfg), "layers": L, "opset": opset, **rope, **window,
+    return {"graph": path.name, "family": family(cfg), "layers": L, "opset": opset, "attention": attention, **rope, **window,
             "inputs": "input_ids, position_ids, slot_row, row_slot, context_mask, context_beams, beam_slot, prefix_mask, chunk_mask, "
                       "new_mask, context.L.key/value, prefix.L.key/value, chunk.L.key/value", "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved}
 
 
-def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0, context: int = 4) -> dict:
+def to_float16(path: Path) -> dict:
+    """The decode graph at `path` in float16, in place: weights, activations and the K/V it takes
+    and returns, with the logits kept float32 for the kernel (ORT's float16 converter, which casts
+    at the logits). Returns what was converted."""
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    g = convert_float_to_float16(onnx.load(str(path)), keep_io_types=["logits"], disable_shape_infer=True)
+    casts = sum(n.op_type == "Cast" for n in g.graph.node)
+    save(g, path)
+    return {"dtype": "float16", "logits": "float32", "casts": casts}
+
+
+def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0, context: int = 4, chunks: int = 2,
+           provider: str = "cpu") -> dict:
     """decode.onnx against model.onnx of the same export: two left-padded contexts of `context`
     and `context` - 2 random tokens prefilled in one call of each (each graph's own), then 2 beams
-    x s candidates, two chunks of k random tokens with a keep between them; max |logit diff| and
-    mean KL over the prefill and every step. A `context` longer than the model's sliding window
-    checks the window."""
+    x s candidates, `chunks` chunks of k random tokens with a keep between them; max |logit diff|,
+    mean KL and the share of rows whose likeliest token is the same (top-1 agreement) over the
+    prefill and every step, both graphs on `provider`. A `context` longer than the model's sliding
+    window checks the window."""
     import numpy as np
 
-    full, dec = OnnxModel(model_dir), PrefixDecoder(model_dir / DECODE_GRAPH)
+    full, dec = OnnxModel(model_dir, provider), PrefixDecoder(model_dir / DECODE_GRAPH, provider)
     rng = np.random.default_rng(seed)
     V = full.vocab_size
     ctx, mask = rng.integers(1, V, (2, context)), np.ones((2, context), np.int64)
@@ -641,19 +819,27 @@ def parity(model_dir: Path, s: int = 3, k: int = 3, seed: int = 0, context: int 
     # from its first column (Gemma's export), the decode graph from its first token; RoPE makes
     # the logits the same either way, not the keys
     got, pc = dec.prefill(ctx, mask, full.kv_heads, full.head_dim, s, k)
-    diff, kls = float(np.abs(ref[:, -1] - got).max()), [_kl(ref[:, -1], got)]
+    diff, kls, same = float(np.abs(ref[:, -1] - got).max()), [_kl(ref[:, -1], got)], [_top1(ref[:, -1], got)]
     rows = past.repeat(s)
-    for chunk in range(2):
+    for chunk in range(chunks):
         for _ in range(k):
             tok = rng.integers(1, V, 2 * s)
             ref, rows = full.forward(tok[:, None], rows)
             got = dec.step(tok, pc)
             diff = max(diff, float(np.abs(ref[:, 0] - got).max()))
             kls.append(_kl(ref[:, 0], got))
+            same.append(_top1(ref[:, 0], got))
         keep = np.array([s + 1, 0])                       # the beams swap places
         pc.keep(keep)
         rows = rows.select(np.repeat(keep, s))
-    return {"max_abs_logit_diff": diff, "mean_kl": float(np.mean(kls))}
+    return {"max_abs_logit_diff": diff, "mean_kl": float(np.mean(kls)), "top1_agreement": float(np.mean(same))}
+
+
+def _top1(p_logits, q_logits) -> float:
+    """The share of rows whose likeliest token is the same under both."""
+    import numpy as np
+
+    return float(np.mean(np.argmax(p_logits, -1) == np.argmax(q_logits, -1)))
 
 
 def _kl(p_logits, q_logits) -> float:

@@ -57,11 +57,16 @@ def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2, C: int = CONT
             out[n] = np.zeros((N, U), np.int64)
             out[n][:, :used] = 1
         elif n.startswith("chunk."):                    # the decoded slots (U, b, kv, s, d)
-            out[n] = rng.standard_normal((U, b, shape[2], s, shape[4])).astype(np.float32)
+            out[n] = rng.standard_normal((U, b, shape[2], s, shape[4])).astype(_float(i))
         else:                                           # context.L.* / prefix.L.* / past_key_values.L.*
             rows, length = (1, C) if n.startswith("context.") else (b, P) if n.startswith("prefix.") else (N, past)
-            out[n] = rng.standard_normal((rows, shape[1], length, shape[3])).astype(np.float32)
+            out[n] = rng.standard_normal((rows, shape[1], length, shape[3])).astype(_float(i))
     return out
+
+
+def _float(arg) -> type:
+    """The NumPy float type of a graph input (an fp16 export's K/V are float16)."""
+    return np.float16 if arg.type == "tensor(float16)" else np.float32
 
 
 def engine_graph(model_dir: Path) -> Path:

@@ -138,14 +138,16 @@ class PrefixDecoder:
         self._bound: dict[str, object] = {}
         # where the cache lives: "auto" = on the GPU when the session runs on CUDA, else host NumPy;
         # "cpu" runs the device path on the CPU provider (tests); None = host
+        # the K/V's float type: float32, or float16 (an fp16 export: its cache always goes through
+        # `DeviceOps`, on the CPU provider where the session runs on the CPU)
+        from .device import DTYPES, DeviceOps
+
+        self.dtype = DTYPES[next(i.type for i in self.session.get_inputs() if i.name.startswith("context."))]
         if kv_device == "auto":
             kv_device = "cuda" if "CUDAExecutionProvider" in self.session.get_providers() else None
-        if kv_device is None:
-            self.ops = HOST
-        else:
-            from .device import DeviceOps
-
-            self.ops = DeviceOps(kv_device)
+        if kv_device is None and self.dtype != np.float32:
+            kv_device = "cpu"
+        self.ops = HOST if kv_device is None else DeviceOps(kv_device, dtype=self.dtype)
         self.host_bytes = 0       # bytes bound from host memory (inputs bound again, outputs) in the last call
         self.host_bytes_total, self.calls = 0, 0                    # ... and over all calls
         self.store: ContextStore | None = None      # prefilled contexts kept across requests (host cache only)
@@ -164,7 +166,7 @@ class PrefixDecoder:
         _, b, kv, s, d = cache.chunk[0].shape
         shapes = [(N, self.vocab)] + [(b, kv, s, L, d) for _ in cache.chunk if new]
         if [o.shape for o in self._out] != shapes:
-            self._out = [np.empty(sh, np.float32) for sh in shapes]
+            self._out = [np.empty(sh, np.float32 if i == 0 else self.dtype) for i, sh in enumerate(shapes)]
         return [self._out[0][:N if n is None else n]] + self._out[1:]
 
     def _bind(self, name: str, arr, output: bool = False) -> None:
@@ -187,7 +189,7 @@ class PrefixDecoder:
                 self._io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         else:                                  # by pointer: the array is kept referenced in _bound
             bind = self._io.bind_output if output else self._io.bind_input
-            bind(name, self.ops.device, self.ops.device_id, np.float32, list(arr.shape), arr.ptr)
+            bind(name, self.ops.device, self.ops.device_id, arr.dtype.type, list(arr.shape), arr.ptr)
             key = _Bound(arr.ptr, tuple(arr.shape), arr)
         self._bound[name] = key
 

@@ -23,15 +23,21 @@ import numpy as np
 from ..runtime import PROVIDERS
 
 F32 = np.dtype(np.float32)
+# the cache's float types: the graph's K/V inputs as ORT names them -> NumPy's
+DTYPES = {"tensor(float)": F32, "tensor(float16)": np.dtype(np.float16)}
 
 
 @dataclass(frozen=True)
 class DeviceArray:
-    """A C-contiguous float32 tensor of `shape` at element `offset` of the ORT buffer `buf`."""
+    """A C-contiguous float32 or float16 tensor of `shape` at element `offset` of the ORT buffer `buf`."""
 
     buf: object                 # onnxruntime.OrtValue (owns the memory)
     shape: tuple
     offset: int = 0
+
+    @property
+    def dtype(self) -> np.dtype:
+        return DTYPES[self.buf.data_type()]
 
     @property
     def size(self) -> int:
@@ -39,11 +45,11 @@ class DeviceArray:
 
     @property
     def nbytes(self) -> int:
-        return self.size * F32.itemsize
+        return self.size * self.dtype.itemsize
 
     @property
     def ptr(self) -> int:
-        return self.buf.data_ptr() + self.offset * F32.itemsize
+        return self.buf.data_ptr() + self.offset * self.dtype.itemsize
 
     def lead(self, n: int) -> DeviceArray:
         """The first n entries of axis 0 (a view)."""
@@ -67,17 +73,16 @@ class DeviceArray:
         return full[self.offset:self.offset + self.size].reshape(self.shape).copy()
 
 
-def _model(nodes, inputs, outputs=("y",)):
+def _model(nodes, inputs, outputs=("y",), dtype=F32):
     from onnx import TensorProto, helper
 
-    ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT if t == "f" else TensorProto.INT64, None)
-           for n, t in inputs]
-    g = helper.make_graph(nodes, "cache_op", ins, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
-                                                   for o in outputs])
+    f = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    ins = [helper.make_tensor_value_info(n, f if t == "f" else TensorProto.INT64, None) for n, t in inputs]
+    g = helper.make_graph(nodes, "cache_op", ins, [helper.make_tensor_value_info(o, f, None) for o in outputs])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def extend_graph(tensors: int):
+def extend_graph(tensors: int, dtype=F32):
     """The chunk boundary's prefix extension of all `tensors` cache tensors in one graph (one run,
     not one per tensor): new beam i := prefix[src[i] // s] ++ the first j chunk tokens of row
     src[i]; prefix.t (b, kv, T, d), chunk.t slot-major (K, b, kv, s, d), src (n,), s and j (1,)
@@ -97,14 +102,17 @@ def extend_graph(tensors: int):
                   n("Concat", [f"p{i}", f"own{i}"], [f"y.{i}"], axis=2)]
     inputs = ([(f"prefix.{i}", "f") for i in range(tensors)] + [(f"chunk.{i}", "f") for i in range(tensors)]
               + [("src", "i"), ("s", "i"), ("j", "i"), ("zero", "i"), ("minus1", "i")])
-    return _model(nodes, inputs, [f"y.{i}" for i in range(tensors)])
+    return _model(nodes, inputs, [f"y.{i}" for i in range(tensors)], dtype)
 
 
-def _graphs() -> dict:
-    """The cache's other operations as ONNX models (float32 tensors, int64 indices, all sizes dynamic)."""
-    from onnx import helper
+def _graphs(dtype=F32) -> dict:
+    """The cache's other operations as ONNX models (`dtype` tensors, int64 indices, all sizes dynamic)."""
+    from onnx import helper, numpy_helper
 
-    model, n = _model, helper.make_node
+    def model(nodes, inputs):
+        return _model(nodes, inputs, dtype=dtype)
+
+    n = helper.make_node
     return {
         # prefix (b, kv, T, d), beams (n,) -> (n, kv, T, d)
         "take": model([n("Gather", ["x", "i"], ["y"], axis=0)], [("x", "f"), ("i", "i")]),
@@ -117,23 +125,25 @@ def _graphs() -> dict:
         "cols": model([n("Slice", ["x", "z", "end", "axis"], ["y"])],
                       [("x", "f"), ("z", "i"), ("end", "i"), ("axis", "i")]),
         # zeros of shape `shape`
-        "zeros": model([n("ConstantOfShape", ["shape"], ["y"])], [("shape", "i")]),
+        "zeros": model([n("ConstantOfShape", ["shape"], ["y"], value=numpy_helper.from_array(np.zeros(1, dtype)))],
+                       [("shape", "i")]),
     }
 
 
 class DeviceOps:
-    """The cache's tensor operations on `device` ("cuda" or "cpu"), run by ORT on that device."""
+    """The cache's tensor operations on `device` ("cuda" or "cpu"), run by ORT on that device, on
+    tensors of `dtype` (the decode graph's K/V: float32, or float16 for an fp16 export)."""
 
-    def __init__(self, device: str = "cuda", device_id: int = 0):
+    def __init__(self, device: str = "cuda", device_id: int = 0, dtype=F32):
         import onnxruntime as ort
 
-        self.device, self.device_id = device, device_id
+        self.device, self.device_id, self.dtype = device, device_id, np.dtype(dtype)
         providers = [PROVIDERS[device], "CPUExecutionProvider"] if device != "cpu" else ["CPUExecutionProvider"]
         so = ort.SessionOptions()
         so.intra_op_num_threads = 1         # copies of a few MB: one thread, no spinning beside the model's
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._so, self._providers, self._ort = so, providers, ort
-        self._sessions = {k: self._session(m) for k, m in _graphs().items()}
+        self._sessions = {k: self._session(m) for k, m in _graphs(self.dtype).items()}
 
     def _session(self, model):
         return self._ort.InferenceSession(model.SerializeToString(), self._so, providers=self._providers)
@@ -145,7 +155,7 @@ class DeviceOps:
         io = sess.io_binding()
         for name, x in feeds.items():
             if isinstance(x, DeviceArray):
-                io.bind_input(name, self.device, self.device_id, np.float32, list(x.shape), x.ptr)
+                io.bind_input(name, self.device, self.device_id, self.dtype.type, list(x.shape), x.ptr)
             else:
                 io.bind_cpu_input(name, np.ascontiguousarray(x, np.int64))
         for o in sess.get_outputs():
@@ -154,7 +164,7 @@ class DeviceOps:
         return [DeviceArray(v, tuple(v.shape())) for v in io.get_outputs()]
 
     def upload(self, a: np.ndarray) -> DeviceArray:
-        a = np.ascontiguousarray(a, np.float32)
+        a = np.ascontiguousarray(a, self.dtype)
         return DeviceArray(self._ort.OrtValue.ortvalue_from_numpy(a, self.device, self.device_id), a.shape)
 
     def zeros(self, shape) -> DeviceArray:
@@ -167,7 +177,7 @@ class DeviceOps:
         """Every tensor's next prefixes (`extend_graph`), in one run."""
         key = f"extend{len(prefixes)}"
         if key not in self._sessions:
-            self._sessions[key] = self._session(extend_graph(len(prefixes)))
+            self._sessions[key] = self._session(extend_graph(len(prefixes), self.dtype))
         feeds = {f"prefix.{i}": p for i, p in enumerate(prefixes)} | {f"chunk.{i}": c for i, c in enumerate(chunks)}
         return self._run_all(self._sessions[key], **feeds, src=np.asarray(src, np.int64), s=np.array([s], np.int64),
                              j=np.array([j], np.int64), zero=np.zeros(1, np.int64), minus1=np.full(1, -1, np.int64))
