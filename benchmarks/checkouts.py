@@ -4,7 +4,7 @@ Each checkout runs in its own process, kept loaded (the engine of that checkout 
 its own DBS_FAST_HOME, re-exported there if its format differs); the two generate the same
 request in turns, the order swapped every round, so the machine's load falls on both alike. The
 paper's search (b=7, s=10, k=5), 40 new tokens, context "It is", keywords river, doctor, winter
-(`--context`, `--keywords` to change). Reports each one's median seconds per generation (and of it,
+(`--context`, `--keywords`, `--beams`, `--candidates`, `--tokens` to change). Reports each one's median seconds per generation (and of it,
 decode), the median of the paired ratios B / A, and how many texts were the same.
 
     python -m benchmarks.checkouts --a /path/to/old/checkout --a-home /tmp/home-a \\
@@ -25,10 +25,11 @@ from pathlib import Path
 from dbs_fast.bench.machine import machine
 
 WORKER = """
-import json, sys
+import dataclasses, json, sys
 from dbs_fast.api import DirectedBeamSearch
 from dbs_fast.config import DBSConfig
-cfg = DBSConfig.paper(max_new_tokens=40)
+beams, candidates, tokens = (int(x) for x in sys.argv[3:6])
+cfg = dataclasses.replace(DBSConfig.paper(max_new_tokens=tokens), beams=beams, candidates=candidates)
 dbs = DirectedBeamSearch("default", config=cfg)
 context, keywords = sys.argv[1], sys.argv[2].split(",")
 dbs.generate(context, keywords, seed=0)
@@ -39,9 +40,9 @@ for line in sys.stdin:
 """
 
 
-def worker(checkout: Path, home: Path, context: str, keywords: str) -> subprocess.Popen:
+def worker(checkout: Path, home: Path, context: str, keywords: str, shape: tuple = (7, 10, 40)) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(checkout.resolve()), DBS_FAST_HOME=str(home))
-    p = subprocess.Popen([sys.executable, "-c", WORKER, context, keywords], stdin=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-c", WORKER, context, keywords, *map(str, shape)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True, env=env, cwd=str(checkout))
     if p.stdout.readline().strip() != "ready":
         raise SystemExit(f"the worker of {checkout} did not start")
@@ -57,10 +58,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--context", default="It is")
     ap.add_argument("--keywords", default="river,doctor,winter")
+    ap.add_argument("--beams", type=int, default=7)
+    ap.add_argument("--candidates", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=40, help="new tokens per generation")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    procs = {"A": worker(args.a, args.a_home, args.context, args.keywords),
-             "B": worker(args.b, args.b_home, args.context, args.keywords)}
+    shape = (args.beams, args.candidates, args.tokens)
+    procs = {"A": worker(args.a, args.a_home, args.context, args.keywords, shape),
+             "B": worker(args.b, args.b_home, args.context, args.keywords, shape)}
     runs = {"A": [], "B": []}
     for i in range(args.rounds):
         for k in ("A", "B") if i % 2 == 0 else ("B", "A"):
@@ -71,7 +76,8 @@ def main(argv=None) -> int:
         p.stdin.close()
         p.wait()
     report = {"machine": machine(), "a": str(args.a), "b": str(args.b), "rounds": args.rounds,
-              "context": args.context, "keywords": args.keywords,
+              "context": args.context, "keywords": args.keywords, "beams": args.beams,
+              "candidates": args.candidates, "tokens": args.tokens,
               **{k: {"seconds_median": statistics.median(r[0] for r in v),
                      "decode_seconds_median": statistics.median(r[1] for r in v), "seconds_all": [r[0] for r in v]}
                  for k, v in runs.items()},

@@ -35,7 +35,8 @@ export PYTHONPATH=/tmp/site:$PWD DBS_FAST_HOME=/tmp/home PYTHONUNBUFFERED=1
 no_default=--no-default; if [ "$DEFAULT" = 1 ]; then no_default=; fi
 python3 -m dbs_fast.cli bench --provider cuda $no_default --contenders "$CONTENDERS" --sweep "" \
   --shape "$SHAPE" --max-new-tokens "$TOKENS" --repeats "$REPEATS" --tokenizer /tmp/gpu/gpt2-tokenizer \
-  --workdir /tmp/bench_work --out "$RES/bench"; keep
+  --workdir /tmp/bench_work --out "$RES/bench" & bench=$!
+while kill -0 $bench 2>/dev/null; do sleep 20; [ -f "$RES/bench/bench.json" ] && keep; done; wait $bench; keep
 graphs=$(ls -d /tmp/bench_work/onnx/*-fp16 /tmp/bench_work/onnx/"$SHAPE"-fp32 "$DBS_FAST_HOME"/models/*/ 2>/dev/null)
 for graph in $graphs; do
   name=$(basename "$graph")

@@ -1,6 +1,7 @@
 """The benchmark's code paths at toy size: every contender runs, the report has every field.
 No timing assertions: the benchmark reports speed, the tests check behaviour."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -172,6 +173,27 @@ def test_in_generation_probe_repeats_each_call_without_changing_the_text(exporte
     assert r["calls"] >= 6 and r["in_generation_ms"]["median"] > 0 and r["back_to_back_ms"]["median"] > 0
     plain = DirectedBeamSearch(str(exported["gpt2"]), config=DBSConfig.paper(max_new_tokens=6))
     assert r["text"] == plain.generate(CONTEXT, KEYWORD_SETS[1], seed=1).generated
+
+
+@pytest.mark.integration
+def test_the_gpu_contenders_run_on_a_tiny_model(checkpoints, tmp_path):
+    """The GPU's contenders, here on the CPU: the engine on the fp16 export (made from the fp32 one:
+    its decode graph float16 with the gathered attention, model.onnx shared) on the prefix cache,
+    PyTorch in float16, taking turns; the ratio of the two in the same dtype."""
+    from dbs_fast.bench.suite import run_bench
+
+    rep = run_bench(tmp_path / "out", tmp_path / "work", max_new_tokens=4, repeats=1, checkpoint=checkpoints["gpt2"],
+                    with_default=False, sweep=[], kernel_repeats=1, contenders=["onnx-fp16", "torch-fp16"])
+    point = rep["points"]["gpt2"]
+    assert point["in_turns"] == ["onnx-fp16", "torch-fp16"]
+    fp16 = point["contenders"]["onnx-fp16"]
+    assert "error" not in fp16 and fp16["kv_layout"] == "prefix" and all(fp16["texts"])
+    assert "error" not in point["contenders"]["torch-fp16"]
+    assert point["ratios"]["onnx-fp16_vs_torch-fp16"] > 0
+    m = json.loads((Path(point["models"]["onnx-fp16"]) / "dbs_fast_model.json").read_text())
+    assert m["prefix_decode"]["dtype"] == "float16" and m["prefix_decode"]["attention"] == "gathered"
+    same = Path(point["models"]["onnx-fp32"]) / "model.onnx"
+    assert (Path(point["models"]["onnx-fp16"]) / "model.onnx").stat().st_size == same.stat().st_size
 
 
 def test_profile_counts_the_warm_runs_only(exported, tmp_path):

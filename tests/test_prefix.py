@@ -22,13 +22,15 @@ def _slot_major(x, b):
     return np.ascontiguousarray(x.reshape(b, -1, *x.shape[1:]).transpose(3, 0, 2, 1, 4))
 
 
-def _attend(q, k, v, xk, xv, pk, pv, ck, cv, xmask, beam_context, pmask, cmask, seen, scale):
-    """`attend` on NumPy inputs with the chunks given row-major and the masks as booleans."""
+def _attend(q, k, v, xk, xv, pk, pv, ck, cv, xmask, beam_context, pmask, cmask, seen, scale, attention="split"):
+    """`attend` on NumPy inputs with the chunks given row-major and the masks as booleans; `attention`
+    "gathered": its biases for `attend_gathered`."""
     from dbs_fast.export.prefix_graph import (
         Biases,
         Dims,
         attend,
         block_biases,
+        gathered_biases,
         mask_bias,
     )
     from dbs_fast.kv.prefix_cache import context_blocks
@@ -37,8 +39,12 @@ def _attend(q, k, v, xk, xv, pk, pv, ck, cv, xmask, beam_context, pmask, cmask, 
     (N, L, H, d), (b, kv, T, _), K, (R, C) = q.shape, pk.shape, ck.shape[2], xmask.shape
     beams, slot = context_blocks(beam_context, R)
     dims = Dims(N, L, b, N // b, T, K, R, beams.shape[1], C, H, kv, d)
-    biases = Biases(mask_bias(t(xmask))[:, None, None, :], mask_bias(t(pmask))[:, None, None, :],
-                    *block_biases(t(cmask.astype(np.int64)), t(seen), dims), t(beams), t(slot))
+    if attention == "gathered":
+        biases = gathered_biases(Biases(None, None, None, None, t(beams), t(slot)), t(seen), None,
+                                 *(t(m.astype(np.int64)) for m in (xmask, pmask, cmask)), dims)
+    else:
+        biases = Biases(mask_bias(t(xmask))[:, None, None, :], mask_bias(t(pmask))[:, None, None, :],
+                        *block_biases(t(cmask.astype(np.int64)), t(seen), dims), t(beams), t(slot))
     o, kn, vn = attend(t(q), t(k), t(v), t(xk), t(xv), t(pk), t(pv), t(_slot_major(ck, b)), t(_slot_major(cv, b)),
                        biases, scale, dims)
     for new, x in ((kn, k), (vn, v)):         # the new K/V come back beam-major, (b, kv, s, L, d)
@@ -68,11 +74,13 @@ def _reference(q, keys_of, r, i, xmask, pmask, cmask, seen, beam_context, s):
     return attention_ref(q[r, i], keys, values, mask)
 
 
+@pytest.mark.parametrize("attention", ["split", "gathered"])
 @pytest.mark.parametrize("beam_context", [[0, 0, 1], [1, 0, 0, 2], [0]])
-def test_attend_equals_full_attention_over_the_three_levels(beam_context):
+def test_attend_equals_full_attention_over_the_three_levels(beam_context, attention):
     """One new token per row: attention over the request's context (one copy for all its beams),
     the beam's prefix, the row's chunk and the token itself equals plain attention over their
-    concatenation; contexts with different numbers of beams, in any order."""
+    concatenation; contexts with different numbers of beams, in any order; in both forms (the
+    split one's merge of the context by its log-sum-exp, the gathered one's keys per slot)."""
     rng = np.random.default_rng(len(beam_context))
     b, s, H, kv, d, T, K, C = len(beam_context), 4, 6, 2, 8, 7, 5, 6
     N = b * s
@@ -84,7 +92,7 @@ def test_attend_equals_full_attention_over_the_three_levels(beam_context):
     cmask[min(5, N - 1), 2] = True
     seen = np.ones((N, 1, 1), bool)
     got = _attend(q[:, None], k[:, None], v[:, None], xk, xv, pk, pv, ck, cv, xmask, bc, pmask, cmask, seen,
-                  1 / np.sqrt(d))[:, 0]
+                  1 / np.sqrt(d), attention)[:, 0]
 
     def keys_of(r):
         return tuple(np.concatenate([x[bc[r // s]], p[r // s], c[r], n[r][:, None]], axis=1)
@@ -94,7 +102,8 @@ def test_attend_equals_full_attention_over_the_three_levels(beam_context):
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_attend_of_several_new_tokens_is_causal_full_attention():
+@pytest.mark.parametrize("attention", ["split", "gathered"])
+def test_attend_of_several_new_tokens_is_causal_full_attention(attention):
     """L new tokens per row (a prefill): token i attends to the context, the beam's prefix, the
     row's chunk and the new tokens up to i that are not padding, as plain attention over the
     concatenation."""
@@ -111,7 +120,7 @@ def test_attend_of_several_new_tokens_is_causal_full_attention():
     nmask = np.ones((N, L), bool)
     nmask[4, :2] = False                       # a left-padded row of new tokens
     seen = np.tril(np.ones((L, L), bool))[None] & nmask[:, None, :]               # (N, L, L)
-    got = _attend(q, k, v, xk, xv, pk, pv, ck, cv, xmask, bc, pmask, cmask, seen, 1 / np.sqrt(d))
+    got = _attend(q, k, v, xk, xv, pk, pv, ck, cv, xmask, bc, pmask, cmask, seen, 1 / np.sqrt(d), attention)
     assert got.shape == (N, L, H * d)
 
     def keys_of(r):
@@ -439,23 +448,29 @@ def test_a_step_on_the_device_moves_only_ids_masks_and_logits(decoders):
     assert moved[None][-1] >= logits.nbytes + prefixes    # and after a boundary, every prefix
 
 
-def test_device_ops_equal_their_numpy_references():
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_device_ops_equal_their_numpy_references(dtype):
     """`DeviceOps` (the cache's operations as ORT graphs on a device; here the CPU provider) against
     NumPy and the host's Numba extension: extension of several tensors in one run, gather, concat,
-    left padding, trim, zeros, and the views (leading slots, one slot) bound by pointer."""
+    left padding, trim, zeros, and the views (leading slots, one slot) bound by pointer; float32 and
+    an fp16 export's float16."""
     from dbs_fast.kv.device import DeviceOps
     from dbs_fast.kv.kv_copy import extend_prefix
 
-    ops = DeviceOps("cpu")
+    ops = DeviceOps("cpu", dtype=dtype)
     rng = np.random.default_rng(5)
     b, kv, T, d, K, s = 3, 2, 5, 4, 4, 2
-    ps = [rng.standard_normal((b, kv, T, d)).astype(np.float32) for _ in range(3)]
-    cs = [rng.standard_normal((K, b, kv, s, d)).astype(np.float32) for _ in range(3)]
+    ps = [rng.standard_normal((b, kv, T, d)).astype(dtype) for _ in range(3)]
+    cs = [rng.standard_normal((K, b, kv, s, d)).astype(dtype) for _ in range(3)]
     P, C = [ops.upload(p) for p in ps], [ops.upload(c) for c in cs]
+    assert all(x.dtype == dtype and x.nbytes == x.size * np.dtype(dtype).itemsize for x in P)
     src, j = np.array([5, 0, 3, 3]), 3                     # rows; a repeat; more beams than before
     for p, c, got in zip(ps, cs, ops.extend(P, C, src, s, j)):
-        want = np.empty((len(src), kv, T + j, d), np.float32)
-        extend_prefix(want, p, c, src, s, j)
+        want = np.empty((len(src), kv, T + j, d), dtype)
+        if dtype == np.float32:                            # the host's kernel
+            extend_prefix(want, p, c, src, s, j)
+        else:
+            want[:] = [np.concatenate([p[r // s], c[:j, r // s, :, r % s].transpose(1, 0, 2)], 1) for r in src]
         np.testing.assert_array_equal(got.numpy(), want)
     p, c = ps[0], cs[0]
     np.testing.assert_array_equal(ops.take(P[0], [2, 2, 0]).numpy(), p[[2, 2, 0]])
@@ -464,7 +479,7 @@ def test_device_ops_equal_their_numpy_references():
     np.testing.assert_array_equal(ops.concat(P[0], P[1], 2).numpy(), np.concatenate([p, ps[1]], 2))
     np.testing.assert_array_equal(ops.pad_cols(P[0], 2).numpy(), np.pad(p, [(0, 0), (0, 0), (2, 0), (0, 0)]))
     np.testing.assert_array_equal(ops.cols(P[0], 2).numpy(), p[:, :, 2:])
-    np.testing.assert_array_equal(ops.zeros((2, 3)).numpy(), np.zeros((2, 3)))
+    np.testing.assert_array_equal(ops.zeros((2, 3)).numpy(), np.zeros((2, 3), dtype))
     np.testing.assert_array_equal(ops.lead(C[0], 2).numpy(), c[:2])
     np.testing.assert_array_equal(ops.at(C[0], 1, (b, kv, s, 1, d)).numpy(), c[1][:, :, :, None])
 
@@ -601,3 +616,49 @@ def test_a_family_exports_onto_the_shared_context_graph_and_generates(kind, fami
         assert m["prefix_decode"]["sliding_window"] == 4 and m["prefix_decode"]["window_masked"]
         long = DBSConfig(beams=2, candidates=2, max_new_tokens=12, stop="max")
         assert DirectedBeamSearch(out).generate("It is a", "river", config=long).new_tokens == 12
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "gemma3"])
+def test_an_fp16_export_decodes_on_the_gathered_graph_as_the_model_does(kind, tmp_path):
+    """`export --dtype fp16`: the decode graph with the gathered attention, checked in fp32 against
+    model.onnx and then converted to float16 (its K/V float16, its logits float32); its cache goes
+    through `DeviceOps` (here on the CPU provider), and each row decodes as the transformers model
+    does over the whole sequence to fp16's precision, over a chunk, a keep and another chunk
+    (Gemma 3's local layers with their window of 4 slid past); the export generates."""
+    from conftest import make_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from dbs_fast import DBSConfig, DirectedBeamSearch
+    from dbs_fast.export.convert import export_model
+    from dbs_fast.kv.decoder import PrefixDecoder
+
+    ckpt = make_checkpoint(kind, tmp_path / kind)
+    out = tmp_path / "fp16"
+    export_model(str(ckpt), out, quiet=True, dtype="fp16")
+    pd = json.loads((out / "dbs_fast_model.json").read_text())["prefix_decode"]
+    assert pd["written"] and pd["attention"] == "gathered" and pd["dtype"] == "float16", pd
+    assert pd["float32"]["max_abs_logit_diff"] < 1e-3 and pd["top1_agreement"] == 1.0
+    m = json.loads((out / "dbs_fast_model.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    dec, rng, s, k = PrefixDecoder(out / "decode.onnx"), np.random.default_rng(1), 2, 3
+    assert dec.dtype == np.float16 and dec.ops.device == "cpu"
+    ctx = np.array([[11, 12, 13, 14, 15], [0, 0, 0, 21, 22]])
+    mask = np.array([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
+    _, cache = dec.prefill(ctx, mask, m["num_kv_heads"], m["head_dim"], s, k)
+    seqs = [[int(x) for x, mk in zip(ctx[r // s], mask[r // s]) if mk] for r in range(2 * s)]
+    for chunk in range(2):
+        for _ in range(k):
+            tok = rng.integers(1, 200, len(seqs))
+            logits = dec.step(tok, cache)
+            assert logits.dtype == np.float32
+            for r, t in enumerate(tok):
+                seqs[r].append(int(t))
+            with torch.no_grad():
+                for r, seq in enumerate(seqs):
+                    ref = model(torch.tensor([seq])).logits[0, -1].numpy()
+                    np.testing.assert_allclose(logits[r], ref, rtol=2e-2, atol=2e-2)
+        cache.keep([3, 0])
+        seqs = [list(seqs[[3, 0][r // s]]) for r in range(2 * s)]
+    r = DirectedBeamSearch(out).generate("It is", "river", config=DBSConfig(beams=2, candidates=2, max_new_tokens=8))
+    assert r.new_tokens > 0

@@ -566,8 +566,9 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
                 print(f"[bench]   {r['seconds_per_candidate_token'] * 1e3:.0f} ms/candidate token", flush=True)
         _ratios(res, cfg)
         report["points"][name] = res
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
-    (out / "bench.md").write_text(markdown(report))
+        # after every point, so that a run cut short (a device call's time limit) keeps the points it finished
+        (out / "bench.json").write_text(json.dumps(report, indent=2))
+        (out / "bench.md").write_text(markdown(report))
     plots(report, out)
     print(markdown(report))
     return report
