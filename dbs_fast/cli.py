@@ -62,7 +62,9 @@ def threads(v: str) -> int:
 
 def _add_export(sub):
     p = sub.add_parser("export", help="Hugging Face checkpoint -> ONNX with KV cache + manifest")
-    p.add_argument("--model", required=True, help="hub id, local checkpoint dir, or `default`")
+    p.add_argument("--model", required=True, help="a local transformers checkpoint dir, a GGUF file (FILE.gguf), "
+                                                  "`default` (SmolLM2-135M) or `gemma3-270m` (the embedded models), "
+                                                  "or a hub id where the hub is reachable")
     p.add_argument("--out", required=True, help="output directory (refused if it exists, unless --force)")
     p.add_argument("--optimize", action="store_true", help="onnxruntime transformer graph fusions")
     p.add_argument("--quantize", choices=["int8", "int8-block", "auto"],
@@ -141,7 +143,7 @@ def _add_generate(sub):
                    help="a task preset: commongen = one sentence from unordered concepts (" + " ".join(
                        f"{FLAG[k]} {v}" for k, v in COMMONGEN.items()) + " and the task's context, as `eval "
                         "--sets commongen-dev`; flags given override)")
-    p.add_argument("--model", default="default", help="exported model dir, or `default` (embedded SmolLM2)")
+    p.add_argument("--model", default="default", help="exported model dir, `default` (embedded SmolLM2-135M) or `gemma3-270m`")
     p.add_argument("--scorer", default="self", help="`self` or an exported model dir sharing the tokenizer")
     p.add_argument("--embeddings", default="default", help="`default` (GloVe 6B 50-d), GloVe .txt, word2vec .txt/.bin")
     _add_config_flags(p, "search settings")
@@ -479,7 +481,7 @@ def _add_serve(sub):
     d = ServiceOptions()
     p = sub.add_parser("serve", help="HTTP service: POST /v1/generate (JSON or streamed), /health, /metrics, "
                                      "/docs; continuous batching at chunk boundaries (needs the serve extra)")
-    p.add_argument("--model", default=d.model, help="exported model dir, or `default` (embedded SmolLM2)")
+    p.add_argument("--model", default=d.model, help="exported model dir, `default` (embedded SmolLM2-135M) or `gemma3-270m`")
     p.add_argument("--embeddings", default=d.embeddings, help="`default` (GloVe 6B 50-d), GloVe .txt, word2vec "
                                                                ".txt/.bin")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -526,7 +528,7 @@ def _add_run_batch(sub):
                                                          "or .csv with columns keywords, context, id, seed")
     p.add_argument("-o", "--output", required=True, help="JSONL, one line per request ({id, custom_id, response, "
                                                           "error}); what it holds already is skipped (resume)")
-    p.add_argument("--model", default=d.model, help="exported model dir, or `default` (embedded SmolLM2)")
+    p.add_argument("--model", default=d.model, help="exported model dir, `default` (embedded SmolLM2-135M) or `gemma3-270m`")
     p.add_argument("--embeddings", default=d.embeddings, help="`default` (GloVe 6B 50-d), GloVe .txt, word2vec "
                                                                ".txt/.bin")
     p.add_argument("--seed", type=seed, default=0, help="the job's seed: a request without one gets a seed from it "
@@ -569,8 +571,8 @@ def _run_run_batch(a) -> int:
     else:
         c = run_batch(Path(a.input), Path(a.output), opts, job_seed=a.seed)
     print(f"run-batch: {c['ok']} answered, {c['failed']} failed, {c['skipped']} done before; {c['seconds']:.1f} s "
-          f"-> {a.output}", file=sys.stderr)
-    return 1 if c["failed"] else 0
+          f"-> {a.output} ({c['failed_in_output']} error lines in it)", file=sys.stderr)
+    return 1 if c["failed_in_output"] else 0          # the whole output file, resumed or not
 
 
 def _run_serve(a) -> int:

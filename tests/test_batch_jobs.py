@@ -96,7 +96,8 @@ def test_csv_rows_and_the_exit_code(model_dir, tmp_path, capsys):
     assert got["r3"]["error"]["param"] == "seed" and got["r1"]["response"]["status_code"] == 200
     assert got["r1"]["response"]["body"]["context"] == "It is" and got["r2"]["response"]["body"]["context"] == "It is"
     assert "2 answered, 1 failed, 0 done before" in capsys.readouterr().err
-    assert cli(args) == 0 and len(_lines(out)) == 3                 # all done before: nothing written again
+    # all done before: nothing written again, and the exit code still says the output holds an error line
+    assert cli(args) == 1 and len(_lines(out)) == 3
     assert "0 answered, 0 failed, 3 done before" in capsys.readouterr().err
     assert cli(["run-batch", "-i", str(tmp_path / "none.jsonl"), "-o", str(out), "--model", str(model_dir)]) == 2
 

@@ -127,10 +127,12 @@ def test_requests_served_together_get_the_text_they_get_alone(server, dbs):
     ({"keywords": "colony", "lambda": "20"}, "lambda"),
     ({"keywords": "colony", "task": "commongen", "paper": True}, "paper"),     # two presets
 ])
-def test_bad_input_is_a_422_naming_the_field(server, body, field):
+def test_bad_input_is_a_400_in_openais_shape_naming_the_field(server, body, field):
     r = httpx.post(server.url + "/v1/generate", json=body, timeout=30)
-    assert r.status_code == 422, r.text
-    assert any(d["loc"][-1] == field for d in r.json()["detail"]), r.json()
+    assert r.status_code == 400, r.text
+    assert set(r.json()) == {"error"} and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert r.json()["error"]["param"] == field and r.json()["error"]["type"] == "invalid_request_error", r.json()
+    assert "--" not in r.json()["error"]["message"]                  # the door's words: no CLI flag
 
 
 def test_unknown_path_is_404_and_openapi_lists_generate(server):
@@ -162,7 +164,7 @@ def test_metrics_and_health(server):
     # one request answered and one refused, so that the test counts its own (it runs alone too)
     ok = {"context": "It is", "keywords": "colony", "seed": 3, **SMALL}
     assert httpx.post(server.url + "/v1/generate", json=ok, timeout=60).status_code == 200
-    assert httpx.post(server.url + "/v1/generate", json={"keywords": "run|"}, timeout=30).status_code == 422
+    assert httpx.post(server.url + "/v1/generate", json={"keywords": "run|"}, timeout=30).status_code == 400
     text = httpx.get(server.url + "/metrics").text
     for name in ("dbs_requests_total", "dbs_queue_depth", "dbs_batch_rows", "dbs_candidate_tokens_total",
                  "dbs_request_latency_seconds_bucket", "dbs_candidate_tokens_per_second"):
@@ -240,10 +242,10 @@ def test_full_queue_is_429_and_a_disconnect_drops_the_rows(slow):
 def test_timeout_is_504_and_a_failing_request_spares_the_loop(slow):
     s, state = slow
     r = httpx.post(s.url + "/v1/generate", json={**LONG, "timeout": 0.3}, timeout=60)
-    assert r.status_code == 504
+    assert r.status_code == 504 and r.json()["error"]["type"] == "server_error"
     state["fail"] = True
     r = httpx.post(s.url + "/v1/generate", json={**LONG, "max_new_tokens": 4}, timeout=60)
-    assert r.status_code == 500 and "injected failure" in r.json()["detail"]
+    assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
     r = httpx.post(s.url + "/v1/generate", json={**LONG, "max_new_tokens": 4}, timeout=60)
     assert r.status_code == 200 and r.json()["new_tokens"] == 4
 

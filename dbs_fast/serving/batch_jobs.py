@@ -52,6 +52,14 @@ def done_ids(out: Path) -> set[str]:
     return {json.loads(line)["custom_id"] for line in data[:keep].decode().splitlines() if line.strip()}
 
 
+def failed_lines(out: Path) -> int:
+    """How many lines of the output `out` are errors, whichever run wrote them."""
+    if not out.exists():
+        return 0
+    with open(out, encoding="utf-8") as f:
+        return sum(json.loads(line).get("error") is not None for line in f if line.strip())
+
+
 def read_lines(path: Path):
     """(line number, custom_id, kind, request or None, error or None) per input line, read lazily;
     kind is "chat", "completion" or "plain"."""
@@ -200,10 +208,10 @@ class BatchJob:
         except oa.Refused as e:
             return e.body()["error"]
         except DBSError as e:
-            return oa.error_body(422, str(e), e.field)["error"]
+            return oa.error_body(400, str(e), e.field)["error"]
         except ValidationError as e:
             param, msg = fault(e.errors())
-            return oa.error_body(422, msg, param)["error"]
+            return oa.error_body(400, msg, param)["error"]
         job.send = lambda k, payload, cid=cid: self.results.put((cid, k, payload)) if k != "chunk" else None
         self.in_flight[cid] = reply
         while not svc.batcher.submit(job):          # the queue is full: write what has finished
@@ -272,7 +280,7 @@ def run_batch(inp: Path, out: Path, opts, dbs=None, job_seed: int = 0) -> dict:
         if bar is not None:
             bar.close()
         svc.stop()
-    return {**sink.counts, "seconds": time.perf_counter() - t0}
+    return {**sink.counts, "seconds": time.perf_counter() - t0, "failed_in_output": failed_lines(out)}
 
 
 class RayEngine:
@@ -336,4 +344,4 @@ def run_batch_ray(inp: Path, out: Path, opts, job_seed: int = 0, address: str | 
     finally:
         if bar is not None:
             bar.close()
-    return {**sink.counts, "seconds": time.perf_counter() - t0}
+    return {**sink.counts, "seconds": time.perf_counter() - t0, "failed_in_output": failed_lines(out)}

@@ -33,11 +33,20 @@ def fault(errors: list[dict]) -> tuple[str | None, str]:
     """(the field at fault, a message) from pydantic's errors of a body (locations start at "body")."""
     def field(e):
         loc = [p for p in e.get("loc", ()) if p != "body"]
-        return str(loc[0]) if loc and isinstance(loc[0], str) else None
+        if e.get("type") == "json_invalid" or not loc:             # the body itself: not JSON, not an object
+            return "body"
+        return str(loc[0]) if isinstance(loc[0], str) else None
+
+    def message(e):
+        if e.get("type") == "json_invalid":
+            return f"the body is not valid JSON ({(e.get('ctx') or {}).get('error', 'JSON decode error')})"
+        if field(e) == "body":
+            return f"the body must be a JSON object ({e.get('msg', 'invalid')})"
+        return e.get("msg", "invalid")
 
     parts = []
     for e in errors:
         f = field(e)
-        parts.append(f"`{f}`: {e.get('msg', 'invalid')}" if f else e.get("msg", "invalid body"))
+        parts.append(message(e) if f in (None, "body") else f"`{f}`: {message(e)}")
     fields = [field(e) for e in errors if field(e)]
     return (fields[0] if fields else None), "; ".join(dict.fromkeys(parts)) or "invalid request body"

@@ -1,7 +1,7 @@
 """The same service on Ray Serve: N replicas, each with its own engine (model, batcher, metrics).
 
 Ray Serve's proxy spreads requests over the replicas; inside a replica the FastAPI app of
-`dbs_fast.serving.service` runs unchanged (continuous batching, streaming, 422/429). On a laptop:
+`dbs_fast.serving.service` runs unchanged (continuous batching, streaming, 400/429). On a laptop:
 
     dbs-fast serve --ray-replicas 2                 # starts a local Ray, serves on --port
 

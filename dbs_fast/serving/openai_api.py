@@ -28,7 +28,7 @@ from ..search.result import GenerationResult
 from ..text.chat import ChatTemplate
 from .bodies import body_config, option_fields
 
-# DBSConfig fields the standard fields set, and the name a 422 gives them here
+# DBSConfig fields the standard fields set, and the name an error gives them here
 STANDARD = {"max_new_tokens": "max_tokens"}
 RENAMED = {"stop": "stop_at"}                     # the engine's stop rule; `stop` is OpenAI's stop sequences
 # the options sent as extra body fields: all but those the standard fields set

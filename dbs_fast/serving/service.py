@@ -2,7 +2,8 @@
 
 FastAPI rather than bare Starlette: the request body is declared once as a pydantic model
 (derived from `config.OPTIONS`, as the CLI flags are), so a wrong type or an unknown field is a
-422 that names the field, and the OpenAPI page (/docs, /openapi.json) comes with it.
+400 that names the field, and the OpenAPI page (/docs, /openapi.json) comes with it. Every error
+of /v1/* has OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, on every endpoint.
 
 Endpoints: POST /v1/generate (JSON, or Server-Sent Events with "stream": true), the OpenAI-compatible
 GET /v1/models, POST /v1/completions and /v1/chat/completions (`dbs_fast.serving.openai_api`), GET /health,
@@ -15,6 +16,7 @@ import asyncio
 import functools
 import hmac
 import json
+import re
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -25,6 +27,7 @@ from ..backend import SCHEDULES
 from ..config import (
     DEFAULT_CONTEXT,
     JSON_NAMES,
+    OPTIONS,
     SEED_MAX,
     TASKS,
     DBSConfig,
@@ -84,7 +87,14 @@ class ServiceOptions:
 
 
 FIELD_OF = JSON_NAMES                                        # DBSConfig field -> JSON field
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")   # bad input answered in OpenAI's error shape
+# JSON field -> the CLI flag that sets the same option (the flags an engine message may name)
+FLAG_FIELDS = {**{JSON_NAMES.get(name, name): flag for name, flag, _, _ in OPTIONS},
+               "keywords": "--keywords", "context": "--context", "ban": "--ban", "seed": "--seed",
+               "task": "--task", "paper": "--paper"}
+FLAG = re.compile(r"`?(--[a-z][a-z0-9-]*)`?")
+# every error of /v1/*, /v1/generate's too, is OpenAI's shape: {"error": {"message", "type", "param", "code"}};
+# bad input is a 400, as OpenAI answers an invalid request
+INVALID = 400
 
 
 @functools.cache
@@ -110,9 +120,17 @@ def request_model():
     return create_model("GenerateRequest", __config__=body_config(), **fields, **option_fields(JSON_NAMES))
 
 
-def invalid_detail(e: DBSError) -> dict:
-    """/v1/generate's 422 body for bad input, in FastAPI's own shape, naming the field."""
-    return {"detail": [{"type": "value_error", "loc": ["body", e.field or "body"], "msg": str(e), "input": e.value}]}
+def http_words(message: str) -> str:
+    """An engine's message in the HTTP door's words: a CLI flag it names (`--beams`) becomes the JSON
+    field that sets the same option (`beams`), and one no request field sets (`--subword-fallback`)
+    the server's option of that name."""
+    flags = {flag: name for name, flag in FLAG_FIELDS.items()}
+
+    def field(m):
+        flag = m.group(1)
+        return f"`{flags[flag]}`" if flag in flags else f"the server's {flag[2:]} option"
+
+    return FLAG.sub(field, message)
 
 
 class Metrics:
@@ -203,7 +221,7 @@ class Service:
         if self.batcher is not None:
             self.batcher.stop(self.opts.grace)
 
-    # -- validation: every bad field a 422 that names it -------------------------------------
+    # -- validation: every bad field a 400 that names it -------------------------------------
     def job(self, body) -> "Job":
         """A job from the body of POST /v1/generate."""
         given = {name: getattr(body, body_attr(name, key)) for name, key in JSON_NAMES.items()}
@@ -223,11 +241,11 @@ class Service:
             cfg = replace(base, **{k: v for k, v in given.items() if v is not None})
             request = self.dbs.request(context, keywords, ban, seed, cfg)
         except DBSError as e:
-            raise DBSError(str(e), names.get(e.field, e.field or "body"), e.value) from None
+            raise DBSError(http_words(str(e)), names.get(e.field, e.field or "body"), e.value) from None
         if cfg.beams * cfg.candidates > self.opts.max_rows:
             field = "beams" if cfg.beams > cfg.candidates else "candidates"     # the larger of the two
             raise DBSError(f"beams x candidates = {cfg.beams * cfg.candidates} rows, more than this server's "
-                           f"--max-rows {self.opts.max_rows}", field, getattr(cfg, field))
+                           f"limit of {self.opts.max_rows}", field, getattr(cfg, field))
         timeout = min(timeout or self.opts.timeout, self.opts.timeout)
         return Job(request, cfg, send=None, stream=stream, deadline=time.perf_counter() + timeout)
 
@@ -301,7 +319,7 @@ class Endpoints:
                     return PlainTextResponse("client disconnected", 499)
                 if time.perf_counter() > job.deadline + 1.0:    # the engine is inside a long chunk
                     self.svc.batcher.cancel(job, "timeout")
-                    return JSONResponse({"detail": "the request timed out"}, 504)
+                    return JSONResponse(oa.error_body(504, "the request timed out"), 504)
                 continue
             if kind in ("result", "error"):
                 return kind, payload
@@ -311,22 +329,23 @@ class Endpoints:
 
         svc = self.svc
         if not svc.ready:
-            return self.refuse(503, "error", svc.error or "the model is loading", retry=5)
+            return self.openai_error(503, "error", svc.error or "the model is loading", retry=5)
         try:
             job = svc.job(body)
         except DBSError as e:
-            return self.refuse(422, "invalid", invalid_detail(e))
+            return self.openai_error(INVALID, "invalid", str(e), e.field)
         events = self.submit(job)
         if events is None:
             msg, retry = self.queue_full()
-            return self.refuse(429, "refused", msg, retry=retry)
+            return self.openai_error(429, "refused", msg, retry=retry)
         if body.stream:
             return StreamingResponse(self.events(job, events), media_type="text/event-stream")
         got = await self.outcome(job, events, request)
         if not isinstance(got, tuple):
             return got
         kind, payload = got
-        return JSONResponse(payload.to_json()) if kind == "result" else JSONResponse({"detail": payload[1]}, payload[0])
+        return JSONResponse(payload.to_json()) if kind == "result" else \
+            JSONResponse(oa.error_body(payload[0], payload[1]), payload[0])
 
     async def events(self, job, events):
         """/v1/generate's Server-Sent Events: the chunks, then the result or the error."""
@@ -336,7 +355,7 @@ class Endpoints:
                 kind, payload = await events.get()
                 if kind == "error":
                     status, detail = payload
-                    payload = {"status": status, "detail": detail}
+                    payload = {"status": status, **oa.error_body(status, detail)}
                 elif kind == "result":
                     payload = payload.to_json()
                 done = kind in ("result", "error")
@@ -361,7 +380,7 @@ class Endpoints:
         except oa.Refused as e:
             return self.refuse(e.status, "invalid", e.body())
         except DBSError as e:
-            return self.openai_error(422, "invalid", str(e), e.field)
+            return self.openai_error(INVALID, "invalid", str(e), e.field)
         reply = oa.Reply(chat, body.model, stops, body.n)
         events = self.submit(job)
         if events is None:
@@ -402,7 +421,7 @@ class Endpoints:
 
 
 def _error_handlers(app, ep: Endpoints) -> None:
-    """Pydantic's 422s counted; under /v1/ (but /v1/generate) every error in OpenAI's shape."""
+    """Bad bodies counted; under /v1/ every error in OpenAI's shape, bad input a 400 naming its field."""
     from fastapi.exception_handlers import (
         http_exception_handler,
         request_validation_exception_handler,
@@ -412,16 +431,16 @@ def _error_handlers(app, ep: Endpoints) -> None:
     from starlette.responses import JSONResponse
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(request, exc):           # types, ranges, unknown fields
-        if request.url.path in OPENAI_PATHS:        # `param` naming the field
+    async def invalid_body(request, exc):           # types, ranges, unknown fields, a body that is not JSON
+        if request.url.path.startswith("/v1/"):     # `param` naming the field
             param, msg = fault(exc.errors())
-            return ep.openai_error(422, "invalid", msg, param)
+            return ep.openai_error(INVALID, "invalid", msg, param)
         ep.svc.metrics.finished("invalid")
         return await request_validation_exception_handler(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):             # an unknown path or method
-        if request.url.path.startswith("/v1/") and request.url.path != "/v1/generate":
+        if request.url.path.startswith("/v1/"):
             return JSONResponse(oa.error_body(exc.status_code, str(exc.detail)), exc.status_code,
                                 headers=getattr(exc, "headers", None))
         return await http_exception_handler(request, exc)
@@ -526,7 +545,7 @@ class Guard:
             return await self.app(scope, receive, send)
         headers, limit = Headers(scope=scope), self.opts.max_body_bytes
         msg = f"the request body is over {limit} bytes"
-        too_big = JSONResponse(oa.error_body(413, msg) if scope["path"] in OPENAI_PATHS else {"detail": msg}, 413)
+        too_big = JSONResponse(oa.error_body(413, msg, "body") if scope["path"].startswith("/v1/") else {"detail": msg}, 413)
         if self.expected and scope["path"].startswith(self.protected) and \
                 not hmac.compare_digest(headers.get("authorization", ""), self.expected):
             self.svc.metrics.finished("unauthorized")

@@ -44,13 +44,32 @@ class ChatTemplate:
         """The prompt of `messages` ({"role", "content"}), ending where the assistant's turn starts."""
         from jinja2 import TemplateError
 
+        plain = []
         for i, m in enumerate(messages):
-            if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise DBSError(f"messages[{i}] must have a role in {ROLES} and a string content", "messages", m)
+            if not isinstance(m, dict) or m.get("role") not in ROLES:
+                raise DBSError(f"messages[{i}] must have a role in {ROLES}", "messages", m)
+            plain.append({**m, "content": text_content(m.get("content"), i)})
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+            return self.template.render(messages=plain, add_generation_prompt=True, **self.special)
         except TemplateError as e:
             raise DBSError(f"the model's chat template refused these messages: {e}", "messages", None) from None
+
+
+def text_content(content, i: int) -> str:
+    """A message's content as text: a string, or OpenAI's content parts, whose text parts
+    ({"type": "text", "text": ...}) are joined; any other part (an image, audio) is refused, named."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise DBSError(f"messages[{i}].content must be a string or a list of content parts", "messages", content)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise DBSError(f"messages[{i}].content[{j}] is a part of type {kind or type(part).__name__!r}: only text parts "
+                           f'({{"type": "text", "text": ...}}) are read', "messages", part)
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _token_text(token) -> str:
