@@ -124,6 +124,11 @@ def test_an_underscore_piece_continues_the_word_before_it():
     ("He shouted: stop!", True),
     ("Is it?", True),
     ('He said "yes."', True),
+    ("a doctor named Dr. Frank Z.", False),
+    ("a doctor named Dr. Frank Z. Miller (a.", False),  # inside a parenthesis still open
+    ("He left (for good.", False),
+    ("He saw it (twice).", True),
+    ("He saw it (twice). Then he left.", True),
 ])
 def test_a_sentence_does_not_end_at_an_abbreviation_or_an_initial(text, ends):
     from dbs_fast.text.occurrence import ends_a_sentence_here, ends_sentence

@@ -119,8 +119,10 @@ def ends_a_sentence_here(text: str) -> bool:
     "St." and middle initials do not end a sentence; "U.S." and "p.m." do before a capital. A
     period right after a digit does not either: it may be a decimal point ("$1." of "$1.5"), and
     the text cannot see the next token; a sentence that does end after a number ("in 2012.")
-    then ends at its next end."""
-    return _DIGIT_PERIOD.search(text) is None and _splits(text[-_TAIL:].lstrip())
+    then ends at its next end. Nor does one inside a parenthesis still open ("Miller (a.", "(b.
+    1950", "(for good."): a sentence in parentheses ends after its ")", at the next end."""
+    tail = text[-_TAIL:]
+    return _DIGIT_PERIOD.search(text) is None and tail.rfind("(") <= tail.rfind(")") and _splits(tail.lstrip())
 
 
 @lru_cache(maxsize=4096)
