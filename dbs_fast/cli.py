@@ -75,6 +75,9 @@ def _add_export(sub):
     p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32",
                    help="fp16: the decode graph in float16 with one attention per candidate over its own keys, "
                         "for --provider cuda (model.onnx stays fp32); default %(default)s")
+    p.add_argument("--weights", choices=["fp32", "gguf"], default="fp32",
+                   help="gguf: keep a GGUF file's 4-bit blocks (Q4_0, Q4_1) in the decode graph as ONNX Runtime's "
+                        "MatMulNBits, exact, instead of fp32 copies (other types run in fp32); default %(default)s")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--quiet", action="store_true", help="print only the manifest's summary")
     p.set_defaults(func=_run_export)
@@ -86,7 +89,7 @@ def _run_export(a) -> int:
     except ImportError as e:
         raise DBSError(f"export needs the export extra (`pip install 'dbs-fast[export]'`): {e}") from None
     m = export_model(a.model, a.out, optimize=a.optimize, quantize=a.quantize, force=a.force, quiet=a.quiet,
-                     dtype=a.dtype)
+                     dtype=a.dtype, weights=a.weights)
     keys = ("source", "architecture", "dtype", "steps", "parity") + (("quantize_auto",) if a.quantize == "auto" else ())
     print(json.dumps({k: m[k] for k in keys}, indent=2))
     return 0

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 from dbs_fast.cpu import cpu_signature
@@ -142,13 +143,16 @@ def _fix_gguf_tokenizer(src: Source, work: Path, quiet: bool) -> str:
 
 # the decode graph's float type: fp16 (the GPU's) takes the gathered attention (export/prefix_graph.py)
 DTYPES = ("fp32", "fp16")
+# the decode graph's weights: fp32, or a GGUF file's own 4-bit blocks (export/gguf_weights.py)
+WEIGHTS = ("fp32", "gguf")
 
 
 class ParityFailed(DBSError):
     """The exported graph does not reproduce the checkpoint's logits."""
 
 
-def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet: bool, dtype: str = "fp32") -> dict:
+def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet: bool, dtype: str = "fp32",
+           weights: str = "fp32") -> dict:
     """Write the whole export into `work`; returns the manifest."""
     config = load_config(src)
     check_supported(config)
@@ -227,7 +231,8 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     }
     mode = "int8" if quantize else ("optimize" if "optimize" in steps else "fp32")
     _check_parity(model, work, manifest, mode, src.name, t0, quiet)
-    manifest["prefix_decode"] = _prefix_decode(model, work, quantize, quiet, dtype=dtype)
+    manifest["prefix_decode"] = _prefix_decode(model, work, quantize, quiet, dtype=dtype,
+                                               gguf=Path(src.path) / src.gguf_file if weights == "gguf" else None)
     manifest["files"] = _files(work)
     (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
@@ -308,12 +313,13 @@ def float16_from(fp32: Path, out: Path, quiet: bool = False) -> dict:
 
 
 def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_graph: Path | None = None,
-                   dtype: str = "fp32") -> dict:
+                   dtype: str = "fp32", gguf: Path | None = None) -> dict:
     """The decode graph (export/prefix_graph.py) beside model.onnx, checked against it;
     optional: a model it cannot serve keeps the row layout, and the manifest says why.
     `fp32_graph`: quantise that decode graph (of an fp32 export of the model) instead of exporting one.
     `dtype` "fp16": the graph with the gathered attention, checked in fp32, then in float16 (the
-    GPU's graph; model.onnx stays fp32)."""
+    GPU's graph; model.onnx stays fp32). `gguf`: the file whose 4-bit blocks the graph keeps (the
+    model's linear layers swapped for them, last: nothing uses the model after)."""
     from . import prefix_graph
 
     try:
@@ -323,6 +329,14 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
     _log("prefix-shared decode graph + parity against model.onnx", quiet)
     try:
         # in a folder of its own: over 2 GB, torch writes one file per tensor beside the graph
+        weights = None
+        if gguf is not None:
+            from .gguf_weights import quantize_linears
+
+            tensors = quantize_linears(model, gguf)
+            weights = {"stored_as_run": dict(Counter(f"{t[1]} -> {t[2]}" for t in tensors.values())),
+                       "tensors": {name: {"gguf": t[0], "stored": t[1], "run": t[2]} for name, t in tensors.items()}}
+            _log(f"the GGUF file's blocks kept: {weights['stored_as_run']}", quiet)
         if fp32_graph is None:
             fp32 = work / "_decode" / DECODE_GRAPH
             info = prefix_graph.export_prefix_decoder(model, fp32,
@@ -338,6 +352,8 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
         else:                               # the graph and its one data file (if over 2 GB)
             for f in fp32.parent.glob(DECODE_GRAPH + "*"):
                 os.replace(f, work / f.name)
+        if weights is not None:
+            info["weights"] = weights
         info.update(prefix_graph.parity(work))
         if dtype == "fp16" and info["max_abs_logit_diff"] < 1e-3:
             _log("the decode graph in float16 + parity against model.onnx", quiet)
@@ -363,8 +379,9 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
 
 
 def export_model(model: str, out: str | os.PathLike, optimize: bool = False, quantize: str | None = None,
-                 force: bool = False, quiet: bool = False, dtype: str = "fp32") -> dict:
-    """`dtype` "fp16": the decode graph in float16 with the gathered attention, for the CUDA provider."""
+                 force: bool = False, quiet: bool = False, dtype: str = "fp32", weights: str = "fp32") -> dict:
+    """`dtype` "fp16": the decode graph in float16 with the gathered attention, for the CUDA provider.
+    `weights` "gguf": a GGUF file's 4-bit blocks kept in the decode graph (`export/gguf_weights.py`)."""
     out = Path(out).expanduser()
     from .quantize import AUTO, METHODS
 
@@ -374,6 +391,11 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
         raise DBSError(f"`--dtype` must be one of {DTYPES}, got {dtype!r}", "dtype", dtype)
     if dtype != "fp32" and quantize is not None:
         raise DBSError(f"`--dtype {dtype}` and `--quantize` do not go together: choose one", "dtype", dtype)
+    if weights not in WEIGHTS:
+        raise DBSError(f"`--weights` must be one of {WEIGHTS}, got {weights!r}", "weights", weights)
+    if weights == "gguf" and (quantize is not None or dtype != "fp32"):
+        raise DBSError("`--weights gguf` keeps the file's own quantisation: it goes with neither `--quantize` nor "
+                       "`--dtype fp16`", "weights", weights)
     if out.exists() and not force:
         raise DBSError(f"output directory {out} exists; pass --force to replace it")
     src = resolve(model)
@@ -384,7 +406,7 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
             if quantize == AUTO:
                 manifest = _export_auto(src, out, optimize, quiet)
             else:
-                manifest = _export_once(src, out, optimize, quantize, quiet, dtype)
+                manifest = _export_once(src, out, optimize, quantize, quiet, dtype, weights)
     except BaseException:
         if Path(log).stat().st_size:
             print(f"[export] what the exporters wrote is in {log}", file=sys.stderr, flush=True)
@@ -448,9 +470,11 @@ def _export_auto(src: Source, out: Path, optimize: bool, quiet: bool) -> dict:
 
 
 def _export_once(src: Source, out: Path, optimize: bool, quantize: str | None, quiet: bool,
-                 dtype: str = "fp32") -> dict:
+                 dtype: str = "fp32", weights: str = "fp32") -> dict:
     """One export into a temporary directory beside `out`, moved into place only when it is whole."""
-    return _whole(out, lambda work: _build(src, work, optimize, quantize, quiet, dtype))
+    if weights == "gguf" and not src.is_gguf:
+        raise DBSError(f"`--weights gguf` keeps a GGUF file's blocks: {src.name} is not a GGUF file", "weights", weights)
+    return _whole(out, lambda work: _build(src, work, optimize, quantize, quiet, dtype, weights))
 
 
 def _derive_once(fp32: Path, out: Path, method: str, model, quiet: bool) -> dict:

@@ -400,7 +400,7 @@ def _llama(model, ids, pos, biases, kv, dims):
                            a.scaling, dims)
         x, h = skip_norm(layer.post_attention_layernorm, a.o_proj(to_rows(o, biases).reshape(-1, H * d)), h)
         after = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
-        x, h = skip_norm(after, layer.mlp(x), h)                       # the next layer's input, or the head's
+        x, h = skip_norm(after, _mlp(layer.mlp, x), h)                 # the next layer's input, or the head's
         new += [kn, vn]                                                # (b, KV, s, L, d)
     return (_logits(model, x, dims), *new)
 
@@ -408,15 +408,35 @@ def _llama(model, ids, pos, biases, kv, dims):
 def _qkv(attn, x, H: int, KV: int, d: int):
     """The layer's q (n * L, H * d), k and v (n * L, KV * d): one projection on the three weights
     packed (Phi-3's own `qkv_proj`), split: one MatMul and one Split where three MatMuls were."""
+    sizes = [H * d, KV * d, KV * d]
+    if hasattr(attn, "qkv_proj"):
+        return attn.qkv_proj(x).split(sizes, dim=-1)
+    return _packed(x, (attn.q_proj, attn.k_proj, attn.v_proj)).split(sizes, dim=-1)
+
+
+def _mlp(mlp, x):
+    """A gated MLP, down(act(gate(x)) * up(x)), with gate and up as one projection and a Split (Phi-3's
+    own `gate_up_proj` as it is); other MLPs as their module runs them."""
+    if not (hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj") and hasattr(mlp, "act_fn")):
+        return mlp(x)
+    gate, up = _packed(x, (mlp.gate_proj, mlp.up_proj)).split(mlp.up_proj.weight.shape[0], dim=-1)
+    return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+def _packed(x, projs):
+    """x through the linear layers `projs` (the same input) as one projection, their outputs side by
+    side: one MatMul on the weights stacked, or one MatMulNBits on a GGUF's blocks stacked where
+    each layer holds them (`export/gguf_weights.py`)."""
     import torch
 
-    if hasattr(attn, "qkv_proj"):
-        w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
-    else:
-        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        w = torch.cat([p.weight for p in projs])
-        b = None if projs[0].bias is None else torch.cat([p.bias for p in projs])
-    return torch.nn.functional.linear(x, w, b).split([H * d, KV * d, KV * d], dim=-1)
+    w = torch.cat([p.weight for p in projs])
+    b = None if projs[0].bias is None else torch.cat([p.bias for p in projs])
+    blocks = [getattr(p, "blocks", None) for p in projs]
+    if all(q is not None for q in blocks) and len({(q.qtype, q.bits) for q in blocks}) == 1:
+        from .gguf_weights import Blocks, quantized_linear
+
+        return quantized_linear(x, w, b, Blocks.stack(blocks), projs[0].accuracy)
+    return torch.nn.functional.linear(x, w, b)
 
 
 def _head_norm(attn, name: str, y, heads: int, d: int):
@@ -637,7 +657,7 @@ def _gemma(model, ids, pos, biases, kv, dims):
         o = norm(layer.post_attention_layernorm, a.o_proj(to_rows(o, biases).reshape(-1, H * d)))
         x, h = skip_norm(layer.pre_feedforward_layernorm, o, h)
         after = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
-        x, h = skip_norm(after, norm(layer.post_feedforward_layernorm, layer.mlp(x)), h)
+        x, h = skip_norm(after, norm(layer.post_feedforward_layernorm, _mlp(layer.mlp, x)), h)
         new += [kn, vn]
     logits = _logits(model, x, dims)
     cap = getattr(cfg, "final_logit_softcapping", None)
@@ -684,7 +704,10 @@ def _logits(model, h, dims):
     import torch
 
     head = model.embed_out if hasattr(model, "gpt_neox") else model.lm_head
-    return torch.nn.functional.linear(h.reshape(dims.n, dims.L, -1)[:, -1, :], head.weight, head.bias)
+    last = h.reshape(dims.n, dims.L, -1)[:, -1, :]
+    if hasattr(head, "blocks"):                                        # a GGUF's blocks (export/gguf_weights.py)
+        return head(last)
+    return torch.nn.functional.linear(last, head.weight, head.bias)
 
 
 def share_tied_head(path: Path) -> int:

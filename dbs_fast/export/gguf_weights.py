@@ -1,0 +1,193 @@
+"""A GGUF file's quantized weights as they are, for the decode graph: each linear layer's blocks
+become one `com.microsoft.MatMulNBits` (ONNX Runtime's block-quantized matmul, CPU and CUDA
+kernels) instead of the fp32 copy transformers dequantizes.
+
+llama.cpp's block types that MatMulNBits holds exactly, blocks of 32 along K:
+
+    Q8_0   w = d * q,            q int8          -> 8-bit codes q + 128, scale d (zero point 128)
+    Q4_0   w = d * (q - 8),      q in 0..15      -> 4-bit codes q, scale d (zero point 8)
+    Q4_1   w = d * q + m,        q in 0..15      -> 4-bit codes q, scale d (zero point 8), and the
+                                                    block's min m + 8 d as a term of its own
+
+MatMulNBits takes integer zero points only on its fast path (a float one, exact, took 10x the time
+of fp32 on a Zen 5), so Q4_1's mins are a term of their own: the activations summed per block of
+32, times the mins, one small MatMul (K / 32 wide) added to the product. Other types stay fp32
+(the manifest lists each tensor as stored and as run).
+
+`quantized_linear` (`QuantizedLinear.apply`) traces as the fp32 product and exports as those nodes;
+`quantize_linears` swaps a transformers model's linear layers for `QuantizedLinear` modules
+holding their file's blocks, found by the GGUF names of the modules (gguf-py's name map) and
+matched row by row to the model's own dequantized weights (transformers permutes Llama's q and k
+rows; the blocks are permuted with them).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+BLOCK = 32
+# block type -> (bits, bytes per block of 32)
+TYPES = {"Q8_0": (8, 34), "Q4_0": (4, 18), "Q4_1": (4, 20)}
+
+
+class Blocks:
+    """One weight (N, K) as MatMulNBits holds it: `codes` (N, K / 32, 32) uint8 (unpacked),
+    `scales` (N, K / 32) float32, `mins` (N, K / 32) float32 or None, `bits` 4 or 8; the zero point
+    is MatMulNBits' default, 2 ** (bits - 1)."""
+
+    def __init__(self, codes, scales, mins, bits: int, qtype: str):
+        self.codes, self.scales, self.mins, self.bits, self.qtype = codes, scales, mins, bits, qtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * BLOCK
+
+    def dequantized(self) -> np.ndarray:
+        """(N, K) float32: the NumPy reference of what MatMulNBits (and the min term) compute with."""
+        zp = 1 << (self.bits - 1)
+        w = self.scales[..., None] * (self.codes.astype(np.float32) - zp)
+        if self.mins is not None:
+            w = w + self.mins[..., None]
+        return w.reshape(self.shape).astype(np.float32)
+
+    def packed(self) -> np.ndarray:
+        """(N, K / 32, 32 * bits / 8) uint8: codes packed low-first along K, as MatMulNBits reads them."""
+        if self.bits == 8:
+            return np.ascontiguousarray(self.codes)
+        return np.ascontiguousarray(self.codes[..., 0::2] | (self.codes[..., 1::2] << 4))
+
+    def rows(self, order) -> "Blocks":
+        return Blocks(self.codes[order], self.scales[order], None if self.mins is None else self.mins[order],
+                      self.bits, self.qtype)
+
+    @staticmethod
+    def stack(parts: list["Blocks"]) -> "Blocks":
+        """Several weights of the same K and type stacked along N (q, k and v as one)."""
+        mins = [p.mins for p in parts]
+        return Blocks(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
+                      None if mins[0] is None else np.concatenate(mins), parts[0].bits, parts[0].qtype)
+
+
+def read_blocks(qtype: str, raw: np.ndarray) -> Blocks:
+    """A GGUF tensor's raw rows (N, K / 32 * bytes per block) uint8 of type `qtype` as `Blocks`."""
+    bits, size = TYPES[qtype]
+    N = raw.shape[0]
+    r = np.ascontiguousarray(raw).reshape(N, -1, size)
+    d = r[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == "Q8_0":
+        codes = (r[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return Blocks(codes, d, None, bits, qtype)
+    qs = r[..., 4:] if qtype == "Q4_1" else r[..., 2:]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1)        # llama.cpp: low nibbles first, then high
+    if qtype == "Q4_0":
+        return Blocks(codes, d, None, bits, qtype)
+    m = r[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return Blocks(codes, d, m + 8 * d, bits, qtype)
+
+
+def gguf_tensors(path: Path) -> dict:
+    """{GGUF tensor name without ".weight": (type name, raw rows)} of the file's tensors."""
+    from gguf import GGUFReader
+
+    return {t.name.removesuffix(".weight"): (t.tensor_type.name, t.data) for t in GGUFReader(str(path)).tensors}
+
+
+def quantized_linear(x, weight, bias, blocks: Blocks, accuracy: int):
+    """x (M, K) @ weight.T (+ bias), exported as MatMulNBits on `blocks` (+ the min term)."""
+    import torch
+
+    N, K = blocks.shape
+    packed, scales = torch.from_numpy(blocks.packed()), torch.from_numpy(blocks.scales.reshape(-1).copy())
+    mins = None if blocks.mins is None else torch.from_numpy(np.ascontiguousarray(blocks.mins.T))  # (K/32, N)
+
+    class NBits(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, w):
+            return a @ w.T
+
+        @staticmethod
+        def symbolic(g, a, w):
+            y = g.op("com.microsoft::MatMulNBits", a, g.op("Constant", value_t=packed),
+                     g.op("Constant", value_t=scales), K_i=K, N_i=N, bits_i=blocks.bits, block_size_i=BLOCK,
+                     accuracy_level_i=accuracy)
+            if mins is not None:            # sum over each block of 32 activations, times the block's min
+                sums = g.op("ReduceSum", g.op("Reshape", a, g.op("Constant", value_t=torch.tensor([-1, K // BLOCK, BLOCK]))),
+                            g.op("Constant", value_t=torch.tensor([2])), keepdims_i=0)
+                y = g.op("Add", y, g.op("MatMul", sums, g.op("Constant", value_t=mins)))
+            return y.setType(a.type().with_sizes([None, N]))
+
+    y = NBits.apply(x, weight)
+    return y if bias is None else y + bias
+
+
+def _linear_module():
+    import torch
+
+    class QuantizedLinear(torch.nn.Module):
+        """A linear layer that holds its GGUF blocks: traces as x @ weight.T (+ bias), with the
+        weight the blocks dequantized, and exports as `quantized_linear`."""
+
+        def __init__(self, blocks: Blocks, bias, accuracy: int):
+            super().__init__()
+            self.blocks, self.accuracy = blocks, accuracy
+            self.weight = torch.nn.Parameter(torch.from_numpy(blocks.dequantized()), requires_grad=False)
+            self.bias = bias
+
+        def forward(self, x):
+            shape = x.shape
+            y = quantized_linear(x.reshape(-1, shape[-1]), self.weight, self.bias, self.blocks, self.accuracy)
+            return y.reshape(*shape[:-1], y.shape[-1])
+
+    return QuantizedLinear
+
+
+def _match_rows(have: np.ndarray, want: np.ndarray) -> np.ndarray | None:
+    """The rows of `have` in the order of `want`'s rows (each row found by its bytes), or None where
+    some row of `want` is not a row of `have`."""
+    index = {row.tobytes(): i for i, row in enumerate(have)}
+    order = [index.get(row.tobytes()) for row in want]
+    return None if any(i is None for i in order) else np.array(order)
+
+
+# the types kept as blocks: 8-bit MatMulNBits has no fast kernel at accuracy level 0 on the CPU
+# (one 576 x 49,152 head, one row: 91.6 ms against fp32's 2.4 ms; 4-bit: 54 against 196 us), so
+# Q8_0 runs dequantized; at accuracy level 4 it is fast but not exact (int8 activations)
+KEPT = ("Q4_0", "Q4_1")
+
+
+def quantize_linears(model, gguf_path: Path, accuracy: int = 0, kept=KEPT) -> dict:
+    """Swap `model`'s linear layers (attention projections, MLP, the head) for `QuantizedLinear`
+    modules holding the GGUF file's blocks, where the file stores them in a type MatMulNBits holds
+    and their dequantized rows are the model's own; returns {module: (GGUF name, type stored, type
+    run)} for the manifest, every linear layer listed."""
+    import gguf
+    import torch
+
+    tensors = gguf_tensors(gguf_path)
+    archs = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    arch = archs.get(model.config.model_type)
+    if arch is None:
+        return {}
+    names = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)
+    QuantizedLinear = _linear_module()
+    report = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        key = names.get_name(name)
+        if name == "lm_head" and key not in tensors:          # tied to the embeddings
+            key = names.get_name("model.embed_tokens")
+        qtype, raw = tensors.get(key, (None, None))
+        if qtype not in kept:
+            report[name] = (key, qtype, "float32")
+            continue
+        blocks = read_blocks(qtype, raw)
+        order = _match_rows(blocks.dequantized(), module.weight.detach().float().numpy())
+        if order is None:
+            report[name] = (key, qtype, "float32 (rows differ from the model's)")
+            continue
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        setattr(parent, name.rpartition(".")[2], QuantizedLinear(blocks.rows(order), module.bias, accuracy))
+        report[name] = (key, qtype, f"MatMulNBits {blocks.bits}-bit" + (" + min term" if blocks.mins is not None else ""))
+    return report

