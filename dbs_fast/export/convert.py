@@ -379,9 +379,10 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
 
 
 def export_model(model: str, out: str | os.PathLike, optimize: bool = False, quantize: str | None = None,
-                 force: bool = False, quiet: bool = False, dtype: str = "fp32", weights: str = "fp32") -> dict:
+                 force: bool = False, quiet: bool = False, dtype: str = "fp32", weights: str | None = None) -> dict:
     """`dtype` "fp16": the decode graph in float16 with the gathered attention, for the CUDA provider.
-    `weights` "gguf": a GGUF file's 4-bit blocks kept in the decode graph (`export/gguf_weights.py`)."""
+    `weights` "gguf": a GGUF file's 4-bit blocks kept in the decode graph (`export/gguf_weights.py`);
+    None: "gguf" for a GGUF source exported in fp32 without `quantize`, else "fp32"."""
     out = Path(out).expanduser()
     from .quantize import AUTO, METHODS
 
@@ -391,7 +392,7 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
         raise DBSError(f"`--dtype` must be one of {DTYPES}, got {dtype!r}", "dtype", dtype)
     if dtype != "fp32" and quantize is not None:
         raise DBSError(f"`--dtype {dtype}` and `--quantize` do not go together: choose one", "dtype", dtype)
-    if weights not in WEIGHTS:
+    if weights is not None and weights not in WEIGHTS:
         raise DBSError(f"`--weights` must be one of {WEIGHTS}, got {weights!r}", "weights", weights)
     if weights == "gguf" and (quantize is not None or dtype != "fp32"):
         raise DBSError("`--weights gguf` keeps the file's own quantisation: it goes with neither `--quantize` nor "
@@ -470,8 +471,10 @@ def _export_auto(src: Source, out: Path, optimize: bool, quiet: bool) -> dict:
 
 
 def _export_once(src: Source, out: Path, optimize: bool, quantize: str | None, quiet: bool,
-                 dtype: str = "fp32", weights: str = "fp32") -> dict:
+                 dtype: str = "fp32", weights: str | None = "fp32") -> dict:
     """One export into a temporary directory beside `out`, moved into place only when it is whole."""
+    if weights is None:                 # a GGUF file keeps its blocks where nothing else quantises
+        weights = "gguf" if src.is_gguf and quantize is None and dtype == "fp32" else "fp32"
     if weights == "gguf" and not src.is_gguf:
         raise DBSError(f"`--weights gguf` keeps a GGUF file's blocks: {src.name} is not a GGUF file", "weights", weights)
     return _whole(out, lambda work: _build(src, work, optimize, quantize, quiet, dtype, weights))
@@ -537,8 +540,8 @@ def ensure_embedded(name: str = "default", quiet: bool = False) -> Path:
 
 def _decode_graph_due(d: Path) -> bool:
     """Whether an export was written without the decode graph that this version writes for its
-    model type (an embedded model exported before its family had one, or before the graph slid
-    its local layers' window)."""
+    model type (an embedded model exported before its family had one, before the graph slid
+    its local layers' window, or before it kept its GGUF file's blocks)."""
     from types import SimpleNamespace
 
     from . import prefix_graph
@@ -547,6 +550,8 @@ def _decode_graph_due(d: Path) -> bool:
     graph = m.get("prefix_decode") or {}
     if window_unmasked(m):
         return True              # a graph that does not slide its local layers' window
+    if m.get("gguf_file") and graph.get("written") and m.get("dtype") == "float32" and "weights" not in graph:
+        return True              # written before the graph kept the file's own blocks (`--weights gguf`)
     if graph.get("written", True) or not str(graph.get("reason", "")).startswith("no prefix-shared decode graph for "
                                                                                   "model type"):
         return False             # written, or left out for another reason (a failed parity stays failed)
