@@ -37,7 +37,7 @@ python3 -m dbs_fast.cli bench --provider cuda $no_default --contenders "$CONTEND
   --shape "$SHAPE" --max-new-tokens "$TOKENS" --repeats "$REPEATS" --tokenizer /tmp/gpu/gpt2-tokenizer \
   --workdir /tmp/bench_work --out "$RES/bench" & bench=$!
 while kill -0 $bench 2>/dev/null; do sleep 20; [ -f "$RES/bench/bench.json" ] && keep; done; wait $bench; keep
-graphs=$(ls -d /tmp/bench_work/onnx/*-fp16 /tmp/bench_work/onnx/"$SHAPE"-fp32 "$DBS_FAST_HOME"/models/*/ 2>/dev/null)
+graphs=$(ls -d /tmp/bench_work/onnx/*-fp16 /tmp/bench_work/onnx/*-fp32 2>/dev/null)
 for graph in $graphs; do
   name=$(basename "$graph")
   python3 -m benchmarks.profile --model "$graph" --provider cuda --repeats 5 --out "$RES/profile-$name.json"; keep

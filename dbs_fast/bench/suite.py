@@ -80,7 +80,9 @@ def _export(src: str, out: Path, quantize: str | None) -> Path:
         from dbs_fast.export.convert import export_model
 
         print(f"[bench] exporting {src} -> {out}{' (int8)' if quantize else ''}", flush=True)
-        export_model(src, out, quantize=quantize, force=out.exists(), quiet=True)
+        # fp32 means fp32 here: a GGUF source (the default) would keep its 4-bit blocks otherwise
+        export_model(src, out, quantize=quantize, force=out.exists(), quiet=True,
+                     weights="fp32" if quantize is None else None)
     return out
 
 
@@ -124,9 +126,8 @@ def prepare_points(workdir: Path, tokenizer: Path | None, checkpoint: Path | Non
                     if int8 else None,
                     "onnx-fp16": str(_fp16(fp32, workdir / "onnx" / f"{name}-fp16")) if fp16 else None}
     if with_default:
-        from dbs_fast.api import resolve_model_dir
-
-        fp32 = resolve_model_dir("default", quiet=False)
+        # the default in fp32 (its embedded export keeps its GGUF file's 4-bit blocks)
+        fp32 = _export("default", workdir / "onnx" / "default-fp32", None)
         # dynamic int8 fails parity on SmolLM2 (activation outliers, see export/quantize.py)
         points["default"] = {"checkpoint": None, "onnx-fp32": str(fp32), "int8_method": "int8-block",
                              "onnx-int8": str(_export("default", workdir / "onnx" / "default-int8-block",
