@@ -580,7 +580,6 @@ def test_a_family_exports_onto_the_shared_context_graph_and_generates(kind, fami
     parity check against model.onnx, decodes each row as the transformers model does over the
     whole sequence (two left-padded contexts, a chunk, a keep, another chunk), and generates."""
     from conftest import make_checkpoint
-    from transformers import AutoModelForCausalLM
 
     from dbs_fast import DBSConfig, DirectedBeamSearch
     from dbs_fast.export.convert import export_model
@@ -592,24 +591,7 @@ def test_a_family_exports_onto_the_shared_context_graph_and_generates(kind, fami
     m = json.loads((out / "dbs_fast_model.json").read_text())
     assert m["model_type"] == {"gemma3": "gemma3_text", "phi4": "phi3", "neox": "gpt_neox"}.get(kind, kind) and m["prefix_decode"]["family"] == family, \
         m["prefix_decode"]
-    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
-    dec, rng, s, k = PrefixDecoder(out / "decode.onnx"), np.random.default_rng(0), 3, 3
-    ctx = np.array([[11, 12, 13, 14, 15], [0, 0, 0, 21, 22]])
-    mask = np.array([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
-    _, cache = dec.prefill(ctx, mask, m["num_kv_heads"], m["head_dim"], s, k)
-    seqs = [[int(x) for x, mk in zip(ctx[r // s], mask[r // s]) if mk] for r in range(2 * s)]
-    for chunk in range(2):
-        for _ in range(k):
-            tok = rng.integers(1, 200, len(seqs))
-            logits = dec.step(tok, cache)
-            for r, t in enumerate(tok):
-                seqs[r].append(int(t))
-            with torch.no_grad():
-                for r, seq in enumerate(seqs):
-                    ref = model(torch.tensor([seq])).logits[0, -1].numpy()
-                    np.testing.assert_allclose(logits[r], ref, rtol=1e-3, atol=1e-3)
-        cache.keep([4, 1])
-        seqs = [list(seqs[[4, 1][r // s]]) for r in range(2 * s)]
+    _decodes_as_the_model_does(PrefixDecoder(out / "decode.onnx"), ckpt, m, s=3, keep=[4, 1], seed=0, tol=1e-3)
     r = DirectedBeamSearch(out).generate("It is", "river", config=DBSConfig(beams=2, candidates=2, max_new_tokens=8))
     assert r.new_tokens > 0
     if kind in ("gemma2", "gemma3"):    # its local layers' window (4) slides: a longer text runs on the graph
@@ -627,7 +609,6 @@ def test_an_fp16_export_decodes_on_the_gathered_graph_as_the_model_does(kind, tm
     does over the whole sequence to fp16's precision, over a chunk, a keep and another chunk
     (Gemma 3's local layers with their window of 4 slid past); the export generates."""
     from conftest import make_checkpoint
-    from transformers import AutoModelForCausalLM
 
     from dbs_fast import DBSConfig, DirectedBeamSearch
     from dbs_fast.export.convert import export_model
@@ -640,9 +621,21 @@ def test_an_fp16_export_decodes_on_the_gathered_graph_as_the_model_does(kind, tm
     assert pd["written"] and pd["attention"] == "gathered" and pd["dtype"] == "float16", pd
     assert pd["float32"]["max_abs_logit_diff"] < 1e-3 and pd["top1_agreement"] == 1.0
     m = json.loads((out / "dbs_fast_model.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
-    dec, rng, s, k = PrefixDecoder(out / "decode.onnx"), np.random.default_rng(1), 2, 3
+    dec = PrefixDecoder(out / "decode.onnx")
     assert dec.dtype == np.float16 and dec.ops.device == "cpu"
+    _decodes_as_the_model_does(dec, ckpt, m, s=2, keep=[3, 0], seed=1, tol=2e-2, float32_logits=True)
+    r = DirectedBeamSearch(out).generate("It is", "river", config=DBSConfig(beams=2, candidates=2, max_new_tokens=8))
+    assert r.new_tokens > 0
+
+
+def _decodes_as_the_model_does(dec, ckpt, m, s: int, keep: list, seed: int, tol: float, float32_logits=False):
+    """`dec` (a PrefixDecoder of an export of `ckpt`, manifest `m`) decodes each row as the
+    transformers model does over the whole sequence, within `tol`: two left-padded contexts, s
+    candidates each, a chunk of 3 random tokens, a keep of rows `keep`, another chunk."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    rng, k = np.random.default_rng(seed), 3
     ctx = np.array([[11, 12, 13, 14, 15], [0, 0, 0, 21, 22]])
     mask = np.array([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
     _, cache = dec.prefill(ctx, mask, m["num_kv_heads"], m["head_dim"], s, k)
@@ -651,14 +644,13 @@ def test_an_fp16_export_decodes_on_the_gathered_graph_as_the_model_does(kind, tm
         for _ in range(k):
             tok = rng.integers(1, 200, len(seqs))
             logits = dec.step(tok, cache)
-            assert logits.dtype == np.float32
+            if float32_logits:
+                assert logits.dtype == np.float32
             for r, t in enumerate(tok):
                 seqs[r].append(int(t))
             with torch.no_grad():
                 for r, seq in enumerate(seqs):
                     ref = model(torch.tensor([seq])).logits[0, -1].numpy()
-                    np.testing.assert_allclose(logits[r], ref, rtol=2e-2, atol=2e-2)
-        cache.keep([3, 0])
-        seqs = [list(seqs[[3, 0][r // s]]) for r in range(2 * s)]
-    r = DirectedBeamSearch(out).generate("It is", "river", config=DBSConfig(beams=2, candidates=2, max_new_tokens=8))
-    assert r.new_tokens > 0
+                    np.testing.assert_allclose(logits[r], ref, rtol=tol, atol=tol)
+        cache.keep(keep)
+        seqs = [list(seqs[keep[r // s]]) for r in range(2 * s)]

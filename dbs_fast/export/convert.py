@@ -253,6 +253,19 @@ def _check_parity(model, work: Path, manifest: dict, mode: str, name: str, t0: f
         raise ParityFailed(f"parity check failed for {name} ({mode}): {why}")
 
 
+def _files_beside(src: Path, work: Path, skip: tuple, link: bool = False) -> None:
+    """An export's files into `work`, but its manifest and those starting with `skip`: copied, or
+    hard-linked where `link` and the file system allows (a copy elsewhere)."""
+    for f in src.iterdir():
+        if not f.is_file() or f.name == MANIFEST or f.name.startswith(skip):
+            continue
+        if link:
+            with contextlib.suppress(OSError):      # another file system: copied below
+                os.link(f, work / f.name)
+                continue
+        shutil.copy2(f, work / f.name)
+
+
 def _quantised_from(fp32: Path, work: Path, method: str, model, quiet: bool) -> dict:
     """A quantised export written into `work` from a finished fp32 export `fp32` of the same model
     (`--quantize auto`): its graphs quantised as `_build` would quantise them, the rest copied,
@@ -262,9 +275,7 @@ def _quantised_from(fp32: Path, work: Path, method: str, model, quiet: bool) -> 
     t0 = time.perf_counter()
     base = json.loads((fp32 / MANIFEST).read_text())
     graphs = ("model.onnx", DECODE_GRAPH)
-    for f in fp32.iterdir():                # tokenizer and config files
-        if f.is_file() and f.name != MANIFEST and not f.name.startswith(graphs):
-            shutil.copy2(f, work / f.name)
+    _files_beside(fp32, work, graphs)        # tokenizer and config files
     _log(f"quantising weights ({method}) from the fp32 export", quiet)
     report_q = run_quantize(fp32 / "model.onnx", work / "model.onnx", method)
     manifest = {k: v for k, v in base.items() if k not in ("parity", "prefix_decode", "quantize_auto")}
@@ -294,12 +305,7 @@ def float16_from(fp32: Path, out: Path, quiet: bool = False) -> dict:
 
     def write(work: Path) -> dict:
         base = json.loads((Path(fp32) / MANIFEST).read_text())
-        for f in Path(fp32).iterdir():
-            if f.is_file() and f.name != MANIFEST and not f.name.startswith(DECODE_GRAPH):
-                try:
-                    os.link(f, work / f.name)
-                except OSError:
-                    shutil.copy2(f, work / f.name)
+        _files_beside(Path(fp32), work, (DECODE_GRAPH,), link=True)
         model = load_torch_model(resolve(base["source"]))[0]
         manifest = {k: v for k, v in base.items() if k != "prefix_decode"}
         manifest["files"] = _files(work)

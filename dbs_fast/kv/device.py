@@ -34,10 +34,11 @@ class DeviceArray:
     buf: object                 # onnxruntime.OrtValue (owns the memory)
     shape: tuple
     offset: int = 0
+    dtype: np.dtype = None      # the buffer's float type, read from it once (views pass it on)
 
-    @property
-    def dtype(self) -> np.dtype:
-        return DTYPES[self.buf.data_type()]
+    def __post_init__(self):
+        if self.dtype is None:
+            object.__setattr__(self, "dtype", DTYPES[self.buf.data_type()])
 
     @property
     def size(self) -> int:
@@ -53,7 +54,7 @@ class DeviceArray:
 
     def lead(self, n: int) -> DeviceArray:
         """The first n entries of axis 0 (a view)."""
-        return DeviceArray(self.buf, (n,) + tuple(self.shape[1:]), self.offset)
+        return DeviceArray(self.buf, (n,) + tuple(self.shape[1:]), self.offset, self.dtype)
 
     def at(self, i: int, shape: tuple | None = None) -> DeviceArray:
         """Entry i of axis 0 (a view), reshaped to `shape` (same size) if given."""
@@ -61,11 +62,11 @@ class DeviceArray:
         step = int(np.prod(inner))
         if shape is not None and int(np.prod(shape)) != step:
             raise ValueError(f"cannot view {inner} as {shape}")
-        return DeviceArray(self.buf, inner if shape is None else tuple(shape), self.offset + i * step)
+        return DeviceArray(self.buf, inner if shape is None else tuple(shape), self.offset + i * step, self.dtype)
 
     def reshape(self, *shape) -> DeviceArray:
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-        return DeviceArray(self.buf, shape, self.offset)
+        return DeviceArray(self.buf, shape, self.offset, self.dtype)
 
     def numpy(self) -> np.ndarray:
         """A host copy (tests, debugging)."""
