@@ -117,9 +117,11 @@ def _ops(graph):
                 yield from _ops(g)
 
 
-def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | None, provider: str = "cpu") -> dict:
+def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | None, provider: str = "cpu",
+            context: int | None = None) -> dict:
+    """`context`: that many context columns before the T prefix tokens (default: export/timing's few)."""
     plain = _session(graph, threads, provider=provider)
-    x = feeds(plain, b, s, T)
+    x = feeds(plain, b, s, T) if context is None else feeds(plain, b, s, context + T, C=context)
     step = median_seconds(_runner(plain, x, provider), repeats)
     del plain
     events = _profiled_events(graph, x, repeats, threads, provider=provider)
@@ -130,7 +132,7 @@ def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | No
             "ms_less_overhead": max(0.0, us - over * count[op]) / repeats / 1e3}
            for op, us in dur.most_common()]
     r = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "graph": str(graph), "provider": provider,
-         "beams": b, "candidates": s, "prefix": T, "step_ms_median": 1e3 * step,
+         "beams": b, "candidates": s, "prefix": T, "context": context, "step_ms_median": 1e3 * step,
          "profiled_ms_per_step": total / repeats / 1e3, "profiler_overhead_us": over,
          "ms_less_overhead_per_step": sum(o["ms_less_overhead"] for o in ops), "ops": ops}
     r["placement"] = placement(graph, threads, provider)
@@ -183,6 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--beams", type=int, default=7)
     ap.add_argument("--candidates", type=int, default=10)
     ap.add_argument("--prefix", type=int, default=47, help="prefix length T (47: the middle of the paper's run)")
+    ap.add_argument("--context", type=int, default=None, help="context tokens before the prefix (default: a few)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
@@ -192,7 +195,7 @@ def main(argv=None) -> int:
     graph = Path(a.model) / "decode.onnx"
     if not graph.is_file():
         ap.error(f"{graph} not found: export the model with this version (`dbs-fast export`)")
-    r = profile(graph, a.beams, a.candidates, a.prefix, a.repeats, a.threads, a.provider)
+    r = profile(graph, a.beams, a.candidates, a.prefix, a.repeats, a.threads, a.provider, a.context)
     print(f"{graph}: {r['step_ms_median']:.1f} ms per step (median, no profiler); by operator: profiled "
           f"{r['profiled_ms_per_step']:.1f} ms, less the profiler's {r['profiler_overhead_us']:.1f} us per node "
           f"{r['ms_less_overhead_per_step']:.1f} ms")

@@ -9,8 +9,8 @@ llama.cpp's block types that MatMulNBits holds exactly, blocks of 32 along K:
     Q4_1   w = d * q + m,        q in 0..15      -> 4-bit codes q, scale d (zero point 8), and the
                                                     block's min m + 8 d as a term of its own
 
-MatMulNBits takes integer zero points only on its fast path (a float one, exact, took 10x the time
-of fp32 on a Zen 5), so Q4_1's mins are a term of their own: the activations summed per block of
+MatMulNBits takes integer zero points only on its fast path (a float zero point is exact but runs
+a slow path), so Q4_1's mins are a term of their own: the activations summed per block of
 32, times the mins, one small MatMul (K / 32 wide) added to the product. Other types stay fp32
 (the manifest lists each tensor as stored and as run).
 
@@ -151,7 +151,7 @@ def _match_rows(have: np.ndarray, want: np.ndarray) -> np.ndarray | None:
 
 
 # the types kept as blocks: 8-bit MatMulNBits has no fast kernel at accuracy level 0 on the CPU
-# (one 576 x 49,152 head, one row: 91.6 ms against fp32's 2.4 ms; 4-bit: 54 against 196 us), so
+# (one 576 x 49,152 head, one row: 91.1 ms against fp32's 2.3 ms: benchmarks/matmulnbits.py), so
 # Q8_0 runs dequantized; at accuracy level 4 it is fast but not exact (int8 activations)
 KEPT = ("Q4_0", "Q4_1")
 
