@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import kernels
+from .kernels import StepRules
 from .kv.groups import distinct_rows
 from .kv.prefix_cache import PrefixCache
 from .model import KVCache, OnnxModel
@@ -76,9 +77,9 @@ class Backend(Protocol):
     def release(self) -> None:
         """The batch is empty: let go of what binds its cache."""
 
-    def sample(self, logits, uniforms, row_word, csr, cfg, history=None, history_start=None, boost_first=None,
-               bans=None, row_ban=None, force=None) -> tuple[np.ndarray, np.ndarray]:
-        """Boosts + nucleus + draw from the given uniforms: ids (R,) and their unguided log-probs."""
+    def sample(self, logits, uniforms, rules: StepRules) -> tuple[np.ndarray, np.ndarray]:
+        """One token per row under the step's rules (`kernels.StepRules`), drawn from the given
+        uniforms: ids (R,) and their unguided log-probs."""
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -99,7 +100,6 @@ class OnnxBackend:
         self.vocab_size = model.vocab_size
         self.eos_ids = model.eos_ids
         self.pad_id = model.eos_ids[0] if model.eos_ids else 0
-        self._boost_exp = self._boost_key = None
 
     def prefill(self, contexts: list[list[int]]) -> tuple[np.ndarray, KVCache]:
         ids, mask = left_pad(contexts, self.pad_id)
@@ -143,21 +143,8 @@ class OnnxBackend:
     def join(self, logits, cache, new_logits, new_cache):
         return self.concat(logits, new_logits), self.merge(cache, new_cache)
 
-    def sample(self, logits, uniforms, row_word, csr, cfg, history=None, history_start=None, boost_first=None,
-               bans=None, row_ban=None, force=None):
-        ptr, ids, vals = csr
-        if self._boost_key is not csr or self._boost_exp.shape[1] != logits.shape[1]:
-            # the kernel's dense exp(boost) table, built once per boost table (0.3 ms a step otherwise)
-            self._boost_exp, self._boost_key = kernels.dense_boost_exp(ptr, ids, vals, logits.shape[1]), csr
-        if boost_first is None:
-            boost_first = cfg.boost_order == "boost_then_filter"
-        return kernels.sample(logits, uniforms, temperature=cfg.temperature, top_p=cfg.top_p,
-                              row_word=row_word, boost_ptr=ptr, boost_ids=ids, boost_vals=vals,
-                              boost_first=boost_first, history=history,
-                              history_start=history_start, repetition_penalty=cfg.repetition_penalty,
-                              no_repeat_ngram_size=cfg.no_repeat_ngram_size, bans=bans, row_ban=row_ban,
-                              force=force, boost_exp=self._boost_exp, no_repeat_word_window=cfg.no_repeat_word_window,
-                              words=self.words if cfg.no_repeat_word_window else None)
+    def sample(self, logits, uniforms, rules: StepRules):
+        return kernels.sample(logits, uniforms, rules)
 
     @cached_property
     def words(self) -> WordTable:

@@ -46,6 +46,8 @@ class DBSConfig:
     chunk: int = option(5, "--chunk", int, "k: tokens per chunk; sets keyword density")
     top_p: float = option(0.9, "--top-p", float, "nucleus sampling mass")
     temperature: float = option(1.0, "--temperature", float, "sampling temperature")
+    min_p: float = option(0.0, "--min-p", float, "keep only tokens at least this times as likely as the top "
+                          "one, by the model's own probabilities before boosts (0 = off)")
     alpha: float = option(0.001, "--alpha", float, "weight of perplexity in the quality score Q")
     alpha_fluent: float | None = option(
         0.02, "--alpha-fluent", float, "weight of perplexity in Q while the beam is ahead of its deadline (at "
@@ -129,6 +131,8 @@ class DBSConfig:
                 bad(name, "must be an integer >= 1")
         if not (0.0 < self.top_p <= 1.0):
             bad("top_p", "must be a float in (0, 1]")
+        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p < 1.0):
+            bad("min_p", "must be a float in [0, 1) (0 = off)")
         if not (0.0 <= self.lam <= 80.0):
             raise DBSError(f"`lambda` must be in [0, 80] (exp(lambda) must fit float32), got {self.lam!r}",
                            "lam", self.lam)

@@ -8,7 +8,10 @@ uniform per row, drawn by the caller from a seeded generator, so a fixed stream 
 result, and the NumPy reference (`tests/naive.py`) must pick the same token. Boosts come as a
 CSR table per guide word: boost-first adds them to the logits token by token (and takes its
 unguided mass back out densely); filter-then-boost (the default) multiplies the kept weights by
-exp(boost), read densely (`dense_boost_exp`).
+exp(boost), read densely (`dense_boosts`). min_p (off at 0) first drops the tokens whose own
+probability (scaled and shaped, before boosts, in both orders) is below min_p times the top
+token's, so that guide words are boosted only among what the model finds plausible; top-p then
+cuts what is left (renormalised).
 
 Kept set: every token whose (temperature-scaled, for boost_first also boosted) logit is >= the
 logit of the token at which the cumulative mass, in descending order, first reaches top_p.
@@ -33,8 +36,11 @@ model's fluency).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields, replace
+
 import numpy as np
 
+from .config import DBSConfig
 from .numba_runtime import njit, prange, start_threads
 
 BUCKETS_PER_NAT = 16
@@ -378,50 +384,111 @@ def _unboosted_mass(e, f):
     return acc
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _scale(x, inv_temp, s):
+    """s = x / T; returns the row's max."""
+    m = np.float32(-np.inf)
+    for i in range(x.shape[0]):
+        s[i] = x[i] * inv_temp
+        m = max(m, s[i])
+    return m
+
+
+@njit(cache=True, nogil=True)
+def _loop_bans(s, h, start, end, words, window):
+    """The word-loop rule into `s`: returns the tokens it banned."""
+    if window <= 0:
+        return np.empty(0, np.int32)
+    word_class, key, key_ptr, key_tok = words
+    loops = word_loop_tokens(h, start, end, word_class, key, key_ptr, key_tok, window).astype(np.int32)
+    for t in loops:
+        s[t] = -np.inf
+    return loops
+
+
+@njit(cache=True, nogil=True)
+def _sequence_bans(s, h, start, end, g, bans):
+    """The row's ban group `g` (-1: none) into `s`: the tokens it banned."""
+    row_ban, ban_ptr, seq_ptr, seq_tok = bans
+    if g < 0:
+        return np.empty(0, np.int32)
+    banned = np.empty(ban_ptr[g + 1] - ban_ptr[g], np.int32)
+    n = _ban(s, h, start, end, ban_ptr[g], ban_ptr[g + 1], seq_ptr, seq_tok, banned)
+    return banned[:n]
+
+
+@njit(cache=True, nogil=True)
+def _own_top(s, min_p):
+    """The largest of the model's own (scaled, shaped, unboosted) logits, which min_p is relative
+    to; -inf when min_p is off (nothing read)."""
+    m = np.float32(-np.inf)
+    if min_p > 0.0:
+        for i in range(s.shape[0]):
+            m = max(m, s[i])
+    return m
+
+
+@njit(cache=True, nogil=True)
+def _boost_first(s, top, boost_ids, boost_vals, lo, hi):
+    """Boost then filter: the guide word's boosts added to `s`; returns the new max."""
+    for j in range(lo, hi):
+        t = boost_ids[j]
+        s[t] += boost_vals[j]
+        top = max(top, s[t])
+    return top
+
+
+@njit(cache=True, nogil=True)
+def _min_p_drop(e, f, boosted, floor):
+    """min_p: zero the weight of the tokens whose own weight (e, or e / f where `boosted`: f =
+    exp(boost) of a boost-first row) is below `floor` (min_p times the top token's own weight).
+    `_nucleus_cut` and `_draw` then read zero weights as gone."""
+    for i in range(e.shape[0]):
+        if e[i] > 0.0:
+            own = np.float64(e[i]) / np.float64(f[i]) if boosted else np.float64(e[i])
+            if own < floor:
+                e[i] = 0.0
+
+
 @njit(parallel=True, cache=True)
-def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense,
-                 boost_first, hseq, hstart, hend, penalty, ngram, word_class, key, key_ptr, key_tok, window, row_ban,
-                 ban_ptr, seq_ptr, seq_tok, force, uniforms, out_ids, out_logp):
+def _sample_rows(logits, uniforms, guide, history, bans, words, knobs, out_ids, out_logp):
+    """One draw per row of `logits`, by named steps: scale, shape (penalties, word loops, banned
+    sequences), boost (boost-first rows), weigh, the model's own log-normaliser, then (unless the
+    token is forced) filter (min-p, then top-p of what it keeps), boost the kept (filter-then-boost
+    rows) and draw.
+    The groups are tuples (`sample` packs them from a StepRules):
+    guide = (row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force),
+    history = (tokens, start), bans = (row_ban, group_ptr, seq_ptr, seq_tok),
+    words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p, penalty, ngram, window, shaped)."""
+    row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force = guide
+    hseq, hstart = history
+    row_ban = bans[0]
+    inv_temp, top_p, min_p, penalty, ngram, window, shaped = knobs
     R, V = logits.shape
+    hend = hseq.shape[1]
     for r in prange(R):
         x = logits[r]
-        s = np.empty(V, np.float32)          # scaled (and, boost_first, boosted) logits
+        s = np.empty(V, np.float32)          # scaled, shaped (and, boost-first, boosted) logits
         e = np.empty(V, np.float32)          # exp(s - top): unnormalised weights
-        m = np.float32(-np.inf)
-        for i in range(V):                   # pass 1: scale, max
-            s[i] = x[i] * inv_temp
-            m = max(m, s[i])
+        top = _scale(x, inv_temp, s)
         w = row_word[r]
         lo = boost_ptr[w] if w >= 0 else 0
         hi = boost_ptr[w + 1] if w >= 0 else 0
-        top = m
-        shaped = penalty != 1.0 or ngram > 0 or window > 0
         if shaped:
             top = max(top, _penalise(x, s, inv_temp, hseq[r], hstart[r], hend, penalty, ngram))
-        loops = np.empty(0, np.int32)        # word-loop bans: tokens of words in the history, not only its own
-        if window > 0:
-            loops = word_loop_tokens(hseq[r], hstart[r], hend, word_class, key, key_ptr, key_tok, window).astype(np.int32)
-            for t in loops:
-                s[t] = -np.inf
-        g = row_ban[r]
-        n_banned = 0
-        banned = np.empty(ban_ptr[g + 1] - ban_ptr[g] if g >= 0 else 0, np.int32)
-        if g >= 0:
-            n_banned = _ban(s, hseq[r], hstart[r], hend, ban_ptr[g], ban_ptr[g + 1], seq_ptr, seq_tok, banned)
+        loops = _loop_bans(s, hseq[r], hstart[r], hend, words, window)
+        banned = _sequence_bans(s, hseq[r], hstart[r], hend, row_ban[r], bans)
+        own_top = _own_top(s, min_p)
         bf = boost_first[r]
         if bf:
-            for j in range(lo, hi):
-                t = boost_ids[j]
-                s[t] += boost_vals[j]
-                top = max(top, s[t])
+            top = _boost_first(s, top, boost_ids, boost_vals, lo, hi)
         hist = np.empty(N_BUCKETS, np.float64)
         bk = np.empty(V, np.int16)           # histogram bucket of each token
-        _exp_below(s, top, e, np.empty(V, np.int32), bk)     # pass 2: weights and buckets (vectorised),
+        _exp_below(s, top, e, np.empty(V, np.int32), bk)     # weights and buckets (vectorised),
         total = _mass_histogram(bk, e, hist)                 # their sum and histogram
         unguided = total                     # the log-prob returned is the unguided one:
-        if shaped or n_banned > 0:           # undo the penalties, bans and (boost_first) boosts
-            hs = np.sort(np.concatenate((hseq[r, hstart[r]:hend] if shaped else hseq[r, 0:0], banned[:n_banned],
-                                         loops)))
+        if shaped or len(banned) > 0:        # undo the penalties, bans and (boost_first) boosts
+            hs = np.sort(np.concatenate((hseq[r, hstart[r]:hend] if shaped else hseq[r, 0:0], banned, loops)))
             unguided += _unguided_mass_delta(x, e, inv_temp, top, hs, boost_ids, lo if bf else hi, hi)
         elif bf and w >= 0:                  # each weight divided by its exp(boost): no cancellation
             unguided = _unboosted_mass(e, boost_exp[row_dense[r]])
@@ -430,103 +497,153 @@ def _sample_rows(logits, inv_temp, top_p, row_word, boost_ptr, boost_ids, boost_
             out_ids[r] = force[r]
             out_logp[r] = x[force[r]] * inv_temp - logz
             continue
-        if top_p < 1.0:                      # pass 3 (boundary bucket only) + a sort of it
+        if min_p > 0.0:                      # the model's implausible tokens out, then top-p of the rest
+            boosted = bf and w >= 0
+            _min_p_drop(e, boost_exp[row_dense[r] if boosted else 0], boosted,
+                        min_p * np.exp(np.float64(own_top) - np.float64(top)))
+            total = _mass_histogram(bk, e, hist)
+        if top_p < 1.0:                      # the boundary bucket only + a sort of it
             cut, mass = _nucleus_cut(s, e, top, hist, top_p * total, bk)
         else:
             cut, mass = np.float32(-np.inf), total
         if not bf and w >= 0:                # kept tokens' weights times exp(boost)
             mass += _boost_kept(s, e, cut, boost_exp[row_dense[r]])
-        chosen = _draw(s, e, cut, uniforms[r] * mass)     # pass 4: inverse CDF
+        chosen = _draw(s, e, cut, uniforms[r] * mass)
         out_ids[r] = chosen
         out_logp[r] = x[chosen] * inv_temp - logz
 
 
-def sample(logits: np.ndarray, uniforms: np.ndarray, *, temperature: float = 1.0, top_p: float = 0.9,
-           row_word: np.ndarray | None = None, boost_ptr: np.ndarray | None = None,
-           boost_ids: np.ndarray | None = None, boost_vals: np.ndarray | None = None,
-           boost_first=False, history: np.ndarray | None = None,
-           history_start: np.ndarray | None = None, repetition_penalty: float = 1.0,
-           no_repeat_ngram_size: int = 0, bans=None, row_ban: np.ndarray | None = None,
-           force: np.ndarray | None = None, boost_exp: np.ndarray | None = None,
-           words=None, no_repeat_word_window: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Draw one token per row of `logits` (R, V) float32; returns (ids (R,) int64, logp (R,) float32).
+@dataclass(frozen=True)
+class StepRules:
+    """What one step's draw obeys, built once per step by the search (`BeamSearch._draw`) and read
+    by every backend's sampler (`sample` here, `TorchBackend.sample`).
 
-    `row_word[r]` indexes the CSR boost table (`boost_ptr`, `boost_ids` ascending per word,
-    `boost_vals`) or is -1 for an unguided row. `boost_first`: one bool for all rows or one per
-    row (boost then filter where true, filter then boost elsewhere). `history` (R, H) holds each row's tokens so far
-    (context + generated), the row's own starting at `history_start[r]` (left padding before);
-    it is needed only for `repetition_penalty` != 1, `no_repeat_ngram_size` > 0 or
-    `no_repeat_word_window` > 0 (which also needs `words`, the vocabulary's
-    `occurrence.WordTable`), or for bans of more than one token.
+    `config`: the search's settings the draw reads (a `DBSConfig`): temperature, top_p, min_p,
+    repetition_penalty, no_repeat_ngram_size, no_repeat_word_window, boost_order; `shapes_logits`
+    says whether the penalties apply. Per row (R rows):
+    - guidance: `row_word[r]` indexes the CSR boost table `boosts` = (ptr, ids ascending per word,
+      vals), or is -1 for an unguided row; `boost_exp` is `dense_boosts` of the whole table if the
+      caller keeps one (else built per call for the words the rows use); `boost_first`, one bool
+      or one per row (None: the config's boost_order); `force[r]` >= 0 makes the row emit that
+      token (its returned log-prob is still the model's own; its uniform is then unused);
+    - history: `history` (R, H), each row's tokens so far (context + generated), its own from
+      `history_start[r]` (left padding before); needed only by the penalties and by bans of more
+      than one token;
+    - bans: `bans` = (group_ptr, seq_ptr, seq_tok): group g holds banned token sequences
+      group_ptr[g]:group_ptr[g+1], sequence q is seq_tok[seq_ptr[q]:seq_ptr[q+1]]; `row_ban[r]` is
+      the row's group or -1. A banned one-token sequence is never drawn; a longer one's last token
+      is never drawn when the history ends with the rest;
+    - `words`: the vocabulary's words (`occurrence.WordTable`), for the word-loop rule.
+    A new rule is a config field (or a field here) and a helper in the kernel; no signature changes."""
 
-    `bans` = (group_ptr, seq_ptr, seq_tok): group g holds banned token sequences
-    group_ptr[g]:group_ptr[g+1], sequence q is seq_tok[seq_ptr[q]:seq_ptr[q+1]]; `row_ban[r]` is
-    the row's group or -1; every sequence has at least one token. A banned one-token sequence is
-    never drawn; a longer one's last token is never drawn when the history ends with the rest.
-    `force[r]` >= 0 makes the row emit that token (its returned log-prob is still the model's
-    own); the row's uniform is then unused.
-    `boost_exp`: `dense_boost_exp` of the whole table, if the caller keeps one (else built per call
-    for the words the rows use).
-    """
+    config: DBSConfig
+    row_word: np.ndarray | None = None
+    boosts: tuple | None = None
+    boost_exp: np.ndarray | None = None
+    boost_first: np.ndarray | bool | None = None
+    force: np.ndarray | None = None
+    history: np.ndarray | None = None
+    history_start: np.ndarray | None = None
+    bans: tuple | None = None
+    row_ban: np.ndarray | None = None
+    words: tuple | None = None
+
+    @classmethod
+    def given(cls, config: DBSConfig | None = None, **rules) -> "StepRules":
+        """Rules from keywords: the config's settings by their names (temperature, top_p, min_p,
+        repetition_penalty, ...) over `config` (if None, the default with no penalties), the rest
+        as fields."""
+        names = {f.name for f in fields(DBSConfig)}
+        settings = {k: rules.pop(k) for k in list(rules) if k in names}
+        config = config or DBSConfig(repetition_penalty=1.0, no_repeat_ngram_size=0, no_repeat_word_window=0)
+        return cls(replace(config, **settings), **rules)
+
+    def boost_firsts(self, R: int) -> np.ndarray:
+        """(R,) bool: the rows that boost before filtering."""
+        bf = self.config.boost_order == "boost_then_filter" if self.boost_first is None else self.boost_first
+        return np.broadcast_to(np.asarray(bf, bool), (R,)).copy()
+
+    @property
+    def multi_token_bans(self) -> bool:
+        """Whether a ban holds a sequence of more than one token (it then reads the history)."""
+        if self.bans is None or self.row_ban is None:
+            return False
+        seq_ptr = self.bans[1]
+        return int(seq_ptr[-1] - seq_ptr[0]) > len(seq_ptr) - 1     # more tokens than sequences
+
+
+def sample(logits: np.ndarray, uniforms: np.ndarray, rules: StepRules) -> tuple[np.ndarray, np.ndarray]:
+    """Draw one token per row of `logits` (R, V) float32 under `rules`, from the given uniforms
+    (R,); returns (ids (R,) int64, the model's own log-probs (R,) float32)."""
+    cfg = rules.config
     logits = np.ascontiguousarray(logits, dtype=np.float32)
-    R = logits.shape[0]
-    if row_word is None:
-        row_word = np.full(R, -1, np.int32)
-        boost_ptr = np.zeros(1, np.int64)
-        boost_ids = np.zeros(0, np.int32)
-        boost_vals = np.zeros(0, np.float32)
-    assert uniforms.shape == (R,) and row_word.shape == (R,)
-    shaped = repetition_penalty != 1.0 or no_repeat_ngram_size > 0 or no_repeat_word_window > 0
-    if shaped and history is None:
-        raise ValueError("repetition_penalty / no_repeat_ngram_size / no_repeat_word_window need the rows' token history")
-    if no_repeat_word_window > 0 and words is None:
+    R, V = logits.shape
+    guide = _guide(rules, R, V)
+    assert uniforms.shape == (R,) and guide[0].shape == (R,)
+    history = _history(rules, R)
+    if cfg.no_repeat_word_window > 0 and rules.words is None:
         raise ValueError("no_repeat_word_window needs the vocabulary's words (occurrence.WordTable)")
-    if words is None:
-        words = (np.zeros(1, np.int8), np.full(1, -1, np.int32), np.zeros(1, np.int64), np.zeros(0, np.int32))
-    word_class, key, key_ptr, key_tok = (np.asarray(a, t) for a, t in zip(words, (np.int8, np.int32, np.int64,
-                                                                                   np.int32)))
-    if bans is None or row_ban is None:
-        bans, row_ban = (np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int32)), np.full(R, -1)
-    multi = int(bans[1][-1] - bans[1][0]) > len(bans[1]) - 1    # more tokens than (non-empty) sequences
-    if multi and history is None and (np.asarray(row_ban) >= 0).any():
-        raise ValueError("bans of more than one token need the rows' token history")
-    if not (shaped or multi) or history is None:
-        history, history_start = np.zeros((R, 0), np.int32), np.zeros(R, np.int32)
-    elif history_start is None:
-        history_start = np.zeros(R, np.int32)
-    force = np.full(R, -1, np.int64) if force is None else np.asarray(force, np.int64)
-    boost_vals = np.asarray(boost_vals, np.float32)
-    if boost_exp is None:                    # only the words these rows use
-        words, row_dense = np.unique(row_word, return_inverse=True)
-        row_dense = row_dense.reshape(-1).astype(np.int32)
-        if len(words) and words[0] < 0:
-            words, row_dense = words[1:], row_dense - 1
-        boost_exp = dense_boost_exp(boost_ptr, boost_ids, boost_vals, logits.shape[1], words)
+    words = rules.words if rules.words is not None else (np.zeros(1, np.int8), np.full(1, -1, np.int32),
+                                                         np.zeros(1, np.int64), np.zeros(0, np.int32))
+    words = tuple(np.asarray(a, t) for a, t in zip(words, (np.int8, np.int32, np.int64, np.int32)))
+    if rules.bans is None or rules.row_ban is None:
+        bans = (np.full(R, -1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int32))
     else:
-        row_dense = np.asarray(row_word, np.int32)
+        bans = (np.asarray(rules.row_ban, np.int64), *(np.asarray(a, t) for a, t in zip(rules.bans, (np.int64, np.int64,
+                                                                                                      np.int32))))
+    knobs = (np.float32(1.0 / cfg.temperature), float(cfg.top_p), float(cfg.min_p), np.float32(cfg.repetition_penalty),
+             int(cfg.no_repeat_ngram_size), int(cfg.no_repeat_word_window), bool(cfg.shapes_logits))
     start_threads()
     out_ids = np.empty(R, np.int64)
     out_logp = np.empty(R, np.float32)
-    _sample_rows(logits, np.float32(1.0 / temperature), float(top_p), row_word.astype(np.int32),
-                 boost_ptr.astype(np.int64), boost_ids.astype(np.int32), boost_vals, boost_exp, row_dense,
-                 np.broadcast_to(np.asarray(boost_first, bool), (R,)).copy(), np.ascontiguousarray(history, dtype=np.int32),
-                 np.asarray(history_start, dtype=np.int32), int(history.shape[1]),
-                 np.float32(repetition_penalty), int(no_repeat_ngram_size), word_class, key, key_ptr, key_tok,
-                 int(no_repeat_word_window),
-                 np.asarray(row_ban, np.int64), np.asarray(bans[0], np.int64), np.asarray(bans[1], np.int64),
-                 np.asarray(bans[2], np.int32), force, uniforms.astype(np.float64), out_ids, out_logp)
+    _sample_rows(logits, uniforms.astype(np.float64), guide, history, bans, words, knobs, out_ids, out_logp)
     return out_ids, out_logp
 
 
-def dense_boost_exp(ptr, ids, vals, V: int, words=None) -> np.ndarray:
-    """exp(boost) per token, 1.0 where none, (len(words), V) float32 for the guide words `words` of
-    the CSR table (all of them if None; lambda <= 80, so exp fits). The kernel's filter-then-boost
-    pass (`_boost_kept`) and its boost-first rows' unguided mass (`_unboosted_mass`) read it
-    densely; ~50 us per word to build, so a caller with a fixed table builds it once."""
+def _guide(rules: StepRules, R: int, V: int) -> tuple:
+    """The kernel's guidance group: (row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force)."""
+    if rules.row_word is None:
+        row_word = np.full(R, -1, np.int32)
+        ptr, ids, vals = np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
+    else:
+        row_word = np.asarray(rules.row_word, np.int32)
+        ptr, ids, vals = (np.asarray(a, t) for a, t in zip(rules.boosts, (np.int64, np.int32, np.float32)))
+    if rules.boost_exp is None:              # only the words these rows use
+        used, row_dense = np.unique(row_word, return_inverse=True)
+        row_dense = row_dense.reshape(-1).astype(np.int32)
+        if len(used) and used[0] < 0:
+            used, row_dense = used[1:], row_dense - 1
+        boost_exp = dense_boosts(ptr, ids, vals, V, used)
+    else:
+        boost_exp, row_dense = rules.boost_exp, row_word
+    force = np.full(R, -1, np.int64) if rules.force is None else np.asarray(rules.force, np.int64)
+    return row_word, ptr, ids, vals, boost_exp, row_dense, rules.boost_firsts(R), force
+
+
+def _history(rules: StepRules, R: int) -> tuple:
+    """The kernel's history group (tokens (R, H) int32, start (R,) int32): empty unless a rule reads it."""
+    shaped, multi = rules.config.shapes_logits, rules.multi_token_bans
+    if shaped and rules.history is None:
+        raise ValueError("repetition_penalty / no_repeat_ngram_size / no_repeat_word_window need the rows' token history")
+    if multi and rules.history is None and (np.asarray(rules.row_ban) >= 0).any():
+        raise ValueError("bans of more than one token need the rows' token history")
+    if not (shaped or multi) or rules.history is None:
+        return np.zeros((R, 0), np.int32), np.zeros(R, np.int32)
+    start = np.zeros(R, np.int32) if rules.history_start is None else np.asarray(rules.history_start, np.int32)
+    return np.ascontiguousarray(rules.history, dtype=np.int32), start
+
+
+def dense_boosts(ptr, ids, vals, V: int, words=None, exp: bool = True) -> np.ndarray:
+    """The CSR table's rows `words` (all if None) as a dense (len(words), V) float32 table:
+    exp(boost) per token, 1.0 where none (`exp`; lambda <= 80, so exp fits), else the boost, 0.0
+    where none. The kernel's filter-then-boost pass (`_boost_kept`), its boost-first rows'
+    unguided mass (`_unboosted_mass`) and min_p read exp(boost) densely; the PyTorch sampler adds
+    the boosts. ~50 us per word to build, so a caller with a fixed table builds it once."""
     words = range(len(ptr) - 1) if words is None else words
-    dense = np.ones((len(words), V), np.float32)
+    dense = np.full((len(words), V), 1.0 if exp else 0.0, np.float32)
     for k, w in enumerate(words):
-        dense[k, ids[ptr[w]:ptr[w + 1]]] = np.exp(vals[ptr[w]:ptr[w + 1]])
+        v = vals[ptr[w]:ptr[w + 1]]
+        dense[k, ids[ptr[w]:ptr[w + 1]]] = np.exp(v) if exp else v
     return dense
 
 

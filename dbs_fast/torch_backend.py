@@ -6,6 +6,7 @@ inverse CDF in id order), up to float noise in the logits of the two runtimes.
 """
 from __future__ import annotations
 
+import math
 from functools import cached_property
 
 import numpy as np
@@ -13,17 +14,20 @@ import numpy as np
 from . import kernels
 from .backend import left_pad
 from .errors import DBSError
+from .kernels import StepRules
 from .manifest import read_manifest
 from .model import load_tokenizer
 from .text.constraints import banned_tokens
 from .text.occurrence import WordTable, word_table
 
 
-def torch_sample(logits, uniforms, row_word, dense_boosts, temperature, top_p, boost_first):
-    """logits (R, V) torch float32; dense_boosts (W, V) torch or None. Returns ids, unguided logp."""
+def torch_sample(logits, uniforms, row_word, dense_boosts, cfg, boost_first):
+    """logits (R, V) torch float32 (shaped and banned); dense_boosts (W, V) torch or None; `cfg`'s
+    temperature, top_p and min_p. Returns ids, unguided logp."""
     import torch
 
-    s = logits.float() / temperature
+    top_p = cfg.top_p
+    s = logits.float() / cfg.temperature
     dev = s.device
     logp = torch.log_softmax(s, dim=-1)
     guided = torch.as_tensor(row_word >= 0, device=dev)
@@ -32,6 +36,10 @@ def torch_sample(logits, uniforms, row_word, dense_boosts, temperature, top_p, b
         boost[guided] = dense_boosts[torch.as_tensor(row_word[row_word >= 0], dtype=torch.long, device=dev)]
     bf = torch.as_tensor(np.asarray(boost_first, bool), device=dev).reshape(-1, 1)    # one flag, or one per row
     key = torch.where(bf, s + boost, s)
+    plausible = torch.ones_like(s, dtype=torch.bool)
+    if cfg.min_p > 0:                    # the model's own probability against its top token's, before boosts
+        plausible = s - s.max(-1, keepdim=True).values >= math.log(cfg.min_p)
+        key = torch.where(plausible, key, -torch.inf)
     if top_p < 1.0:
         sorted_key, order = torch.sort(key, dim=-1, descending=True)
         probs = torch.softmax(sorted_key.double(), dim=-1)
@@ -39,9 +47,9 @@ def torch_sample(logits, uniforms, row_word, dense_boosts, temperature, top_p, b
         k = torch.searchsorted(cum, torch.full((s.shape[0], 1), top_p, dtype=cum.dtype, device=dev)).clamp(
             max=s.shape[1] - 1)
         cut = sorted_key.gather(1, k)
-        kept = key >= cut
+        kept = (key >= cut) & plausible
     else:
-        kept = torch.ones_like(s, dtype=torch.bool)
+        kept = plausible
     final = torch.where(bf, key, s + torch.where(kept, boost, torch.zeros_like(boost)))
     w = torch.where(kept, torch.exp((final - s.max(-1, keepdim=True).values).double()), torch.zeros_like(final, dtype=torch.float64))
     c = w.cumsum(-1)
@@ -151,7 +159,7 @@ class TorchBackend:
     def trim(cache):
         return cache
 
-    def shape(self, logits, cfg, history, history_start):
+    def shape(self, logits, cfg, history, history_start, words):
         """Repetition penalty and n-gram bans with transformers' own logits processors, per row
         (rows have different left padding); word loops by the kernel's rule, which transformers
         does not have."""
@@ -173,7 +181,7 @@ class TorchBackend:
             out[r] = row[0]
             if W:
                 banned = kernels.word_loop_tokens(history[r].astype(np.int64), int(history_start[r]), history.shape[1],
-                                                  *self.words, W)
+                                                  *words, W)
                 out[r, t.as_tensor(banned, device=self.device)] = -float("inf")
         return out
 
@@ -198,27 +206,24 @@ class TorchBackend:
                 out[r, t] = -float("inf")
         return out
 
-    def sample(self, logits, uniforms, row_word, csr, cfg, history=None, history_start=None, boost_first=None,
-               bans=None, row_ban=None, force=None):
-        ptr, ids, vals = csr
+    def sample(self, logits, uniforms, rules: StepRules):
+        cfg = rules.config
         raw = logits
         if cfg.shapes_logits:
-            logits = self.shape(logits, cfg, history, history_start)
-        if bans is not None:
-            logits = self.ban(logits, history, history_start, bans, row_ban)
-        if self._dense_key is not csr:  # dense (W, V) boost table for torch indexing
-            t = self.torch
-            dense = t.zeros((len(ptr) - 1, self.vocab_size))
-            for w in range(len(ptr) - 1):
-                dense[w, t.as_tensor(ids[ptr[w]:ptr[w + 1]], dtype=t.long)] = t.as_tensor(vals[ptr[w]:ptr[w + 1]])
-            self._dense, self._dense_key = dense.to(self.device), csr
+            logits = self.shape(logits, cfg, rules.history, rules.history_start, rules.words)
+        if rules.bans is not None:
+            logits = self.ban(logits, rules.history, rules.history_start, rules.bans, rules.row_ban)
+        R = logits.shape[0]
+        row_word = np.full(R, -1, np.int32) if rules.row_word is None else np.asarray(rules.row_word)
+        if rules.boosts is not None and self._dense_key is not rules.boosts:   # the table on the device, once
+            dense = kernels.dense_boosts(*rules.boosts, self.vocab_size, exp=False)
+            self._dense, self._dense_key = self.torch.as_tensor(dense, device=self.device), rules.boosts
         with self.torch.inference_mode():
-            tok, lp = torch_sample(logits, uniforms, row_word, self._dense, cfg.temperature, cfg.top_p,
-                                   cfg.boost_order == "boost_then_filter" if boost_first is None else boost_first)
-            if force is not None:
-                f = self.torch.as_tensor(force, device=self.device)
+            tok, lp = torch_sample(logits, uniforms, row_word, self._dense, cfg, rules.boost_firsts(R))
+            if rules.force is not None:
+                f = self.torch.as_tensor(rules.force, device=self.device)
                 tok = self.torch.where(f >= 0, f, tok)
-            if cfg.shapes_logits or bans is not None or force is not None:   # the model's own log-prob
+            if cfg.shapes_logits or rules.bans is not None or rules.force is not None:   # the model's own log-prob
                 lp = self.torch.log_softmax(raw.float() / cfg.temperature, -1).gather(1, tok[:, None])[:, 0]
         return tok.cpu().numpy().astype(np.int64), lp.float().cpu().numpy()
 

@@ -10,7 +10,7 @@ from dbs_fast.config import OPTIONS
 # one bad value per DBSConfig option (switches have none), and what the error names
 BAD_OPTION = {
     "lam": ("-1", "`lambda`"), "beams": ("0", "`beams`"), "candidates": ("0", "`candidates`"),
-    "chunk": ("0", "`chunk`"), "top_p": ("1.5", "`top_p`"), "temperature": ("0", "`temperature`"),
+    "chunk": ("0", "`chunk`"), "top_p": ("1.5", "`top_p`"), "min_p": ("1", "`min_p`"), "temperature": ("0", "`temperature`"),
     "alpha": ("-1", "`alpha`"), "alpha_fluent": ("-1", "`alpha_fluent`"),
     "late_boost_first": ("maybe", "--late-boost-first"), "reserve_per_keyword": ("-1", "`reserve_per_keyword`"),
     "c_star": ("-1", "`c_star`"), "max_new_tokens": ("0", "`max_new_tokens`"),

@@ -11,8 +11,14 @@ from naive import (
     word_loop_tokens as word_loop_ref,
 )
 
-from dbs_fast.kernels import csr_boosts, sample, word_loop_tokens
+from dbs_fast import kernels
+from dbs_fast.kernels import StepRules, csr_boosts, word_loop_tokens
 from dbs_fast.text.embeddings import SparseBoost
+
+
+def sample(logits, u, **rules):
+    """The kernel under rules given by name (`StepRules.given`)."""
+    return kernels.sample(logits, u, StepRules.given(**rules))
 
 
 def _case(seed, R=24, V=3000, scale=3.0, n_boost=200, values=lambda rng, n: rng.random(n) * 20):
@@ -40,8 +46,7 @@ def test_kernel_matches_reference_exactly(boost_first, top_p, temperature):
     ptr, ids, vals = csr_boosts(boosts)
     for _ in range(5):
         u = rng.random(len(logits))
-        got, glp = sample(logits, u, temperature=temperature, top_p=top_p, row_word=row_word, boost_ptr=ptr,
-                          boost_ids=ids, boost_vals=vals, boost_first=boost_first)
+        got, glp = sample(logits, u, temperature=temperature, top_p=top_p, row_word=row_word, boosts=(ptr, ids, vals), boost_first=boost_first)
         want, wlp = sample_ref(logits, u, temperature, top_p, dense, boost_first)
         assert np.array_equal(got, want)
         np.testing.assert_allclose(glp, wlp, atol=1e-4)
@@ -52,9 +57,9 @@ def test_unguided_rows_ignore_boosts_and_logp_is_unguided():
     u = np.full(4, 0.37)
     plain, lp_plain = sample(logits, u)
     ptr, ids, vals = csr_boosts(boosts)
-    off, _ = sample(logits, u, row_word=np.full(4, -1, np.int32), boost_ptr=ptr, boost_ids=ids, boost_vals=vals)
+    off, _ = sample(logits, u, row_word=np.full(4, -1, np.int32), boosts=(ptr, ids, vals))
     assert np.array_equal(plain, off)
-    on, lp_on = sample(logits, u, row_word=np.zeros(4, np.int32), boost_ptr=ptr, boost_ids=ids, boost_vals=vals)
+    on, lp_on = sample(logits, u, row_word=np.zeros(4, np.int32), boosts=(ptr, ids, vals))
     s = logits.astype(np.float64)
     ref = s[np.arange(4), on] - np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) - s.max(1)
     np.testing.assert_allclose(lp_on, ref, atol=1e-4)                     # log softmax, not boosted
@@ -121,14 +126,68 @@ def test_anti_repetition_matches_reference_exactly(boost_first, penalty, ngram, 
     ptr, ids, vals = csr_boosts(boosts)
     for _ in range(5):
         u = rng.random(len(logits))
-        got, glp = sample(logits, u, top_p=top_p, row_word=row_word, boost_ptr=ptr, boost_ids=ids,
-                          boost_vals=vals, boost_first=boost_first, history=hist, history_start=start,
-                          repetition_penalty=penalty, no_repeat_ngram_size=ngram)
+        got, glp = sample(logits, u, top_p=top_p, row_word=row_word, boosts=(ptr, ids, vals), boost_first=boost_first,
+                          history=hist, history_start=start, repetition_penalty=penalty, no_repeat_ngram_size=ngram)
         want, wlp = sample_ref(logits, u, 1.0, top_p, dense, boost_first, rows, penalty, ngram)
         assert np.array_equal(got, want)
         np.testing.assert_allclose(glp, wlp, atol=1e-4)          # the model's own log-prob, unshaped
         for r, h in enumerate(rows):
             assert got[r] not in banned_ngram_tokens(h, ngram)
+
+
+@pytest.mark.parametrize("boost_first", [False, True])
+@pytest.mark.parametrize("min_p,top_p,penalty", [(0.05, 0.9, 1.0), (0.2, 1.0, 1.0), (0.1, 0.9, 1.3), (0.5, 0.5, 1.0)])
+def test_min_p_matches_reference_exactly(boost_first, min_p, top_p, penalty):
+    """min_p beside top-p, in both boost orders and after the penalties: the kernel draws the
+    reference's tokens, never one the model finds less than min_p times as likely as its top token
+    (boosts aside), returns the model's own log-prob, and lets a forced token through."""
+    rng, logits, boosts, row_word, dense = _case(21, scale=2.0)
+    R = len(logits)
+    hist, start, rows = _histories(rng, R, logits.shape[1])
+    ptr, ids, vals = csr_boosts(boosts)
+    force = np.full(R, -1)
+    force[2] = int(np.argmin(logits[2]))                       # far below any min_p
+    for _ in range(5):
+        u = rng.random(R)
+        got, glp = sample(logits, u, top_p=top_p, min_p=min_p, row_word=row_word, boosts=(ptr, ids, vals),
+                          boost_first=boost_first, history=hist, history_start=start, repetition_penalty=penalty,
+                          force=force)
+        want, wlp = sample_ref(logits, u, 1.0, top_p, dense, boost_first, rows, penalty, force=force, min_p=min_p)
+        assert np.array_equal(got, want)
+        np.testing.assert_allclose(glp, wlp, atol=1e-4)
+        assert got[2] == force[2]
+        for r in range(R):
+            own = shape_logits(logits[r], rows[r], penalty).astype(np.float64)
+            assert r == 2 or np.exp(own[got[r]] - own.max()) >= min_p
+
+
+@pytest.mark.parametrize("boost_first", [False, True])
+def test_pytorch_baselines_min_p_draws_the_references_tokens(boost_first):
+    """The PyTorch baseline's sampler (`torch_sample`) applies min_p as the kernel does."""
+    torch = pytest.importorskip("torch")
+    from dbs_fast.config import DBSConfig
+    from dbs_fast.torch_backend import torch_sample
+
+    rng, logits, boosts, row_word, dense = _case(23, scale=2.0)
+    table = torch.as_tensor(kernels.dense_boosts(*csr_boosts(boosts), logits.shape[1], exp=False))
+    for min_p, top_p in ((0.05, 0.9), (0.3, 1.0)):
+        u = rng.random(len(logits))
+        got, _ = torch_sample(torch.as_tensor(logits), u, row_word, table, DBSConfig(top_p=top_p, min_p=min_p),
+                              boost_first)
+        want, _ = sample_ref(logits, u, 1.0, top_p, dense, boost_first, min_p=min_p)
+        assert np.array_equal(got.numpy(), want)
+
+
+def test_min_p_off_and_on():
+    """min_p 0 draws what the kernel drew without it; a min_p that only the top token passes
+    draws the top token whatever the uniform (no boosts)."""
+    rng, logits, *_ = _case(22, scale=3.0)
+    u = rng.random(len(logits))
+    np.testing.assert_array_equal(sample(logits, u, min_p=0.0)[0], sample(logits, u)[0])
+    top = np.argmax(logits, axis=1)
+    second = np.sort(logits, axis=1)[:, -2]
+    ratio = float(np.exp(second - logits.max(axis=1)).max())    # the runner-up's share, at most
+    assert np.array_equal(sample(logits, u, top_p=1.0, min_p=min(0.99, ratio * 1.01))[0], top)
 
 
 def _table(texts):
@@ -238,7 +297,7 @@ def test_boost_order_per_row_matches_reference():
     first = rng.random(len(logits)) < 0.5
     for _ in range(3):
         u = rng.random(len(logits))
-        got, glp = sample(logits, u, top_p=0.9, row_word=row_word, boost_ptr=ptr, boost_ids=ids, boost_vals=vals,
+        got, glp = sample(logits, u, top_p=0.9, row_word=row_word, boosts=(ptr, ids, vals),
                           boost_first=first)
         for r in range(len(logits)):
             want, wlp = sample_ref(logits[r:r + 1], u[r:r + 1], 1.0, 0.9, dense[r:r + 1], bool(first[r]))
@@ -280,7 +339,7 @@ def test_bans_and_forcing_match_reference_exactly(boost_first, penalty, ngram):
     ptr, ids, vals = csr_boosts(boosts)
     for _ in range(4):
         u = rng.random(R)
-        got, glp = sample(logits, u, top_p=0.9, row_word=row_word, boost_ptr=ptr, boost_ids=ids, boost_vals=vals,
+        got, glp = sample(logits, u, top_p=0.9, row_word=row_word, boosts=(ptr, ids, vals),
                           boost_first=boost_first, history=hist, history_start=start, repetition_penalty=penalty,
                           no_repeat_ngram_size=ngram, bans=bans, row_ban=row_ban, force=force)
         ref_bans = [groups[g] if g >= 0 else None for g in row_ban]
@@ -358,7 +417,7 @@ def test_flat_rows_with_ties_match_reference_exactly(scale, ties):
     ptr, ids, vals = csr_boosts(boosts)
     for top_p in (0.9, 0.5):
         u = rng.random(len(logits))
-        got, glp = sample(logits, u, top_p=top_p, row_word=row_word, boost_ptr=ptr, boost_ids=ids, boost_vals=vals)
+        got, glp = sample(logits, u, top_p=top_p, row_word=row_word, boosts=(ptr, ids, vals))
         want, wlp = sample_ref(logits, u, 1.0, top_p, dense, False)
         assert np.array_equal(got, want)
         np.testing.assert_allclose(glp, wlp, atol=1e-4)
@@ -391,7 +450,7 @@ def test_numba_threads_sleep_when_idle_unless_asked_not_to(sleep):
 def test_boost_kept_multiplies_only_kept_boosted_weights():
     """`_boost_kept` against NumPy: kept tokens' weights times exp(boost) (1.0 where none), the
     others untouched, and the weight it returns is what it added (bans' -inf never kept)."""
-    from dbs_fast.kernels import _boost_kept, dense_boost_exp
+    from dbs_fast.kernels import _boost_kept, dense_boosts
 
     rng = np.random.default_rng(11)
     V = 5000
@@ -401,8 +460,8 @@ def test_boost_kept_multiplies_only_kept_boosted_weights():
     boosts = [SparseBoost(str(w), np.sort(rng.choice(V, 3000, replace=False)).astype(np.int32),
                           (20 * rng.beta(1, 3, 3000) ** 2).astype(np.float32)) for w in range(3)]
     ptr, ids, vals = csr_boosts(boosts)
-    dense = dense_boost_exp(ptr, ids, vals, V, [0, 2])
-    assert dense.shape == (2, V) and dense_boost_exp(ptr, ids, vals, V).shape == (3, V)
+    dense = dense_boosts(ptr, ids, vals, V, [0, 2])
+    assert dense.shape == (2, V) and dense_boosts(ptr, ids, vals, V).shape == (3, V)
     want_f = np.ones(V, np.float32)
     want_f[boosts[2].ids] = np.exp(boosts[2].values)
     np.testing.assert_array_equal(dense[1], want_f)
@@ -420,7 +479,7 @@ def test_dense_boost_tables_match_reference_exactly(scale, boost_first):
     """A real guide word boosts most of the vocabulary (GloVe similarity > 0 for ~60% of GPT-2's
     tokens, most of them slightly): both boost orders over such tables, flat and peaked rows, and
     the returned log-prob is the unguided one."""
-    from dbs_fast.kernels import dense_boost_exp
+    from dbs_fast.kernels import dense_boosts
 
     R, V = 16, 20000
     rng, logits, boosts, row_word, dense = _case(12, R, V, scale, n_boost=12000,
@@ -428,13 +487,13 @@ def test_dense_boost_tables_match_reference_exactly(scale, boost_first):
     ptr, ids, vals = csr_boosts(boosts)
     for top_p in (0.9, 0.5, 1.0):
         u = rng.random(R)
-        got, glp = sample(logits, u, top_p=top_p, row_word=row_word, boost_ptr=ptr, boost_ids=ids, boost_vals=vals,
+        got, glp = sample(logits, u, top_p=top_p, row_word=row_word, boosts=(ptr, ids, vals),
                           boost_first=boost_first)
         want, wlp = sample_ref(logits, u, 1.0, top_p, dense, boost_first)
         assert np.array_equal(got, want)
         np.testing.assert_allclose(glp, wlp, atol=1e-4)
-        kept, klp = sample(logits, u, top_p=top_p, row_word=row_word, boost_ptr=ptr, boost_ids=ids, boost_vals=vals,
-                           boost_first=boost_first, boost_exp=dense_boost_exp(ptr, ids, vals, V))
+        kept, klp = sample(logits, u, top_p=top_p, row_word=row_word, boosts=(ptr, ids, vals),
+                           boost_first=boost_first, boost_exp=dense_boosts(ptr, ids, vals, V))
         assert np.array_equal(kept, got) and np.array_equal(klp, glp)   # the whole table, built by the caller
 
 

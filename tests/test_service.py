@@ -84,7 +84,7 @@ def test_generate_answers_the_json_of_generate_and_the_same_text(server, dbs):
 
 
 def test_requests_served_together_get_the_text_they_get_alone(server, dbs):
-    jobs = [("It is", "colony", 0, {}), ("The quick brown fox jumps over", "enemy|mouth", 1, {}),
+    jobs = [("It is", "colony", 0, {}), ("The quick brown fox jumps over", "enemy|mouth", 1, {"min_p": 0.1}),
             ("A", "speed,river", 2, {"ban": "fox"}), ("It is", "meet", 5, {"order": "any", "guarantee": True})]
     out = [None] * len(jobs)
 
@@ -107,6 +107,7 @@ def test_requests_served_together_get_the_text_they_get_alone(server, dbs):
 @pytest.mark.parametrize("body, field", [
     ({"keywords": "colony", "beams": 0}, "beams"),
     ({"keywords": "colony", "top_p": 1.5}, "top_p"),
+    ({"keywords": "colony", "min_p": -0.1}, "min_p"),
     ({"keywords": "colony", "lambda": -1}, "lambda"),
     ({"keywords": "colony", "order": "random"}, "order"),
     ({"keywords": "run|"}, "keywords"),

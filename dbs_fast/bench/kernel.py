@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from dbs_fast import kernels
+from dbs_fast.config import DBSConfig
 from dbs_fast.numba_runtime import set_threads
 
 
@@ -64,6 +65,15 @@ def numpy_sample(logits, uniforms, row_word, csr, top_p=0.9):
     return out
 
 
+def draw(m, logits, u, **rules):
+    """`m.sample` (this kernels module, or another kernels.py loaded by `load_other`) under rules
+    given by name (`StepRules.given`); a kernels.py from before StepRules takes them as keywords."""
+    if hasattr(m, "StepRules"):
+        return m.sample(logits, u, m.StepRules.given(**rules))
+    ptr, ids, vals = rules.pop("boosts")
+    return m.sample(logits, u, boost_ptr=ptr, boost_ids=ids, boost_vals=vals, **rules)
+
+
 def _time(fn, repeats: int) -> dict:
     fn()                                       # warm-up (compilation, caches)
     ts = []
@@ -80,18 +90,16 @@ def run(rows: int = 70, vocab: int = 50257, repeats: int = 20, threads: int | No
     logits, u, row_word, csr = _workload(rows, vocab)
     ptr, bids, bvals = csr
     res = {"rows": rows, "vocab": vocab, "threads": threads}
-    res["numba"] = _time(lambda: kernels.sample(logits, u, top_p=0.9, row_word=row_word, boost_ptr=ptr,
-                                                boost_ids=bids, boost_vals=bvals), repeats)
+    res["numba"] = _time(lambda: draw(kernels, logits, u, top_p=0.9, row_word=row_word, boosts=csr), repeats)
     res["numpy"] = _time(lambda: numpy_sample(logits, u, row_word, csr), max(1, repeats // 5))
     same = np.array_equal(numpy_sample(logits, u, row_word, csr),
-                          kernels.sample(logits, u, top_p=0.9, row_word=row_word, boost_ptr=ptr,
-                                         boost_ids=bids, boost_vals=bvals)[0])
+                          draw(kernels, logits, u, top_p=0.9, row_word=row_word, boosts=csr)[0])
     res["numba_equals_numpy"] = bool(same)
     hist = np.random.default_rng(1).integers(0, vocab, (rows, 100)).astype(np.int32)
     hist[:, 50:] = hist[:, :50]                                  # repeats, so n-grams get banned
-    res["numba_anti_repetition"] = _time(lambda: kernels.sample(
-        logits, u, top_p=0.9, row_word=row_word, boost_ptr=ptr, boost_ids=bids, boost_vals=bvals, history=hist,
-        repetition_penalty=1.2, no_repeat_ngram_size=3), repeats)
+    res["numba_anti_repetition"] = _time(lambda: draw(
+        kernels, logits, u, top_p=0.9, row_word=row_word, boosts=csr, history=hist, repetition_penalty=1.2,
+        no_repeat_ngram_size=3), repeats)
     res["anti_repetition_ratio"] = res["numba_anti_repetition"]["ms_median"] / res["numba"]["ms_median"]
     if torch_too:
         try:
@@ -106,7 +114,7 @@ def run(rows: int = 70, vocab: int = 50257, repeats: int = 20, threads: int | No
             tl = torch.from_numpy(logits)
             dense = torch.zeros((1, vocab))
             dense[0, torch.from_numpy(bids.astype(np.int64))] = torch.from_numpy(bvals)
-            res["torch"] = _time(lambda: torch_sample(tl, u, row_word, dense, 1.0, 0.9, False), repeats)
+            res["torch"] = _time(lambda: torch_sample(tl, u, row_word, dense, DBSConfig(top_p=0.9), False), repeats)
     for other in ("numpy", "torch"):
         if other in res:
             res[f"speedup_vs_{other}"] = res[other]["ms_median"] / res["numba"]["ms_median"]
@@ -144,8 +152,7 @@ def against(path: str, rows: int = 70, vocab: int = 50257, rounds: int = 40) -> 
                         ("anti_repetition", logits, {"history": hist, "repetition_penalty": 1.2,
                                                      "no_repeat_ngram_size": 3})):
         def call(m):
-            return m.sample(x, u, top_p=0.9, row_word=row_word, boost_ptr=ptr, boost_ids=bids,
-                            boost_vals=bvals, **kw)
+            return draw(m, x, u, top_p=0.9, row_word=row_word, boosts=(ptr, bids, bvals), **kw)
         a, b = call(kernels), call(other)
         ts = {"this": [], "against": []}
         for _ in range(rounds):

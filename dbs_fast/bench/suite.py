@@ -292,8 +292,7 @@ def reference_loop(spec: dict) -> dict:
             for _ in range(cfg.chunk):
                 t1 = time.perf_counter()
                 logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits[:, -1].float()
-                ids, _ = torch_sample(logits, rng.random(1), np.zeros(1, np.int32), boost, cfg.temperature,
-                                      cfg.top_p, False)
+                ids, _ = torch_sample(logits, rng.random(1), np.zeros(1, np.int32), boost, cfg, False)
                 seq.append(int(ids[0]))
                 per_token.append(time.perf_counter() - t1)
             model(input_ids=torch.tensor([seq]), use_cache=False)       # its perplexity: one more pass

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import DBSConfig
+from ..kernels import StepRules
 from ..text import occurrence
 from ..text.constraints import Healing, Keyword
 from . import guidance, quality
@@ -404,10 +405,10 @@ class BeamSearch:
         word = np.where(healing, -1, guidance.guide_words(cfg, tb, rows, cand)).astype(np.int32)
         force = guidance.forced(cfg, tb, rows, rem, n_done)
         hist, hstart = guidance.history(cfg, tb, rows, col, healing)
-        ids, lp = self.be.sample(self.pending, uniforms(self.slots, rows.req), word, tb.boosts.csr, cfg, hist, hstart,
-                                 boost_first, bans=tb.bans, row_ban=guidance.ban_groups(cfg, tb, rows, rem, healing,
-                                                                                        n_done),
-                                 force=force)
+        rules = StepRules(cfg, word, tb.boosts.csr, tb.boosts.dense_exp(self.pending.shape[1]), boost_first, force,
+                          hist, hstart, tb.bans, guidance.ban_groups(cfg, tb, rows, rem, healing, n_done),
+                          self.be.words if cfg.no_repeat_word_window else None)
+        ids, lp = self.be.sample(self.pending, uniforms(self.slots, rows.req), rules)
         return Draw(ids, lp, rem, cand, word, force, n_done)
 
     def _append(self, rows: Rows, d: Draw, col: int) -> np.ndarray:

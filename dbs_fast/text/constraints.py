@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import DBSError
-from ..kernels import csr_boosts
+from ..kernels import csr_boosts, dense_boosts
 from .embeddings import SimilarityTable, SparseBoost
 from .occurrence import pattern
 from .words import WORD, Keyword  # noqa: F401  (Keyword: its parser is here)
@@ -158,7 +158,7 @@ class BoostTable:
         self.rows = list(boosts)
         self._merged: dict[tuple[int, int], int] = {}
         self._kept = merged or {}
-        self._csr = None
+        self._csr = self._dense_exp = None
 
     def row(self, base: int, mask: int) -> int:
         """Row of the keywords in bitmask `mask` of the request whose first keyword is row `base`."""
@@ -192,8 +192,16 @@ class BoostTable:
     @property
     def csr(self):
         if self._csr is None:
-            self._csr = csr_boosts(self.rows)
+            self._csr, self._dense_exp = csr_boosts(self.rows), None
         return self._csr
+
+    def dense_exp(self, V: int) -> np.ndarray:
+        """The whole table as the kernel reads it densely (`kernels.dense_boosts`): built once per
+        version of the table (0.3 ms a step otherwise)."""
+        csr = self.csr
+        if self._dense_exp is None or self._dense_exp.shape[1] != V:
+            self._dense_exp = dense_boosts(*csr, V)
+        return self._dense_exp
 
 
 # -- forcing and bans -----------------------------------------------------------------------
