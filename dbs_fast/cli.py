@@ -15,6 +15,7 @@ from .config import (
     SEED_MAX,
     TASKS,
     DBSConfig,
+    door_name,
     preset,
 )
 from .errors import DBSError
@@ -215,7 +216,8 @@ def _run_generate(a) -> int:
     fmt = "json" if a.json else a.format
     own_context = a.context is not None or a.task is None     # a task's context is the preset's, not the user's
     cfg, a.context = config_from_args(a, a.task, guided=not a.unguided)
-    from .api import DirectedBeamSearch, parse_constraints, preflight
+    from .api import DirectedBeamSearch, parse_constraints
+    from .preflight import preflight
 
     parse_constraints(a.keywords, a.ban)       # bad keywords and sizes fail before the model loads
     preflight(a.model, cfg, a.context, quiet=fmt == "json", kv_layout=a.kv_layout)
@@ -617,7 +619,7 @@ def main(argv=None) -> int:
     try:
         return a.func(a) or 0
     except DBSError as e:
-        print(f"dbs-fast {a.command}: error: {e}", file=sys.stderr)
+        print(f"dbs-fast {a.command}: error: {e.said_as(door_name(e.field, 'cli')) if e.field else e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

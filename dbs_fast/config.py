@@ -14,6 +14,7 @@ CLI flags and the service's JSON fields are all derived from it.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
+from keyword import iskeyword
 
 from .errors import DBSError
 
@@ -33,81 +34,81 @@ def parse_bool(v: str) -> bool:
     return v.lower() == "true"
 
 
-def option(default, flag: str, typ, text: str, choices: tuple | None = None):
-    """A dataclass field a user sets as `flag` (CLI) or its JSON name (service)."""
-    return field(default=default, metadata={"flag": flag, "type": typ, "help": text, "choices": choices})
+def option(default, typ, text: str, choices: tuple | None = None):
+    """A dataclass field a user sets: its flag in the CLI, its JSON name over HTTP (`NAMES`)."""
+    return field(default=default, metadata={"option": True, "type": typ, "help": text, "choices": choices})
 
 
 @dataclass(frozen=True)
 class DBSConfig:
-    lam: float = option(20.0, "--lambda", float, "guidance strength (the paper picks 20: best success)")
-    beams: int = option(7, "--beams", int, "b: beams kept after every chunk")
-    candidates: int = option(10, "--candidates", int, "s: candidates per beam, all b*s decoded as one batch")
-    chunk: int = option(5, "--chunk", int, "k: tokens per chunk; sets keyword density")
-    top_p: float = option(0.9, "--top-p", float, "nucleus sampling mass")
-    temperature: float = option(1.0, "--temperature", float, "sampling temperature")
-    min_p: float = option(0.0, "--min-p", float, "keep only tokens at least this times as likely as the top "
+    lam: float = option(20.0, float, "guidance strength (the paper picks 20: best success)")
+    beams: int = option(7, int, "b: beams kept after every chunk")
+    candidates: int = option(10, int, "s: candidates per beam, all b*s decoded as one batch")
+    chunk: int = option(5, int, "k: tokens per chunk; sets keyword density")
+    top_p: float = option(0.9, float, "nucleus sampling mass")
+    temperature: float = option(1.0, float, "sampling temperature")
+    min_p: float = option(0.0, float, "keep only tokens at least this times as likely as the top "
                           "one, by the model's own probabilities before boosts (0 = off)")
-    alpha: float = option(0.001, "--alpha", float, "weight of perplexity in the quality score Q")
+    alpha: float = option(0.001, float, "weight of perplexity in the quality score Q")
     alpha_fluent: float | None = option(
-        0.02, "--alpha-fluent", float, "weight of perplexity in Q while the beam is ahead of its deadline (at "
+        0.02, float, "weight of perplexity in Q while the beam is ahead of its deadline (at "
         "least reserve-per-keyword tokens left per keyword still to place): fluent chunks win then, and Q is "
         "the paper's again when time is short")
-    late_boost_first: bool = option(True, "--late-boost-first", parse_bool,
+    late_boost_first: bool = option(True, parse_bool,
                                     "true/false: rows behind the deadline boost before the top-p cut")
-    reserve_per_keyword: int = option(15, "--reserve-per-keyword", int,
+    reserve_per_keyword: int = option(15, int,
                                       "tokens kept per keyword still to place (the deadline)")
-    c_star: float = option(2.0, "--c-star", float, "Q's penalty for a chunk without the guide word")
-    max_new_tokens: int = option(90, "--max-new-tokens", int, "token budget")
-    boost_order: str = option("filter_then_boost", "--boost-order", str,
+    c_star: float = option(2.0, float, "Q's penalty for a chunk without the guide word")
+    max_new_tokens: int = option(90, int, "token budget")
+    boost_order: str = option("filter_then_boost", str,
                               "filter_then_boost (the authors' code: top-p first) or boost_then_filter",
                               BOOST_ORDERS)
     boost_cutoff: float = 0.01   # the sparse boost table drops boosts below this (logit units = max error)
     # boost only tokens that start a word: a boosted "rink" no longer glues onto "hockey"
     boost_word_starts: bool = True
-    complete_words: bool = option(True, "--complete-words", parse_bool,
+    complete_words: bool = option(True, parse_bool,
                                   "true/false: a keyword of several tokens is boosted from its own first "
                                   "token and its rest forced once that is out")
     guided: bool = True          # False = the unguided baseline (no boosts)
-    order: str = option("next", "--order", str, "next: keywords one at a time in the given order (the paper); "
+    order: str = option("next", str, "next: keywords one at a time in the given order (the paper); "
                         "any: guide towards all remaining keywords at once", ORDERS)
-    match: str = option("stem", "--match", str, "how a keyword is recognised in text: stem (equal Porter stems, "
+    match: str = option("stem", str, "how a keyword is recognised in text: stem (equal Porter stems, "
                         "the paper) or lemma (lemminflect lemmas meet: CommonGen's coverage rule)", MATCHES)
-    guarantee: bool = option(False, "--guarantee", "switch", "force each keyword's tokens when the budget left "
+    guarantee: bool = option(False, "switch", "force each keyword's tokens when the budget left "
                              "is what the remaining keywords need: every keyword appears")
-    prompt_style: str = option("none", "--prompt-style", str, "a hidden prompt before the context that names the "
+    prompt_style: str = option("none", str, "a hidden prompt before the context that names the "
                                "keywords: none, instruction (one line), chat (the model's chat template) or "
                                "few-shot (examples from CommonGen train); the text still continues the context",
                                PROMPT_STYLES)
-    shots: int = option(3, "--shots", int, "examples in the few-shot prompt (1..200, from CommonGen train)")
-    heal: bool = option(True, "--heal", parse_bool, "true/false: token healing: the context's last token is "
+    shots: int = option(3, int, "examples in the few-shot prompt (1..200, from CommonGen train)")
+    heal: bool = option(True, parse_bool, "true/false: token healing: the context's last token is "
                         "taken back and the first generated token re-writes it, so a new word never glues "
                         "onto the context (\"The\" + \"Bella\") and a word the context ends in can be finished")
-    sentence_deadline: int = option(0, "--sentence-deadline", int, "for one-sentence tasks: the keywords' deadline "
+    sentence_deadline: int = option(0, int, "for one-sentence tasks: the keywords' deadline "
                                     "is this many tokens, not the budget's end (0 = the budget): no sentence end "
                                     "and no EOS while a keyword is missing before it; with --guarantee every keyword "
                                     "is forced in time and sentence ends wait for all, so all are in the first "
                                     "sentence")
-    min_sentence: int = option(0, "--min-sentence", int, "no sentence end and no EOS before this many new tokens "
+    min_sentence: int = option(0, int, "no sentence end and no EOS before this many new tokens "
                                "(0 = off); under --guarantee sentence ends then also wait for every keyword")
-    repetition_penalty: float = option(1.0, "--repetition-penalty", float,
+    repetition_penalty: float = option(1.0, float,
                                        "> 1 discourages tokens already used (1 = off)")
-    no_repeat_ngram_size: int = option(3, "--no-repeat-ngram-size", int,
+    no_repeat_ngram_size: int = option(3, int,
                                        "ban repeating any n-gram of this size (0 = off)")
-    no_repeat_word_window: int = option(5, "--no-repeat-word-window", int,
+    no_repeat_word_window: int = option(5, int,
                                         "word loops: a word is not drawn right after itself, nor a third time "
                                         "within this many words (0 = off)")
-    stop: str = option("sentence", "--stop", str, "sentence: end at the first sentence end after the last "
+    stop: str = option("sentence", str, "sentence: end at the first sentence end after the last "
                        "keyword; max: always max-new-tokens (the paper)", STOPS)
-    finished: int = option(1, "--finished", int, "stop=sentence: the finished candidates (every keyword, then a "
+    finished: int = option(1, int, "stop=sentence: the finished candidates (every keyword, then a "
                            "sentence end or EOS) a request gathers before it ends; each is set aside and the "
                            "other beams go on (1: the first chunk with one ends the request); --pick chooses "
                            "among them")
-    openings: str = option("none", "--openings", str, "subjects: the first chunk draws b*s candidates, one "
+    openings: str = option("none", str, "subjects: the first chunk draws b*s candidates, one "
                            "begun with each subject phrase (\"The dog\", \"A dog\" for a concept \"dog\", then "
                            "\"A man\", \"A woman\", ...) and the rest free; the quality score keeps b. For "
                            "one-sentence tasks after a context that ends a line", OPENINGS)
-    pick: str = option("blend", "--pick", str, "the beam returned: q, the best by the quality score (the paper); "
+    pick: str = option("blend", str, "the beam returned: q, the best by the quality score (the paper); "
                        "likelihood, the finished beam with the best mean log-prob per token; consensus, the "
                        "finished beam most like the other finished ones (BLEU-4, minimum Bayes risk); blend, the finished beam "
                        "with the smallest place by Q plus half its place by likelihood", PICKS)
@@ -123,8 +124,8 @@ class DBSConfig:
         return replace(cls(), **{**COMMONGEN, **overrides})
 
     def __post_init__(self):
-        def bad(name: str, msg: str):
-            raise DBSError(f"`{name}` {msg}, got {getattr(self, name)!r}", name, getattr(self, name))
+        def bad(name: str, rule: str):
+            raise DBSError.about(name, rule, getattr(self, name))
 
         for name in ("beams", "candidates", "chunk", "max_new_tokens", "finished"):
             if not _is_int(getattr(self, name), 1):
@@ -134,8 +135,7 @@ class DBSConfig:
         if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p < 1.0):
             bad("min_p", "must be a float in [0, 1) (0 = off)")
         if not (0.0 <= self.lam <= 80.0):
-            raise DBSError(f"`lambda` must be in [0, 80] (exp(lambda) must fit float32), got {self.lam!r}",
-                           "lam", self.lam)
+            bad("lam", "must be in [0, 80] (exp(lambda) must fit float32)")
         if not self.temperature > 0.0:
             bad("temperature", "must be > 0")
         for name in ("alpha", "c_star", "alpha_fluent"):
@@ -168,7 +168,7 @@ class DBSConfig:
         if self.match == "lemma":
             from importlib.util import find_spec
             if find_spec("lemminflect") is None:
-                raise DBSError("`match` lemma needs lemminflect, a dependency of dbs-fast that is missing here: "
+                raise DBSError("{field} lemma needs lemminflect, a dependency of dbs-fast that is missing here: "
                                "pip install lemminflect", "match", self.match)
 
     @property
@@ -198,19 +198,36 @@ def _is_int(v, least: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= least
 
 
+# The one place where a door's name for a field differs from the field's own (the Python API's):
+# `lambda` is a Python keyword, so the field is `lam`; OpenAI's bodies have a `stop` of their own
+# (stop sequences) and `max_tokens`, so the engine's stop rule is `stop_at` there.
+RENAMED = {"json": {"lam": "lambda"},
+           "openai": {"lam": "lambda", "stop": "stop_at", "max_new_tokens": "max_tokens"}}
+DOORS = ("python", "json", "openai", "cli")
+
+
+def door_name(name: str, door: str = "json") -> str:
+    """What `door` calls the DBSConfig or request field `name`: "python" (the field itself), "json"
+    (the service's bodies), "openai" (its OpenAI endpoints' bodies) or "cli" (the flag: the JSON
+    name with dashes, "--top-p")."""
+    if door == "cli":
+        return "--" + door_name(name).replace("_", "-")
+    return RENAMED.get(door, {}).get(name, name)
+
+
+def body_attr(name: str, door: str = "json") -> str:
+    """The attribute of a parsed body of `door` that holds the field `name`: its name there, or the
+    field's own where that is a Python keyword (an alias then: "lambda")."""
+    key = door_name(name, door)
+    return name if iskeyword(key) else key
+
+
 # Every DBSConfig field a user can set: (field, CLI flag, type, help). `generate` and `eval` take
-# them as flags, the service as JSON fields named like the flag ("--top-p" -> "top_p").
-OPTIONS = tuple((f.name, f.metadata["flag"], f.metadata["type"], f.metadata["help"])
-                for f in fields(DBSConfig) if "flag" in f.metadata)
+# them as flags, the service as JSON fields (`door_name`).
+OPTIONS = tuple((f.name, door_name(f.name, "cli"), f.metadata["type"], f.metadata["help"])
+                for f in fields(DBSConfig) if f.metadata.get("option"))
 CHOICES = {f.name: f.metadata["choices"] for f in fields(DBSConfig) if f.metadata.get("choices")}
-# the name of each option in a JSON body ("--top-p" -> "top_p"); "lambda", a Python keyword, is
-# the alias of a body attribute named like the field (`body_attr`)
-JSON_NAMES = {name: flag[2:].replace("-", "_") for name, flag, *_ in OPTIONS}
-
-
-def body_attr(name: str, key: str) -> str:
-    """The attribute of a parsed body that holds the option `name`, sent as `key`."""
-    return name if key == "lambda" else key
+JSON_NAMES = {name: door_name(name) for name, *_ in OPTIONS}       # field -> its name in a JSON body
 
 # The presets: the paper's protocol, and the CommonGen task's defaults (where flags leave them open).
 # CommonGen: unordered concepts, one sentence, after a context that asks for a sentence. A hidden
@@ -243,7 +260,7 @@ def preset(task: str | None = None, paper: bool = False) -> tuple[DBSConfig, str
     if task is None:
         return (DBSConfig.paper() if paper else DBSConfig()), DEFAULT_CONTEXT
     if task not in TASKS:
-        raise DBSError(f"`task` must be one of {list(TASKS)}, got {task!r}", "task", task)
+        raise DBSError.about("task", f"must be one of {list(TASKS)}", task)
     if paper:
-        raise DBSError(f"`task` {task!r} and `paper` are two presets: give one", "paper", paper)
+        raise DBSError(f"task {task!r} and {{field}} are two presets: give one", "paper", paper)
     return DBSConfig.commongen(), COMMONGEN_CONTEXT

@@ -1,5 +1,9 @@
 """One exception type for bad input: the CLI prints its message and exits with code 2; the service
-answers 422 naming `field` (a DBSConfig field or a request field) with `value`."""
+answers 400 naming `field` (a DBSConfig field or a request field) with `value`.
+
+A message about one field is a template: `{field}` stands where the field's name goes, and each
+door fills in its own name for it (`said_as`): the flag in the CLI, the JSON field over HTTP,
+OpenAI's name on its endpoints. `str()` gives the template with the field's name."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -12,7 +16,19 @@ class DBSError(Exception):
 
     def __init__(self, message: str, field: str | None = None, value=None):
         super().__init__(message)
-        self.field, self.value = field, value
+        self.field, self.value, self.template = field, value, message
+
+    @classmethod
+    def about(cls, field: str, rule: str, value) -> "DBSError":
+        """`field` breaks `rule` ("must be > 0"): "{field} must be > 0, got 0", named by each door."""
+        return cls(f"{{field}} {rule}, got {value!r}", field, value)
+
+    def said_as(self, name: str) -> str:
+        """The message with the field called `name` (a door's word for it)."""
+        return self.template.replace("{field}", name)
+
+    def __str__(self) -> str:
+        return self.said_as(f"`{self.field}`") if self.field else self.template
 
 
 @contextmanager

@@ -7,21 +7,22 @@ import pytest
 from dbs_fast.cli import main as cli
 from dbs_fast.config import OPTIONS
 
-# one bad value per DBSConfig option (switches have none), and what the error names
+# one bad value per DBSConfig option (switches have none), and what the error names (the flag)
 BAD_OPTION = {
-    "lam": ("-1", "`lambda`"), "beams": ("0", "`beams`"), "candidates": ("0", "`candidates`"),
-    "chunk": ("0", "`chunk`"), "top_p": ("1.5", "`top_p`"), "min_p": ("1", "`min_p`"), "temperature": ("0", "`temperature`"),
-    "alpha": ("-1", "`alpha`"), "alpha_fluent": ("-1", "`alpha_fluent`"),
-    "late_boost_first": ("maybe", "--late-boost-first"), "reserve_per_keyword": ("-1", "`reserve_per_keyword`"),
-    "c_star": ("-1", "`c_star`"), "max_new_tokens": ("0", "`max_new_tokens`"),
+    "lam": ("-1", "--lambda"), "beams": ("0", "--beams"), "candidates": ("0", "--candidates"),
+    "chunk": ("0", "--chunk"), "top_p": ("1.5", "--top-p"), "min_p": ("1", "--min-p"),
+    "temperature": ("0", "--temperature"),
+    "alpha": ("-1", "--alpha"), "alpha_fluent": ("-1", "--alpha-fluent"),
+    "late_boost_first": ("maybe", "--late-boost-first"), "reserve_per_keyword": ("-1", "--reserve-per-keyword"),
+    "c_star": ("-1", "--c-star"), "max_new_tokens": ("0", "--max-new-tokens"),
     "boost_order": ("sideways", "--boost-order"), "complete_words": ("maybe", "--complete-words"),
     "order": ("sideways", "--order"), "match": ("prefix", "--match"),
-    "repetition_penalty": ("0", "`repetition_penalty`"), "no_repeat_ngram_size": ("-1", "`no_repeat_ngram_size`"),
-    "no_repeat_word_window": ("1", "`no_repeat_word_window`"), "pick": ("best", "--pick"),
-    "finished": ("0", "`finished`"), "openings": ("verbs", "--openings"),
+    "repetition_penalty": ("0", "--repetition-penalty"), "no_repeat_ngram_size": ("-1", "--no-repeat-ngram-size"),
+    "no_repeat_word_window": ("1", "--no-repeat-word-window"), "pick": ("best", "--pick"),
+    "finished": ("0", "--finished"), "openings": ("verbs", "--openings"),
     "stop": ("eventually", "--stop"), "beams_type": ("many", "--beams"),
-    "prompt_style": ("loud", "--prompt-style"), "heal": ("maybe", "--heal"), "shots": ("201", "`shots`"),
-    "sentence_deadline": ("-1", "`sentence_deadline`"), "min_sentence": ("-1", "`min_sentence`"),
+    "prompt_style": ("loud", "--prompt-style"), "heal": ("maybe", "--heal"), "shots": ("201", "--shots"),
+    "sentence_deadline": ("-1", "--sentence-deadline"), "min_sentence": ("-1", "--min-sentence"),
 }
 FLAG = {name: flag for name, flag, *_ in OPTIONS}
 

@@ -198,7 +198,7 @@ def test_phrase_rest_is_forced_after_its_first_word(dbs):
 def _several_token_word(dbs) -> tuple[str, list[int]]:
     """A word the embeddings know that the tokenizer writes in several tokens."""
     for word in ("rodeo", "frisbee", "surfboard", "goalie", "chisel", "bronco"):
-        ids = dbs._pieces(" " + word)
+        ids = dbs.builder.pieces(" " + word)
         if len(ids) > 1 and dbs.table.emb.vector(word) is not None:
             return word, ids
     pytest.skip("no several-token word in this tokenizer and embeddings")
@@ -234,8 +234,8 @@ def test_a_keyword_that_begins_another_is_not_glued_into_it(dbs):
     from dataclasses import replace
 
     pairs = [(a, b) for a, b in (("blow", "blower"), ("rode", "rodeo"), ("cross", "crossbow"), ("arm", "armchair"))
-             if len(dbs._pieces(" " + a)) == 1 and dbs._pieces(" " + b)[:1] == dbs._pieces(" " + a)
-             and len(dbs._pieces(" " + b)) > 1 and dbs.table.emb.vector(b) is not None]
+             if len(dbs.builder.pieces(" " + a)) == 1 and dbs.builder.pieces(" " + b)[:1] == dbs.builder.pieces(" " + a)
+             and len(dbs.builder.pieces(" " + b)) > 1 and dbs.table.emb.vector(b) is not None]
     if not pairs:
         pytest.skip("no word here that the tokenizer writes as another keyword's token + a piece")
     # chunk 1: every token ends a chunk, so the head is credited before its next token is drawn
@@ -253,12 +253,12 @@ def test_a_keyword_inside_another_forced_keyword_is_not_counted_until_the_word_e
     from dataclasses import replace
 
     pairs = [(b, a) for a, b in (("sharpen", "sharpener"), ("blow", "blower"), ("rode", "rodeo"), ("arm", "armchair"))
-             if len(dbs._pieces(" " + a)) == 1 and dbs._pieces(" " + b)[:1] == dbs._pieces(" " + a)
-             and len(dbs._pieces(" " + b)) > 1]
+             if len(dbs.builder.pieces(" " + a)) == 1 and dbs.builder.pieces(" " + b)[:1] == dbs.builder.pieces(" " + a)
+             and len(dbs.builder.pieces(" " + b)) > 1]
     if not pairs:
         pytest.skip("no word here that the tokenizer writes as another keyword's token + a piece")
     long_, short = pairs[0]
-    budget = len(dbs._pieces(" " + long_)) + len(dbs._pieces(" " + short))
+    budget = len(dbs.builder.pieces(" " + long_)) + len(dbs.builder.pieces(" " + short))
     for chunk in (budget, 1):
         cfg = replace(dbs.config, guarantee=True, order="any", chunk=chunk, max_new_tokens=budget, lam=0.0,
                       stop="max")
@@ -289,7 +289,7 @@ def test_bad_constraint_input_is_a_clear_error(dbs):
 
     with pytest.raises(DBSError, match="also banned"):
         dbs.generate("It is", ["colony", "enemy"], ban="Colonies")   # same stem
-    longest = max(len(dbs._pieces(" " + k)) for k in KW)        # each keyword fits, all of them do not
+    longest = max(len(dbs.builder.pieces(" " + k)) for k in KW)        # each keyword fits, all of them do not
     with pytest.raises(DBSError, match="can hold"):
         dbs.generate("It is", KW, config=replace(dbs.config, guarantee=True, max_new_tokens=longest))
     with pytest.raises(DBSError, match="`order`"):

@@ -280,11 +280,11 @@ def test_a_context_reads_as_a_document_and_a_chat_frames_itself(dbs):
     the tokenizer would add); a context that starts with a special token is taken as it is and
     not healed; with --heal false or guarantee's budget all taken, no healing either."""
     start = dbs.backend.tokenizer.token_to_id("<|endoftext|>")
-    ids, plain = dbs._context_ids("It is")
-    assert plain and ids[0] == start and ids[1:] == dbs._pieces("It is")
+    ids, plain = dbs.builder.context_ids("It is")
+    assert plain and ids[0] == start and ids[1:] == dbs.builder.pieces("It is")
     chat = "<|endoftext|>It is"
-    ids, plain = dbs._context_ids(chat)
-    assert not plain and ids == dbs._pieces(chat)
+    ids, plain = dbs.builder.context_ids(chat)
+    assert not plain and ids == dbs.builder.pieces(chat)
     assert dbs.request(chat, KW).heal is None
     assert dbs.request("It is", KW, config=DBSConfig(**{**SMALL.to_dict(), "heal": False})).heal is None
     tight = DBSConfig(**{**SMALL.to_dict(), "guarantee": True, "max_new_tokens": 3})
@@ -299,7 +299,7 @@ def test_no_healing_where_the_bans_leave_no_token_to_rewrite_the_end(dbs):
     words = sorted({dbs.backend.decode_one(t).strip() for t in allowed})
     assert all(w.isalpha() for w in words), words
     blocked = dbs.request("It is", KW, seed=1, ban=words)
-    assert blocked.heal is None and blocked.context_ids == req.context_ids + [dbs._pieces(" is")[0]]
+    assert blocked.heal is None and blocked.context_ids == req.context_ids + [dbs.builder.pieces(" is")[0]]
     assert dbs.request("It is", KW, seed=1, ban=words[:1]).heal is not None
     r = dbs.generate("It is", KW, seed=1, ban=words)
     assert r.text.startswith("It is")
@@ -365,8 +365,8 @@ def test_next_order_guides_to_one_keyword_and_any_to_all_remaining():
 def test_the_size_check_before_loading_and_the_model_read_the_tokenizer_once(exported):
     """The CLI checks a request's size before the model loads (`preflight`); the model then takes
     the same tokenizer instead of reading it again."""
-    from dbs_fast.api import preflight
     from dbs_fast.model import OnnxModel, load_tokenizer
+    from dbs_fast.preflight import preflight
 
     load_tokenizer.cache_clear()
     preflight(exported["gpt2"], SMALL, "It is")

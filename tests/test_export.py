@@ -378,12 +378,11 @@ def test_select_in_place(exported):
 
 
 def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
-    """The first-use path of `--model default` (api.resolve_model_dir -> ensure_embedded): an
+    """The first-use path of `--model default` (home.resolve_model_dir -> ensure_embedded): an
     export already under DBS_FAST_HOME is reused, a missing one is exported there, and one of
     another format version is exported again, once."""
-    from dbs_fast.api import resolve_model_dir
     from dbs_fast.export import convert
-    from dbs_fast.home import embedded_model_dir
+    from dbs_fast.home import embedded_model_dir, resolve_model_dir
     from dbs_fast.manifest import EXPORT_FORMAT_VERSION
 
     monkeypatch.setenv("DBS_FAST_HOME", str(tmp_path))
@@ -608,9 +607,9 @@ def test_an_embedded_export_without_the_decode_graph_its_family_now_has_is_due(t
 
 
 def test_only_a_graph_that_leaves_its_window_unmasked_limits_a_request_to_the_window():
-    from dbs_fast.api import check_size, decode_window
     from dbs_fast.config import DBSConfig
     from dbs_fast.errors import DBSError
+    from dbs_fast.preflight import check_size, decode_window
 
     old = {"prefix_decode": {"written": True, "sliding_window": 16}, "max_positions": 4096, "vocab_size": 10,
            "num_layers": 1, "num_kv_heads": 1, "head_dim": 4}

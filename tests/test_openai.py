@@ -336,3 +336,23 @@ def test_no_input_is_a_server_error(server, path):
                 named += 1
     assert statuses.count(200) > 0 and sum(400 <= s < 500 for s in statuses) > 100
     assert named > 100
+
+
+def test_a_rule_reads_the_same_at_every_door_in_that_doors_words(server):
+    """A value is checked once (DBSConfig), with one message; each door fills in its name for the
+    field: `stop` in /v1/generate, `stop_at` on the OpenAI endpoints (`stop` is OpenAI's stop
+    sequences there)."""
+    def error(path, body):
+        r = httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    generate = error("/v1/generate", {"keywords": "colony", "stop": "never", **SMALL})
+    completion = error("/v1/completions", {"model": "gpt2", "prompt": "It is", "keywords": "colony",
+                                           "stop_at": "never", **SMALL})
+    rule = "must be one of ('max', 'sentence'), got 'never'"
+    assert generate["message"] == f"`stop` {rule}" and generate["param"] == "stop"
+    assert completion["message"] == f"`stop_at` {rule}" and completion["param"] == "stop_at"
+    for path, extra in (("/v1/generate", {}), ("/v1/completions", {"model": "gpt2", "prompt": "It is"})):
+        e = error(path, {"keywords": "colony", "temperature": 0.0, **extra, **SMALL})
+        assert e["message"] == "`temperature` must be > 0, got 0.0" and e["param"] == "temperature", e

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..config import OPTIONS, body_attr, parse_bool
+from ..config import OPTIONS, body_attr, door_name, parse_bool
 
 TYPES = {int: int, float: float, str: str, parse_bool: bool, "switch": bool}   # OPTIONS' types -> JSON's
 
@@ -19,14 +19,23 @@ def body_config(**extra):
     return ConfigDict(extra="forbid", strict=True, **extra)
 
 
-def option_fields(keys: dict[str, str]) -> dict:
-    """{attribute: (type, Field)} of the DBSConfig options in `keys` (field -> the body's name for
-    it); "lambda", a Python keyword, is the alias of an attribute named like the field (`body_attr`)."""
+def option_fields(door: str, names) -> dict:
+    """{attribute: (type, Field)} of the DBSConfig options `names`, as `door` names them
+    (`config.door_name`); "lambda", a Python keyword, is the alias of an attribute named like the
+    field (`body_attr`)."""
     from pydantic import Field
 
-    return {body_attr(name, keys[name]): (Optional[TYPES[typ]], Field(
-        None, description=text, alias=keys[name] if keys[name] == "lambda" else None))
-        for name, _, typ, text in OPTIONS if name in keys}
+    def alias(name):
+        key = door_name(name, door)
+        return key if body_attr(name, door) != key else None
+
+    return {body_attr(name, door): (Optional[TYPES[typ]], Field(None, description=text, alias=alias(name)))
+            for name, _, typ, text in OPTIONS if name in names}
+
+
+def given_options(body, door: str, names) -> dict:
+    """The options `names` a parsed body of `door` holds (field -> value; None = not given)."""
+    return {name: getattr(body, body_attr(name, door)) for name in names}
 
 
 def fault(errors: list[dict]) -> tuple[str | None, str]:

@@ -21,19 +21,16 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..config import JSON_NAMES, SEED_MAX, body_attr, preset
+from ..config import JSON_NAMES, SEED_MAX, preset
 from ..errors import DBSError
 from ..home import EMBEDDED_DIRS
 from ..search.result import GenerationResult
 from ..text.chat import ChatTemplate
-from .bodies import body_config, option_fields
+from .bodies import body_config, given_options, option_fields
 
-# DBSConfig fields the standard fields set, and the name an error gives them here
-STANDARD = {"max_new_tokens": "max_tokens"}
-RENAMED = {"stop": "stop_at"}                     # the engine's stop rule; `stop` is OpenAI's stop sequences
-# the options sent as extra body fields: all but those the standard fields set
-EXTRA = {name: RENAMED.get(name, key) for name, key in JSON_NAMES.items()
-         if name not in STANDARD and name not in ("temperature", "top_p")}
+# the options sent as extra body fields (named by `config.door_name(.., "openai")`): all but those
+# OpenAI's standard fields set
+EXTRA = tuple(name for name in JSON_NAMES if name not in ("max_new_tokens", "temperature", "top_p"))
 # standard fields the engine cannot honour, with the values that ask for nothing
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
@@ -81,7 +78,7 @@ def _common_fields(max_n: int) -> dict:
         "paper": (bool, Field(False, description="start from the paper's settings")),
         "timeout": (Optional[float], Field(None, gt=0, description="seconds; at most the server's --timeout")),
         **{k: (Optional[Any], None) for k in UNSUPPORTED},
-        **option_fields(EXTRA),          # named as in /v1/generate (max_new_tokens is `max_tokens`)
+        **option_fields("openai", EXTRA),
     }
 
 
@@ -141,8 +138,6 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
         v = getattr(body, name)
         if not any(v == h and type(v) is type(h) for h in harmless):
             raise Refused(name, f"`{name}`: {WHY_UNSUPPORTED[name]}")
-    if body.temperature is not None and body.temperature <= 0:
-        raise Refused("temperature", "`temperature` must be > 0: Directed Beam Search samples its candidates")
     if body.stream and body.n > 1:
         raise Refused("n", "`n` > 1 cannot be streamed: the beams are chosen at the end")
     if body.keywords is None:
@@ -167,7 +162,7 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
         context = body.prompt[0]
     else:
         context = body.prompt
-    given = {name: getattr(body, body_attr(name, key)) for name, key in EXTRA.items()}
+    given = given_options(body, "openai", EXTRA)
     given.update(temperature=body.temperature, top_p=body.top_p,
                  max_new_tokens=body.max_tokens or body.max_completion_tokens)
     beams = base.beams if given.get("beams") is None else given["beams"]
@@ -175,7 +170,7 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
         raise Refused("n", f"`n` ({body.n}) is more than the beams searched ({beams})")
     return {"context": context, "keywords": body.keywords, "ban": body.ban,
             "seed": 0 if body.seed is None else body.seed, "given": given, "base": base, "timeout": body.timeout,
-            "stream": body.stream, "names": {**STANDARD, **RENAMED, "context": "messages" if chat else "prompt"},
+            "stream": body.stream, "door": "openai", "context_field": "messages" if chat else "prompt",
             "stops": stops}
 
 

@@ -21,27 +21,23 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from ..backend import SCHEDULES
 from ..config import (
     DEFAULT_CONTEXT,
     JSON_NAMES,
-    OPTIONS,
     SEED_MAX,
     TASKS,
     DBSConfig,
-    body_attr,
+    door_name,
     preset,
 )
 from ..errors import DBSError
 from ..kv.prefix_cache import KV_LAYOUTS
 from . import openai_api as oa
 from .batcher import Batcher, Job
-from .bodies import body_config, fault, option_fields
-
-if TYPE_CHECKING:
-    from .batcher import Job
+from .bodies import body_config, fault, given_options, option_fields
 
 SERVE_EXTRA = "pip install 'dbs-fast[serve]'"
 
@@ -86,11 +82,9 @@ class ServiceOptions:
             raise DBSError(f"`--schedule` must be one of {SCHEDULES}, got {self.schedule!r}")
 
 
-FIELD_OF = JSON_NAMES                                        # DBSConfig field -> JSON field
 # JSON field -> the CLI flag that sets the same option (the flags an engine message may name)
-FLAG_FIELDS = {**{JSON_NAMES.get(name, name): flag for name, flag, _, _ in OPTIONS},
-               "keywords": "--keywords", "context": "--context", "ban": "--ban", "seed": "--seed",
-               "task": "--task", "paper": "--paper"}
+FLAG_FIELDS = {door_name(name): door_name(name, "cli")
+               for name in (*JSON_NAMES, "keywords", "context", "ban", "seed", "task", "paper")}
 FLAG = re.compile(r"`?(--[a-z][a-z0-9-]*)`?")
 # every error of /v1/*, /v1/generate's too, is OpenAI's shape: {"error": {"message", "type", "param", "code"}};
 # bad input is a 400, as OpenAI answers an invalid request
@@ -117,7 +111,7 @@ def request_model():
         "unguided": (bool, Field(False, description="the baseline: no boosts")),
         "timeout": (Optional[float], Field(None, gt=0, description="seconds; at most the server's --timeout")),
     }
-    return create_model("GenerateRequest", __config__=body_config(), **fields, **option_fields(JSON_NAMES))
+    return create_model("GenerateRequest", __config__=body_config(), **fields, **option_fields("json", JSON_NAMES))
 
 
 def http_words(message: str) -> str:
@@ -224,7 +218,7 @@ class Service:
     # -- validation: every bad field a 400 that names it -------------------------------------
     def job(self, body) -> "Job":
         """A job from the body of POST /v1/generate."""
-        given = {name: getattr(body, body_attr(name, key)) for name, key in JSON_NAMES.items()}
+        given = given_options(body, "json", JSON_NAMES)
         if body.unguided:
             given["guided"] = False
         base, context = preset(body.task, body.paper)
@@ -232,16 +226,16 @@ class Service:
         return self.make_job(context, body.keywords, body.ban, body.seed, given, base, body.timeout, body.stream)
 
     def make_job(self, context, keywords, ban, seed, given: dict, base: DBSConfig, timeout=None,
-                 stream: bool = False, names: dict | None = None) -> "Job":
+                 stream: bool = False, door: str = "json", context_field: str = "context") -> "Job":
         """A job: `base` with the options `given` (DBSConfig field -> value; None = not given), the
-        request built and checked. A DBSError names the request's field (`names`: DBSConfig field ->
-        the endpoint's name for it; default the /v1/generate names)."""
-        names = {**FIELD_OF, **(names or {})}
+        request built and checked. A DBSError names the field as `door` calls it
+        (`config.door_name`; the context is `context_field` there)."""
         try:
             cfg = replace(base, **{k: v for k, v in given.items() if v is not None})
             request = self.dbs.request(context, keywords, ban, seed, cfg)
         except DBSError as e:
-            raise DBSError(http_words(str(e)), names.get(e.field, e.field or "body"), e.value) from None
+            name = "body" if not e.field else context_field if e.field == "context" else door_name(e.field, door)
+            raise DBSError(http_words(e.said_as(f"`{name}`")), name, e.value) from None
         if cfg.beams * cfg.candidates > self.opts.max_rows:
             field = "beams" if cfg.beams > cfg.candidates else "candidates"     # the larger of the two
             raise DBSError(f"beams x candidates = {cfg.beams * cfg.candidates} rows, more than this server's "

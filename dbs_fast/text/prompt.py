@@ -61,4 +61,4 @@ def prompt_text(style: str, keywords: list[Keyword], context: str, template=None
             raise DBSError("prompt style 'chat' needs a model with a chat template (this export has none)",
                            "prompt_style", style)
         return template.render([{"role": "user", "content": instruction(words)}])
-    raise DBSError(f"`prompt_style` must be one of {PROMPT_STYLES}, got {style!r}", "prompt_style", style)
+    raise DBSError.about("prompt_style", f"must be one of {PROMPT_STYLES}", style)
