@@ -381,11 +381,10 @@ def _run_eval(a) -> int:
 
         judge = Judge(judge_for(a.model) if a.judge == "auto" else a.judge, generator_dir=dbs.model_dir,
                       threads=a.threads)
-    from .evaluation.runs import builtin_refs
+    from .evaluation.runs import EvalSets, builtin_refs
 
-    refs = builtin_refs(a.sets)[a.start:] if commongen else None
-    s = run_eval(dbs, sets, Path(a.out), configs, context=a.context, batch=a.batch, seed=seed, judge=judge,
-                 refs=refs, first_set=a.start)
+    task = EvalSets(sets, a.context, builtin_refs(a.sets)[a.start:] if commongen else None, a.start)
+    s = run_eval(dbs, task, configs, Path(a.out), judge=judge, batch=a.batch, seed=seed)
     print((Path(a.out) / "summary.md").read_text())
     print(f"judge: {s['judge']}; model: {s['model']}; plot: {Path(a.out) / 'quality.png'}")
     return 0

@@ -555,15 +555,7 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
         done = run_in_turns([specs[c] for c in turns], workdir, repeats) if len(turns) > 1 else {}
         res["in_turns"] = list(done)
         for c, spec in specs.items():
-            res["contenders"][c] = r = done[c] if c in done else _spawn(spec, workdir)
-            if "error" in r:
-                print(f"[bench]   failed: {r['error']}", flush=True)
-            elif c != "reference":
-                res["memory_budget_bytes"][c] = _budget(spec["model_dir"], r["kv_layout"])
-                print(f"[bench]   {r['seconds_median']:.2f} s/generation, step {r['step_ms']:.0f} ms, "
-                      f"peak {r['peak_rss_bytes'] / 1e9:.2f} GB", flush=True)
-            else:
-                print(f"[bench]   {r['seconds_per_candidate_token'] * 1e3:.0f} ms/candidate token", flush=True)
+            res["contenders"][c] = _contender(c, spec, done, workdir, res["memory_budget_bytes"])
         _ratios(res, cfg)
         report["points"][name] = res
         # after every point, so that a run cut short (a device call's time limit) keeps the points it finished
@@ -572,6 +564,21 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
     plots(report, out)
     print(markdown(report))
     return report
+
+
+def _contender(c: str, spec: dict, done: dict, workdir: Path, budgets: dict) -> dict:
+    """One contender's figures at a point: from the turns (`done`) or its own process; its memory
+    budget into `budgets`; a line of progress."""
+    r = done[c] if c in done else _spawn(spec, workdir)
+    if "error" in r:
+        print(f"[bench]   failed: {r['error']}", flush=True)
+    elif c != "reference":
+        budgets[c] = _budget(spec["model_dir"], r["kv_layout"])
+        print(f"[bench]   {r['seconds_median']:.2f} s/generation, step {r['step_ms']:.0f} ms, "
+              f"peak {r['peak_rss_bytes'] / 1e9:.2f} GB", flush=True)
+    else:
+        print(f"[bench]   {r['seconds_per_candidate_token'] * 1e3:.0f} ms/candidate token", flush=True)
+    return r
 
 
 def _encode(model_dir: str, text: str) -> list[int]:

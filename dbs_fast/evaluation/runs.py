@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -238,37 +239,62 @@ def keyword_misses(rows) -> dict:
             "missed_words": dict(sorted(missed.items(), key=lambda kv: (-kv[1], kv[0])))}
 
 
-def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed=0, judge=None, quiet=False,
-             refs: list[list[str]] | None = None, first_set: int = 0) -> dict:
-    """Every run of `configs` ({name: DBSConfig}) on every set; judged, with degeneration metrics;
-    with `refs` (CommonGen: every reference of each set), coverage by lemma, BLEU-4 and CIDEr-D,
-    beside the same scores of the human references. `first_set`: the number of `sets[0]` in its
-    collection (the reports name sets by it)."""
+@dataclass(frozen=True)
+class EvalSets:
+    """What an evaluation generates for: keyword `sets`, the `context` before each, for CommonGen
+    every reference of each set (`refs`), and the number of `sets[0]` in its collection (`first`,
+    by which the reports name sets)."""
+
+    sets: list[list[str]]
+    context: str = "It is"
+    refs: list[list[str]] | None = None
+    first: int = 0
+
+
+def run_eval(dbs, task: EvalSets, configs: dict, out: Path, judge=None, batch=4, seed=0, quiet=False) -> dict:
+    """Every run of `configs` ({name: DBSConfig}) on every set of `task`; judged, with degeneration
+    metrics; with references (CommonGen), coverage by lemma, BLEU-4 and CIDEr-D, beside the same
+    scores of the human references. Writes results.jsonl, summary.json, summary.md, quality.png."""
+    sets, context, refs = task.sets, task.context, task.refs
     path = out / "results.jsonl"
     rows = run_modes(dbs, sets, configs, path, context, batch, seed, quiet)
     if judge is not None:
         rows = current_rows(judge_rows(path, judge, quiet), configs)
     summary = {"scorer": dbs.scorer_name, "judge": judge.name if judge else None, "model": str(dbs.model_dir),
-               "sets": len(sets), "first_set": first_set, "context": context, "date": time.strftime("%Y-%m-%d"),
+               "sets": len(sets), "first_set": task.first, "context": context, "date": time.strftime("%Y-%m-%d"),
                "configs": {m: c.to_dict() for m, c in configs.items()}}
     for mode in configs:
-        rs = [r for r in rows if r["mode"] == mode and r["set"] < len(sets)]
-        agg = _aggregate(rs, QUALITY)
-        gen = [r["generated"] for r in rs]
-        agg["distinct_2"], agg["distinct_4"] = distinct_n(gen, 2), distinct_n(gen, 4)
-        agg["natural_stop"] = float(np.mean([r.get("stopped") in ("sentence", "eos") for r in rs]))
-        agg["ends_at_sentence"] = float(np.mean([r.get("stopped") in ("sentence", "eos", "trimmed") for r in rs]))
-        agg["misses"] = keyword_misses(rs)
-        have = [r["distinct_beams"] for r in rs if "distinct_beams" in r]
-        agg["distinct_beams"] = float(np.mean(have)) if have else None      # different final texts per set
-        if refs is not None:
-            agg["commongen"] = commongen_scores(rs, refs)
-        summary[mode] = agg
+        summary[mode] = _mode_summary([r for r in rows if r["mode"] == mode and r["set"] < len(sets)], refs)
     if refs is not None:
         summary["human"] = human_anchor(sets, refs)
     if refs is not None and judge is not None:
         summary["reference"] = reference_scores(sets, refs, context, judge)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.md").write_text(summary_markdown(summary, task, configs, rows, seed))
+    quality_plot(summary, list(configs), out / "quality.png")
+    return summary
+
+
+def _mode_summary(rs: list[dict], refs) -> dict:
+    """One run's aggregates over its rows: quality, degeneration, stops, misses (and CommonGen's
+    scores with `refs`)."""
+    agg = _aggregate(rs, QUALITY)
+    gen = [r["generated"] for r in rs]
+    agg["distinct_2"], agg["distinct_4"] = distinct_n(gen, 2), distinct_n(gen, 4)
+    agg["natural_stop"] = float(np.mean([r.get("stopped") in ("sentence", "eos") for r in rs]))
+    agg["ends_at_sentence"] = float(np.mean([r.get("stopped") in ("sentence", "eos", "trimmed") for r in rs]))
+    agg["misses"] = keyword_misses(rs)
+    have = [r["distinct_beams"] for r in rs if "distinct_beams" in r]
+    agg["distinct_beams"] = float(np.mean(have)) if have else None      # different final texts per set
+    if refs is not None:
+        agg["commongen"] = commongen_scores(rs, refs)
+    return agg
+
+
+def summary_markdown(summary: dict, task: EvalSets, configs: dict, rows: list[dict], seed: int) -> str:
+    """summary.md: the runs' table, CommonGen's (with references), misses, and examples picked by
+    numpy default_rng(seed)."""
+    sets, context, refs, first_set = task.sets, task.context, task.refs, task.first
     span = f" (sets {first_set}-{first_set + len(sets) - 1})" if first_set else ""
     lines = [f"{len(sets)} keyword sets{span}, context {context!r}; judge: {summary['judge']} (perplexity of the "
              f"generated text given the context, judge's own tokenizer); self ppl: the generator grading itself.", "",
@@ -319,9 +345,7 @@ def run_eval(dbs, sets, out: Path, configs: dict, context="It is", batch=4, seed
             r = next((r for r in rows if r["mode"] == mode and r["set"] == i), None)
             if r is not None:
                 lines.append(f"  - {mode}: {json.dumps(r['text'])}")
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    quality_plot(summary, list(configs), out / "quality.png")
-    return summary
+    return "\n".join(lines) + "\n"
 
 
 def quality_plot(summary, modes, path: Path) -> None:

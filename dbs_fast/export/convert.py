@@ -318,6 +318,18 @@ def float16_from(fp32: Path, out: Path, quiet: bool = False) -> dict:
     return _whole(Path(out).expanduser(), write)
 
 
+def _gguf_blocks(model, gguf: Path, quiet: bool) -> dict:
+    """The model's linear layers swapped for the GGUF file's blocks (`gguf_weights.quantize_linears`);
+    the manifest's record of each tensor's type as stored and as run."""
+    from .gguf_weights import quantize_linears
+
+    tensors = quantize_linears(model, gguf)
+    weights = {"stored_as_run": dict(Counter(f"{t[1]} -> {t[2]}" for t in tensors.values())),
+               "tensors": {name: {"gguf": t[0], "stored": t[1], "run": t[2]} for name, t in tensors.items()}}
+    _log(f"the GGUF file's blocks kept: {weights['stored_as_run']}", quiet)
+    return weights
+
+
 def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_graph: Path | None = None,
                    dtype: str = "fp32", gguf: Path | None = None) -> dict:
     """The decode graph (export/prefix_graph.py) beside model.onnx, checked against it;
@@ -335,14 +347,7 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
     _log("prefix-shared decode graph + parity against model.onnx", quiet)
     try:
         # in a folder of its own: over 2 GB, torch writes one file per tensor beside the graph
-        weights = None
-        if gguf is not None:
-            from .gguf_weights import quantize_linears
-
-            tensors = quantize_linears(model, gguf)
-            weights = {"stored_as_run": dict(Counter(f"{t[1]} -> {t[2]}" for t in tensors.values())),
-                       "tensors": {name: {"gguf": t[0], "stored": t[1], "run": t[2]} for name, t in tensors.items()}}
-            _log(f"the GGUF file's blocks kept: {weights['stored_as_run']}", quiet)
+        weights = _gguf_blocks(model, gguf, quiet) if gguf is not None else None
         if fp32_graph is None:
             fp32 = work / "_decode" / DECODE_GRAPH
             info = prefix_graph.export_prefix_decoder(model, fp32,

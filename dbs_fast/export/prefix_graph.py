@@ -123,6 +123,28 @@ def block_biases(chunk_mask, seen, dims: Dims):
     return mask_bias(sees_chunk).reshape(b, 1, s * L * g, -1), mask_bias(sees_new)
 
 
+def _context_level(qg, xk, xv, biases, cap, scale: float, dims: Dims):
+    """`attend`'s context level: a request's query rows (gathered from the beams' `qg`) as one
+    matmul over its one copy of the context; per beam query row its normalised output and the log
+    of its sum of exponentials, (b, kv, s*L*g, d + 1)."""
+    import torch
+
+    N, L, b, s, T, U, R, M, C, H, kv, d, _ = dims
+    qx = torch.index_select(qg, 0, biases.context_beams.reshape(-1)).reshape(R, M, kv, -1, d).transpose(1, 2)
+    qx = qx.reshape(R, kv, -1, d)
+    sx = cap(torch.matmul(qx, xk.transpose(2, 3)) * scale) + biases.context                  # (R, kv, M*s*L*g, C)
+    px = torch.softmax(sx, dim=-1)
+    # log sum_j exp(sx_j) = sx_j - log(px_j) for any j; at the largest score px_j >= 1 / C. The log
+    # of each row's one number is taken LANES times over, so that every row's log is a full
+    # vector lane of the elementwise kernel: a row in the tensor's tail would take the kernel's
+    # scalar path and round differently from the same row elsewhere in the batch.
+    pmax = px.max(dim=-1, keepdim=True).values
+    lse = sx.max(dim=-1, keepdim=True).values - torch.log(pmax.expand(*pmax.shape[:-1], LANES))[..., :1]
+    ox = torch.cat([torch.matmul(px, xv), lse], dim=-1)                                  # (R, kv, M*s*L*g, d+1)
+    return torch.index_select(ox.reshape(R, kv, M, -1, d + 1).transpose(1, 2).reshape(R * M, kv, -1, d + 1), 0,
+                              biases.beam_slot)
+
+
 def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, softcap: float | None = None):
     """Attention of L new tokens per row, row r = candidate r % s of beam r // s, over three levels:
     its request's context, its beam's generated prefix and its own chunk (then its new tokens).
@@ -164,21 +186,7 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     q6 = q.reshape(b, s, L, kv, g, d).permute(0, 3, 1, 2, 4, 5)                          # (b, kv, s, L, g, d)
     qg = q6.reshape(b, kv, -1, d)                                                        # (b, kv, s*L*g, d)
     kn, vn = (x.reshape(b, s, L, kv, d).permute(0, 3, 1, 2, 4) for x in (k, v))          # (b, kv, s, L, d)
-    # the context: a request's query rows as one matmul over its one copy; per query row its
-    # normalised output and the log of its sum of exponentials
-    qx = torch.index_select(qg, 0, biases.context_beams.reshape(-1)).reshape(R, M, kv, -1, d).transpose(1, 2)
-    qx = qx.reshape(R, kv, -1, d)
-    sx = cap(torch.matmul(qx, xk.transpose(2, 3)) * scale) + biases.context                  # (R, kv, M*s*L*g, C)
-    px = torch.softmax(sx, dim=-1)
-    # log sum_j exp(sx_j) = sx_j - log(px_j) for any j; at the largest score px_j >= 1 / C. The log
-    # of each row's one number is taken LANES times over, so that every row's log is a full
-    # vector lane of the elementwise kernel: a row in the tensor's tail would take the kernel's
-    # scalar path and round differently from the same row elsewhere in the batch.
-    pmax = px.max(dim=-1, keepdim=True).values
-    lse = sx.max(dim=-1, keepdim=True).values - torch.log(pmax.expand(*pmax.shape[:-1], LANES))[..., :1]
-    ox = torch.cat([torch.matmul(px, xv), lse], dim=-1)                                  # (R, kv, M*s*L*g, d+1)
-    ox = torch.index_select(ox.reshape(R, kv, M, -1, d + 1).transpose(1, 2).reshape(R * M, kv, -1, d + 1), 0,
-                            biases.beam_slot)                                            # (b, kv, s*L*g, d+1)
+    ox = _context_level(qg, xk, xv, biases, cap, scale, dims)                              # (b, kv, s*L*g, d+1)
     # the beam: its prefix, each row's chunk, its rows' new tokens; the context joins the softmax
     # as one more key whose score is its log-sum-exp and whose value is its normalised output
     sp = cap(torch.matmul(qg, pk.transpose(2, 3)) * scale) + biases.prefix                # (b, kv, s*L*g, T)

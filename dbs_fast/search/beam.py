@@ -171,12 +171,11 @@ class Finished:
     candidate_tokens: int               # sampled by the whole batch while it was in
     model_rows: int = 0                 # model rows its decode steps computed
     plain_rows: int = 0                 # ... and those the plain schedule computes
+    pooled: bool = False                # rows are the finished candidates it gathered (from any chunk)
 
     @property
     def candidate_tokens_per_second(self) -> float:
         return self.candidate_tokens / max(self.seconds, 1e-9)
-
-    pooled: bool = False                # rows are the finished candidates it gathered (from any chunk)
 
     @staticmethod
     def leaving(kept: Rows, leave: np.ndarray, slots: list, candidate_tokens: int, pad: int) -> list["Finished"]:
@@ -213,6 +212,9 @@ class BeamSearch:
         self.sentence_end = occurrence.sentence_end_tokens(*vocab) if cfg.needs_sentence_ends and \
             sentence_end is None else sentence_end
         self.word_piece = occurrence.word_piece_tokens(*vocab) if cfg.guarantee and word_piece is None else word_piece
+        # whether a keyword at the last token waits for the next one to count ("pet" + "rified");
+        # with the word-piece table glue is banned, so it counts at once
+        self.open_end = self.word_piece is None
         self.pad, self.eos = backend.pad_id, np.array(sorted(backend.eos_ids) or [-1])
         self.t, self.candidate_tokens, self.chunks = Timings(), 0, 0
         self.slots: list[Slot] = []
@@ -254,7 +256,8 @@ class BeamSearch:
         text_before = self._texts(rows)
         rows, chunk = self._sample_chunk(rows, text_before, k, bool(last.all()))
         self._quality(rows, text_before, self._scorer_logprobs(rows, chunk, bool(last.all())), k)
-        done = (cfg.stop == "sentence") & quality.finished_rows(rows.ended, self._remaining(rows, 0)) & np.isfinite(rows.cum)
+        left = guidance.remaining(self.tables, rows, 0)
+        done = (cfg.stop == "sentence") & quality.finished_rows(rows.ended, left) & np.isfinite(rows.cum)
         full = set_aside(self.slots, rows, done, cfg.finished)   # set aside, the other beams go on; full: they end
         rows.ended |= full[rows.req]
         keep = quality.select_best(rows.req, rows.cum, cfg.beams)
@@ -271,7 +274,7 @@ class BeamSearch:
         if self.kept_last and len(stay):          # the chunk's last token, for the beams that go on
             need = np.zeros(len(rows.req), bool)
             need[stay] = True
-            self._next_logits(rows, rows.tokens[:, -1], need & self._drawing(rows))
+            self._next_logits(rows, rows.tokens[:, -1], need & ~rows.final(self.cfg.max_new_tokens))
         finished = Finished.leaving(kept, leave, self.slots, self.candidate_tokens, self.pad)
         self._regrow(rows, keep, leave)
         return finished
@@ -369,12 +372,6 @@ class BeamSearch:
         return [t[c:] for t, c in zip(self.be.decode_batch([rows.generated(i) for i in idx]), cut)]
 
     # -- guidance (dbs_fast.search.guidance): what steers each row at a step --------------------------
-    def _remaining(self, rows: Rows, seen) -> np.ndarray:
-        return guidance.remaining(self.tables, rows, seen)
-
-    def _unfinished(self, rows: Rows, forcing: np.ndarray, ahead: int) -> np.ndarray:
-        return guidance.unfinished(self.tables, rows, forcing, ahead, self.word_piece)
-
     def _sample_chunk(self, rows: Rows, text_before: list[str], k: int, last: bool):
         R = len(rows.req)
         seen = np.zeros(R, np.int64)         # keywords seen in this chunk so far (guidance moves on)
@@ -387,18 +384,14 @@ class BeamSearch:
             live = self._append(rows, d, base + j)
             seen = self._mark_seen(rows, text_before, d, live, seen, base + j)
             if j < k - 1 or not (last or self.kept_last):
-                self._next_logits(rows, d.ids, self._drawing(rows))
+                self._next_logits(rows, d.ids, ~rows.final(self.cfg.max_new_tokens))
         return rows, rows.tokens[:, base:]
-
-    def _drawing(self, rows: Rows) -> np.ndarray:
-        """Rows that draw another token (whose next logits are read)."""
-        return ~rows.ended & (rows.n_tok < self.cfg.max_new_tokens)
 
     @timed("sample")
     def _draw(self, rows: Rows, seen: np.ndarray, col: int, boost_first) -> Draw:
         """The next token of every row: guidance, forcing, bans and repetition rules, then the kernel."""
         cfg, tb = self.cfg, self.tables
-        rem = self._remaining(rows, seen)
+        rem = guidance.remaining(self.tables, rows, seen)
         cand = guidance.candidates(cfg, rem, seen)
         n_done = col - rows.col0                     # the row's tokens so far
         healing = (n_done == 0) & (tb.tail[rows.req] > 0)   # the model alone re-writes the context's end
@@ -431,12 +424,12 @@ class BeamSearch:
         if check.any():
             new = self._seen_now(rows, text_before, np.flatnonzero(check & live), np.where(d.force >= 0, d.remaining,
                                                                                       d.candidates),
-                                 self._unfinished(rows, d.force >= 0, 1))
+                                 guidance.unfinished(self.tables, rows, d.force >= 0, 1, self.word_piece))
         rows.glue = (new & ~seen) != 0
         seen = seen | new
         guidance.advance_forcing(self.tables, rows, d.force, seen, col + 1, self.word_piece)
         if self.cfg.stop == "sentence":   # all keywords in (before or in this chunk) + sentence end
-            end = np.flatnonzero(live & (self._remaining(rows, seen) == 0) & self.sentence_end[d.ids])
+            end = np.flatnonzero(live & (guidance.remaining(self.tables, rows, seen) == 0) & self.sentence_end[d.ids])
             if len(end):                  # not at an abbreviation or an initial ("Dr.", "J.")
                 texts = self._generated_texts(rows, end)
                 rows.ended[end] |= [occurrence.ends_a_sentence_here(self.slots[rows.req[i]].request.context + t)
@@ -458,20 +451,11 @@ class BeamSearch:
         """Bits of `masks` (per row) whose keyword appeared in the row's chunk so far (`unfinished`
         rows: not at their very end, as the next token continues the word)."""
         seen = np.zeros(len(rows.req), np.int64)
+        final = rows.final(self.cfg.max_new_tokens)
         seen[idx] = quality.seen(self.cfg, self._keywords(rows, idx), [text_before[i] for i in idx],
-                                 self._chunk_texts(rows, text_before, idx), masks[idx], self._final(rows)[idx],
-                                 unfinished[idx], self.open_end)
+                                 self._chunk_texts(rows, text_before, idx), masks[idx], final[idx], unfinished[idx],
+                                 self.open_end)
         return seen
-
-    @property
-    def open_end(self) -> bool:
-        """Whether a keyword at the last token waits for the next one to count ("pet" + "rified");
-        with the word-piece table glue is banned, so it counts at once."""
-        return self.word_piece is None
-
-    def _final(self, rows: Rows) -> np.ndarray:
-        """Rows whose text cannot go on: ended, or at max_new_tokens."""
-        return rows.ended | (rows.n_tok >= self.cfg.max_new_tokens)
 
     def _keywords(self, rows: Rows, idx) -> list[list[Keyword]]:
         return [self.slots[rows.req[i]].request.keywords for i in idx]
@@ -497,13 +481,15 @@ class BeamSearch:
         idx = np.flatnonzero(n_new > 0)
         texts = self._chunk_texts(rows, text_before, idx)
         alpha = quality.alphas(self.cfg, self._on_time(rows, rows.tokens.shape[1]))
-        q, placed = quality.chunk_scores(self.cfg, self._keywords(rows, idx), self._remaining(rows, 0)[idx],
+        left = guidance.remaining(self.tables, rows, 0)
+        unfinished = guidance.unfinished(self.tables, rows, ~rows.ended, 0, self.word_piece)
+        q, placed = quality.chunk_scores(self.cfg, self._keywords(rows, idx), left[idx],
                                          [text_before[i] for i in idx], texts, [lp[i, : n_new[i]] for i in idx],
-                                         alpha[idx], self._final(rows)[idx],
-                                         self._unfinished(rows, ~rows.ended, 0)[idx], self.open_end)
+                                         alpha[idx], rows.final(self.cfg.max_new_tokens)[idx], unfinished[idx],
+                                         self.open_end)
         rows.cum[idx] += q
         rows.found[idx] |= placed
 
     def _on_time(self, rows: Rows, col: int) -> np.ndarray:
         """Rows ahead of their deadline once the tokens up to column `col` are generated."""
-        return quality.on_time(self.cfg, col - rows.col0, self._remaining(rows, 0))
+        return quality.on_time(self.cfg, col - rows.col0, guidance.remaining(self.tables, rows, 0))

@@ -56,6 +56,11 @@ class Rows:
         """Forget the token columns before `c` (no row's tokens start before it)."""
         self.tokens, self.logp, self.col0 = self.tokens[:, c:], self.logp[:, c:], self.col0 - c
 
+    def final(self, budget: int) -> np.ndarray:
+        """Rows whose text cannot go on: ended, or at the `budget` of new tokens (the others draw
+        another token, whose next logits are read)."""
+        return self.ended | (self.n_tok >= budget)
+
     def generated(self, i: int) -> np.ndarray:
         """Row i's generated tokens (up to and including EOS)."""
         return self.tokens[i, self.col0[i]: self.col0[i] + self.n_tok[i]]
