@@ -544,8 +544,8 @@ def main(argv=None) -> int:
     if "long-join" not in skip:
         from tokenizers import Tokenizer
 
+        from dbs_fast.api import resolve_model_dir
         from dbs_fast.bench.contexts import context_text
-        from dbs_fast.home import resolve_model_dir
 
         tok = Tokenizer.from_file(str(resolve_model_dir(a.model) / "tokenizer.json"))
         text = context_text(tok, a.join_context)

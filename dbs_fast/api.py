@@ -2,7 +2,8 @@
 
 `DirectedBeamSearch` is the composition root: it builds the engine for one model (backend,
 decode graph, scorer, guide-word table) and hands requests to `request.RequestBuilder` and runs
-to `Batch`; whether a request fits is `preflight`'s to say."""
+to `Batch`; whether a request fits is `preflight`'s to say. An embedded model is exported on its
+first use (`resolve_model_dir`): the one call the runtime makes into `export/`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,10 +13,10 @@ import numpy as np
 from .backend import SCHEDULES, OnnxBackend, onnx_backend
 from .config import DBSConfig
 from .errors import DBSError
-from .home import resolve_model_dir
+from .home import EMBEDDED_DIRS, embedded_model_dir
 from .kv.decoder import ContextStore, PrefixDecoder
 from .kv.prefix_cache import DECODE_GRAPH, KV_LAYOUTS
-from .manifest import read_manifest
+from .manifest import current_export, read_manifest, window_unmasked
 from .model import OnnxModel
 from .numba_runtime import set_threads
 from .preflight import decode_window
@@ -27,6 +28,27 @@ from .text import occurrence
 from .text.embeddings import Embeddings, SimilarityTable
 
 _EMB_CACHE: dict[str, Embeddings] = {}
+
+
+def resolve_model_dir(model: str | Path, quiet: bool = True) -> Path:
+    if str(model) in EMBEDDED_DIRS:
+        d = embedded_model_dir(str(model))
+        current = current_export(d)
+        manifest = read_manifest(d) if current else {}
+        if current and (manifest.get("prefix_decode") or {}).get("written", True) and not window_unmasked(manifest):
+            return d
+        try:
+            from .export.convert import ensure_embedded
+        except ImportError as e:
+            if current:          # without its decode graph, on the row layout
+                return d
+            raise DBSError(f"the embedded model {model!r} is exported on first use, which needs the export "
+                           f"extra: pip install 'dbs-fast[export]' (missing: {e.name})") from None
+        return ensure_embedded(str(model), quiet=quiet)
+    p = Path(model).expanduser()
+    if not p.is_dir():
+        raise DBSError(f"model directory not found: {model} (export one with `dbs-fast export`)")
+    return p
 
 
 class DirectedBeamSearch:

@@ -216,11 +216,11 @@ def _run_generate(a) -> int:
     fmt = "json" if a.json else a.format
     own_context = a.context is not None or a.task is None     # a task's context is the preset's, not the user's
     cfg, a.context = config_from_args(a, a.task, guided=not a.unguided)
-    from .api import DirectedBeamSearch, parse_constraints
+    from .api import DirectedBeamSearch, parse_constraints, resolve_model_dir
     from .preflight import preflight
 
     parse_constraints(a.keywords, a.ban)       # bad keywords and sizes fail before the model loads
-    preflight(a.model, cfg, a.context, quiet=fmt == "json", kv_layout=a.kv_layout)
+    preflight(resolve_model_dir(a.model, quiet=fmt == "json"), cfg, a.context, kv_layout=a.kv_layout)
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, backend=a.backend,
                              provider=a.provider, threads=a.threads, subword_fallback=a.subword_fallback,
                              quiet=fmt == "json", kv_layout=a.kv_layout, schedule=a.schedule)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from .config import DBSConfig
 from .errors import DBSError
-from .home import resolve_model_dir
 from .manifest import read_manifest, window_unmasked
 from .model import load_tokenizer
 
@@ -60,10 +60,9 @@ def check_size(cfg: DBSConfig, context_tokens: int, manifest: dict, window: int 
                        f"--candidates or --max-new-tokens", field, getattr(cfg, field))
 
 
-def preflight(model, cfg: DBSConfig, context: str, quiet: bool = True, kv_layout: str = "auto") -> None:
-    """`check_size` from the export's manifest and tokenizer alone, before the model loads (the
-    CLI's check: a bad size fails in a second, not after loading a model)."""
-    d = resolve_model_dir(model, quiet)
+def preflight(d: Path, cfg: DBSConfig, context: str, kv_layout: str = "auto") -> None:
+    """`check_size` from the manifest and tokenizer of the export in `d` alone, before the model
+    loads (the CLI's check: a bad size fails in a second, not after loading a model)."""
     n = len(load_tokenizer(str(d / "tokenizer.json")).encode(context or "").ids) if isinstance(context, str) else 0
     manifest = read_manifest(d)
     check_size(cfg, max(n, 1), manifest, decode_window(manifest, kv_layout))

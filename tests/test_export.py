@@ -378,7 +378,7 @@ def test_select_in_place(exported):
 
 
 def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
-    """The first-use path of `--model default` (home.resolve_model_dir -> ensure_embedded): an
+    """The first-use path of `--model default` (api.resolve_model_dir -> ensure_embedded): an
     export already under DBS_FAST_HOME is reused, a missing one is exported there, and one of
     another format version is exported again, once."""
     from dbs_fast.export import convert

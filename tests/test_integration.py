@@ -13,7 +13,7 @@ SETS = [["enemy", "speed", "meet", "colony", "mouth"], ["river", "doctor", "gard
 
 @pytest.fixture(scope="module")
 def default_dir():
-    from dbs_fast.home import resolve_model_dir
+    from dbs_fast.api import resolve_model_dir
 
     return resolve_model_dir("default")      # exported into $DBS_FAST_HOME on first use
 

@@ -19,11 +19,11 @@ import json
 import time
 from pathlib import Path
 
+from dbs_fast.api import resolve_model_dir
 from dbs_fast.bench.machine import machine
 from dbs_fast.bench.suite import run_in_turns
 from dbs_fast.config import DBSConfig
 from dbs_fast.errors import DBSError
-from dbs_fast.home import resolve_model_dir
 from dbs_fast.kv.decoder import ContextStore
 from dbs_fast.text.prompt import train_pool
 

@@ -27,7 +27,7 @@ def judge_for(generator: str) -> str:
 class Judge:
     def __init__(self, model, generator_dir: Path | None = None, provider: str = "cpu",
                  threads: int | None = None, max_logit_bytes: int = 256 * 1024**2):
-        from ..home import resolve_model_dir
+        from ..api import resolve_model_dir
 
         self.name = str(model)
         self.dir = resolve_model_dir(model)
