@@ -139,7 +139,8 @@ def _add_kv_layout(p):
 
 def _add_generate(sub):
     p = sub.add_parser("generate", help="Directed Beam Search: text that contains the keywords, in order")
-    p.add_argument("--keywords", required=True, help=f'guide words, e.g. "enemy,speed,meet": {KEYWORD_SYNTAX}')
+    p.add_argument("--keywords", help=f'guide words, e.g. "enemy,speed,meet": {KEYWORD_SYNTAX} (none: the '
+                   "model's own text, unguided)")
     p.add_argument("--ban", default=None, help='words that must not appear, e.g. "war,gun" (same syntax; every '
                                                'case and leading-space variant is banned)')
     p.add_argument("--context", default=None, help=f"text to continue; '' starts a new document (default: "

@@ -169,9 +169,16 @@ def test_cli_text_output_highlights(exported, capsys):
     assert "success rate" in capsys.readouterr().out
 
 
+def test_generate_without_keywords_writes_the_models_own_text(exported, capsys):
+    """No --keywords: the same search with no guide words (nothing to find, nothing missed)."""
+    assert cli(["generate", "--model", str(exported["gpt2"]), "--beams", "2", "--candidates", "2", "--chunk", "2",
+                "--max-new-tokens", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["keywords"] == [] and out["found"] == {} and out["success_rate"] == 1.0 and out["new_tokens"] > 0
+
+
 @pytest.mark.parametrize("args,message", [
-    (["--keywords", ""], "no keywords"),
-    (["--keywords", " , "], "no keywords"),
+    (["--keywords", " , "], "empty keyword"),
     (["--keywords", "colony,,enemy"], "empty keyword"),
     (["--keywords", "colony!"], "must be words"),
     (["--keywords", "run|"], "empty alternative"),

@@ -75,7 +75,7 @@ def test_chat_goes_through_the_models_template(client, server):
 
 @pytest.mark.parametrize("raw,param", [(b'{"keywords": "colony",', "body"), (b"[1, 2]", "body"),
                                        (b'{"keywords": "colony", "bogus": 1}', "bogus"),
-                                       (b'{"keywords": ""}', "keywords")])
+                                       (b'{"keywords": "colony,,enemy"}', "keywords")])
 def test_every_door_answers_the_same_bad_body_in_one_shape(server, raw, param):
     """The same bad body sent to /v1/generate, /v1/completions and /v1/chat/completions: one status
     (400), OpenAI's error object, `param` naming the field (the body itself when it is not JSON or
@@ -210,7 +210,7 @@ def test_an_unknown_method_or_path_under_v1_is_openais_error_shape(server):
 
 @pytest.mark.parametrize("kw,field", [({"logprobs": 2}, "logprobs"), ({"temperature": 0.0}, "temperature"),
                                       ({"presence_penalty": 0.5}, "presence_penalty"),
-                                      ({"extra_body": {}}, "keywords"), ({"n": 9}, "n"),
+                                      ({"n": 9}, "n"),
                                       ({"extra_body": {"keywords": "x", "task": "poetry"}}, "task")])
 def test_what_cannot_be_honoured_is_400_naming_it(client, kw, field):
     kw = {"extra_body": {"keywords": "colony"}, **kw}
@@ -356,3 +356,24 @@ def test_a_rule_reads_the_same_at_every_door_in_that_doors_words(server):
     for path, extra in (("/v1/generate", {}), ("/v1/completions", {"model": "gpt2", "prompt": "It is"})):
         e = error(path, {"keywords": "colony", "temperature": 0.0, **extra, **SMALL})
         assert e["message"] == "`temperature` must be > 0, got 0.0" and e["param"] == "temperature", e
+
+
+def test_a_request_without_keywords_is_answered_by_the_same_engine_unguided(client, server, model_dir):
+    """An application pointed at us unchanged sends no `keywords`: it gets the model's own text,
+    from the same search with no guide words, through every door alike."""
+    from dataclasses import replace
+
+    from dbs_fast.config import DBSConfig
+
+    r = client.completions.create(model=_name(client), prompt="It is", max_tokens=12, seed=4, extra_body=SMALL)
+    assert r.choices[0].text and r.model_extra["dbs"]["found"] == {}
+    plain = httpx.post(server.url + "/v1/generate", json={"context": "It is", "seed": 4, "max_new_tokens": 12,
+                                                          **SMALL}, headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=60).json()
+    assert plain["generated"] == r.choices[0].text and plain["keywords"] == [] and plain["success_rate"] == 1.0
+    engine = DirectedBeamSearch(model_dir).generate("It is", None, seed=4,
+                                                    config=replace(DBSConfig(), max_new_tokens=12, **SMALL))
+    assert engine.generated == plain["generated"]
+    chat = client.chat.completions.create(model=_name(client), max_tokens=12, seed=4, extra_body=SMALL,
+                                          messages=[{"role": "user", "content": "Tell me about rivers."}])
+    assert chat.choices[0].message.content

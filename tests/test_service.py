@@ -114,7 +114,6 @@ def test_requests_served_together_get_the_text_they_get_alone(server, dbs):
     ({"keywords": "colony", "ban": "colonies"}, "ban"),
     ({"keywords": "colony", "beams": "many"}, "beams"),
     ({"keywords": "colony", "bogus": 1}, "bogus"),
-    ({"context": "It is"}, "keywords"),
     ({"keywords": "colony", "beams": 10, "candidates": 10}, "candidates"),     # 100 rows > max_rows 24
     ({"keywords": "colony", "seed": -1}, "seed"),
     ({"keywords": "colony", "beams": 100000}, "beams"),                         # no machine holds it

@@ -158,11 +158,11 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
             toks, texts = toks[:n_gen], texts[:n_gen]
     generated = texts[-1] if texts else ""
     hits = [found[k.text]["token"] for k in kws if found[k.text] is not None]   # a keyword listed twice counts twice
-    success_length = max(hits) if len(hits) == len(kws) else cfg.max_new_tokens
+    success_length = max(hits, default=0) if len(hits) == len(kws) else cfg.max_new_tokens
     lp = rows.logp[best, :n_gen]
     return GenerationResult(
         text=context + generated, context=context, generated=generated, keywords=[k.text for k in kws],
-        found=found, success_rate=len(hits) / len(kws), success_length=int(success_length), stopped=stopped,
+        found=found, success_rate=len(hits) / len(kws) if kws else 1.0, success_length=int(success_length), stopped=stopped,
         perplexity=float(np.exp(-lp.mean())) if n_gen else float("nan"), new_tokens=n_gen,
         beams=beams, seconds=seconds, tokens_per_second=n_gen / seconds,
         candidate_tokens_per_second=fin.candidate_tokens_per_second, candidate_tokens=fin.candidate_tokens,

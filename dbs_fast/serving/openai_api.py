@@ -140,9 +140,6 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
             raise Refused(name, f"`{name}`: {WHY_UNSUPPORTED[name]}")
     if body.stream and body.n > 1:
         raise Refused("n", "`n` > 1 cannot be streamed: the beams are chosen at the end")
-    if body.keywords is None:
-        raise Refused("keywords", "`keywords` (an extra body field) is required: the words the text must contain, "
-                                  'e.g. extra_body={"keywords": ["enemy", "speed"]}')
     try:
         base, _ = preset(body.task, body.paper)           # an unknown task, or two presets: a 400
     except DBSError as e:

@@ -102,8 +102,9 @@ def request_model():
                                                            f"{DEFAULT_CONTEXT!r}, or the task's context)")),
         "task": (Optional[Literal[TASKS]], Field(None, description="a task preset: commongen (one sentence "
                                                                    "from unordered concepts)")),
-        "keywords": (Union[str, list[str]], Field(..., description='"enemy,speed" or a list; "a|b" alternatives, '
-                                                                  'spaces make a phrase')),
+        "keywords": (Optional[Union[str, list[str]]], Field(None, description='"enemy,speed" or a list; "a|b" '
+                                                                            'alternatives, spaces make a phrase; '
+                                                                            "none: the model's own text")),
         "ban": (Optional[Union[str, list[str]]], Field(None, description="words that must not appear")),
         "seed": (int, Field(0, ge=0, le=SEED_MAX, description="0..2**63-1; the same seed gives the same text")),
         "stream": (bool, Field(False, description="Server-Sent Events: one per chunk, then the result")),

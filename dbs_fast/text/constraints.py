@@ -60,14 +60,14 @@ def parse_keywords(keywords, what: str = "keyword") -> list[Keyword]:
     field: `keywords`, or `ban` for banned words."""
     field = "keywords" if what == "keyword" else "ban"
     given = keywords
+    if keywords is None or (isinstance(keywords, (str, list, tuple)) and not keywords):
+        return []                            # none: the model's own text, no guidance
     try:
         if isinstance(keywords, str):
             keywords = keywords.split(",")
         if not isinstance(keywords, (list, tuple)):
             raise DBSError(f"{what}s must be a comma-separated string or a list of strings, got {keywords!r}")
         parts = [k.strip() if isinstance(k, str) else k for k in keywords]
-        if what == "keyword" and (not parts or all(not p for p in parts)):
-            raise DBSError("no keywords given: pass at least one, e.g. --keywords \"enemy,speed\"")
         if any(p == "" for p in parts) and what == "keyword":
             raise DBSError(f"empty keyword in {keywords!r}")
         return [parse_keyword(p) for p in parts if p != ""]
