@@ -155,7 +155,8 @@ def test_no_key_is_401(server):
 
 
 @pytest.mark.parametrize("extra,field", [({"beams": 0}, "beams"), ({"seed": -1}, "seed"),
-                                         ({"max_tokens": 100000}, "max_tokens"), ({"lambda": -1}, "lambda"),
+                                         ({"max_tokens": 100000}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"),
+                                         ({"seed": 2**64}, "seed"), ({"lambda": -1}, "lambda"),
                                          ({"stop_at": "never"}, "stop_at"), ({"min_p": 1.0}, "min_p")])
 def test_bad_values_are_400_naming_the_field(client, extra, field):
     standard = {k: extra.pop(k) for k in ("seed", "max_tokens") if k in extra}

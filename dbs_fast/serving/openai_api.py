@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..config import JSON_NAMES, SEED_MAX, preset
+from ..config import JSON_NAMES, preset
 from ..errors import DBSError
 from ..home import EMBEDDED_DIRS
 from ..search.result import GenerationResult
@@ -60,14 +60,14 @@ def _common_fields(max_n: int) -> dict:
 
     return {
         "model": (str, Field(..., description="the served model (GET /v1/models)")),
-        "max_tokens": (Optional[int], Field(None, ge=1, description="new tokens at most (max_new_tokens)")),
-        "max_completion_tokens": (Optional[int], Field(None, ge=1, description="the same as max_tokens")),
+        "max_tokens": (Optional[int], Field(None, description="new tokens at most (max_new_tokens), >= 1")),
+        "max_completion_tokens": (Optional[int], Field(None, description="the same as max_tokens")),
         "temperature": (Optional[float], Field(None, description="> 0 (DBS samples)")),
         "top_p": (Optional[float], Field(None, description="nucleus mass, in (0, 1]")),
         "n": (int, Field(1, ge=1, le=max_n, description="distinct beams returned, at most the beams searched")),
         "stream": (bool, False),
         "stream_options": (Optional[dict], None),
-        "seed": (Optional[int], Field(None, ge=0, le=SEED_MAX, description="0..2**63-1; the same seed gives the "
+        "seed": (Optional[int], Field(None, description="0..2**63-1; the same seed gives the "
                                                                            "same text")),
         "stop": (Optional[Union[str, list[str]]], Field(None, description="up to 4 stop sequences")),
         "user": (Optional[str], None),
@@ -161,7 +161,7 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
         context = body.prompt
     given = given_options(body, "openai", EXTRA)
     given.update(temperature=body.temperature, top_p=body.top_p,
-                 max_new_tokens=body.max_tokens or body.max_completion_tokens)
+                 max_new_tokens=body.max_tokens if body.max_tokens is not None else body.max_completion_tokens)
     beams = base.beams if given.get("beams") is None else given["beams"]
     if beams >= 1 and body.n > beams:                # (beams < 1 is refused with the config, naming beams)
         raise Refused("n", f"`n` ({body.n}) is more than the beams searched ({beams})")
