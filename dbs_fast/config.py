@@ -108,6 +108,9 @@ class DBSConfig:
                            "begun with each subject phrase (\"The dog\", \"A dog\" for a concept \"dog\", then "
                            "\"A man\", \"A woman\", ...) and the rest free; the quality score keeps b. For "
                            "one-sentence tasks after a context that ends a line", OPENINGS)
+    stream_lag: int = option(0, int, "chunks: after each chunk commit the best beam's text older than this and drop "
+                             "the beams that disagree, so that text streams early (0 = off: the text is chosen "
+                             "whole at the end; a stream's default is the service's)")
     pick: str = option("blend", str, "the beam returned: q, the best by the quality score (the paper); "
                        "likelihood, the finished beam with the best mean log-prob per token; consensus, the "
                        "finished beam most like the other finished ones (BLEU-4, minimum Bayes risk); blend, the finished beam "
@@ -154,6 +157,8 @@ class DBSConfig:
             bad("boost_cutoff", "must be >= 0")
         if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0):
             bad("repetition_penalty", "must be > 0 (1 = off)")
+        if not _is_int(self.stream_lag, 0):
+            bad("stream_lag", "must be an integer >= 0 (0 = off)")
         if not _is_int(self.no_repeat_ngram_size, 0):
             bad("no_repeat_ngram_size", "must be an integer >= 0 (0 = off)")
         if not _is_int(self.no_repeat_word_window, 0) or self.no_repeat_word_window == 1:

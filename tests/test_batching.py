@@ -113,8 +113,11 @@ def test_the_cache_keeps_only_columns_some_row_needs(dbs):
     assert rest[0][1].generated == _alone(dbs, CFG, JOBS[0]).generated
 
 
-def test_certain_text_is_a_prefix_of_the_final_text(dbs):
-    cfg = replace(CFG, stop="sentence")
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_certain_text_is_a_prefix_of_the_final_text(dbs, lag):
+    """What a stream sends between chunks only grows and starts the final text; with a fixed lag
+    (`stream_lag`) it is there before the end."""
+    cfg = replace(CFG, stop="sentence", stream_lag=lag)
     batch = dbs.batch(cfg)
     req = dbs.request("It is", "colony,enemy", None, 0, cfg)
     batch.admit([req])
@@ -131,3 +134,5 @@ def test_certain_text_is_a_prefix_of_the_final_text(dbs):
     for s in seen:
         assert final.generated.startswith(s)
     assert all(a == b[:len(a)] for a, b in zip(seen, seen[1:]))   # it only grows
+    if lag:
+        assert seen[-1]                                        # committed before the request ended

@@ -127,6 +127,28 @@ def test_streamed_deltas_join_to_the_same_text(client, chat):
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_fixed_lag_streams_text_before_the_end_and_joins_to_the_same_text(client, chat):
+    """stream_lag: text older than the lag is committed after each chunk, so a one-sentence answer
+    streams in pieces; joined, the deltas are the non-streamed text with the same stream_lag."""
+    early = 0
+    for seed in range(3):
+        kw = dict(model=_name(client), max_tokens=24, seed=seed,
+                  extra_body={"keywords": ["colony", "mouth"], "stream_lag": 1, **SMALL})
+        if chat:
+            kw["messages"] = [{"role": "user", "content": "Go"}]
+            whole = client.chat.completions.create(**kw).choices[0].message.content
+            deltas = [c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                      if c.choices]
+        else:
+            kw["prompt"] = "It is"
+            whole = client.completions.create(**kw).choices[0].text
+            deltas = [c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices]
+        assert "".join(deltas) == whole
+        early += sum(1 for d in deltas[:-1] if d)             # text that came before the last chunk
+    assert early > 0
+
+
 def test_n_returns_distinct_choices(client):
     r = client.completions.create(model=_name(client), prompt="It is", max_tokens=12, seed=0, n=3,
                                   extra_body={"keywords": "river", "beams": 4, "candidates": 3, "chunk": 3})

@@ -21,6 +21,7 @@ from ..kernels import StepRules
 from ..text import occurrence
 from ..text.constraints import Healing, Keyword
 from . import guidance, quality
+from .commit import commit
 from .rows import Rows
 from .tables import BatchTables
 
@@ -112,6 +113,7 @@ class Slot:
     pool: list = field(default_factory=list)   # stop="sentence": its finished candidates set aside (Rows,
     #                                            request 0, tokens from column 0), each text once
     pooled: set = field(default_factory=set)   # ... their token sequences
+    committed: int = 0        # stream_lag: its tokens that every row and candidate starts with (`commit`)
 
     def set_aside(self, rows: Rows) -> None:
         """Keep the finished candidates `rows` of this request (copies) that are new."""
@@ -127,6 +129,17 @@ class Slot:
             part.req[:] = 0
             self.pool.append(part)
 
+    def drop_pooled(self, drop) -> None:
+        """Leave out the set-aside candidates for which `drop(part, i)` holds."""
+        kept = []
+        for part in self.pool:
+            out = [i for i in range(len(part.req)) if drop(part, i)]
+            for i in out:
+                self.pooled.discard(part.generated(i).tobytes())
+            if len(out) < len(part.req):
+                kept.append(part.take(np.array([i for i in range(len(part.req)) if i not in out])))
+        self.pool = kept
+
 
 def certain_text(search: "BeamSearch", q: int) -> str:
     """Text of request q of a running `search` that no later chunk can change: the common prefix
@@ -141,6 +154,7 @@ def certain_text(search: "BeamSearch", q: int) -> str:
         return occurrence.ends_a_sentence_here(context + be.decode_batch([seqs[0][:n]])[0])
 
     n = certain_length(seqs, search.sentence_end if search.cfg.stop == "sentence" else None, is_end)
+    n = max(n, search.slots[q].committed) if seqs else 0   # committed: every row and candidate starts with it
     return be.decode_batch([seqs[0][:n]])[0][search.tables.tail[q]:].rstrip("\ufffd") if n else ""
 
 
@@ -172,6 +186,7 @@ class Finished:
     model_rows: int = 0                 # model rows its decode steps computed
     plain_rows: int = 0                 # ... and those the plain schedule computes
     pooled: bool = False                # rows are the finished candidates it gathered (from any chunk)
+    committed: int = 0                  # tokens every row starts with, streamed already (`commit`)
 
     @property
     def candidate_tokens_per_second(self) -> float:
@@ -191,7 +206,7 @@ class Finished:
                 r.drop_columns(int(r.col0[0]))
                 r.req[:] = 0
             out.append(Finished(s.request, r, now - s.t0, candidate_tokens - s.cand0, s.model_rows, s.plain_rows,
-                                bool(s.pool)))
+                                bool(s.pool), s.committed))
         return out
 
 
@@ -261,6 +276,7 @@ class BeamSearch:
         full = set_aside(self.slots, rows, done, cfg.finished)   # set aside, the other beams go on; full: they end
         rows.ended |= full[rows.req]
         keep = quality.select_best(rows.req, rows.cum, cfg.beams)
+        keep, copy = commit(rows, keep, self.slots, ~(last | full), cfg.stream_lag, cfg.chunk)
         self.chunks += 1
         plain = np.bincount(rows.req, minlength=len(self.slots)) * (k - last)
         for s, n in zip(self.slots, plain):
@@ -276,21 +292,22 @@ class BeamSearch:
             need[stay] = True
             self._next_logits(rows, rows.tokens[:, -1], need & ~rows.final(self.cfg.max_new_tokens))
         finished = Finished.leaving(kept, leave, self.slots, self.candidate_tokens, self.pad)
-        self._regrow(rows, keep, leave)
+        self._regrow(rows, keep, leave, copy)
         return finished
 
     @timed("kv_gather")
-    def _regrow(self, rows: Rows, keep: np.ndarray, leave: np.ndarray) -> None:
+    def _regrow(self, rows: Rows, keep: np.ndarray, leave: np.ndarray, copy: np.ndarray) -> None:
         """The kept beams of the requests that stay, each repeated s times (one gather of rows,
-        logits and caches); the requests in `leave` go."""
+        logits and caches; a `copy` of the best beam scored -inf); the requests in `leave` go."""
         s = self.cfg.candidates
-        grow = np.repeat(keep[~leave[rows.req[keep]]], s)   # keep and repeat: one gather
+        stays = ~leave[rows.req[keep]]
+        grow = np.repeat(keep[stays], s)                    # keep and repeat: one gather
         self.rows = rows.take(grow)
         if len(grow):
             self.pending, self.cache = self.be.gather(self.pending, self.cache, grow)
             self.scorer.select(grow)
         dup = self.rows.ended & (np.arange(len(grow)) % s > 0)
-        self.rows.cum[dup] = -np.inf                        # an ended beam is one candidate, not s
+        self.rows.cum[dup | np.repeat(copy[stays], s)] = -np.inf   # an ended beam is one candidate, not s
         self._leave(leave)
 
     # -- requests joining and leaving ---------------------------------------------------------

@@ -1,0 +1,44 @@
+"""Fixed-lag commit (`stream_lag`): text that streams before the request ends.
+
+After each chunk, a request's best kept beam (by Q) commits its tokens older than the lag; its kept
+beams that disagree with them are replaced by copies of the best one (scored -inf, so that they
+are not chosen over a real beam), and its set-aside finished candidates that disagree are dropped.
+Every row and candidate that can still be returned then starts with the committed tokens, so they
+stream at once, and the result never trims back into them. Off (lag 0) nothing changes."""
+from __future__ import annotations
+
+import numpy as np
+
+from .rows import Rows
+
+
+def agrees(rows: Rows, i: int, prefix: np.ndarray) -> bool:
+    """Whether row i's generated tokens start with `prefix`."""
+    g = rows.generated(i)
+    return len(g) >= len(prefix) and np.array_equal(g[:len(prefix)], prefix)
+
+
+def commit(rows: Rows, keep: np.ndarray, slots: list, stay: np.ndarray, lag: int, chunk: int):
+    """The kept rows `keep` (indices into `rows`) after committing, for each request q with
+    `stay[q]`, its best kept beam's tokens but those of the last `lag` chunks of `chunk` tokens
+    (`slots[q].committed` grows to their count; lag 0: nothing); returns (keep, copy): `copy[j]`
+    where keep[j] now points at the best beam in place of one that disagreed."""
+    keep, copy = keep.copy(), np.zeros(len(keep), bool)
+    for q in np.flatnonzero(stay) if lag else ():
+        at = np.flatnonzero(rows.req[keep] == q)
+        live = at[np.isfinite(rows.cum[keep[at]])]
+        if not len(live):
+            continue
+        best = keep[live[np.argmax(rows.cum[keep[live]])]]
+        g = rows.generated(best)
+        n = len(g) - lag * chunk
+        slot = slots[q]
+        if n <= slot.committed:
+            continue
+        prefix = g[:n]
+        for j in at:
+            if not agrees(rows, keep[j], prefix):
+                keep[j], copy[j] = best, True
+        slot.drop_pooled(lambda part, i: not agrees(part, i, prefix))
+        slot.committed = n
+    return keep, copy
