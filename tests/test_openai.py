@@ -111,7 +111,7 @@ def test_streamed_deltas_join_to_the_same_text(client, chat):
     """Deltas are only text no later chunk can change: joined, they are the non-streamed text."""
     for seed in range(4):
         kw = dict(model=_name(client), max_tokens=24, seed=seed,
-                  extra_body={"keywords": ["colony", "mouth"], "stop_at": "max", **SMALL})
+                  extra_body={"keywords": ["colony", "mouth"], "stop_at": "max", "stream_lag": 0, **SMALL})
         if chat:
             kw["messages"] = [{"role": "user", "content": "Go"}]
             whole = client.chat.completions.create(**kw).choices[0].message.content
@@ -147,6 +147,16 @@ def test_a_fixed_lag_streams_text_before_the_end_and_joins_to_the_same_text(clie
         assert "".join(deltas) == whole
         early += sum(1 for d in deltas[:-1] if d)             # text that came before the last chunk
     assert early > 0
+
+
+def test_a_stream_without_a_lag_takes_the_services_default(client):
+    from dbs_fast.serving.service import STREAM_LAG
+
+    kw = dict(model=_name(client), prompt="It is", max_tokens=24, seed=1)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        stream=True, extra_body={"keywords": ["colony", "mouth"], **SMALL}, **kw) if c.choices)
+    assert streamed == client.completions.create(
+        extra_body={"keywords": ["colony", "mouth"], "stream_lag": STREAM_LAG, **SMALL}, **kw).choices[0].text
 
 
 def test_n_returns_distinct_choices(client):

@@ -85,6 +85,9 @@ class ServiceOptions:
 FLAG_FIELDS = {door_name(name): door_name(name, "cli")
                for name in (*JSON_NAMES, "keywords", "context", "ban", "seed", "task", "paper")}
 FLAG = re.compile(r"`?(--[a-z][a-z0-9-]*)`?")
+# a stream's fixed lag, in chunks, where the request names none (`stream_lag`; a request not streamed
+# has none, so that its text does not change): benchmarks/streaming.py, docs/results/streaming.md
+STREAM_LAG = 2
 # every error of /v1/*, /v1/generate's too, is OpenAI's shape: {"error": {"message", "type", "param", "code"}};
 # bad input is a 400, as OpenAI answers an invalid request
 INVALID = 400
@@ -230,6 +233,8 @@ class Service:
         """A job: `base` with the options `given` (DBSConfig field -> value; None = not given), the
         request built and checked. A DBSError names the field as `door` calls it
         (`config.door_name`; the context is `context_field` there)."""
+        if stream and given.get("stream_lag") is None:
+            given = {**given, "stream_lag": STREAM_LAG}        # a stream's text arrives as it is committed
         try:
             cfg = replace(base, **{k: v for k, v in given.items() if v is not None})
             request = self.dbs.request(context, keywords, ban, seed, cfg)
