@@ -251,7 +251,9 @@ def _add_eval(sub):
     p = sub.add_parser("eval", help="keyword-to-phrase evaluation: DBS (default and paper settings) vs unguided, "
                                     "judged by an independent LM")
     p.add_argument("--sets", default="paper",
-                   help="paper: the paper's 50 keyword sets (default); roc: 20 ROC storylines; commongen-dev: the "
+                   help="paper: the paper's 50 keyword sets (default); roc: 20 ROC storylines; chat: 100 user "
+                        "messages with guide words, answered through the chat template, against the model's own "
+                        "answers (judged); commongen-dev: the "
                         "993 CommonGen dev concept sets (defaults then: " + ", ".join(
                             f"{FLAG[k]} {v!r}" for k, v in COMMONGEN.items())
                         + f", --context {COMMONGEN_CONTEXT!r}; coverage and BLEU-4 reported); a number N: "
@@ -339,6 +341,23 @@ def _run_grid(a, dbs, cfg, sets, seed: int) -> int:
     return 0
 
 
+def _run_chat_eval(a, cfg) -> int:
+    from pathlib import Path
+
+    from .api import DirectedBeamSearch
+    from .evaluation.chat import run_chat_eval
+    from .evaluation.judge import Judge, judge_for
+
+    if a.judge == "none":
+        raise DBSError("--sets chat is judged: give --judge (auto: the other embedded model)")
+    dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads, kv_layout=a.kv_layout,
+                             schedule=a.schedule)
+    judge = Judge(judge_for(a.model) if a.judge == "auto" else a.judge, generator_dir=dbs.model_dir, threads=a.threads)
+    run_chat_eval(dbs, Path(a.out), judge, seed=a.seed, limit=a.limit, start=a.start, config=cfg)
+    print((Path(a.out) / "summary.md").read_text())
+    return 0
+
+
 def _run_eval(a) -> int:
     from pathlib import Path
 
@@ -358,6 +377,8 @@ def _run_eval(a) -> int:
         raise DBSError(f"`--start` must be >= 0, got {a.start}")
     commongen = a.sets == "commongen-dev" and not a.keywords_file
     cfg, a.context = config_from_args(a, "commongen" if commongen else None)   # the task's preset for its sets
+    if a.sets == "chat":
+        return _run_chat_eval(a, cfg)
     configs = eval_configs(cfg, a.runs)
     sets = _eval_sets(a)
     if a.start >= len(sets):

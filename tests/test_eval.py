@@ -248,3 +248,27 @@ def test_commongen_scores_are_the_librarys_over_all_references():
              "keywords": ["dog", "frisbee", "cat"]}]
     c = commongen_scores(rows, refs)
     assert c["coverage"] == pytest.approx(2 / 3) and c["coverage_text"] == 1.0 and c["words"] == 5
+
+
+def test_eval_chat_answers_guided_and_unguided_through_the_chat_template(chat_model_dir, exported, tmp_path, capsys):
+    """`--sets chat`: each packaged message rendered by the generator's chat template, answered
+    with its guide words and without (the reference, cut to as many sentences), both judged."""
+    from dbs_fast.evaluation.chat import KINDS, chat_requests, sentences
+
+    reqs = chat_requests()
+    assert len(reqs) >= 100 and {k for k, *_ in reqs} == set(KINDS)
+    assert all(len(kws) == 3 and msg for _, kws, msg in reqs)
+    named = [(kws, msg) for k, kws, msg in reqs if k == "names"]
+    assert all(all(w in msg for w in kws) for kws, msg in named)            # these name their words
+    assert cli(["eval", "--sets", "chat", "--model", str(chat_model_dir), "--limit", "4", "--out", str(tmp_path),
+                "--beams", "2", "--candidates", "2", "--chunk", "3", "--max-new-tokens", "12", "--judge", "none"]) == 2
+    assert cli(["eval", "--sets", "chat", "--model", str(chat_model_dir), "--limit", "4", "--out", str(tmp_path),
+                "--beams", "2", "--candidates", "2", "--chunk", "3", "--max-new-tokens", "12",
+                "--judge", str(exported["llama"])]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["requests"] == 4 and s["names"]["requests"] == 2 and s["leaves_out"]["requests"] == 2
+    assert s["all"]["judge_ppl_median"] > 1 and s["all"]["reference_judge_ppl_median"] > 1
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert len(sentences(r["reference"])) <= max(1, len(sentences(r["answer"])))
+    assert "answer / reference" in capsys.readouterr().out

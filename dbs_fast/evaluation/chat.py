@@ -1,0 +1,122 @@
+"""The chat evaluation (`dbs-fast eval --sets chat`): answers to user messages with guide words,
+through the chat door, against the model's own answers.
+
+Each message of `data/chat_requests.tsv` (100, half naming their words, half leaving them out) is
+rendered by the generator's chat template and answered twice by the same engine with the same
+seed: guided (its keywords) and the reference (no keywords: the model's own answer), the
+reference cut to as many sentences as the guided answer has. The judge reads each answer after
+its message, in the judge's own chat template where it has one. Reported per kind of message and
+in all: coverage of the guide words (by lemma), the judge's median perplexity of the answers and
+of the references and their ratio, the mean words of both, rep-4 and word loops; three examples
+picked by numpy default_rng(seed)."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import replace
+from importlib.resources import files
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DBSError
+from ..text.chat import ChatTemplate
+from .metrics import coverage, rep_n, word_loop, words
+
+KINDS = ("names", "leaves_out")
+
+
+def chat_requests() -> list[tuple[str, list[str], str]]:
+    """(kind, keywords, message) of every packaged chat request (`data/README.md` gives the source)."""
+    out = []
+    for line in files("dbs_fast.data").joinpath("chat_requests.tsv").read_text().splitlines():
+        kind, kws, message = line.split("\t")
+        out.append((kind, kws.split(","), message))
+    return out
+
+
+def sentences(text: str) -> list[str]:
+    """`text` cut into sentences (pySBD, as the engine's sentence ends are judged)."""
+    import pysbd
+
+    return [s for s in pysbd.Segmenter(language="en", clean=False).segment(text) if s.strip()]
+
+
+def first_sentences(text: str, n: int) -> str:
+    """The first `n` sentences of `text` (all of it if it has no more)."""
+    return "".join(sentences(text)[:max(n, 1)]).rstrip()
+
+
+def run_chat_eval(dbs, out: Path, judge, seed: int = 0, limit: int | None = None, start: int = 0,
+                  config=None) -> dict:
+    """Every chat request (`start`, `limit`) answered guided and unguided at `config` (the engine's
+    own if None); judged; summary.json and summary.md in `out`."""
+    template = dbs.chat_template
+    if template is None:
+        raise DBSError(f"--sets chat needs a model with a chat template; {dbs.model_dir} has none", "sets", "chat")
+    cfg = config or dbs.config
+    reqs = chat_requests()[start:][:limit]
+    rows = []
+    for i, (kind, kws, message) in enumerate(reqs):
+        context = template.render([{"role": "user", "content": message}])
+        guided = dbs.generate(context, kws, seed=seed + start + i, config=cfg)
+        own = dbs.generate(context, None, seed=seed + start + i, config=replace(cfg, guarantee=False))
+        rows.append({"kind": kind, "keywords": kws, "message": message, "answer": guided.generated.strip(),
+                     "reference": first_sentences(own.generated.strip(), len(sentences(guided.generated))),
+                     "found": guided.success_rate, "seconds": guided.seconds})
+    judged = [judge_context(judge, r["message"]) for r in rows]
+    for r, a, b in zip(rows, judge.perplexity([(c, r["answer"]) for c, r in zip(judged, rows)]),
+                       judge.perplexity([(c, r["reference"]) for c, r in zip(judged, rows)])):
+        r["judge_ppl"], r["reference_judge_ppl"] = a, b
+    summary = {"judge": judge.name, "model": str(dbs.model_dir), "date": time.strftime("%Y-%m-%d"),
+               "requests": len(rows), "first": start, "seed": seed, "config": cfg.to_dict(),
+               **{kind: aggregate([r for r in rows if r["kind"] == kind]) for kind in KINDS},
+               "all": aggregate(rows)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.md").write_text(markdown(summary, rows, seed))
+    return summary
+
+
+def judge_context(judge, message: str) -> str:
+    """The message as the judge reads it: in its chat template where it has one."""
+    template = ChatTemplate.of(judge.dir)
+    return template.render([{"role": "user", "content": message}]) if template else message + "\n"
+
+
+def aggregate(rows: list[dict]) -> dict:
+    if not rows:
+        return {}
+    a = statistics.median(r["judge_ppl"] for r in rows)
+    b = statistics.median(r["reference_judge_ppl"] for r in rows)
+    return {"requests": len(rows),
+            "coverage": float(np.mean([coverage(r["answer"], r["keywords"]) for r in rows])),
+            "judge_ppl_median": a, "reference_judge_ppl_median": b, "judge_ratio": a / b,
+            "words": float(np.mean([len(words(r["answer"])) for r in rows])),
+            "reference_words": float(np.mean([len(words(r["reference"])) for r in rows])),
+            "rep_4": float(np.mean([rep_n(r["answer"], 4) for r in rows])),
+            "word_loops": float(np.mean([word_loop(r["answer"]) for r in rows])),
+            "seconds_median": statistics.median(r["seconds"] for r in rows)}
+
+
+def markdown(summary: dict, rows: list[dict], seed: int) -> str:
+    lines = [f"{summary['requests']} chat requests (`dbs_fast/data/chat_requests.tsv`), answered guided and with "
+             f"no guide words (the reference, cut to as many sentences); judge {summary['judge']} (the answer after "
+             "the message, in the judge's chat template where it has one).", "",
+             "| messages | coverage | judge ppl (median): answer / reference = ratio | words: answer / reference | "
+             "rep-4 | word loops | seconds (median) |", "|---|---|---|---|---|---|---|"]
+    for kind in (*KINDS, "all"):
+        a = summary[kind]
+        if a:
+            lines.append(f"| {kind.replace('_', ' ')} ({a['requests']}) | {a['coverage']:.3f} | "
+                         f"{a['judge_ppl_median']:.1f} / {a['reference_judge_ppl_median']:.1f} = "
+                         f"{a['judge_ratio']:.2f}x | {a['words']:.1f} / {a['reference_words']:.1f} | "
+                         f"{a['rep_4']:.3f} | {a['word_loops']:.3f} | {a['seconds_median']:.1f} |")
+    lines += ["", "Examples (requests picked by numpy default_rng(seed), unedited):", ""]
+    for i in sorted(np.random.default_rng(seed).choice(len(rows), size=min(3, len(rows)), replace=False).tolist()):
+        r = rows[i]
+        lines += [f"- {json.dumps(r['message'])} [{', '.join(r['keywords'])}]",
+                  f"  - answer: {json.dumps(r['answer'])}", f"  - reference: {json.dumps(r['reference'])}"]
+    return "\n".join(lines) + "\n"
