@@ -168,8 +168,14 @@ def test_guarantee_with_phrases_alternatives_and_a_word_the_embeddings_lack(dbs)
     for seed in range(3):
         r = dbs.generate("It is", kws, seed=seed, config=cfg)
         assert r.success_rate == 1.0 and all(r.found[k] is not None for k in kws), r.generated
-    with pytest.raises(DBSError, match="not in the embeddings"):    # without --guarantee: an error
+    with pytest.raises(DBSError, match="not in the embeddings") as e:   # without --guarantee: an error,
         dbs.generate("It is", kws, config=replace(cfg, guarantee=False))
+    assert "--subword-fallback with --guarantee" in str(e.value)     # suggesting the measured way round it
+    from dbs_fast.api import DirectedBeamSearch
+
+    taken = DirectedBeamSearch(dbs.model_dir, config=cfg, subword_fallback=True)   # the suggestion, taken
+    r = taken.generate("It is", kws, seed=0, config=cfg)
+    assert r.success_rate == 1.0, r.generated
 
 
 def test_a_keyword_listed_twice_counts_each_time_it_is_placed(dbs):

@@ -118,7 +118,8 @@ def keyword_boost(table: SimilarityTable, kw: Keyword, lam: float, cutoff: float
                 continue
             missing = [w for w in alt if table.emb.vector(w) is None]
             raise DBSError(f"keyword {' '.join(missing)!r} is not in the embeddings ({table.emb.source}); "
-                           f"use --subword-fallback, --guarantee, or another form (`word|other`)")
+                           f"use --subword-fallback with --guarantee (it placed 14 words of 14 that GloVe lacks, "
+                           f"and read best: docs/results/quality/unknown-words.md), or another form (`word|other`)")
         m = np.mean([v / np.linalg.norm(v) for v in vecs], axis=0)
         b = table.sparse_vector(kw.text, m / np.linalg.norm(m), lam, cutoff)
         if allowed is not None:
