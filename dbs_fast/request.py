@@ -67,6 +67,16 @@ class RequestBuilder:
         return ChatTemplate.of(self.model_dir)
 
     @cached_property
+    def not_document_starts(self) -> np.ndarray:
+        """Tokens a text does not start with (sorted): those whose text does not begin with a
+        capital, a digit, a double quote or an opening bracket (a space, a lower-case word
+        piece, other punctuation), and the special tokens. Given an empty context, the model's
+        own first token after its document start is often a fragment (" into a river.")."""
+        starts = [i for i, t in zip(self.token_texts.ids, self.token_texts.texts)
+                  if t[:1].isupper() or t[:1].isdigit() or t[:1] in "\"\u201c(["]
+        return np.setdiff1d(np.arange(self.backend.vocab_size), starts).astype(np.int32)
+
+    @cached_property
     def word_piece(self) -> np.ndarray:
         """(V,) bool: tokens that continue a word, the WORD_PIECE tokens of the backend's word table
         (`occurrence.word_table`), which the word-loop rule reads too: the vocabulary is decoded
@@ -103,6 +113,8 @@ class RequestBuilder:
         """Token healing of a plain-text context (`cfg.heal`), where the budget leaves room for
         the token that re-writes the context's end (with `guarantee`, besides the keywords) and
         the bans leave one that can."""
+        if len(ids) == 1 and ids[0] in self.special_ids:    # an empty context: a document's first token
+            return constraints.Healing(ids, "", self.not_document_starts)
         if not cfg.heal or ids[-1] in self.special_ids:
             return None
         if cfg.guarantee and forced_tokens >= cfg.max_new_tokens:

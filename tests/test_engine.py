@@ -498,3 +498,12 @@ def test_a_pick_passes_over_a_word_loop():
     assert [pick(rule, beams) for rule in ("q", "likelihood", "blend", "consensus")] == [0, 1, 1, 1]
     looped = [dict(b, text="a racket racket racket.") for b in beams]
     assert pick("likelihood", looped) == 0                               # all loop: the rule as it was
+
+
+def test_an_empty_context_starts_a_text_as_a_document_starts(dbs):
+    """Given no context, the first token is one a text starts with (a capital, a digit, a quote or
+    an opening bracket), never a space or a word piece: no leading space, no fragment."""
+    for seed in range(4):
+        r = dbs.generate("", KW, seed=seed)
+        first = r.generated[:1]
+        assert first and (first.isupper() or first.isdigit() or first in "\"\u201c(["), repr(r.generated)

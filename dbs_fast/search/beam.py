@@ -411,7 +411,7 @@ class BeamSearch:
         rem = guidance.remaining(self.tables, rows, seen)
         cand = guidance.candidates(cfg, rem, seen)
         n_done = col - rows.col0                     # the row's tokens so far
-        healing = (n_done == 0) & (tb.tail[rows.req] > 0)   # the model alone re-writes the context's end
+        healing = (n_done == 0) & tb.heals[rows.req]        # the model alone writes the first token
         word = np.where(healing, -1, guidance.guide_words(cfg, tb, rows, cand)).astype(np.int32)
         force = guidance.forced(cfg, tb, rows, rem, n_done)
         hist, hstart = guidance.history(cfg, tb, rows, col, healing)

@@ -18,6 +18,7 @@ class BatchTables:
     ctx: np.ndarray              # (Q, W) int64 contexts, left-padded to the longest
     ctx_start: np.ndarray        # (Q,) int32 column of each context's first token in `ctx`
     tail: np.ndarray             # (Q,) characters of the context's end the first token re-writes (healing)
+    heals: np.ndarray            # (Q,) bool: the first token is constrained (healing, or an empty context's start)
     n_kw: np.ndarray             # (Q,) keywords per request
     full: np.ndarray             # (Q,) int64 every keyword's bit
     word_base: np.ndarray        # (Q,) int64 the request's first row in the boost table
@@ -66,6 +67,7 @@ class BatchTables:
         return BatchTables(
             ctx=ctx, ctx_start=(ctx.shape[1] - ctx_len).astype(np.int32),
             tail=np.array([len(r.heal.tail) if r.heal else 0 for r in requests]),
+            heals=np.array([r.heal is not None for r in requests], bool),
             n_kw=n_kw, full=(np.left_shift(1, n_kw) - 1).astype(np.int64), word_base=word_base,
             boosts=BoostTable([b for r in requests for b in r.boosts],
                               {int(base): r.merged for base, r in zip(word_base, requests)}),
