@@ -87,7 +87,7 @@ FLAG_FIELDS = {door_name(name): door_name(name, "cli")
 FLAG = re.compile(r"`?(--[a-z][a-z0-9-]*)`?")
 # a stream's fixed lag, in chunks, where the request names none (`stream_lag`; a request not streamed
 # has none, so that its text does not change): benchmarks/streaming.py, docs/results/streaming.md
-STREAM_LAG = 2
+STREAM_LAG = 1
 # every error of /v1/*, /v1/generate's too, is OpenAI's shape: {"error": {"message", "type", "param", "code"}};
 # bad input is a 400, as OpenAI answers an invalid request
 INVALID = 400
