@@ -189,12 +189,12 @@ def test_generate_without_keywords_writes_the_models_own_text(exported, capsys):
     (["--keywords", "the colony of the enemy at the mouth"], "more than max_new_tokens"),
     (["--keywords", "qwzxvbnmkj", "--max-new-tokens", "20"], "not in the embeddings"),
     (["--keywords", "colony", "--max-new-tokens", "400"], "context window"),
-    (["--keywords", "colony", "--beams", "0"], "`beams` must be"),
-    (["--keywords", "colony", "--candidates", "0"], "`candidates` must be"),
-    (["--keywords", "colony", "--chunk", "0"], "`chunk` must be"),
-    (["--keywords", "colony", "--top-p", "1.5"], "`top_p` must be a float in (0, 1]"),
-    (["--keywords", "colony", "--top-p", "0"], "`top_p`"),
-    (["--keywords", "colony", "--lambda", "-1"], "`lambda`"),
+    (["--keywords", "colony", "--beams", "0"], "--beams must be"),
+    (["--keywords", "colony", "--candidates", "0"], "--candidates must be"),
+    (["--keywords", "colony", "--chunk", "0"], "--chunk must be"),
+    (["--keywords", "colony", "--top-p", "1.5"], "--top-p must be a float in (0, 1]"),
+    (["--keywords", "colony", "--top-p", "0"], "--top-p"),
+    (["--keywords", "colony", "--lambda", "-1"], "--lambda must be in [0, 80]"),
     (["--keywords", "colony", "--model", "/nonexistent"], "not found"),
 ])
 def test_cli_errors_exit_2(exported, capsys, args, message):

@@ -120,8 +120,8 @@ def test_config_rejects_bad_values(kw, message):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--repetition-penalty", "0"], "`repetition_penalty` must be > 0"),
-    (["--no-repeat-ngram-size", "-2"], "`no_repeat_ngram_size`"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),       # the CLI names its flag
+    (["--no-repeat-ngram-size", "-2"], "--no-repeat-ngram-size"),
     (["--stop", "eventually"], "'eventually'"),
 ])
 def test_cli_bad_quality_options_exit_2(exported, capsys, args, message):
