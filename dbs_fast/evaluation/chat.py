@@ -3,8 +3,9 @@ through the chat door, against the model's own answers.
 
 Each message of `data/chat_requests.tsv` (100, half naming their words, half leaving them out) is
 rendered by the generator's chat template and answered twice by the same engine with the same
-seed: guided (its keywords) and the reference (no keywords: the model's own answer), the
-reference cut to as many sentences as the guided answer has. The judge reads each answer after
+seed: guided (its keywords) and the reference (no keywords: the model's own answer, to its end or
+the token budget, since with nothing to place the first sentence end would end it), the reference
+cut to as many sentences as the guided answer has. The judge reads each answer after
 its message, in the judge's own chat template where it has one. Reported per kind of message and
 in all: coverage of the guide words (by lemma), the judge's median perplexity of the answers and
 of the references and their ratio, the mean words of both, rep-4 and word loops; three examples
@@ -61,7 +62,8 @@ def run_chat_eval(dbs, out: Path, judge, seed: int = 0, limit: int | None = None
     for i, (kind, kws, message) in enumerate(reqs):
         context = template.render([{"role": "user", "content": message}])
         guided = dbs.generate(context, kws, seed=seed + start + i, config=cfg)
-        own = dbs.generate(context, None, seed=seed + start + i, config=replace(cfg, guarantee=False))
+        own = dbs.generate(context, None, seed=seed + start + i,        # to its end or the budget: then cut
+                           config=replace(cfg, guarantee=False, stop="max"))
         rows.append({"kind": kind, "keywords": kws, "message": message, "answer": guided.generated.strip(),
                      "reference": first_sentences(own.generated.strip(), len(sentences(guided.generated))),
                      "found": guided.success_rate, "seconds": guided.seconds})
