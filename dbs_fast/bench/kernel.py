@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -133,6 +134,7 @@ def load_other(path: str):
         src.write_text(Path(path).read_text().replace("cache=True", "cache=False"))
         spec = importlib.util.spec_from_file_location("dbs_fast._kernels_against", src)
         other = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = other         # a dataclass in it (StepRules) looks its module up
         spec.loader.exec_module(other)
     return other
 
