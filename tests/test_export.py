@@ -381,8 +381,9 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
     """The first-use path of `--model default` (api.resolve_model_dir -> ensure_embedded): an
     export already under DBS_FAST_HOME is reused, a missing one is exported there, and one of
     another format version is exported again, once."""
+    from dbs_fast.api import resolve_model_dir
     from dbs_fast.export import convert
-    from dbs_fast.home import embedded_model_dir, resolve_model_dir
+    from dbs_fast.home import embedded_model_dir
     from dbs_fast.manifest import EXPORT_FORMAT_VERSION
 
     monkeypatch.setenv("DBS_FAST_HOME", str(tmp_path))
