@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import write
 from dbs_fast.config import PICKS
 from dbs_fast.evaluation.metrics import rep_n, word_loop
 from dbs_fast.evaluation.runs import builtin_refs, commongen_scores
@@ -136,9 +137,7 @@ def main(argv=None) -> None:
         lines.append(f"- set {first + rows[i]['set']} ({', '.join(rows[i]['keywords'])}):")
         lines += [f"  - {rule}: {json.dumps(texts[rule][n].strip())}" for rule in rules]
     report["examples"] = {rule: texts[rule] for rule in rules}
-    (out / "pick.json").write_text(json.dumps(report, indent=2))
-    (out / "pick.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write(out, "pick", report, lines)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ of the concepts (by lemma), the judge's median perplexity of the answer after th
 other embedded model, gemma3-270m), rep-4, the mean words, and how many answers are the same as
 at lag 0; three answers picked by numpy default_rng(0).
 
-    python -m benchmarks.streaming --n 30 --lags 0,1,2,3 --out docs/results/streaming
+    python -m benchmarks.streaming --n 30 --lags 0,1,2,3 --out runs/streaming
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import write
 from dbs_fast.api import DirectedBeamSearch
 from dbs_fast.bench.machine import machine
 from dbs_fast.evaluation.judge import Judge
@@ -88,10 +89,7 @@ def main(argv=None) -> None:
     for i in sorted(np.random.default_rng(0).choice(a.n, size=min(3, a.n), replace=False).tolist()):
         lines.append(f"- {messages[i]}")
         lines += [f"  - stream_lag {lag or 'off'}: {json.dumps(runs[lag][i]['text'])}" for lag in lags]
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "streaming.json").write_text(json.dumps(report, indent=2))
-    (a.out / "streaming.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write(a.out, "streaming", report, lines)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ the suggestions on real words GloVe 6B lacks (selfie, covid, blockchain, ...), e
 word, after "It is", at the default settings: `--subword-fallback` (the word's own tokens' vectors
 guide), `--guarantee` (no guidance for it; the word is forced in before the deadline) and both.
 Per way: success (both words in the text), refusals (subword fallback still finds no vector), the judge's median perplexity (gemma3-270m, the text
-after the context), words, and the texts.
+after the context), rep-4, words, and the texts.
 
-    python -m benchmarks.unknown_words --out docs/results/quality/unknown-words
+    python -m benchmarks.unknown_words --out runs/unknown-words
 """
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks import write
 from dbs_fast.api import DirectedBeamSearch
 from dbs_fast.bench.machine import machine
 from dbs_fast.errors import DBSError
 from dbs_fast.evaluation.judge import Judge
-from dbs_fast.evaluation.metrics import words
+from dbs_fast.evaluation.metrics import rep_n, words
 
 # GloVe 6B (the default embeddings) lacks each first word; the second it has
 PAIRS = [("selfie", "beach"), ("covid", "hospital"), ("doomscrolling", "night"), ("cryptocurrency", "bank"),
@@ -47,7 +48,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     judge, report = None, {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "ways": {}}
     lines = [f"{len(PAIRS)} pairs (a word GloVe 6B lacks, a common word), context \"It is\", default settings; "
-             "judge gemma3-270m.", "", "| way | success | refused | judge ppl (median, of those answered) | words |", "|---|---|---|---|---|"]
+             "judge gemma3-270m.", "", "| way | success | refused | judge ppl (median, of those answered) | rep-4 | words |", "|---|---|---|---|---|---|"]
     for way, opts in WAYS.items():
         dbs = DirectedBeamSearch("default", subword_fallback=opts.get("subword_fallback", False))
         judge = judge or Judge("gemma3-270m", generator_dir=dbs.model_dir)
@@ -58,18 +59,16 @@ def main(argv=None) -> None:
         row = {"success": sum(r is not None and r.success_rate == 1.0 for r in rs) / len(rs),
                "refused": len(rs) - len(done), "judge_ppl_median": statistics.median(ppl),
                "words": statistics.mean(len(words(r.generated)) for r in done),
+               "rep_4": statistics.mean(rep_n(r.generated, 4) for r in done),
                "texts": [r.text if r is not None else None for r in rs]}
         report["ways"][way] = row
         lines.append(f"| {way} | {row['success']:.2f} | {row['refused']} | {row['judge_ppl_median']:.1f} | "
-                     f"{row['words']:.1f} |")
+                     f"{row['rep_4']:.3f} | {row['words']:.1f} |")
     lines += ["", "Texts:", ""]
     for i, pair in enumerate(PAIRS):
         lines.append(f"- {', '.join(pair)}")
         lines += [f"  - {way}: {json.dumps(report['ways'][way]['texts'][i])}" for way in WAYS]
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "unknown_words.json").write_text(json.dumps(report, indent=2))
-    (a.out / "unknown_words.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write(a.out, "unknown_words", report, lines)
 
 
 if __name__ == "__main__":

@@ -341,19 +341,32 @@ def _run_grid(a, dbs, cfg, sets, seed: int) -> int:
     return 0
 
 
+def _eval_engine(a, cfg):
+    """The engine `eval` generates with, from its flags."""
+    from .api import DirectedBeamSearch
+
+    return DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads, kv_layout=a.kv_layout,
+                              schedule=a.schedule)
+
+
+def _eval_judge(a, dbs):
+    """The judge `--judge` names (auto: the other embedded model), or None for `none`."""
+    if a.judge == "none":
+        return None
+    from .evaluation.judge import Judge, judge_for
+
+    return Judge(judge_for(a.model) if a.judge == "auto" else a.judge, generator_dir=dbs.model_dir, threads=a.threads)
+
+
 def _run_chat_eval(a, cfg) -> int:
     from pathlib import Path
 
-    from .api import DirectedBeamSearch
     from .evaluation.chat import run_chat_eval
-    from .evaluation.judge import Judge, judge_for
 
     if a.judge == "none":
         raise DBSError("--sets chat is judged: give --judge (auto: the other embedded model)")
-    dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads, kv_layout=a.kv_layout,
-                             schedule=a.schedule)
-    judge = Judge(judge_for(a.model) if a.judge == "auto" else a.judge, generator_dir=dbs.model_dir, threads=a.threads)
-    run_chat_eval(dbs, Path(a.out), judge, seed=a.seed, limit=a.limit, start=a.start, config=cfg)
+    dbs = _eval_engine(a, cfg)
+    run_chat_eval(dbs, Path(a.out), _eval_judge(a, dbs), seed=a.seed, limit=a.limit, start=a.start, config=cfg)
     print((Path(a.out) / "summary.md").read_text())
     return 0
 
@@ -361,7 +374,6 @@ def _run_chat_eval(a, cfg) -> int:
 def _run_eval(a) -> int:
     from pathlib import Path
 
-    from .api import DirectedBeamSearch
     from .evaluation.runs import run_eval
 
     if a.frontier is not None:
@@ -385,8 +397,7 @@ def _run_eval(a) -> int:
         raise DBSError(f"`--start` must be below the number of sets ({len(sets)}), got {a.start}")
     sets = sets[a.start:][: a.limit]
     seed = a.seed + a.start               # set i's seed is seed + i, as in a run from set 0
-    dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, threads=a.threads, kv_layout=a.kv_layout,
-                             schedule=a.schedule)
+    dbs = _eval_engine(a, cfg)
     if a.stories:
         from .evaluation.runs import run_stories
 
@@ -397,12 +408,7 @@ def _run_eval(a) -> int:
         return 0
     if a.grid:
         return _run_grid(a, dbs, cfg, sets, seed)
-    judge = None
-    if a.judge != "none":
-        from .evaluation.judge import Judge, judge_for
-
-        judge = Judge(judge_for(a.model) if a.judge == "auto" else a.judge, generator_dir=dbs.model_dir,
-                      threads=a.threads)
+    judge = _eval_judge(a, dbs)
     from .evaluation.runs import EvalSets, builtin_refs
 
     task = EvalSets(sets, a.context, builtin_refs(a.sets)[a.start:] if commongen else None, a.start)

@@ -16,7 +16,7 @@ class DBSError(Exception):
 
     def __init__(self, message: str, field: str | None = None, value=None):
         super().__init__(message)
-        self.field, self.value, self.template = field, value, message
+        self.field, self.value = field, value
 
     @classmethod
     def about(cls, field: str, rule: str, value) -> "DBSError":
@@ -25,10 +25,10 @@ class DBSError(Exception):
 
     def said_as(self, name: str) -> str:
         """The message with the field called `name` (a door's word for it)."""
-        return self.template.replace("{field}", name)
+        return self.args[0].replace("{field}", name)
 
     def __str__(self) -> str:
-        return self.said_as(f"`{self.field}`") if self.field else self.template
+        return self.said_as(f"`{self.field}`") if self.field else self.args[0]
 
 
 @contextmanager

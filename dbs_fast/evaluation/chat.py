@@ -67,7 +67,7 @@ def run_chat_eval(dbs, out: Path, judge, seed: int = 0, limit: int | None = None
         rows.append({"kind": kind, "keywords": kws, "message": message, "answer": guided.generated.strip(),
                      "reference": first_sentences(own.generated.strip(), len(sentences(guided.generated))),
                      "found": guided.success_rate, "seconds": guided.seconds})
-    judged = [judge_context(judge, r["message"]) for r in rows]
+    judged = judge_contexts(judge, [r["message"] for r in rows])
     for r, a, b in zip(rows, judge.perplexity([(c, r["answer"]) for c, r in zip(judged, rows)]),
                        judge.perplexity([(c, r["reference"]) for c, r in zip(judged, rows)])):
         r["judge_ppl"], r["reference_judge_ppl"] = a, b
@@ -82,10 +82,10 @@ def run_chat_eval(dbs, out: Path, judge, seed: int = 0, limit: int | None = None
     return summary
 
 
-def judge_context(judge, message: str) -> str:
-    """The message as the judge reads it: in its chat template where it has one."""
+def judge_contexts(judge, messages: list[str]) -> list[str]:
+    """The messages as the judge reads them: in its chat template where it has one."""
     template = ChatTemplate.of(judge.dir)
-    return template.render([{"role": "user", "content": message}]) if template else message + "\n"
+    return [template.render([{"role": "user", "content": m}]) if template else m + "\n" for m in messages]
 
 
 def aggregate(rows: list[dict]) -> dict:

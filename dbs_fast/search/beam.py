@@ -133,11 +133,10 @@ class Slot:
         """Leave out the set-aside candidates for which `drop(part, i)` holds."""
         kept = []
         for part in self.pool:
-            out = [i for i in range(len(part.req)) if drop(part, i)]
-            for i in out:
-                self.pooled.discard(part.generated(i).tobytes())
-            if len(out) < len(part.req):
-                kept.append(part.take(np.array([i for i in range(len(part.req)) if i not in out])))
+            gone = np.array([drop(part, i) for i in range(len(part.req))], bool)
+            self.pooled.difference_update(part.generated(i).tobytes() for i in np.flatnonzero(gone))
+            if not gone.all():
+                kept.append(part.take(np.flatnonzero(~gone)))
         self.pool = kept
 
 

@@ -24,7 +24,9 @@ def commit(rows: Rows, keep: np.ndarray, slots: list, stay: np.ndarray, lag: int
     (`slots[q].committed` grows to their count; lag 0: nothing); returns (keep, copy): `copy[j]`
     where keep[j] now points at the best beam in place of one that disagreed."""
     keep, copy = keep.copy(), np.zeros(len(keep), bool)
-    for q in np.flatnonzero(stay) if lag else ():
+    if not lag:
+        return keep, copy
+    for q in np.flatnonzero(stay):
         at = np.flatnonzero(rows.req[keep] == q)
         live = at[np.isfinite(rows.cum[keep[at]])]
         if not len(live):
