@@ -16,7 +16,7 @@ from .errors import DBSError
 from .home import EMBEDDED_DIRS, embedded_model_dir
 from .kv.decoder import ContextStore, PrefixDecoder
 from .kv.prefix_cache import DECODE_GRAPH, KV_LAYOUTS
-from .manifest import current_export, read_manifest, window_unmasked
+from .manifest import current_export, read_manifest, stale_embedded
 from .model import OnnxModel
 from .numba_runtime import set_threads
 from .preflight import decode_window
@@ -30,21 +30,24 @@ from .text.embeddings import Embeddings, SimilarityTable
 _EMB_CACHE: dict[str, Embeddings] = {}
 
 
-def resolve_model_dir(model: str | Path, quiet: bool = True) -> Path:
+def resolve_model_dir(model: str | Path, quiet: bool = True, row_layout: bool = False) -> Path:
+    """An export's directory: an embedded model's (exported on first use, and again where this
+    version writes it differently), or `model` as a path. `row_layout`: model.onnx is needed."""
     if str(model) in EMBEDDED_DIRS:
         d = embedded_model_dir(str(model))
         current = current_export(d)
         manifest = read_manifest(d) if current else {}
-        if current and (manifest.get("prefix_decode") or {}).get("written", True) and not window_unmasked(manifest):
+        if current and (manifest.get("prefix_decode") or {}).get("written", True) and \
+                not stale_embedded(manifest, row_layout):
             return d
         try:
             from .export.convert import ensure_embedded
         except ImportError as e:
-            if current:          # without its decode graph, on the row layout
-                return d
+            if current and not (row_layout and not manifest.get("onnx")):
+                return d     # as it is (without its decode graph: on the row layout)
             raise DBSError(f"the embedded model {model!r} is exported on first use, which needs the export "
                            f"extra: pip install 'dbs-fast[export]' (missing: {e.name})") from None
-        return ensure_embedded(str(model), quiet=quiet)
+        return ensure_embedded(str(model), quiet=quiet, row_layout=row_layout)
     p = Path(model).expanduser()
     if not p.is_dir():
         raise DBSError(f"model directory not found: {model} (export one with `dbs-fast export`)")

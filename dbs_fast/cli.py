@@ -19,6 +19,7 @@ from .config import (
     preset,
 )
 from .errors import DBSError
+from .export.gguf_weights import ACCURACY, ACCURACY_LEVELS
 
 FLAG = {name: flag for name, flag, *_ in OPTIONS}            # DBSConfig field -> CLI flag
 PROVIDER_HELP = "execution provider: cuda needs onnxruntime-gpu (see the GPU guide); falls back to cpu with a warning"
@@ -80,6 +81,14 @@ def _add_export(sub):
                    help="gguf: keep a GGUF file's 4-bit blocks (Q4_0, Q4_1) in the decode graph as ONNX Runtime's "
                         "MatMulNBits, exact, instead of fp32 copies (other types run in fp32); default gguf for a "
                         "GGUF file (the embedded models too) without --quantize or --dtype fp16, else fp32")
+    p.add_argument("--accuracy-level", type=int, choices=ACCURACY_LEVELS, default=None,
+                   help="with --weights gguf, MatMulNBits' accuracy level: 0 computes on the blocks in fp32, exact "
+                        "(Q8_0 then runs in fp32, which has no fast 8-bit kernel at level 0); 4 quantizes the "
+                        "activations to int8 per block, as llama.cpp does, and keeps Q8_0 as blocks too (smaller "
+                        f"and faster, not exact); default {ACCURACY}")
+    p.add_argument("--row-layout", action="store_true",
+                   help="with --weights gguf, write model.onnx too (the row layout, --kv-layout rows: fp32, "
+                        "about four times the GGUF file); without it the export holds the decode graph alone")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--quiet", action="store_true", help="print only the manifest's summary")
     p.set_defaults(func=_run_export)
@@ -91,7 +100,8 @@ def _run_export(a) -> int:
     except ImportError as e:
         raise DBSError(f"export needs the export extra (`pip install 'dbs-fast[export]'`): {e}") from None
     m = export_model(a.model, a.out, optimize=a.optimize, quantize=a.quantize, force=a.force, quiet=a.quiet,
-                     dtype=a.dtype, weights=a.weights)
+                     dtype=a.dtype, weights=a.weights, accuracy=a.accuracy_level,
+                     row_layout=a.row_layout)
     keys = ("source", "architecture", "dtype", "steps", "parity") + (("quantize_auto",) if a.quantize == "auto" else ())
     print(json.dumps({k: m[k] for k in keys}, indent=2))
     return 0

@@ -48,3 +48,18 @@ def window_unmasked(manifest: dict) -> bool:
     before the graph slid it): a request longer than the window is refused there."""
     graph = manifest.get("prefix_decode") or {}
     return bool(graph.get("written") and graph.get("sliding_window") and not graph.get("window_masked"))
+
+
+def stale_embedded(manifest: dict, row_layout: bool = False) -> str | None:
+    """Why an embedded model's export is to be written again by this version (None: it is not):
+    a decode graph that does not slide its local layers' window, one written before the graph kept
+    the GGUF file's blocks at an accuracy level, or no row layout (model.onnx) where one is needed."""
+    graph = manifest.get("prefix_decode") or {}
+    if window_unmasked(manifest):
+        return "its decode graph does not slide its local layers' window"
+    if manifest.get("gguf_file") and graph.get("written") and manifest.get("dtype") == "float32" and \
+            "accuracy_level" not in (graph.get("weights") or {}):
+        return "its decode graph predates the GGUF file's own blocks at an accuracy level"
+    if row_layout and not manifest.get("onnx"):
+        return "it has no row layout (model.onnx), which is needed here"
+    return None

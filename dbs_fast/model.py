@@ -126,6 +126,10 @@ class OnnxModel:
 
     def _open(self) -> None:
         m = self.manifest
+        if not m.get("onnx"):
+            raise DBSError(f"{self.dir} has no row layout (model.onnx): an export on a GGUF file's blocks "
+                           f"leaves it out. Use the prefix cache (kv_layout 'prefix' or 'auto'), or export "
+                           f"again with `dbs-fast export --row-layout`")
         self._session = make_session(self.dir / m["onnx"], *self._open_args)
         self.provider = self._session.get_providers()[0]
         names = [i.name for i in self._session.get_inputs()]

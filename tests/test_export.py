@@ -389,10 +389,11 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("DBS_FAST_HOME", str(tmp_path))
     calls = []
 
-    def fake_export(name, out, force=False, quiet=False):
+    def fake_export(name, out, force=False, quiet=False, row_layout=False):
         calls.append(name)
         Path(out).mkdir(parents=True, exist_ok=force)
-        (Path(out) / MANIFEST).write_text(json.dumps({"format_version": EXPORT_FORMAT_VERSION}))
+        (Path(out) / MANIFEST).write_text(json.dumps({"format_version": EXPORT_FORMAT_VERSION,
+                                                      "onnx": "model.onnx" if row_layout else None}))
 
     monkeypatch.setattr(convert, "export_model", fake_export)
     d = resolve_model_dir("default")
@@ -402,6 +403,9 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
         (d / MANIFEST).write_text(json.dumps(old))
         assert resolve_model_dir("default") == d and resolve_model_dir("default") == d
     assert calls == ["default"] * 3
+    # the judge needs the row layout (model.onnx): an export without it is written again with it, once
+    assert resolve_model_dir("default", row_layout=True) == d and resolve_model_dir("default", row_layout=True) == d
+    assert calls == ["default"] * 4 and json.loads((d / MANIFEST).read_text())["onnx"] == "model.onnx"
 
 
 @pytest.mark.integration
@@ -423,11 +427,14 @@ def test_a_gguf_file_given_by_path_exports_onto_the_shared_context_graph(tmp_pat
     assert m["source"] == str(gguf) and m["gguf_file"] == gguf.name
     assert m["gguf_quantization"].startswith("MOSTLY_Q")
     assert (out / "decode.onnx").is_file() and (out / "tokenizer.json").is_file()
-    # the file's 4-bit blocks kept in the decode graph (`--weights gguf`, a GGUF file's default), exact
+    # the file's blocks kept in the decode graph (`--weights gguf`, a GGUF file's default, at accuracy
+    # level 4): the Q4_1 projections, the Q8_0 head and the embeddings on the head's blocks; no model.onnx
     pd = m["prefix_decode"]
-    assert pd["weights"]["stored_as_run"] == {"Q4_1 -> MatMulNBits 4-bit + min term": 210, "Q8_0 -> float32": 1}
+    assert pd["weights"]["stored_as_run"] == {"Q4_1 -> MatMulNBits 4-bit + min term": 210,
+                                              "Q8_0 -> MatMulNBits 8-bit": 1, "Q8_0 -> GatherBlockQuantized 8-bit": 1}
     assert pd["weights"]["tensors"]["model.layers.0.self_attn.q_proj"]["gguf"] == "blk.0.attn_q"
-    assert pd["max_abs_logit_diff"] < 1e-3 and m["files"]["decode.onnx"] < 0.4 * m["files"]["model.onnx"]
+    assert pd["mean_kl"] < 0.1 and pd["shared_bytes"] > 0 and m["onnx"] is None and "model.onnx" not in m["files"]
+    assert sum(m["files"].values()) - m["files"]["tokenizer.json"] < 1.3 * gguf.stat().st_size
     r = DirectedBeamSearch(out).generate("It is", "river", config=DBSConfig(beams=2, candidates=2, max_new_tokens=8))
     assert r.new_tokens > 0 and r.generated
 
@@ -468,10 +475,11 @@ def _tiny_gguf(path):
     return pieces
 
 
-def _tiny_llama_gguf(path):
+def _tiny_llama_gguf(path, qtype: str | None = None, tied: bool = False):
     """A whole tiny Llama in a GGUF file, written with gguf's writer as llama.cpp's converter
     writes one: the vocabulary of `_tiny_gguf`, hyper-parameters, and f32 tensors under llama.cpp's
-    names (q and k permuted for its RoPE layout)."""
+    names (q and k permuted for its RoPE layout); `qtype`: the matrices quantized to that type by
+    gguf-py (the norms stay f32); `tied`: no output.weight (the head is the embeddings)."""
     gguf = pytest.importorskip("gguf")
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -481,7 +489,7 @@ def _tiny_llama_gguf(path):
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(pieces), hidden_size=D, intermediate_size=F,
                                          num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=KV,
-                                         max_position_embeddings=256, tie_word_embeddings=False))
+                                         max_position_embeddings=256, tie_word_embeddings=tied))
 
     def permute(w, heads):          # llama.cpp's convert_hf_to_gguf: rotate-half pairs interleaved
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -497,21 +505,31 @@ def _tiny_llama_gguf(path):
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(len(pieces))
-    w.add_file_type(0)                                             # all f32
+    w.add_file_type(0 if qtype is None else {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}[qtype])
     _add_vocab(w, pieces, scores, types)
     sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+
+    def add(name, x):
+        if qtype is None or x.ndim == 1:
+            return w.add_tensor(name, x)
+        from gguf.quants import quantize
+
+        kind = gguf.GGMLQuantizationType[qtype]
+        w.add_tensor(name, quantize(x, kind), raw_dtype=kind)
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    w.add_tensor("output.weight", sd["lm_head.weight"])
+    if not tied:
+        add("output.weight", sd["lm_head.weight"])
     for i in range(L):
         p = f"model.layers.{i}."
         for name, key in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
             w.add_tensor(f"blk.{i}.{name}.weight", sd[p + key + ".weight"])
-        w.add_tensor(f"blk.{i}.attn_q.weight", permute(sd[p + "self_attn.q_proj.weight"], H))
-        w.add_tensor(f"blk.{i}.attn_k.weight", permute(sd[p + "self_attn.k_proj.weight"], KV))
+        add(f"blk.{i}.attn_q.weight", permute(sd[p + "self_attn.q_proj.weight"], H))
+        add(f"blk.{i}.attn_k.weight", permute(sd[p + "self_attn.k_proj.weight"], KV))
         for name, key in (("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
                           ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")):
-            w.add_tensor(f"blk.{i}.{name}.weight", sd[p + key + ".weight"])
+            add(f"blk.{i}.{name}.weight", sd[p + key + ".weight"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -541,6 +559,54 @@ def test_a_gguf_file_written_by_the_gguf_writer_exports_and_generates(tmp_path):
         np.testing.assert_allclose(read(ids).logits.numpy(), written(ids).logits.numpy(), atol=1e-5)
     r = DirectedBeamSearch(out).generate("the cat", "cat", config=DBSConfig(beams=2, candidates=2, max_new_tokens=6))
     assert r.new_tokens > 0
+
+
+# (type, tied head, accuracy level) -> what the decode graph runs: the head, the embedding
+BLOCK_CASES = {("Q4_0", True, 0): ("MatMulNBits 4-bit", "GatherBlockQuantized 4-bit"),
+               ("Q4_1", False, 0): ("MatMulNBits 4-bit + min term", "GatherBlockQuantized 4-bit + min term"),
+               ("Q8_0", False, 0): ("float32", "GatherBlockQuantized 8-bit"),
+               ("Q8_0", True, 0): ("float32", "float32 (tied to the head)"),
+               ("Q8_0", True, 4): ("MatMulNBits 8-bit", "GatherBlockQuantized 8-bit")}
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES), ids=lambda c: f"{c[0]}-{'tied' if c[1] else 'untied'}-level{c[2]}")
+def test_a_quantized_gguf_file_keeps_its_blocks_in_the_decode_graph(case, tmp_path):
+    """A tiny Llama written to GGUF in Q4_0, Q4_1 or Q8_0 by gguf-py: the decode graph holds the
+    file's blocks (MatMulNBits for the matrices, GatherBlockQuantized for the embedding, one copy
+    where the head is tied), reproduces the file's dequantized model (exact at level 0, within
+    the int8 criterion at 4), leaves out model.onnx unless `--row-layout`, and generates."""
+    import onnx
+
+    from dbs_fast import DBSConfig, DirectedBeamSearch
+    from dbs_fast.model import OnnxModel
+
+    qtype, tied, level = case
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    _tiny_llama_gguf(path, qtype, tied)
+    out = tmp_path / "out"
+    assert cli(["export", "--model", str(path), "--out", str(out), "--quiet", "--accuracy-level", str(level)]) == 0
+    m = json.loads((out / MANIFEST).read_text())
+    pd = m["prefix_decode"]
+    assert pd["written"] and pd["weights"]["accuracy_level"] == level, pd
+    tensors = pd["weights"]["tensors"]
+    run = "MatMulNBits 4-bit" + (" + min term" if qtype == "Q4_1" else "") if qtype != "Q8_0" or level else "float32"
+    assert tensors["model.layers.1.mlp.down_proj"] == {"gguf": "blk.1.ffn_down", "stored": qtype,
+                                                       "run": run.replace("4-bit", "8-bit") if qtype == "Q8_0" else run}
+    head, embedding = BLOCK_CASES[case]
+    assert (tensors["lm_head"]["run"], tensors["model.embed_tokens"]["run"]) == (head, embedding)
+    assert pd["max_abs_logit_diff"] < 1e-3 if level == 0 else pd["mean_kl"] < 0.1
+    ops = [n.op_type for n in onnx.load(str(out / "decode.onnx")).graph.node]
+    assert ("GatherBlockQuantized" in ops) == embedding.startswith("GatherBlockQuantized")
+    if tied and head.startswith("MatMulNBits"):        # the head's blocks and the embedding's: one constant
+        assert pd["shared_bytes"] > 0
+    assert m["onnx"] is None and not (out / "model.onnx").exists()
+    with pytest.raises(DBSError, match="no row layout.*--row-layout"):
+        OnnxModel(out).session
+    r = DirectedBeamSearch(out).generate("the cat", "cat", config=DBSConfig(beams=2, candidates=2, max_new_tokens=6))
+    assert r.new_tokens > 0
+    if case == ("Q4_1", False, 0):                      # the row layout, asked for
+        assert cli(["export", "--model", str(path), "--out", str(out), "--quiet", "--force", "--row-layout"]) == 0
+        assert (out / "model.onnx").is_file() and OnnxModel(out).session is not None
 
 
 def test_gguf_tokenizer_rebuild_on_a_tiny_vocabulary(tmp_path):
@@ -604,7 +670,8 @@ def test_an_embedded_export_without_the_decode_graph_its_family_now_has_is_due(t
         return _decode_graph_due(tmp_path)
 
     assert blocks()                                                   # before the graph kept the file's blocks
-    assert not blocks(weights={"stored_as_run": {"Q4_1 -> float32": 1}})
+    assert blocks(weights={"stored_as_run": {"Q4_1 -> float32": 1}})  # before it ran them at an accuracy level
+    assert not blocks(weights={"accuracy_level": 4, "stored_as_run": {"Q4_1 -> MatMulNBits 4-bit + min term": 1}})
 
 
 def test_only_a_graph_that_leaves_its_window_unmasked_limits_a_request_to_the_window():

@@ -66,3 +66,28 @@ def test_a_quantized_linear_exports_as_matmulnbits_and_runs_the_product(qtype, t
     ref = x.numpy() @ np.concatenate([p.dequantized() for p in parts]).T
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
 
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_quantized_embedding_exports_as_gather_block_quantized_and_takes_exact_rows(qtype, tmp_path):
+    """An embedding holding its blocks, exported: GatherBlockQuantized (plus, for Q4_1, the rows'
+    mins) gives exactly the dequantized rows asked for, repeated and in any order."""
+    import onnx
+    import onnxruntime as ort
+
+    from dbs_fast.export.gguf_weights import quantized_embedding, read_blocks
+
+    blocks = read_blocks(qtype, _raw(qtype, N=10, K=64))
+    w = torch.from_numpy(blocks.dequantized())
+
+    class Lookup(torch.nn.Module):
+        def forward(self, ids):
+            return quantized_embedding(ids, w, blocks)
+
+    ids = torch.tensor([7, 0, 9, 7])
+    path = tmp_path / "embedding.onnx"
+    torch.onnx.export(Lookup(), (ids,), str(path), input_names=["ids"], output_names=["y"],
+                      dynamic_axes={"ids": {0: "n"}}, opset_version=17, dynamo=False)
+    assert "GatherBlockQuantized" in [n.op_type for n in onnx.load(str(path)).graph.node]
+    y = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"ids": ids.numpy()})[0]
+    np.testing.assert_allclose(y, blocks.dequantized()[ids.numpy()], rtol=0, atol=1e-6)

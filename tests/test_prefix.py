@@ -232,7 +232,7 @@ def test_export_writes_the_decode_graph(kind, exported):
     m = json.loads((exported[kind] / MANIFEST).read_text())
     assert m["prefix_decode"]["written"] and m["prefix_decode"]["max_abs_logit_diff"] < 1e-3
     assert "decode.onnx" in m["files"]
-    assert m["prefix_decode"]["tied_head_bytes_shared"] > 0     # the tied head reads the embeddings, no copy
+    assert m["prefix_decode"]["shared_bytes"] > 0     # the tied head reads the embeddings, no copy
     if kind == "llama":      # RoPE as ORT's contrib op (angles from a table), within the parity above
         import onnx
 

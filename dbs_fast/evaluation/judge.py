@@ -30,7 +30,7 @@ class Judge:
         from ..api import resolve_model_dir
 
         self.name = str(model)
-        self.dir = resolve_model_dir(model)
+        self.dir = resolve_model_dir(model, row_layout=True)     # the judge reads model.onnx, fp32
         if generator_dir is not None and Path(generator_dir).resolve() == self.dir.resolve():
             raise DBSError(f"the judge {model!r} is the generator itself ({self.dir}): a model grading its own "
                            f"text is not a judge; pick another model (e.g. --judge {judge_for('default')})")

@@ -26,11 +26,12 @@ from dbs_fast.manifest import (
     EXPORT_FORMAT_VERSION,
     MANIFEST,
     current_export,
-    window_unmasked,
+    stale_embedded,
 )
 from dbs_fast.model import OnnxModel
 
 from . import parity as parity_mod
+from .gguf_weights import ACCURACY, ACCURACY_LEVELS
 from .source import (
     Source,
     check_supported,
@@ -152,8 +153,9 @@ class ParityFailed(DBSError):
 
 
 def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet: bool, dtype: str = "fp32",
-           weights: str = "fp32") -> dict:
-    """Write the whole export into `work`; returns the manifest."""
+           weights: str = "fp32", accuracy: int = 0, row_layout: bool = False) -> dict:
+    """Write the whole export into `work`; returns the manifest. A decode graph on a GGUF file's
+    blocks leaves out model.onnx (the row layout, fp32: four times the file) unless `row_layout`."""
     config = load_config(src)
     check_supported(config)
     t0 = time.perf_counter()
@@ -232,7 +234,11 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     mode = "int8" if quantize else ("optimize" if "optimize" in steps else "fp32")
     _check_parity(model, work, manifest, mode, src.name, t0, quiet)
     manifest["prefix_decode"] = _prefix_decode(model, work, quantize, quiet, dtype=dtype,
-                                               gguf=Path(src.path) / src.gguf_file if weights == "gguf" else None)
+                                               gguf=Path(src.path) / src.gguf_file if weights == "gguf" else None,
+                                               accuracy=accuracy)
+    if weights == "gguf" and manifest["prefix_decode"]["written"] and not row_layout:
+        (work / "model.onnx").unlink()
+        manifest["onnx"] = None
     manifest["files"] = _files(work)
     (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
@@ -318,20 +324,20 @@ def float16_from(fp32: Path, out: Path, quiet: bool = False) -> dict:
     return _whole(Path(out).expanduser(), write)
 
 
-def _gguf_blocks(model, gguf: Path, quiet: bool) -> dict:
+def _gguf_blocks(model, gguf: Path, quiet: bool, accuracy: int) -> dict:
     """The model's linear layers swapped for the GGUF file's blocks (`gguf_weights.quantize_linears`);
     the manifest's record of each tensor's type as stored and as run."""
     from .gguf_weights import quantize_linears
 
-    tensors = quantize_linears(model, gguf)
-    weights = {"stored_as_run": dict(Counter(f"{t[1]} -> {t[2]}" for t in tensors.values())),
+    tensors = quantize_linears(model, gguf, accuracy)
+    weights = {"accuracy_level": accuracy, "stored_as_run": dict(Counter(f"{t[1]} -> {t[2]}" for t in tensors.values())),
                "tensors": {name: {"gguf": t[0], "stored": t[1], "run": t[2]} for name, t in tensors.items()}}
     _log(f"the GGUF file's blocks kept: {weights['stored_as_run']}", quiet)
     return weights
 
 
 def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_graph: Path | None = None,
-                   dtype: str = "fp32", gguf: Path | None = None) -> dict:
+                   dtype: str = "fp32", gguf: Path | None = None, accuracy: int = 0) -> dict:
     """The decode graph (export/prefix_graph.py) beside model.onnx, checked against it;
     optional: a model it cannot serve keeps the row layout, and the manifest says why.
     `fp32_graph`: quantise that decode graph (of an fp32 export of the model) instead of exporting one.
@@ -347,7 +353,7 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
     _log("prefix-shared decode graph + parity against model.onnx", quiet)
     try:
         # in a folder of its own: over 2 GB, torch writes one file per tensor beside the graph
-        weights = _gguf_blocks(model, gguf, quiet) if gguf is not None else None
+        weights = _gguf_blocks(model, gguf, quiet, accuracy) if gguf is not None else None
         if fp32_graph is None:
             fp32 = work / "_decode" / DECODE_GRAPH
             info = prefix_graph.export_prefix_decoder(model, fp32,
@@ -381,7 +387,7 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
         shutil.rmtree(work / "_decode", ignore_errors=True)
     # against model.onnx of the same export: fp32 graphs agree to float rounding; int8 ones differ
     # in their activation scales (prefill is column by column here), so the int8 export criterion
-    ok, why = parity_mod.judge(info, "int8") if quantize or dtype == "fp16" else \
+    ok, why = parity_mod.judge(info, "int8") if quantize or dtype == "fp16" or (gguf and accuracy) else \
         (info["max_abs_logit_diff"] < 1e-3, f"max |logit diff| {info['max_abs_logit_diff']:.2e}")
     if not ok:
         (work / DECODE_GRAPH).unlink()
@@ -390,10 +396,13 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
 
 
 def export_model(model: str, out: str | os.PathLike, optimize: bool = False, quantize: str | None = None,
-                 force: bool = False, quiet: bool = False, dtype: str = "fp32", weights: str | None = None) -> dict:
+                 force: bool = False, quiet: bool = False, dtype: str = "fp32", weights: str | None = None,
+                 accuracy: int | None = None, row_layout: bool = False) -> dict:
     """`dtype` "fp16": the decode graph in float16 with the gathered attention, for the CUDA provider.
     `weights` "gguf": a GGUF file's 4-bit blocks kept in the decode graph (`export/gguf_weights.py`);
-    None: "gguf" for a GGUF source exported in fp32 without `quantize`, else "fp32"."""
+    None: "gguf" for a GGUF source exported in fp32 without `quantize`, else "fp32". `accuracy`: the
+    blocks' MatMulNBits accuracy level (`gguf_weights.ACCURACY_LEVELS`; None: `ACCURACY`).
+    `row_layout`: keep model.onnx (the row layout) beside a decode graph on a GGUF file's blocks."""
     out = Path(out).expanduser()
     from .quantize import AUTO, METHODS
 
@@ -408,6 +417,8 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
     if weights == "gguf" and (quantize is not None or dtype != "fp32"):
         raise DBSError("`--weights gguf` keeps the file's own quantisation: it goes with neither `--quantize` nor "
                        "`--dtype fp16`", "weights", weights)
+    if accuracy is not None and accuracy not in ACCURACY_LEVELS:
+        raise DBSError(f"`--accuracy-level` must be one of {ACCURACY_LEVELS}, got {accuracy!r}", "accuracy_level", accuracy)
     if out.exists() and not force:
         raise DBSError(f"output directory {out} exists; pass --force to replace it")
     src = resolve(model)
@@ -418,7 +429,8 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
             if quantize == AUTO:
                 manifest = _export_auto(src, out, optimize, quiet)
             else:
-                manifest = _export_once(src, out, optimize, quantize, quiet, dtype, weights)
+                manifest = _export_once(src, out, optimize, quantize, quiet, dtype, weights,
+                                         ACCURACY if accuracy is None else accuracy, row_layout)
     except BaseException:
         if Path(log).stat().st_size:
             print(f"[export] what the exporters wrote is in {log}", file=sys.stderr, flush=True)
@@ -482,13 +494,15 @@ def _export_auto(src: Source, out: Path, optimize: bool, quiet: bool) -> dict:
 
 
 def _export_once(src: Source, out: Path, optimize: bool, quantize: str | None, quiet: bool,
-                 dtype: str = "fp32", weights: str | None = "fp32") -> dict:
+                 dtype: str = "fp32", weights: str | None = "fp32", accuracy: int = 0,
+                 row_layout: bool = False) -> dict:
     """One export into a temporary directory beside `out`, moved into place only when it is whole."""
     if weights is None:                 # a GGUF file keeps its blocks where nothing else quantises
         weights = "gguf" if src.is_gguf and quantize is None and dtype == "fp32" else "fp32"
     if weights == "gguf" and not src.is_gguf:
         raise DBSError(f"`--weights gguf` keeps a GGUF file's blocks: {src.name} is not a GGUF file", "weights", weights)
-    return _whole(out, lambda work: _build(src, work, optimize, quantize, quiet, dtype, weights))
+    return _whole(out, lambda work: _build(src, work, optimize, quantize, quiet, dtype, weights, accuracy,
+                                                row_layout))
 
 
 def _derive_once(fp32: Path, out: Path, method: str, model, quiet: bool) -> dict:
@@ -532,43 +546,42 @@ def _disk_full_is_clear(out: Path):
         raise
 
 
-def ensure_embedded(name: str = "default", quiet: bool = False) -> Path:
-    """An embedded model (`default`, `gemma3-270m`) exported once under DBS_FAST_HOME and reused after."""
+def ensure_embedded(name: str = "default", quiet: bool = False, row_layout: bool = False) -> Path:
+    """An embedded model (`default`, `gemma3-270m`) exported once under DBS_FAST_HOME and reused
+    after; `row_layout`: with model.onnx (the judge's; the generator's decode graph needs none)."""
     d = embedded_model_dir(name)
     if not (d / MANIFEST).is_file():
         _log(f"first use: exporting the embedded model {name!r} to {d} (once)", quiet)
-        export_model(name, d, force=d.exists(), quiet=quiet)
     elif not current_export(d):
         _log(f"the export of {name!r} in {d} is of another format version than this dbs-fast reads "
              f"({EXPORT_FORMAT_VERSION}): exporting it again (once)", quiet)
-        export_model(name, d, force=True, quiet=quiet)
-    elif _decode_graph_due(d):
-        _log(f"the export of {name!r} in {d} predates this version's shared-context decode graph for its "
-             f"family: exporting it again (once)", quiet)
-        export_model(name, d, force=True, quiet=quiet)
+    elif _decode_graph_due(d, row_layout):
+        _log(f"the export of {name!r} in {d} is not what this version writes ({_decode_graph_due(d, row_layout)}): "
+             f"exporting it again (once)", quiet)
+    else:
+        return d
+    export_model(name, d, force=d.exists(), quiet=quiet, row_layout=row_layout)
     return d
 
 
-def _decode_graph_due(d: Path) -> bool:
-    """Whether an export was written without the decode graph that this version writes for its
-    model type (an embedded model exported before its family had one, before the graph slid
-    its local layers' window, or before it kept its GGUF file's blocks)."""
+def _decode_graph_due(d: Path, row_layout: bool = False) -> str | None:
+    """Why an export is to be written again (`manifest.stale_embedded`, or an embedded model
+    exported before its family had a decode graph), or None."""
     from types import SimpleNamespace
 
     from . import prefix_graph
 
     m = json.loads((d / MANIFEST).read_text())
     graph = m.get("prefix_decode") or {}
-    if window_unmasked(m):
-        return True              # a graph that does not slide its local layers' window
-    if m.get("gguf_file") and graph.get("written") and m.get("dtype") == "float32" and "weights" not in graph:
-        return True              # written before the graph kept the file's own blocks (`--weights gguf`)
+    why = stale_embedded(m, row_layout)
+    if why:
+        return why
     if graph.get("written", True) or not str(graph.get("reason", "")).startswith("no prefix-shared decode graph for "
                                                                                   "model type"):
-        return False             # written, or left out for another reason (a failed parity stays failed)
+        return None              # written, or left out for another reason (a failed parity stays failed)
     try:
         prefix_graph.family(SimpleNamespace(model_type=m.get("model_type")))
     except (ValueError, AttributeError):
-        return False
-    return True
+        return None
+    return "its family has a decode graph now"
 

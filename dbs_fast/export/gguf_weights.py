@@ -121,6 +121,57 @@ def quantized_linear(x, weight, bias, blocks: Blocks, accuracy: int):
     return y if bias is None else y + bias
 
 
+def quantized_embedding(ids, weight, blocks: Blocks):
+    """The rows `ids` (n,) of weight (V, D), exported as GatherBlockQuantized on `blocks` (+ the
+    rows' mins): exact, whatever the accuracy level, and the same constant as a tied head's
+    MatMulNBits (`share_constants` keeps one copy)."""
+    import torch
+
+    V, D = blocks.shape
+    packed = torch.from_numpy(blocks.packed())                                      # (V, D / 32, 32 * bits / 8)
+    scales = torch.from_numpy(np.ascontiguousarray(blocks.scales[..., None]))         # (V, D / 32, 1)
+    mins = None if blocks.mins is None else torch.from_numpy(np.ascontiguousarray(blocks.mins[..., None]))
+
+    class Rows(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, i, w):
+            return torch.nn.functional.embedding(i, w)
+
+        @staticmethod
+        def symbolic(g, i, w):
+            y = g.op("com.microsoft::GatherBlockQuantized", g.op("Constant", value_t=packed), i,
+                     g.op("Constant", value_t=scales), gather_axis_i=0, quantize_axis_i=2, block_size_i=BLOCK,
+                     bits_i=blocks.bits)                                             # (n, D / 32, 32)
+            if mins is not None:
+                y = g.op("Add", y, g.op("Gather", g.op("Constant", value_t=mins), i, axis_i=0))
+            y = g.op("Reshape", y, g.op("Constant", value_t=torch.tensor([-1, D])))
+            return y.setType(w.type().with_sizes([None, D]))
+
+    return Rows.apply(ids, weight)
+
+
+def _embedding_module():
+    import torch
+
+    class QuantizedEmbedding(torch.nn.Module):
+        """An embedding that holds its GGUF blocks: traces as a lookup in the blocks dequantized,
+        exports as `quantized_embedding`; Gemma 3's `embed_scale` is kept."""
+
+        def __init__(self, blocks: Blocks, embed_scale=None):
+            super().__init__()
+            self.blocks = blocks
+            self.weight = torch.nn.Parameter(torch.from_numpy(blocks.dequantized()), requires_grad=False)
+            if embed_scale is not None:
+                self.register_buffer("embed_scale", embed_scale.clone(), persistent=False)
+
+        def forward(self, ids):
+            shape = ids.shape
+            y = quantized_embedding(ids.reshape(-1), self.weight, self.blocks).reshape(*shape, self.blocks.shape[1])
+            return y * self.embed_scale.to(y.dtype) if hasattr(self, "embed_scale") else y
+
+    return QuantizedEmbedding
+
+
 def _linear_module():
     import torch
 
@@ -150,17 +201,22 @@ def _match_rows(have: np.ndarray, want: np.ndarray) -> np.ndarray | None:
     return None if any(i is None for i in order) else np.array(order)
 
 
-# the types kept as blocks: 8-bit MatMulNBits has no fast kernel at accuracy level 0 on the CPU
-# (one 576 x 49,152 head, one row: 91.1 ms against fp32's 2.3 ms: benchmarks/matmulnbits.py), so
-# Q8_0 runs dequantized; at accuracy level 4 it is fast but not exact (int8 activations)
-KEPT = ("Q4_0", "Q4_1")
+# the types kept as blocks, by accuracy level: 8-bit MatMulNBits has no fast kernel at level 0
+# on the CPU (one 576 x 49,152 head, one row: 84 ms against fp32's 2.4 ms; at level 4, 0.7 ms:
+# benchmarks/matmulnbits.py), so at level 0 Q8_0 runs dequantized
+KEPT = {0: ("Q4_0", "Q4_1"), 4: ("Q4_0", "Q4_1", "Q8_0")}
+ACCURACY_LEVELS = tuple(KEPT)
+ACCURACY = 4                # the default level
+# an embedding's lookup is exact at any level (GatherBlockQuantized dequantizes the rows it takes)
+GATHERED = ("Q4_0", "Q4_1", "Q8_0")
 
 
-def quantize_linears(model, gguf_path: Path, accuracy: int = 0, kept=KEPT) -> dict:
+def quantize_linears(model, gguf_path: Path, accuracy: int = 0) -> dict:
     """Swap `model`'s linear layers (attention projections, MLP, the head) for `QuantizedLinear`
     modules holding the GGUF file's blocks, where the file stores them in a type MatMulNBits holds
-    and their dequantized rows are the model's own; returns {module: (GGUF name, type stored, type
-    run)} for the manifest, every linear layer listed."""
+    at `accuracy` and their dequantized rows are the model's own, and its input embedding for a
+    `QuantizedEmbedding` (on the head's blocks where the two are tied); returns {module: (GGUF
+    name, type stored, type run)} for the manifest, every linear layer and the embedding listed."""
     import gguf
     import torch
 
@@ -172,22 +228,40 @@ def quantize_linears(model, gguf_path: Path, accuracy: int = 0, kept=KEPT) -> di
     names = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)
     QuantizedLinear = _linear_module()
     report = {}
+    embedding = model.get_input_embeddings()
+    embed_name = next(n for n, m in model.named_modules() if m is embedding)
+    tied = None                                               # the head, where it is the embeddings
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear):
             continue
         key = names.get_name(name)
-        if name == "lm_head" and key not in tensors:          # tied to the embeddings
-            key = names.get_name("model.embed_tokens")
-        qtype, raw = tensors.get(key, (None, None))
-        if qtype not in kept:
-            report[name] = (key, qtype, "float32")
-            continue
-        blocks = read_blocks(qtype, raw)
-        order = _match_rows(blocks.dequantized(), module.weight.detach().float().numpy())
-        if order is None:
-            report[name] = (key, qtype, "float32 (rows differ from the model's)")
-            continue
-        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        setattr(parent, name.rpartition(".")[2], QuantizedLinear(blocks.rows(order), module.bias, accuracy))
-        report[name] = (key, qtype, f"MatMulNBits {blocks.bits}-bit" + (" + min term" if blocks.mins is not None else ""))
+        if name == "lm_head" and key not in tensors:
+            key, tied = names.get_name(embed_name), name
+        blocks, report[name] = _blocks_for(tensors, key, module.weight, KEPT[accuracy], "MatMulNBits")
+        if blocks is not None:
+            _swap(model, name, QuantizedLinear(blocks, module.bias, accuracy))
+    key = names.get_name(embed_name)
+    if tied is not None and not hasattr(model.get_submodule(tied), "blocks"):    # one fp32 copy for both
+        blocks, report[embed_name] = None, (key, tensors.get(key, (None,))[0], "float32 (tied to the head)")
+    else:
+        blocks, report[embed_name] = _blocks_for(tensors, key, embedding.weight, GATHERED, "GatherBlockQuantized")
+    if blocks is not None:
+        _swap(model, embed_name, _embedding_module()(blocks, getattr(embedding, "embed_scale", None)))
     return report
+
+
+def _blocks_for(tensors: dict, key: str, weight, kept, kind: str) -> tuple:
+    """(the file's blocks of `key` in the rows' order of `weight`, or None; the manifest's entry)."""
+    qtype, raw = tensors.get(key, (None, None))
+    if qtype not in kept:
+        return None, (key, qtype, "float32")
+    blocks = read_blocks(qtype, raw)
+    order = _match_rows(blocks.dequantized(), weight.detach().float().numpy())
+    if order is None:
+        return None, (key, qtype, "float32 (rows differ from the model's)")
+    return blocks.rows(order), (key, qtype, f"{kind} {blocks.bits}-bit" + (" + min term" if blocks.mins is not None else ""))
+
+
+def _swap(model, name: str, module) -> None:
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    setattr(parent, name.rpartition(".")[2], module)

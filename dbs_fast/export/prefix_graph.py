@@ -753,6 +753,40 @@ def share_tied_head(path: Path) -> int:
     return saved
 
 
+def share_constants(path: Path, least: int = 1024) -> int:
+    """The graph at `path` with each large constant written once: constants of the same type,
+    shape and bytes (a tied head's MatMulNBits and the embedding's GatherBlockQuantized on the same
+    blocks) become one. Returns the bytes saved."""
+    import hashlib
+
+    import onnx
+
+    g = onnx.load(str(path))
+    first, rename, drop = {}, {}, []
+    for node in g.graph.node:
+        if node.op_type != "Constant" or not node.attribute or not node.attribute[0].t.raw_data:
+            continue
+        t = node.attribute[0].t
+        if len(t.raw_data) < least:
+            continue
+        key = (t.data_type, tuple(t.dims), hashlib.sha1(t.raw_data).hexdigest())
+        if key in first:
+            rename[node.output[0]], _ = first[key], drop.append(node)
+        else:
+            first[key] = node.output[0]
+    if not drop:
+        return 0
+    saved = sum(len(n.attribute[0].t.raw_data) for n in drop)
+    for n in drop:
+        g.graph.node.remove(n)
+    for node in g.graph.node:
+        for k, name in enumerate(node.input):
+            if name in rename:
+                node.input[k] = rename[name]
+    save(g, path)
+    return saved
+
+
 LARGE = 1_800_000_000   # bytes of weights above which a graph keeps them in an external file
 
 
@@ -809,12 +843,12 @@ def export_prefix_decoder(model, path: Path, opset: int = 17, attention: str = "
     with torch.no_grad():
         torch.onnx.export(dec, tuple(args), str(path), input_names=ins, output_names=outs, dynamic_axes=axes,
                           opset_version=opset, dynamo=False, do_constant_folding=True)
-    saved = share_tied_head(path)
+    saved = share_tied_head(path) + share_constants(path)
     rope = {"rope": rope_kind(model)} if family(cfg) in ("llama", "gemma", "neox") else {}
     window = {"sliding_window": sliding_window(cfg), "window_masked": True} if sliding_window(cfg) else {}
     return {"graph": path.name, "family": family(cfg), "layers": L, "opset": opset, "attention": attention, **rope, **window,
             "inputs": "input_ids, position_ids, slot_row, row_slot, context_mask, context_beams, beam_slot, prefix_mask, chunk_mask, "
-                      "new_mask, context.L.key/value, prefix.L.key/value, chunk.L.key/value", "outputs": "logits, new.L.key/value", "tied_head_bytes_shared": saved}
+                      "new_mask, context.L.key/value, prefix.L.key/value, chunk.L.key/value", "outputs": "logits, new.L.key/value", "shared_bytes": saved}
 
 
 def to_float16(path: Path) -> dict:
