@@ -16,6 +16,35 @@ def _raw(qtype: str, N: int = 6, K: int = 96, seed: int = 0):
     return quantize(w, GGMLQuantizationType[qtype])
 
 
+def _random_blocks(qtype: str, N: int = 4, K: int = 512, seed: int = 0):
+    """Raw rows of `qtype` with random codes and scales (gguf-py quantizes no K-quant): any bytes
+    are blocks, once their fp16 scales are finite."""
+    from dbs_fast.export.gguf_weights import TYPES
+
+    _, size, per = TYPES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (N, K // per * size)).astype(np.uint8)
+    r = raw.reshape(-1, size)
+    for at in {"Q4_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2)}.get(qtype, (0,)):
+        r[:, at:at + 2] = (rng.random(len(r)) * 0.01 + 1e-3).astype(np.float16)[:, None].view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_every_block_type_reads_as_gguf_py_dequantizes_it_bit_for_bit(qtype):
+    """`read_blocks` on random blocks of each type gives gguf-py's (and so transformers') float32
+    weights exactly, so the rows match the model's by their bytes; Q6_K in blocks of 16."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from dbs_fast.export.gguf_weights import read_blocks
+
+    raw = _random_blocks(qtype)
+    b = read_blocks(qtype, raw)
+    np.testing.assert_array_equal(b.dequantized(), dequantize(raw, GGMLQuantizationType[qtype]))
+    assert b.block == (16 if qtype == "Q6_K" else 32) and b.shape == (4, 512)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_blocks_read_as_gguf_py_dequantizes_them(qtype):
     """`read_blocks` against gguf-py's own dequantization: codes, scales and the min term give the
@@ -38,7 +67,7 @@ def test_blocks_read_as_gguf_py_dequantizes_them(qtype):
         assert packed.shape == (6, 3, 32)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
 def test_a_quantized_linear_exports_as_matmulnbits_and_runs_the_product(qtype, tmp_path):
     """A linear layer holding its blocks, traced and exported: ONNX Runtime's MatMulNBits (plus, for
     Q4_1, the activations summed per block times the mins) computes x @ w.T of the dequantized
@@ -48,7 +77,7 @@ def test_a_quantized_linear_exports_as_matmulnbits_and_runs_the_product(qtype, t
 
     from dbs_fast.export.gguf_weights import Blocks, quantized_linear, read_blocks
 
-    parts = [read_blocks(qtype, _raw(qtype, N=n, seed=n)) for n in (6, 4)]
+    parts = [read_blocks(qtype, _random_blocks(qtype, N=n, K=256, seed=n)) for n in (6, 4)]
     blocks = Blocks.stack(parts)
     w = torch.from_numpy(blocks.dequantized())
 
@@ -56,19 +85,19 @@ def test_a_quantized_linear_exports_as_matmulnbits_and_runs_the_product(qtype, t
         def forward(self, x):
             return quantized_linear(x, w, None, blocks, 0)
 
-    x = torch.randn(5, 96)
+    x = torch.randn(5, 256)
     path = tmp_path / "layer.onnx"
     torch.onnx.export(Layer(), (x,), str(path), input_names=["x"], output_names=["y"],
                       dynamic_axes={"x": {0: "rows"}}, opset_version=17, dynamo=False)
     ops = [n.op_type for n in onnx.load(str(path)).graph.node]
-    assert "MatMulNBits" in ops and ("MatMul" in ops) == (qtype == "Q4_1")          # the min term's MatMul
+    assert "MatMulNBits" in ops and ("MatMul" in ops) == (qtype in ("Q4_1", "Q4_K"))     # the min term's MatMul
     y = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
     ref = x.numpy() @ np.concatenate([p.dequantized() for p in parts]).T
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
 
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
 def test_a_quantized_embedding_exports_as_gather_block_quantized_and_takes_exact_rows(qtype, tmp_path):
     """An embedding holding its blocks, exported: GatherBlockQuantized (plus, for Q4_1, the rows'
     mins) gives exactly the dequantized rows asked for, repeated and in any order."""
@@ -77,7 +106,7 @@ def test_a_quantized_embedding_exports_as_gather_block_quantized_and_takes_exact
 
     from dbs_fast.export.gguf_weights import quantized_embedding, read_blocks
 
-    blocks = read_blocks(qtype, _raw(qtype, N=10, K=64))
+    blocks = read_blocks(qtype, _random_blocks(qtype, N=10, K=256))
     w = torch.from_numpy(blocks.dequantized())
 
     class Lookup(torch.nn.Module):

@@ -26,22 +26,26 @@ from pathlib import Path
 
 import numpy as np
 
-BLOCK = 32
-# block type -> (bits, bytes per block of 32)
-TYPES = {"Q8_0": (8, 34), "Q4_0": (4, 18), "Q4_1": (4, 20)}
+# block type -> (bits of the codes MatMulNBits holds, bytes per block, weights per block)
+TYPES = {"Q8_0": (8, 34, 32), "Q4_0": (4, 18, 32), "Q4_1": (4, 20, 32), "Q5_0": (8, 22, 32),
+         "Q4_K": (4, 144, 256), "Q6_K": (8, 210, 256)}
 
 
 class Blocks:
-    """One weight (N, K) as MatMulNBits holds it: `codes` (N, K / 32, 32) uint8 (unpacked),
-    `scales` (N, K / 32) float32, `mins` (N, K / 32) float32 or None, `bits` 4 or 8; the zero point
-    is MatMulNBits' default, 2 ** (bits - 1)."""
+    """One weight (N, K) as MatMulNBits holds it: `codes` (N, K / B, B) uint8 (unpacked) in blocks
+    of B = 32 or 16 along K, `scales` (N, K / B) float32, `mins` (N, K / B) float32 or None, `bits`
+    4 or 8; the zero point is MatMulNBits' default, 2 ** (bits - 1)."""
 
     def __init__(self, codes, scales, mins, bits: int, qtype: str):
         self.codes, self.scales, self.mins, self.bits, self.qtype = codes, scales, mins, bits, qtype
 
     @property
+    def block(self) -> int:
+        return self.codes.shape[2]
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.codes.shape[1] * BLOCK
+        return self.codes.shape[0], self.codes.shape[1] * self.block
 
     def dequantized(self) -> np.ndarray:
         """(N, K) float32: the NumPy reference of what MatMulNBits (and the min term) compute with."""
@@ -52,7 +56,7 @@ class Blocks:
         return w.reshape(self.shape).astype(np.float32)
 
     def packed(self) -> np.ndarray:
-        """(N, K / 32, 32 * bits / 8) uint8: codes packed low-first along K, as MatMulNBits reads them."""
+        """(N, K / B, B * bits / 8) uint8: codes packed low-first along K, as MatMulNBits reads them."""
         if self.bits == 8:
             return np.ascontiguousarray(self.codes)
         return np.ascontiguousarray(self.codes[..., 0::2] | (self.codes[..., 1::2] << 4))
@@ -70,20 +74,53 @@ class Blocks:
 
 
 def read_blocks(qtype: str, raw: np.ndarray) -> Blocks:
-    """A GGUF tensor's raw rows (N, K / 32 * bytes per block) uint8 of type `qtype` as `Blocks`."""
-    bits, size = TYPES[qtype]
+    """A GGUF tensor's raw rows (N, K / per block * bytes per block) uint8 of type `qtype` as
+    `Blocks`, dequantizing to the same float32 as gguf-py (llama.cpp's layouts):
+
+        Q8_0   w = d * q, q int8                   -> 8-bit codes q + 128, scale d
+        Q4_0   w = d * (q - 8), q in 0..15         -> 4-bit codes q, scale d
+        Q4_1   w = d * q + m                       -> 4-bit codes q, scale d, min m + 8 d
+        Q5_0   w = d * (q - 16), q in 0..31        -> 8-bit codes q + 112, scale d
+        Q4_K   w = d sc_j * q - dmin m_j, per 32   -> 4-bit codes q, scale d sc_j, min 8 d sc_j - dmin m_j
+        Q6_K   w = d sc_j * (q - 32), per 16       -> 8-bit codes q + 96, scale d sc_j (blocks of 16)
+    """
+    bits, size, per = TYPES[qtype]
     N = raw.shape[0]
-    r = np.ascontiguousarray(raw).reshape(N, -1, size)
-    d = r[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    r = np.ascontiguousarray(raw).reshape(-1, size)                   # one row per block of `per`
+
+    def f16(b):
+        return b.copy().view(np.float16)[:, 0].astype(np.float32)
+
+    def nibbles(q, width):                                            # low nibbles of `width` bytes, then high
+        q = q.reshape(len(q), -1, 1, width) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        return (q & 15).reshape(len(q), -1)
+
+    mins = None
     if qtype == "Q8_0":
-        codes = (r[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return Blocks(codes, d, None, bits, qtype)
-    qs = r[..., 4:] if qtype == "Q4_1" else r[..., 2:]
-    codes = np.concatenate([qs & 15, qs >> 4], axis=-1)        # llama.cpp: low nibbles first, then high
-    if qtype == "Q4_0":
-        return Blocks(codes, d, None, bits, qtype)
-    m = r[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    return Blocks(codes, d, m + 8 * d, bits, qtype)
+        codes, scales = (r[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), f16(r[:, :2])
+    elif qtype in ("Q4_0", "Q4_1"):
+        d, qs = f16(r[:, :2]), r[:, 4:] if qtype == "Q4_1" else r[:, 2:]
+        codes, scales = nibbles(qs, 16), d
+        mins = None if qtype == "Q4_0" else f16(r[:, 2:4]) + 8 * d
+    elif qtype == "Q5_0":
+        high = (r[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+        codes, scales = (nibbles(r[:, 6:], 16) | (high.astype(np.uint8) << 4)) + 112, f16(r[:, :2])
+    elif qtype == "Q4_K":
+        from gguf.quants import Q4_K
+
+        sc, m = Q4_K.get_scale_min(r[:, 4:16])
+        scales = (f16(r[:, :2])[:, None] * sc.astype(np.float32)).reshape(-1)
+        mins = 8 * scales - (f16(r[:, 2:4])[:, None] * m.astype(np.float32)).reshape(-1)
+        codes = nibbles(r[:, 16:], 32)
+    else:                                                             # Q6_K
+        low = nibbles(r[:, :128], 64).reshape(len(r), -1, 32)
+        q = r[:, 128:192].reshape(len(r), -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        codes = (low | ((q & 3).reshape(len(r), -1, 32) << 4)) + 96
+        scales = (f16(r[:, 208:210])[:, None] * r[:, 192:208].view(np.int8).astype(np.float32)).reshape(-1)
+    block = 16 if qtype == "Q6_K" else 32
+    shaped = (N, -1)
+    return Blocks(np.ascontiguousarray(codes, np.uint8).reshape(N, -1, block), np.asarray(scales, np.float32).reshape(shaped),
+                  None if mins is None else np.asarray(mins, np.float32).reshape(shaped), bits, qtype)
 
 
 def gguf_tensors(path: Path) -> dict:
@@ -97,7 +134,7 @@ def quantized_linear(x, weight, bias, blocks: Blocks, accuracy: int):
     """x (M, K) @ weight.T (+ bias), exported as MatMulNBits on `blocks` (+ the min term)."""
     import torch
 
-    N, K = blocks.shape
+    (N, K), B = blocks.shape, blocks.block
     packed, scales = torch.from_numpy(blocks.packed()), torch.from_numpy(blocks.scales.reshape(-1).copy())
     mins = None if blocks.mins is None else torch.from_numpy(np.ascontiguousarray(blocks.mins.T))  # (K/32, N)
 
@@ -109,10 +146,10 @@ def quantized_linear(x, weight, bias, blocks: Blocks, accuracy: int):
         @staticmethod
         def symbolic(g, a, w):
             y = g.op("com.microsoft::MatMulNBits", a, g.op("Constant", value_t=packed),
-                     g.op("Constant", value_t=scales), K_i=K, N_i=N, bits_i=blocks.bits, block_size_i=BLOCK,
+                     g.op("Constant", value_t=scales), K_i=K, N_i=N, bits_i=blocks.bits, block_size_i=B,
                      accuracy_level_i=accuracy)
             if mins is not None:            # sum over each block of 32 activations, times the block's min
-                sums = g.op("ReduceSum", g.op("Reshape", a, g.op("Constant", value_t=torch.tensor([-1, K // BLOCK, BLOCK]))),
+                sums = g.op("ReduceSum", g.op("Reshape", a, g.op("Constant", value_t=torch.tensor([-1, K // B, B]))),
                             g.op("Constant", value_t=torch.tensor([2])), keepdims_i=0)
                 y = g.op("Add", y, g.op("MatMul", sums, g.op("Constant", value_t=mins)))
             return y.setType(a.type().with_sizes([None, N]))
@@ -140,7 +177,7 @@ def quantized_embedding(ids, weight, blocks: Blocks):
         @staticmethod
         def symbolic(g, i, w):
             y = g.op("com.microsoft::GatherBlockQuantized", g.op("Constant", value_t=packed), i,
-                     g.op("Constant", value_t=scales), gather_axis_i=0, quantize_axis_i=2, block_size_i=BLOCK,
+                     g.op("Constant", value_t=scales), gather_axis_i=0, quantize_axis_i=2, block_size_i=blocks.block,
                      bits_i=blocks.bits)                                             # (n, D / 32, 32)
             if mins is not None:
                 y = g.op("Add", y, g.op("Gather", g.op("Constant", value_t=mins), i, axis_i=0))
@@ -201,14 +238,19 @@ def _match_rows(have: np.ndarray, want: np.ndarray) -> np.ndarray | None:
     return None if any(i is None for i in order) else np.array(order)
 
 
-# the types kept as blocks, by accuracy level: 8-bit MatMulNBits has no fast kernel at level 0
-# on the CPU (one 576 x 49,152 head, one row: 84 ms against fp32's 2.4 ms; at level 4, 0.7 ms:
-# benchmarks/matmulnbits.py), so at level 0 Q8_0 runs dequantized
-KEPT = {0: ("Q4_0", "Q4_1"), 4: ("Q4_0", "Q4_1", "Q8_0")}
+# the types kept as blocks, by accuracy level: 8-bit MatMulNBits (Q8_0, and Q5_0 and Q6_K in 8-bit
+# containers) has no fast kernel at level 0 on the CPU (one 576 x 49,152 head, one row: 84 ms
+# against fp32's 2.4 ms; at level 4, 0.7 ms: benchmarks/matmulnbits.py), so at level 0 they run
+# dequantized
+KEPT = {0: ("Q4_0", "Q4_1", "Q4_K"), 4: ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q6_K")}
 ACCURACY_LEVELS = tuple(KEPT)
 ACCURACY = 4                # the default level
 # an embedding's lookup is exact at any level (GatherBlockQuantized dequantizes the rows it takes)
-GATHERED = ("Q4_0", "Q4_1", "Q8_0")
+GATHERED = tuple(TYPES)
+
+
+# transformers' model types whose GGUF architecture is named otherwise
+ARCH_NAMES = {"gemma3_text": "gemma3"}
 
 
 def quantize_linears(model, gguf_path: Path, accuracy: int = 0) -> dict:
@@ -222,7 +264,7 @@ def quantize_linears(model, gguf_path: Path, accuracy: int = 0) -> dict:
 
     tensors = gguf_tensors(gguf_path)
     archs = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
-    arch = archs.get(model.config.model_type)
+    arch = archs.get(ARCH_NAMES.get(model.config.model_type, model.config.model_type))
     if arch is None:
         return {}
     names = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)

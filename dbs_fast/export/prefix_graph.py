@@ -434,13 +434,16 @@ def _mlp(mlp, x):
 def _packed(x, projs):
     """x through the linear layers `projs` (the same input) as one projection, their outputs side by
     side: one MatMul on the weights stacked, or one MatMulNBits on a GGUF's blocks stacked where
-    each layer holds them (`export/gguf_weights.py`)."""
+    each layer holds blocks of one form (`export/gguf_weights.py`), or each on its own where their
+    forms differ (Gemma's Q4_K_M file mixes types within a layer)."""
     import torch
 
     w = torch.cat([p.weight for p in projs])
     b = None if projs[0].bias is None else torch.cat([p.bias for p in projs])
     blocks = [getattr(p, "blocks", None) for p in projs]
-    if all(q is not None for q in blocks) and len({(q.qtype, q.bits) for q in blocks}) == 1:
+    if all(q is not None for q in blocks):
+        if len({(q.bits, q.block, q.mins is None) for q in blocks}) > 1:
+            return torch.cat([p(x) for p in projs], dim=-1)
         from .gguf_weights import Blocks, quantized_linear
 
         return quantized_linear(x, w, b, Blocks.stack(blocks), projs[0].accuracy)
@@ -754,37 +757,50 @@ def share_tied_head(path: Path) -> int:
 
 
 def share_constants(path: Path, least: int = 1024) -> int:
-    """The graph at `path` with each large constant written once: constants of the same type,
-    shape and bytes (a tied head's MatMulNBits and the embedding's GatherBlockQuantized on the same
-    blocks) become one. Returns the bytes saved."""
+    """The graph at `path` with each large constant written once: constants of the same type and
+    bytes (a tied head's MatMulNBits and the embedding's GatherBlockQuantized on the same blocks
+    and scales) become one, read through a Reshape where their shapes differ. Returns the bytes
+    saved."""
     import hashlib
 
+    import numpy as np
     import onnx
+    from onnx import helper, numpy_helper
 
     g = onnx.load(str(path))
-    first, rename, drop = {}, {}, []
+    first, repeats = {}, []
     for node in g.graph.node:
         if node.op_type != "Constant" or not node.attribute or not node.attribute[0].t.raw_data:
             continue
         t = node.attribute[0].t
         if len(t.raw_data) < least:
             continue
-        key = (t.data_type, tuple(t.dims), hashlib.sha1(t.raw_data).hexdigest())
+        key = (t.data_type, hashlib.sha1(t.raw_data).hexdigest())
         if key in first:
-            rename[node.output[0]], _ = first[key], drop.append(node)
+            repeats.append((node, first[key]))
         else:
-            first[key] = node.output[0]
-    if not drop:
+            first[key] = node
+    if not repeats:
         return 0
-    saved = sum(len(n.attribute[0].t.raw_data) for n in drop)
-    for n in drop:
-        g.graph.node.remove(n)
+    rename = {}
+    for node, kept in repeats:
+        dims = list(node.attribute[0].t.dims)
+        if dims == list(kept.attribute[0].t.dims):
+            rename[node.output[0]] = kept.output[0]
+            g.graph.node.remove(node)
+            continue
+        at = list(g.graph.node).index(node)
+        shape = node.output[0] + "_shape"
+        g.graph.node.remove(node)
+        g.graph.node.insert(at, helper.make_node("Reshape", [kept.output[0], shape], [node.output[0]]))
+        g.graph.node.insert(at, helper.make_node("Constant", [], [shape],
+                                                 value=numpy_helper.from_array(np.array(dims, np.int64))))
     for node in g.graph.node:
         for k, name in enumerate(node.input):
             if name in rename:
                 node.input[k] = rename[name]
     save(g, path)
-    return saved
+    return sum(len(n.attribute[0].t.raw_data) for n, _ in repeats)
 
 
 LARGE = 1_800_000_000   # bytes of weights above which a graph keeps them in an external file
