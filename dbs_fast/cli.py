@@ -78,9 +78,11 @@ def _add_export(sub):
                    help="fp16: the decode graph in float16 with one attention per candidate over its own keys, "
                         "for --provider cuda (model.onnx stays fp32); default %(default)s")
     p.add_argument("--weights", choices=["fp32", "gguf"], default=None,
-                   help="gguf: keep a GGUF file's 4-bit blocks (Q4_0, Q4_1) in the decode graph as ONNX Runtime's "
-                        "MatMulNBits, exact, instead of fp32 copies (other types run in fp32); default gguf for a "
-                        "GGUF file (the embedded models too) without --quantize or --dtype fp16, else fp32")
+                   help="gguf: keep a GGUF file's blocks (Q4_0, Q4_1, Q4_K; Q8_0, Q5_0, Q6_K at --accuracy-level 4) "
+                        "in the decode graph as ONNX Runtime's MatMulNBits and the embeddings as "
+                        "GatherBlockQuantized, instead of fp32 copies (other types run in fp32), and leave out "
+                        "model.onnx unless --row-layout; default gguf for a GGUF file (the embedded models too) "
+                        "without --quantize or --dtype fp16, else fp32")
     p.add_argument("--accuracy-level", type=int, choices=ACCURACY_LEVELS, default=None,
                    help="with --weights gguf, MatMulNBits' accuracy level: 0 computes on the blocks in fp32, exact "
                         "(Q8_0 then runs in fp32, which has no fast 8-bit kernel at level 0); 4 quantizes the "

@@ -579,8 +579,11 @@ def _rotary(model, h, pos, dims: Dims, emb=None):
             return out if r == d else torch.cat([out, y[..., r:]], dim=-1)
 
         return partial
-    P = model.config.max_position_embeddings
-    tc, ts = (t[0, :, :d // 2].contiguous() for t in emb(h, torch.arange(P)[None]))
+    # the angles of positions 0..max(pos) computed in the graph, not a (max_positions, d/2) table
+    # stored in it (Gemma 3's four: 67 MB); the same float32 product as transformers' rotary module
+    angles = torch.arange(pos.max() + 1)[:, None].float() * emb.inv_freq.float()[None, :]
+    scaling = float(getattr(emb, "attention_scaling", 1.0))
+    tc, ts = angles.cos() * scaling, angles.sin() * scaling
 
     class Rotary(torch.autograd.Function):
         @staticmethod
