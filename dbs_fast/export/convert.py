@@ -201,10 +201,31 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     model.config.save_pretrained(str(work))
     for junk in ("_checkpoint", "_onnx", "_opt", "_q"):
         shutil.rmtree(work / junk, ignore_errors=True)
+    manifest = {**_describe(src, config, model, tok, work), "dtype": {None: "float32", "int8": "int8-dynamic",
+                                                                      "int8-block": "int8-block"}[quantize],
+                "external_data": large, "steps": steps, "attention_fusion": report_fuse, "optimize": report_opt,
+                "quantize": report_q, "tokenizer": tokenizer_note, "files": _files(work), "versions": _versions()}
+    mode = "int8" if quantize else ("optimize" if "optimize" in steps else "fp32")
+    _check_parity(model, work, manifest, mode, src.name, t0, quiet)
+    manifest["prefix_decode"] = _prefix_decode(model, work, quantize, quiet, dtype=dtype,
+                                               gguf=Path(src.path) / src.gguf_file if weights == "gguf" else None,
+                                               accuracy=accuracy)
+    if weights == "gguf" and manifest["prefix_decode"]["written"] and not row_layout:
+        (work / "model.onnx").unlink()
+        manifest["onnx"] = None
+    manifest["files"] = _files(work)
+    (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _describe(src: Source, config, model, tok, work: Path) -> dict:
+    """The manifest's description of the model exported to `work`/model.onnx: its source, its
+    sizes (the KV heads and head size as the graph takes them), its end tokens."""
     import onnxruntime as ort
+
     past = next(i for i in ort.InferenceSession(str(work / "model.onnx")).get_inputs()
                 if i.name.startswith("past_key_values."))
-    manifest = {
+    return {
         "format_version": EXPORT_FORMAT_VERSION,
         "source": src.name,
         "gguf_file": src.gguf_file,
@@ -219,29 +240,9 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
         "hidden_size": int(config.hidden_size),
         "max_positions": int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0)),
         "eos_token_ids": _eos_ids(model, tok),
-        "dtype": {None: "float32", "int8": "int8-dynamic", "int8-block": "int8-block"}[quantize],
         "opset": _opset(work / "model.onnx"),
         "onnx": "model.onnx",
-        "external_data": large,
-        "steps": steps,
-        "attention_fusion": report_fuse,
-        "optimize": report_opt,
-        "quantize": report_q,
-        "tokenizer": tokenizer_note,
-        "files": _files(work),
-        "versions": _versions(),
     }
-    mode = "int8" if quantize else ("optimize" if "optimize" in steps else "fp32")
-    _check_parity(model, work, manifest, mode, src.name, t0, quiet)
-    manifest["prefix_decode"] = _prefix_decode(model, work, quantize, quiet, dtype=dtype,
-                                               gguf=Path(src.path) / src.gguf_file if weights == "gguf" else None,
-                                               accuracy=accuracy)
-    if weights == "gguf" and manifest["prefix_decode"]["written"] and not row_layout:
-        (work / "model.onnx").unlink()
-        manifest["onnx"] = None
-    manifest["files"] = _files(work)
-    (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return manifest
 
 
 def _check_parity(model, work: Path, manifest: dict, mode: str, name: str, t0: float, quiet: bool) -> None:
