@@ -69,10 +69,10 @@ def _add_export(sub):
                                                   "or a hub id where the hub is reachable")
     p.add_argument("--out", required=True, help="output directory (refused if it exists, unless --force)")
     p.add_argument("--optimize", action="store_true", help="onnxruntime transformer graph fusions")
-    p.add_argument("--quantize", choices=["int8", "int8-block", "auto"],
+    p.add_argument("--quantize", choices=["int8", "int8-block", "int4-block", "auto"],
                    help="int8: dynamic (fastest; fails parity on outlier-heavy models such as the default); "
-                        "int8-block: weight-only 8-bit blocks of 32 (MatMul layers only); auto: exports fp32, int8 "
-                        "and int8-block, times a decode step of each that passes parity on this CPU and keeps "
+                        "int8-block: weight-only 8-bit blocks of 32 (MatMul layers only); int4-block: the same in 4 bits; "
+                        "auto: exports fp32, int8 and int8-block, times a decode step of each that passes parity on this CPU and keeps "
                         "the fastest (fp32 unless a quantised one is 5%% faster)")
     p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32",
                    help="fp16: the decode graph in float16 with one attention per candidate over its own keys, "

@@ -41,7 +41,10 @@ def test_quantized_and_optimized_export(checkpoints, tmp_path):
     assert q["parity"]["passed"] and q["parity"]["mode"] == "int8"
     qb = export_model(str(checkpoints["llama"]), tmp_path / "qb", quantize="int8-block", quiet=True)
     assert qb["dtype"] == "int8-block" and qb["quantize"]["quantized_nodes"] > 0 and qb["parity"]["passed"]
-    for m in (q, qb):       # the decode graph, quantised the same way, within int8 parity of model.onnx
+    q4 = export_model(str(checkpoints["llama"]), tmp_path / "q4", quantize="int4-block", quiet=True)
+    assert q4["dtype"] == "int4-block" and q4["quantize"]["weight_type"] == "int4" and q4["parity"]["passed"]
+    assert q4["files"]["model.onnx"] < qb["files"]["model.onnx"]
+    for m in (q, qb, q4):       # the decode graph, quantised the same way, within int8 parity of model.onnx
         assert m["prefix_decode"]["written"] and m["prefix_decode"]["mean_kl"] < 0.1 and m["prefix_decode"]["quantize"]
     _check_cuda_fallback(tmp_path / "q", tmp_path / "qb")
     gq = export_model(str(checkpoints["gpt2"]), tmp_path / "gq", quantize="int8", quiet=True)
@@ -505,7 +508,7 @@ def _tiny_llama_gguf(path, qtype: str | None = None, tied: bool = False):
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(len(pieces))
-    w.add_file_type(0 if qtype is None else {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}[qtype])
+    w.add_file_type(0 if qtype is None else {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8}[qtype])
     _add_vocab(w, pieces, scores, types)
     sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
 
@@ -566,7 +569,8 @@ BLOCK_CASES = {("Q4_0", True, 0): ("MatMulNBits 4-bit", "GatherBlockQuantized 4-
                ("Q4_1", False, 0): ("MatMulNBits 4-bit + min term", "GatherBlockQuantized 4-bit + min term"),
                ("Q8_0", False, 0): ("float32", "GatherBlockQuantized 8-bit"),
                ("Q8_0", True, 0): ("float32", "float32 (tied to the head)"),
-               ("Q8_0", True, 4): ("MatMulNBits 8-bit", "GatherBlockQuantized 8-bit")}
+               ("Q8_0", True, 4): ("MatMulNBits 8-bit", "GatherBlockQuantized 8-bit"),
+               ("Q5_0", False, 4): ("MatMulNBits 8-bit", "GatherBlockQuantized 8-bit")}
 
 
 @pytest.mark.parametrize("case", list(BLOCK_CASES), ids=lambda c: f"{c[0]}-{'tied' if c[1] else 'untied'}-level{c[2]}")
@@ -589,9 +593,9 @@ def test_a_quantized_gguf_file_keeps_its_blocks_in_the_decode_graph(case, tmp_pa
     pd = m["prefix_decode"]
     assert pd["written"] and pd["weights"]["accuracy_level"] == level, pd
     tensors = pd["weights"]["tensors"]
-    run = "MatMulNBits 4-bit" + (" + min term" if qtype == "Q4_1" else "") if qtype != "Q8_0" or level else "float32"
-    assert tensors["model.layers.1.mlp.down_proj"] == {"gguf": "blk.1.ffn_down", "stored": qtype,
-                                                       "run": run.replace("4-bit", "8-bit") if qtype == "Q8_0" else run}
+    eight = qtype in ("Q8_0", "Q5_0")
+    run = "float32" if eight and not level else f"MatMulNBits {8 if eight else 4}-bit" + (" + min term" * (qtype == "Q4_1"))
+    assert tensors["model.layers.1.mlp.down_proj"] == {"gguf": "blk.1.ffn_down", "stored": qtype, "run": run}
     head, embedding = BLOCK_CASES[case]
     assert (tensors["lm_head"]["run"], tensors["model.embed_tokens"]["run"]) == (head, embedding)
     assert pd["max_abs_logit_diff"] < 1e-3 if level == 0 else pd["mean_kl"] < 0.1

@@ -201,8 +201,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     model.config.save_pretrained(str(work))
     for junk in ("_checkpoint", "_onnx", "_opt", "_q"):
         shutil.rmtree(work / junk, ignore_errors=True)
-    manifest = {**_describe(src, config, model, tok, work), "dtype": {None: "float32", "int8": "int8-dynamic",
-                                                                      "int8-block": "int8-block"}[quantize],
+    manifest = {**_describe(src, config, model, tok, work), "dtype": {None: "float32", "int8": "int8-dynamic"}.get(quantize, quantize),
                 "external_data": large, "steps": steps, "attention_fusion": report_fuse, "optimize": report_opt,
                 "quantize": report_q, "tokenizer": tokenizer_note, "files": _files(work), "versions": _versions()}
     mode = "int8" if quantize else ("optimize" if "optimize" in steps else "fp32")
@@ -286,7 +285,7 @@ def _quantised_from(fp32: Path, work: Path, method: str, model, quiet: bool) -> 
     _log(f"quantising weights ({method}) from the fp32 export", quiet)
     report_q = run_quantize(fp32 / "model.onnx", work / "model.onnx", method)
     manifest = {k: v for k, v in base.items() if k not in ("parity", "prefix_decode", "quantize_auto")}
-    manifest.update(dtype={"int8": "int8-dynamic", "int8-block": "int8-block"}[method],
+    manifest.update(dtype={"int8": "int8-dynamic"}.get(method, method),
                     steps=base["steps"] + ["quantize"], quantize=report_q, files=_files(work))
     _check_parity(model, work, manifest, "int8", base["source"], t0, quiet)
     fp32_decode = fp32 / DECODE_GRAPH if base.get("prefix_decode", {}).get("written") else None

@@ -1,4 +1,4 @@
-"""int8 weights, two ways (ONNX Runtime's quantisation tools).
+"""Quantised weights, three ways (ONNX Runtime's quantisation tools).
 
 `int8`: dynamic quantisation (`quantize_dynamic`): int8 weights per tensor, activations
 quantised to uint8 per tensor at run time, integer GEMM (DynamicQuantizeMatMul). The fastest
@@ -11,12 +11,18 @@ SmolLM2-135M (the embedded default) gets mean KL 1.2 nats and fails parity.
 accuracy_level 4: activations quantised per block at run time). Mean KL 0.018 on the default;
 slower (230 GFLOP/s at the same shape on the Xeon). MatMul nodes only: Gemm-based graphs (GPT-2) keep
 their Gemm layers in fp32.
+
+`int4-block`: the same in 4 bits (round to nearest, symmetric, blocks of 32): half the bytes of
+int8-block, for checkpoints that come with no quantisation of their own (a GGUF file's own blocks
+are kept as they are: `export/gguf_weights.py`).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-METHODS = ("int8", "int8-block")
+METHODS = ("int8", "int8-block", "int4-block")
+BITS = {"int8-block": 8, "int4-block": 4}
+TIMED = ("int8", "int8-block")      # what `auto` times against fp32
 AUTO = "auto"   # every quantisation that passes parity, timed on this host: the fastest is kept (`choose`)
 # a quantised export must beat fp32 by this much to be chosen: fp32 is the more accurate, and step
 # times of one run on a shared 2-core machine move by a few per cent
@@ -29,7 +35,7 @@ def plan(method: str | None) -> list[str | None]:
     Which one wins depends on the CPU, not only on its ISA flags: ORT's int8 GEMM ran at 3.5x fp32
     on a Xeon with VNNI/AMX (590 vs 170 GFLOP/s), 1.9x on an AMD EPYC (Zen 3) with AVX2 only
     (255 vs 133, `dbs-fast bench`'s roofline), and 1.07x on another AVX2-only EPYC (77 vs 72)."""
-    return [None, *METHODS] if method == AUTO else [method]
+    return [None, *TIMED] if method == AUTO else [method]
 
 
 def choose(step_seconds: dict[str | None, float], margin: float = MARGIN) -> str | None:
@@ -100,22 +106,22 @@ def quantize_int8(src: Path, dst: Path) -> dict:
     return {"method": "onnxruntime.quantize_dynamic", "weight_type": "int8", "ops": ["MatMul", "Gemm"]}
 
 
-def quantize_int8_block(src: Path, dst: Path, block_size: int = 32) -> dict:
+def quantize_block(src: Path, dst: Path, bits: int = 8, block_size: int = 32) -> dict:
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from .prefix_graph import LARGE
 
-    q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=8, block_size=block_size, is_symmetric=True,
+    q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=bits, block_size=block_size, is_symmetric=True,
                              accuracy_level=4, op_types_to_quantize=("MatMul",))
     q.process()
     n = sum(1 for node in q.model.model.graph.node if node.op_type == "MatMulNBits")
     large = sum(t.ByteSize() for t in q.model.model.graph.initializer) > LARGE
     q.model.save_model_to_file(str(dst), use_external_data_format=large)
-    return {"method": "onnxruntime MatMulNBits (weight-only)", "weight_type": "int8", "block_size": block_size,
+    return {"method": "onnxruntime MatMulNBits (weight-only)", "weight_type": f"int{bits}", "block_size": block_size,
             "accuracy_level": 4, "ops": ["MatMul"], "quantized_nodes": n}
 
 
 def quantize(src: Path, dst: Path, method: str) -> dict:
-    return quantize_int8(src, dst) if method == "int8" else quantize_int8_block(src, dst)
+    return quantize_int8(src, dst) if method == "int8" else quantize_block(src, dst, BITS[method])
 
