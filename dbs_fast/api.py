@@ -65,7 +65,7 @@ class DirectedBeamSearch:
         if schedule not in SCHEDULES:
             raise DBSError.about("schedule", f"must be one of {SCHEDULES}", schedule)
         self.config, self.schedule = config or DBSConfig(), schedule
-        self.model_dir = resolve_model_dir(model, quiet)
+        self.model_dir = resolve_model_dir(model, quiet, row_layout=kv_layout == "rows")
         self.manifest = read_manifest(self.model_dir)
         set_threads(threads, sleep_when_idle=backend != "torch")
         self.decoder = None
@@ -131,7 +131,7 @@ class DirectedBeamSearch:
         if scorer == "self":
             return SelfScorer()
 
-        model_dir = resolve_model_dir(scorer)
+        model_dir = resolve_model_dir(scorer, row_layout=kv_layout == "rows")
         decoder = self._decoder(model_dir, kv_layout, provider, threads)
         return OnnxScorer(OnnxModel(model_dir, provider, threads, lazy=decoder is not None), self.backend.tokenizer,
                           decoder)

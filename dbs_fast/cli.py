@@ -233,7 +233,8 @@ def _run_generate(a) -> int:
     from .preflight import preflight
 
     parse_constraints(a.keywords, a.ban)       # bad keywords and sizes fail before the model loads
-    preflight(resolve_model_dir(a.model, quiet=fmt == "json"), cfg, a.context, kv_layout=a.kv_layout)
+    preflight(resolve_model_dir(a.model, quiet=fmt == "json", row_layout=a.kv_layout == "rows"), cfg, a.context,
+              kv_layout=a.kv_layout)
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, backend=a.backend,
                              provider=a.provider, threads=a.threads, subword_fallback=a.subword_fallback,
                              quiet=fmt == "json", kv_layout=a.kv_layout, schedule=a.schedule)
