@@ -201,7 +201,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     model.config.save_pretrained(str(work))
     for junk in ("_checkpoint", "_onnx", "_opt", "_q"):
         shutil.rmtree(work / junk, ignore_errors=True)
-    manifest = {**_describe(src, config, model, tok, work), "dtype": {None: "float32", "int8": "int8-dynamic"}.get(quantize, quantize),
+    manifest = {**_describe(src, config, model, tok, work), "dtype": _dtype(quantize),
                 "external_data": large, "steps": steps, "attention_fusion": report_fuse, "optimize": report_opt,
                 "quantize": report_q, "tokenizer": tokenizer_note, "files": _files(work), "versions": _versions()}
     mode = "int8" if quantize else ("optimize" if "optimize" in steps else "fp32")
@@ -215,6 +215,11 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     manifest["files"] = _files(work)
     (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def _dtype(quantize: str | None) -> str:
+    """The manifest's dtype of an export quantised by `quantize` (None: fp32)."""
+    return {None: "float32", "int8": "int8-dynamic"}.get(quantize, quantize)
 
 
 def _describe(src: Source, config, model, tok, work: Path) -> dict:
@@ -285,7 +290,7 @@ def _quantised_from(fp32: Path, work: Path, method: str, model, quiet: bool) -> 
     _log(f"quantising weights ({method}) from the fp32 export", quiet)
     report_q = run_quantize(fp32 / "model.onnx", work / "model.onnx", method)
     manifest = {k: v for k, v in base.items() if k not in ("parity", "prefix_decode", "quantize_auto")}
-    manifest.update(dtype={"int8": "int8-dynamic"}.get(method, method),
+    manifest.update(dtype=_dtype(method),
                     steps=base["steps"] + ["quantize"], quantize=report_q, files=_files(work))
     _check_parity(model, work, manifest, "int8", base["source"], t0, quiet)
     fp32_decode = fp32 / DECODE_GRAPH if base.get("prefix_decode", {}).get("written") else None
@@ -555,9 +560,9 @@ def ensure_embedded(name: str = "default", quiet: bool = False, row_layout: bool
     elif not current_export(d):
         _log(f"the export of {name!r} in {d} is of another format version than this dbs-fast reads "
              f"({EXPORT_FORMAT_VERSION}): exporting it again (once)", quiet)
-    elif _decode_graph_due(d, row_layout):
-        _log(f"the export of {name!r} in {d} is not what this version writes ({_decode_graph_due(d, row_layout)}): "
-             f"exporting it again (once)", quiet)
+    elif why := _decode_graph_due(d, row_layout):
+        _log(f"the export of {name!r} in {d} is not what this version writes ({why}): exporting it again (once)",
+             quiet)
     else:
         return d
     export_model(name, d, force=d.exists(), quiet=quiet, row_layout=row_layout)

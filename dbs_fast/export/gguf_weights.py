@@ -161,7 +161,7 @@ def quantized_linear(x, weight, bias, blocks: Blocks, accuracy: int):
 def quantized_embedding(ids, weight, blocks: Blocks):
     """The rows `ids` (n,) of weight (V, D), exported as GatherBlockQuantized on `blocks` (+ the
     rows' mins): exact, whatever the accuracy level, and the same constant as a tied head's
-    MatMulNBits (`share_constants` keeps one copy)."""
+    MatMulNBits (`prefix_graph.share_constants` keeps one copy)."""
     import torch
 
     V, D = blocks.shape
@@ -283,8 +283,11 @@ def quantize_linears(model, gguf_path: Path, accuracy: int = 0) -> dict:
         if blocks is not None:
             _swap(model, name, QuantizedLinear(blocks, module.bias, accuracy))
     key = names.get_name(embed_name)
-    if tied is not None and not hasattr(model.get_submodule(tied), "blocks"):    # one fp32 copy for both
+    head = None if tied is None else getattr(model.get_submodule(tied), "blocks", False)
+    if head is False:                                         # a tied head in fp32: one copy for both
         blocks, report[embed_name] = None, (key, tensors.get(key, (None,))[0], "float32 (tied to the head)")
+    elif head is not None:                                    # the head's blocks, read and matched once
+        blocks, report[embed_name] = head, (key, head.qtype, _run_as("GatherBlockQuantized", head))
     else:
         blocks, report[embed_name] = _blocks_for(tensors, key, embedding.weight, GATHERED, "GatherBlockQuantized")
     if blocks is not None:
@@ -301,7 +304,12 @@ def _blocks_for(tensors: dict, key: str, weight, kept, kind: str) -> tuple:
     order = _match_rows(blocks.dequantized(), weight.detach().float().numpy())
     if order is None:
         return None, (key, qtype, "float32 (rows differ from the model's)")
-    return blocks.rows(order), (key, qtype, f"{kind} {blocks.bits}-bit" + (" + min term" if blocks.mins is not None else ""))
+    return blocks.rows(order), (key, qtype, _run_as(kind, blocks))
+
+
+def _run_as(kind: str, blocks: Blocks) -> str:
+    """The manifest's "run" of a tensor kept as blocks."""
+    return f"{kind} {blocks.bits}-bit" + (" + min term" if blocks.mins is not None else "")
 
 
 def _swap(model, name: str, module) -> None:

@@ -438,12 +438,12 @@ def _packed(x, projs):
     forms differ (Gemma's Q4_K_M file mixes types within a layer)."""
     import torch
 
+    blocks = [getattr(p, "blocks", None) for p in projs]
+    if all(q is not None for q in blocks) and len({(q.bits, q.block, q.mins is None) for q in blocks}) > 1:
+        return torch.cat([p(x) for p in projs], dim=-1)
     w = torch.cat([p.weight for p in projs])
     b = None if projs[0].bias is None else torch.cat([p.bias for p in projs])
-    blocks = [getattr(p, "blocks", None) for p in projs]
     if all(q is not None for q in blocks):
-        if len({(q.bits, q.block, q.mins is None) for q in blocks}) > 1:
-            return torch.cat([p(x) for p in projs], dim=-1)
         from .gguf_weights import Blocks, quantized_linear
 
         return quantized_linear(x, w, b, Blocks.stack(blocks), projs[0].accuracy)
@@ -724,19 +724,28 @@ def _logits(model, h, dims):
     return torch.nn.functional.linear(last, head.weight, head.bias)
 
 
-def share_tied_head(path: Path) -> int:
-    """The exporter writes a head tied to the embeddings as MatMul on a transposed copy of them
-    (113 MB more on the default, 257 MB on GPT-2 large): make it Gemm(transB=1) on the
-    embeddings themselves. Returns the bytes saved (0: nothing tied). A graph over protobuf's
-    2 GB (GPT-2 large: torch wrote one file per tensor) is saved with its weights in one
-    external file, `<name>_data`, as model.onnx's are."""
-    import numpy as np
+def written_once(path: Path) -> int:
+    """The decode graph at `path` with its weights written once (`share_tied_head`,
+    `share_constants`), loaded and saved once; returns the bytes saved. A graph over protobuf's
+    2 GB (GPT-2 large: torch wrote one file per tensor) is saved with its weights in one external
+    file, `<name>_data`, as model.onnx's are."""
     import onnx
-    from onnx import helper, numpy_helper
 
     g = onnx.load(str(path))
+    saved = share_tied_head(g) + share_constants(g)
+    if saved or sum(len(t.raw_data) for t in g.graph.initializer) > LARGE:
+        save(g, path)
+    return saved
+
+
+def share_tied_head(g) -> int:
+    """The exporter writes a head tied to the embeddings as MatMul on a transposed copy of them
+    (113 MB more on the default, 257 MB on GPT-2 large): make the graph `g` use Gemm(transB=1) on
+    the embeddings themselves. Returns the bytes saved (0: nothing tied)."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
     inits = {i.name: i for i in g.graph.initializer}
-    large = sum(len(t.raw_data) for t in inits.values()) > LARGE
     saved = 0
     big = {n: t for n, t in inits.items() if len(t.dims) == 2 and t.dims[0] * t.dims[1] >= 1 << 16}
     for k, node in enumerate(g.graph.node):
@@ -754,23 +763,19 @@ def share_tied_head(path: Path) -> int:
             g.graph.initializer.remove(big[copy])
         saved = w.nbytes
         break
-    if saved or large:
-        save(g, path)
     return saved
 
 
-def share_constants(path: Path, least: int = 1024) -> int:
-    """The graph at `path` with each large constant written once: constants of the same type and
-    bytes (a tied head's MatMulNBits and the embedding's GatherBlockQuantized on the same blocks
-    and scales) become one, read through a Reshape where their shapes differ. Returns the bytes
+def share_constants(g, least: int = 1024) -> int:
+    """The graph `g` with each large constant written once: constants of the same type and bytes
+    (a tied head's MatMulNBits and the embedding's GatherBlockQuantized on the same blocks and
+    scales) become one, read through a Reshape where their shapes differ. Returns the bytes
     saved."""
     import hashlib
 
     import numpy as np
-    import onnx
     from onnx import helper, numpy_helper
 
-    g = onnx.load(str(path))
     first, repeats = {}, []
     for node in g.graph.node:
         if node.op_type != "Constant" or not node.attribute or not node.attribute[0].t.raw_data:
@@ -802,7 +807,6 @@ def share_constants(path: Path, least: int = 1024) -> int:
         for k, name in enumerate(node.input):
             if name in rename:
                 node.input[k] = rename[name]
-    save(g, path)
     return sum(len(n.attribute[0].t.raw_data) for n, _ in repeats)
 
 
@@ -862,7 +866,7 @@ def export_prefix_decoder(model, path: Path, opset: int = 17, attention: str = "
     with torch.no_grad():
         torch.onnx.export(dec, tuple(args), str(path), input_names=ins, output_names=outs, dynamic_axes=axes,
                           opset_version=opset, dynamo=False, do_constant_folding=True)
-    saved = share_tied_head(path) + share_constants(path)
+    saved = written_once(path)
     rope = {"rope": rope_kind(model)} if family(cfg) in ("llama", "gemma", "neox") else {}
     window = {"sliding_window": sliding_window(cfg), "window_masked": True} if sliding_window(cfg) else {}
     return {"graph": path.name, "family": family(cfg), "layers": L, "opset": opset, "attention": attention, **rope, **window,
