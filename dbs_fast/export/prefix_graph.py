@@ -139,7 +139,7 @@ def _context_level(qg, xk, xv, biases, cap, scale: float, dims: Dims):
     # vector lane of the elementwise kernel: a row in the tensor's tail would take the kernel's
     # scalar path and round differently from the same row elsewhere in the batch.
     pmax = px.max(dim=-1, keepdim=True).values
-    lse = sx.max(dim=-1, keepdim=True).values - torch.log(pmax.expand(*pmax.shape[:-1], LANES))[..., :1]
+    lse = sx.max(dim=-1, keepdim=True).values - torch.log(pmax * torch.ones(LANES))[..., :1]   # one Mul, no Shape
     ox = torch.cat([torch.matmul(px, xv), lse], dim=-1)                                  # (R, kv, M*s*L*g, d+1)
     return torch.index_select(ox.reshape(R, kv, M, -1, d + 1).transpose(1, 2).reshape(R * M, kv, -1, d + 1), 0,
                               biases.beam_slot)
@@ -148,8 +148,8 @@ def _context_level(qg, xk, xv, biases, cap, scale: float, dims: Dims):
 def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, softcap: float | None = None):
     """Attention of L new tokens per row, row r = candidate r % s of beam r // s, over three levels:
     its request's context, its beam's generated prefix and its own chunk (then its new tokens).
-    q (N, L, H, d); k, v (N, L, kv, d): the new tokens'; xk, xv (R, kv, C, d): the contexts, one
-    copy per request; pk, pv (b, kv, T, d): the beams' prefixes; ck, cv (U, b, kv, s, d): the
+    q (N, L, H * d); k, v (N, L, kv * d) (or with the heads as an axis of their own): the new
+    tokens'; xk, xv (R, kv, C, d): the contexts, one copy per request; pk, pv (b, kv, T, d): the beams' prefixes; ck, cv (U, b, kv, s, d): the
     chunks' first U slots, slot-major; `biases` (`Biases`). Returns the output (N, L, H * d) and
     the new keys and values (b, kv, s, L, d), one chunk slot's layout when L = 1.
 
@@ -159,20 +159,17 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     per context (`Biases.context_beams`; a context with fewer beams repeats one, whose extra rows
     are computed and dropped) and their results gathered back (`beam_slot`). Every query of a
     beam is a row of one matmul against the beam's prefix, (b, kv, s*L*g, d) x (b, kv, d, T); each
-    row's L*g queries are scored against its own L new keys in one batched matmul over the rows
-    (not against the beam's s*L new keys masked block-diagonal: there a row's own key sat at its
-    candidate's column, so identical candidates summed their softmax in different orders and
-    differed in the last bits; here every row's scores are laid out alike); each row scores its
-    own chunk slots elementwise (a product and a sum over d per slot: only the U slots
-    bound, not the s*K columns of a block-diagonal matmul over the beam's chunks, which took ~40%
-    of the attention at the paper setting). The two parts are one softmax: the context's part
-    enters the beam's softmax as one more key per query row, scored by the log-sum-exp of its
-    scores, with its normalised output as the value (exactly the split-softmax merge, in one
-    Softmax node), so no score tensor is transposed; only q and d + 1 numbers per query row are. The chunk's weighted values are summed over the slots by a (1, U) x (U, ...)
-    MatMul of ones: ONNX Runtime's ReduceSum over the leading axis was slower (GPT-2 large, 36
-    layers, 7 x 10 rows, the attention alone: 36.2 vs 41.6 ms at prefix 82 on a Zen 4, 49.6 vs
-    54.0 on a Zen 2). `softcap` (Gemma 2): scores become softcap * tanh(score / softcap) before
-    the mask."""
+    row's L*g queries are scored against its own keys, its U chunk slots and its L new tokens side
+    by side, in one batched matmul over the rows, (b, kv, s, L*g, d) x (b, kv, s, d, U+L), and
+    weighs their values in another (not against the beam's s*K chunk columns and s*L new keys
+    masked block-diagonal: there a row's own key sat at its candidate's column, so identical
+    candidates summed their softmax in different orders and differed in the last bits, and most of
+    the columns were masked; here every row's scores are laid out alike, and only its own U slots
+    bound are read). The two parts are one softmax: the context's part enters the beam's softmax as
+    one more key per query row, scored by the log-sum-exp of its scores, with its normalised output
+    as the value (exactly the split-softmax merge, in one Softmax node), so no score tensor is
+    transposed; only q and d + 1 numbers per query row are. `softcap` (Gemma 2): scores become
+    softcap * tanh(score / softcap) before the mask."""
     import torch
 
     if biases.gathered is not None:
@@ -187,20 +184,15 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     qg = q6.reshape(b, kv, -1, d)                                                        # (b, kv, s*L*g, d)
     kn, vn = (x.reshape(b, s, L, kv, d).permute(0, 3, 1, 2, 4) for x in (k, v))          # (b, kv, s, L, d)
     ox = _context_level(qg, xk, xv, biases, cap, scale, dims)                              # (b, kv, s*L*g, d+1)
-    # the beam: its prefix, each row's chunk, its rows' new tokens; the context joins the softmax
-    # as one more key whose score is its log-sum-exp and whose value is its normalised output
+    # the beam: its prefix, each row's chunk and new tokens; the context joins the softmax as one
+    # more key whose score is its log-sum-exp and whose value is its normalised output
     sp = cap(torch.matmul(qg, pk.transpose(2, 3)) * scale) + biases.prefix                # (b, kv, s*L*g, T)
-    sc = (q6.reshape(b, kv, s, L * g, d)[None] * ck[:, :, :, :, None, :]).sum(-1)        # (U, b, kv, s, L*g)
-    sc = cap(sc.permute(1, 2, 3, 4, 0).reshape(b, kv, s * L * g, U) * scale) + biases.chunk
-    sn = cap(torch.matmul(q6.reshape(b, kv, s, L * g, d), kn.transpose(3, 4)).reshape(b, kv, s * L * g, L) * scale) \
-        + biases.new                                                                    # (b, kv, s*L*g, L)
-    w = torch.softmax(torch.cat([sp, sc, sn, ox[..., d:]], dim=-1), dim=-1)
-    wc = w[..., T:T + U].reshape(b, kv, s, L * g, U).permute(4, 0, 1, 2, 3)[..., None]  # (U, b, kv, s, L*g, 1)
-    terms = (wc * cv[:, :, :, :, None, :]).reshape(U, -1)                                # (U, b*kv*s*L*g*d)
-    oc = torch.matmul(torch.ones_like(terms[:, :1]).transpose(0, 1), terms).reshape(b, kv, s * L * g, d)
-    on = torch.matmul(w[..., T + U:-1].reshape(b, kv, s, L * g, L), vn).reshape(b, kv, s * L * g, d)
-    o = (torch.matmul(w[..., :T], pv) + oc + on
-         + w[..., -1:] * ox[..., :d])
+    kr, vr = (torch.cat([c.permute(1, 2, 3, 0, 4), x], dim=3) for c, x in ((ck, kn), (cv, vn)))  # (b, kv, s, U+L, d)
+    sr = torch.matmul(q6.reshape(b, kv, s, L * g, d), kr.transpose(3, 4))               # (b, kv, s, L*g, U+L)
+    sr = cap(sr.reshape(b, kv, s * L * g, U + L) * scale) + torch.cat([biases.chunk, biases.new], dim=-1)
+    w = torch.softmax(torch.cat([sp, sr, ox[..., d:]], dim=-1), dim=-1)
+    orow = torch.matmul(w[..., T:-1].reshape(b, kv, s, L * g, U + L), vr).reshape(b, kv, s * L * g, d)
+    o = torch.matmul(w[..., :T], pv) + orow + w[..., -1:] * ox[..., :d]
     return o.reshape(b, kv, s, L, g, d).permute(0, 2, 3, 1, 4, 5).reshape(N, L, H * d), kn, vn
 
 
@@ -218,6 +210,7 @@ def attend_gathered(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims:
     N, L, b, s, T, U, R, M, C, H, kv, d, _ = dims
     g = H // kv
     qs = q.reshape(N, L, kv, g, d).permute(0, 2, 1, 3, 4).reshape(N, kv, L * g, d)    # (N, kv, L*g, d)
+    k, v = (x.reshape(N, L, kv, d) for x in (k, v))
 
     def keys(x, p, c, new):                                                           # (N, kv, C+T+U+L, d)
         return torch.cat([torch.index_select(x, 0, biases.slot_context), torch.index_select(p, 0, biases.slot_beam),
@@ -394,17 +387,16 @@ def _llama(model, ids, pos, biases, kv, dims):
     m = model.model
     n, L, H, KV, d = dims.n, dims.L, dims.H, dims.kv, dims.d
     h = m.embed_tokens(ids.reshape(-1))                                # (n * L, D)
-    rope = _rotary(model, h, pos, dims)
+    rope = _rotary(model, h, to_slots(pos, biases), dims._replace(n=dims.N))   # q and k are the slots'
     new = []
     x = norm(m.layers[0].input_layernorm, h)
     for i, layer in enumerate(m.layers):
         a = layer.self_attn
-        q, k, v = _qkv(a, x, H, KV, d)
-        turn = rope if getattr(a, "use_rope", True) else lambda y, heads: y.reshape(n, L, heads, d)   # SmolLM3: NoPE
-        q = turn(_head_norm(a, "q_norm", q, H, d), H)                  # (n, L, H, d)
-        k = turn(_head_norm(a, "k_norm", k, KV, d), KV)                # (n, L, KV, d)
-        v = v.reshape(n, L, KV, d)
-        o, kn, vn = attend(*(to_slots(t, biases) for t in (q, k, v)), *kv[6 * i:6 * i + 6], layer_biases(biases, layer),
+        q, k, v = _qkv(a, x, H, KV, d, dims, biases)
+        turn = rope if getattr(a, "use_rope", True) else lambda y, heads: y       # SmolLM3: NoPE
+        q = turn(_head_norm(a, "q_norm", q, H, d), H)                  # (N, L, H * d)
+        k = turn(_head_norm(a, "k_norm", k, KV, d), KV)                # (N, L, KV * d)
+        o, kn, vn = attend(q, k, v, *kv[6 * i:6 * i + 6], layer_biases(biases, layer),
                            a.scaling, dims)
         x, h = skip_norm(layer.post_attention_layernorm, a.o_proj(to_rows(o, biases).reshape(-1, H * d)), h)
         after = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
@@ -413,13 +405,13 @@ def _llama(model, ids, pos, biases, kv, dims):
     return (_logits(model, x, dims), *new)
 
 
-def _qkv(attn, x, H: int, KV: int, d: int):
-    """The layer's q (n * L, H * d), k and v (n * L, KV * d): one projection on the three weights
-    packed (Phi-3's own `qkv_proj`), split: one MatMul and one Split where three MatMuls were."""
+def _qkv(attn, x, H: int, KV: int, d: int, dims: Dims, biases):
+    """The attention slots' q (N, L, H * d), k and v (N, L, KV * d) from the computed rows' x: one
+    projection on the three weights packed (Phi-3's own `qkv_proj`), taken to the slots and split:
+    one MatMul, one Reshape, one Gather and one Split where three of each were."""
     sizes = [H * d, KV * d, KV * d]
-    if hasattr(attn, "qkv_proj"):
-        return attn.qkv_proj(x).split(sizes, dim=-1)
-    return _packed(x, (attn.q_proj, attn.k_proj, attn.v_proj)).split(sizes, dim=-1)
+    y = attn.qkv_proj(x) if hasattr(attn, "qkv_proj") else _packed(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+    return to_slots(y.reshape(dims.n, dims.L, -1), biases).split(sizes, dim=-1)
 
 
 def _mlp(mlp, x):
@@ -558,9 +550,11 @@ def rope_kind(model, emb=None) -> str:
 
 
 def _rotary(model, h, pos, dims: Dims, emb=None):
-    """(n * L, heads * d) -> (n, L, heads, d) with RoPE applied (n: the computed rows). For the static rotary types it
-    exports as one `com.microsoft.RotaryEmbedding` per tensor, which looks the angles up in a
-    (max_positions, d/2) table, instead of 7 elementwise nodes per tensor (Slice, Slice, Neg,
+    """A function of (y, heads): y (n * L or (n, L), heads * d) with RoPE applied at `pos` (n, L),
+    the rows' or the attention slots' positions (dims.n: their number); (n, L, heads * d) out, or
+    (n, L, heads, d) for the elementwise form. For the static rotary types it exports as one
+    `com.microsoft.RotaryEmbedding` per tensor, which looks the angles up in a table of positions
+    0..max(pos), instead of 7 elementwise nodes per tensor (Slice, Slice, Neg,
     Concat, Mul, Mul, Add): the default's step runs 1877 nodes instead of 2206. On the CPU the
     step time is unchanged (A/B 0.99-1.01 at 4 and 70 rows); where every node is a kernel launch
     (CUDA) fewer nodes are fewer launches. Other rotary types keep the plain form; PyTorch runs
@@ -598,7 +592,8 @@ def _rotary(model, h, pos, dims: Dims, emb=None):
                        interleaved_i=0)
             return out.setType(y.type())                     # same shape and type as y (no exporter warning)
 
-    return lambda y, heads: Rotary.apply(y.reshape(N, L, -1), pos, tc, ts, heads).reshape(N, L, heads, d)
+    # (n, L, heads * d) in and out: `attend` takes the heads as they are laid out, no Reshape either side
+    return lambda y, heads: Rotary.apply(y if y.dim() == 3 else y.reshape(N, L, -1), pos, tc, ts, heads)
 
 
 def _gpt2(model, ids, pos, biases, kv, dims):
@@ -654,18 +649,19 @@ def _gemma(model, ids, pos, biases, kv, dims):
     h = m.embed_tokens(ids.reshape(-1))                                # (n * L, D)
     if not hasattr(m.embed_tokens, "embed_scale"):                     # Gemma 2 scales after the lookup
         h = h * torch.tensor(cfg.hidden_size ** 0.5, dtype=h.dtype)
-    ropes = {"full_attention": _rotary(model, h, pos, dims)}
+    slot_pos, slots = to_slots(pos, biases), dims._replace(n=dims.N)   # q and k are the slots'
+    ropes = {"full_attention": _rotary(model, h, slot_pos, slots)}
     local = getattr(m, "rotary_emb_local", None)
-    ropes["sliding_attention"] = ropes["full_attention"] if local is None else _rotary(model, h, pos, dims, local)
+    ropes["sliding_attention"] = ropes["full_attention"] if local is None else _rotary(model, h, slot_pos, slots, local)
     new = []
     x = norm(m.layers[0].input_layernorm, h)
     for i, layer in enumerate(m.layers):
         a = layer.self_attn
-        q, k, v = _qkv(a, x, H, KV, d)
+        q, k, v = _qkv(a, x, H, KV, d, dims, biases)
         rope = ropes[getattr(layer, "attention_type", "full_attention")]
         q = rope(_head_norm(a, "q_norm", q, H, d), H)
         k = rope(_head_norm(a, "k_norm", k, KV, d), KV)
-        o, kn, vn = attend(*(to_slots(t, biases) for t in (q, k, v.reshape(n, L, KV, d))), *kv[6 * i:6 * i + 6],
+        o, kn, vn = attend(q, k, v, *kv[6 * i:6 * i + 6],
                            layer_biases(biases, layer), a.scaling, dims,
                            softcap=getattr(cfg, "attn_logit_softcapping", None))
         o = norm(layer.post_attention_layernorm, a.o_proj(to_rows(o, biases).reshape(-1, H * d)))
