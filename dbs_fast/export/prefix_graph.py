@@ -385,7 +385,7 @@ def _heads(cfg) -> tuple[int, int, int]:
 # no reshape around it; only the attention sees (N, L, heads, d).
 def _llama(model, ids, pos, biases, kv, dims):
     m = model.model
-    n, L, H, KV, d = dims.n, dims.L, dims.H, dims.kv, dims.d
+    H, KV, d = dims.H, dims.kv, dims.d
     h = m.embed_tokens(ids.reshape(-1))                                # (n * L, D)
     rope = _rotary(model, h, to_slots(pos, biases), dims._replace(n=dims.N))   # q and k are the slots'
     new = []
@@ -645,7 +645,7 @@ def _gemma(model, ids, pos, biases, kv, dims):
     import torch
 
     m, cfg = model.model, model.config
-    n, L, H, KV, d = dims.n, dims.L, dims.H, dims.kv, dims.d
+    H, KV, d = dims.H, dims.kv, dims.d
     h = m.embed_tokens(ids.reshape(-1))                                # (n * L, D)
     if not hasattr(m.embed_tokens, "embed_scale"):                     # Gemma 2 scales after the lookup
         h = h * torch.tensor(cfg.hidden_size ** 0.5, dtype=h.dtype)
