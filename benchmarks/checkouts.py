@@ -5,7 +5,10 @@ its own DBS_FAST_HOME, re-exported there if its format differs); the two generat
 request in turns, the order swapped every round, so the machine's load falls on both alike. The
 paper's search (b=7, s=10, k=5), 40 new tokens, context "It is", keywords river, doctor, winter
 (`--context`, `--keywords`, `--beams`, `--candidates`, `--tokens` to change). Reports each one's median seconds per generation (and of it,
-decode), the median of the paired ratios B / A, and how many texts were the same.
+decode), the median of the paired ratios B / A, and how many texts were the same; and per decode
+step, where its time went: the graph (inside ONNX Runtime's run, timed around the session's own
+call, so that any checkout is measured alike), the kernel (the search's "sample" stage: guidance
+and the Numba draw) and the host's work (the rest of the generation, prefill included).
 
     python -m benchmarks.checkouts --a /path/to/old/checkout --a-home /tmp/home-a \\
         --b . --b-home /tmp/home-b [--rounds 8] [--out FILE.json]
@@ -25,18 +28,34 @@ from pathlib import Path
 from dbs_fast.bench.machine import machine
 
 WORKER = """
-import dataclasses, json, sys
+import dataclasses, json, sys, time
 from dbs_fast.api import DirectedBeamSearch
 from dbs_fast.config import DBSConfig
 beams, candidates, tokens = (int(x) for x in sys.argv[3:6])
 cfg = dataclasses.replace(DBSConfig.paper(max_new_tokens=tokens), beams=beams, candidates=candidates)
 dbs = DirectedBeamSearch("default", config=cfg)
+clock = {"graph": 0.0, "steps": 0}
+if dbs.decoder is not None:         # ORT's run and the decode steps, timed and counted from outside
+    dec, run, step = dbs.decoder, dbs.decoder.session.run_with_iobinding, dbs.decoder.step
+
+    def timed_run(*a, **k):
+        t0 = time.perf_counter()
+        run(*a, **k)
+        clock["graph"] += time.perf_counter() - t0
+
+    def counted_step(*a, **k):
+        clock["steps"] += 1
+        return step(*a, **k)
+
+    dec.session.run_with_iobinding, dec.step = timed_run, counted_step
 context, keywords = sys.argv[1], sys.argv[2].split(",")
 dbs.generate(context, keywords, seed=0)
 print("ready", flush=True)
 for line in sys.stdin:
+    clock.update(graph=0.0, steps=0)
     r = dbs.generate(context, keywords, seed=int(line))
-    print(json.dumps([r.seconds, r.seconds - r.timings.get("prefill", 0.0), r.generated]), flush=True)
+    print(json.dumps([r.seconds, r.seconds - r.timings.get("prefill", 0.0), r.generated, clock["graph"],
+                      r.timings.get("sample", 0.0), clock["steps"]]), flush=True)
 """
 
 
@@ -47,6 +66,12 @@ def worker(checkout: Path, home: Path, context: str, keywords: str, shape: tuple
     if p.stdout.readline().strip() != "ready":
         raise SystemExit(f"the worker of {checkout} did not start")
     return p
+
+
+def step_split(runs: list) -> dict:
+    """Median ms per decode step of the graph, the kernel and the host's work (the rest)."""
+    per = [(g, kernel, total - g - kernel, steps) for total, _, _, g, kernel, steps in runs if steps]
+    return {s: statistics.median(1e3 * x[i] / x[3] for x in per) for i, s in enumerate(("graph", "kernel", "host"))}
 
 
 def main(argv=None) -> int:
@@ -79,7 +104,8 @@ def main(argv=None) -> int:
               "context": args.context, "keywords": args.keywords, "beams": args.beams,
               "candidates": args.candidates, "tokens": args.tokens,
               **{k: {"seconds_median": statistics.median(r[0] for r in v),
-                     "decode_seconds_median": statistics.median(r[1] for r in v), "seconds_all": [r[0] for r in v]}
+                     "decode_seconds_median": statistics.median(r[1] for r in v), "seconds_all": [r[0] for r in v],
+                     "ms_per_step": step_split(v)}
                  for k, v in runs.items()},
               "paired_ratio_median": statistics.median(b[0] / a[0] for a, b in zip(runs["A"], runs["B"])),
               "same_texts": sum(a[2] == b[2] for a, b in zip(runs["A"], runs["B"]))}
@@ -87,6 +113,8 @@ def main(argv=None) -> int:
           f"{report['A']['decode_seconds_median']:.2f}), B {report['B']['seconds_median']:.2f} (decode "
           f"{report['B']['decode_seconds_median']:.2f}); B / A paired, median of {args.rounds}: "
           f"{report['paired_ratio_median']:.3f}; same texts {report['same_texts']} of {args.rounds}")
+    for k in ("A", "B"):
+        print(f"  {k} per decode step (ms, median): " + ", ".join(f"{s} {v:.2f}" for s, v in report[k]["ms_per_step"].items()))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0

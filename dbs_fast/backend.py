@@ -45,6 +45,11 @@ class Backend(Protocol):
     def prefill(self, contexts: list[list[int]]) -> tuple[Any, Any]:
         """Left-padded contexts -> the last position's logits (B, V) and the cache."""
 
+    @property
+    def graph_seconds(self) -> float:
+        """Seconds spent so far inside the model's runtime call (ONNX Runtime's run, PyTorch's
+        forward); the rest of a step's model stage is the host's work around it."""
+
     def step(self, tokens: np.ndarray, cache, need: np.ndarray | None = None) -> tuple[Any, Any]:
         """One new token per row (R,) -> logits (R, V) and the cache. `need` (R,) bool: the rows
         whose logits will be read (default all); a backend may leave the others' rows out, and
@@ -105,6 +110,10 @@ class OnnxBackend:
         ids, mask = left_pad(contexts, self.pad_id)
         logits, cache = self.model.forward(ids, self.model.empty_cache(len(contexts)), mask)
         return logits[:, -1], cache                                       # (B, V)
+
+    @property
+    def graph_seconds(self) -> float:
+        return self.model.graph_seconds
 
     def step(self, tokens: np.ndarray, cache: KVCache, need: np.ndarray | None = None) -> tuple[np.ndarray, KVCache]:
         logits, cache = self.model.forward(tokens[:, None], cache)
@@ -184,6 +193,10 @@ class PrefixBackend(OnnxBackend):
         self.decoder, self.s, self.k, self.reserve = decoder, s, k, reserve
         self.distinct = distinct and decoder.distinct
         self.computed: np.ndarray | None = None
+
+    @property
+    def graph_seconds(self) -> float:
+        return self.decoder.graph_seconds
 
     def prefill(self, contexts: list[list[int]]):
         ids, mask = left_pad(contexts, self.pad_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,7 @@ class OnnxModel:
         self.eos_ids = tuple(m.get("eos_token_ids", []))
         self.max_positions = m.get("max_positions")
         self._open_args, self._session = (provider, threads), None
+        self.graph_seconds = 0.0   # inside ORT's run, over all calls (the rest is the host's work)
         if not lazy:
             self._open()
         self.tokenizer = load_tokenizer(str(self.dir / "tokenizer.json"))
@@ -172,7 +174,9 @@ class OnnxModel:
             pos = np.cumsum(full, axis=1)[:, -T:] - 1                  # left padding aware
             feed["position_ids"] = np.maximum(pos, 0)
         feed.update(zip(self.past_names, cache.tensors))
+        t0 = time.perf_counter()
         out = session.run(self._outputs, feed)
+        self.graph_seconds += time.perf_counter() - t0
         return out[0], KVCache(out[1:], full)
 
     def encode(self, text: str) -> list[int]:

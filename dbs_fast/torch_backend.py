@@ -7,6 +7,7 @@ inverse CDF in id order), up to float noise in the logits of the two runtimes.
 from __future__ import annotations
 
 import math
+import time
 from functools import cached_property
 
 import numpy as np
@@ -79,6 +80,7 @@ class TorchBackend:
         if device != "cpu" and not torch.cuda.is_available():
             raise DBSError(f"--backend torch on {device!r}: this torch build sees no GPU")
         self.device = torch.device(device)
+        self.graph_seconds = 0.0       # inside the model's forward at decode steps
         self.model, _ = load_torch_model(resolve(m["source"]))
         self.model.to(self.device)
         self.tokenizer = load_tokenizer(str(model_dir / "tokenizer.json"))
@@ -123,9 +125,13 @@ class TorchBackend:
         self._mask = t.cat([self._mask, t.ones((self._mask.shape[0], 1), dtype=self._mask.dtype, device=self.device)], 1)
         with t.inference_mode():
             pos = self._mask.sum(1, keepdim=True) - 1
-            out = self.model(input_ids=t.as_tensor(tokens, dtype=t.long, device=self.device)[:, None],
-                             attention_mask=self._mask,
-                             position_ids=pos, past_key_values=cache, use_cache=True)
+            ids = t.as_tensor(tokens, dtype=t.long, device=self.device)[:, None]
+            t0 = time.perf_counter()
+            out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=pos, past_key_values=cache,
+                             use_cache=True)
+            if self.device.type == "cuda":      # the kernels' time, not their launch (the logits are read next)
+                t.cuda.synchronize()
+            self.graph_seconds += time.perf_counter() - t0
         return out.logits[:, -1].float(), out.past_key_values
 
     def select(self, cache, idx):

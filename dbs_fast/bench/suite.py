@@ -66,10 +66,12 @@ ENGINES = tuple(c for c in CONTENDERS if c != "reference")
 GPU_CONTENDERS = ("onnx-fp16", "torch-fp16", "torch-fp16-compile")
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in GPU_CONTENDERS)
 TORCH = tuple(c for c in CONTENDERS if c.startswith("torch"))
-# seconds per step by stage (the search's `timed` labels): the model call; sample = guidance and the
+# seconds per step by stage (the search's `timed` labels): the model call as graph = inside the
+# runtime's run (ORT's, or PyTorch's forward) and model_host = the host's work around it (inputs,
+# bindings, the cache's bookkeeping; on a GPU, the copies across); sample = guidance and the
 # kernel's draw; the kv gather of the kept beams; the scorer; quality = keyword credit and Q; text =
 # detokenising and keyword detection; python = the rest (scheduling glue)
-STAGES = ("model", "sample", "kv_gather", "scorer", "quality", "text", "python")
+STAGES = ("graph", "model_host", "sample", "kv_gather", "scorer", "quality", "text", "python")
 ROW_COUNTS = ("model_rows", "plain_row_steps")     # a result's timings that count rows, not seconds
 SHARED_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "data" / "gpt2-tokenizer"
 
@@ -164,7 +166,9 @@ def _matmul_step_in_child(model_dir: str, rows: int, int8: bool, threads: int | 
 
 def _stage_ms(r, steps: int) -> dict:
     t = dict(r.timings)
-    per = {s: 1e3 * t.get(s, 0.0) / steps for s in STAGES if s != "python"}
+    graph = t.pop("graph", 0.0)                     # inside "model"
+    per = {s: 1e3 * t.get(s, 0.0) / steps for s in STAGES if s not in ("graph", "model_host", "python")}
+    per["graph"], per["model_host"] = 1e3 * graph / steps, 1e3 * (t.get("model", 0.0) - graph) / steps
     per["python"] = 1e3 * (r.seconds - sum(v for k, v in t.items() if k not in ROW_COUNTS)) / steps   # scheduling glue
     per["prefill_total"] = 1e3 * t.get("prefill", 0.0)
     return per
@@ -651,9 +655,9 @@ def markdown(report: dict) -> str:
                   + (f" {', '.join(res['in_turns'])} took turns, one generation each per round (ABC CBA ...); "
                      f"the others ran one after another." if res.get("in_turns") else ""), "",
                   "| contender | KV layout | s/generation (median, min-max; model rows / plain schedule) | candidate tok/s | step ms | x roofline | "
-                  "x same-load roofline | model | sample | kv gather | scorer | quality | text | python | KV cache MB | "
+                  "x same-load roofline | graph | model host | sample | kv gather | scorer | quality | text | python | KV cache MB | "
                   "peak RSS GB (budget) | cold start s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         ratios = res.get("ratios", {})
         for c, r in res["contenders"].items():
             if "error" in r:

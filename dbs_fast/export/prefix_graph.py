@@ -17,15 +17,16 @@ every step. This graph takes three levels of cache:
     new_mask                  (n, L)  int64   0 = left padding among the new tokens
     context.L.key/value       (R, kv_heads, C, head_dim)   shared by every beam and candidate of a request
     prefix.L.key/value        (b, kv_heads, T, head_dim)   the tokens a beam generated, shared by its s candidates
-    chunk.L.key/value         (U, b, kv_heads, s, head_dim)   each row's own chunk so far, slot-major:
-                                                              the first U slots of the (K, ...) buffer
+    chunk.L.key/value         (U, b, kv_heads, s, head_dim)   each row's own chunk, slot-major: the
+                                                              chunk's buffer of U = k slots, the
+                                                              undecoded ones masked
 
 and returns `logits` (n, vocab) of each computed row's last new token and only the new tokens'
-`new.L.key/value` (b, kv_heads, s, L, head_dim): with L = 1 that is one slot of the chunk buffer,
-and the host binds it there, so the graph writes the new K/V in place; the kept rows' chunks are
-appended to the prefixes once per chunk (`dbs_fast.kv.prefix_cache.PrefixCache`). Nothing per step
-copies the context or the prefix, and the chunk is bound only as far as it is decoded (U = max(1,
-slots used), a contiguous view of the slot-major buffer). A decode step has L = 1; a prefill
+`new.L.key/value` (b, kv_heads, s, L, head_dim): with L = 1 that is one slot of the chunk buffer
+(the host copies it there, or, with the cache on a device, binds the slot as the output); the kept
+rows' chunks are appended to the prefixes once per chunk (`dbs_fast.kv.prefix_cache.PrefixCache`).
+Nothing per step copies the context or the prefix, and a chunk's inputs are the same arrays at each
+of its steps, bound once (binding 60 tensors a step was a tenth of a one-row step on the default). A decode step has L = 1; a prefill
 runs a (left-padded) context as L new tokens per call over the columns before them as context.
 
 Attention (Hydragen's decomposition, at two levels): all query rows of a request are rows of one
@@ -150,7 +151,7 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     its request's context, its beam's generated prefix and its own chunk (then its new tokens).
     q (N, L, H * d); k, v (N, L, kv * d) (or with the heads as an axis of their own): the new
     tokens'; xk, xv (R, kv, C, d): the contexts, one copy per request; pk, pv (b, kv, T, d): the beams' prefixes; ck, cv (U, b, kv, s, d): the
-    chunks' first U slots, slot-major; `biases` (`Biases`). Returns the output (N, L, H * d) and
+    chunks' U slots, slot-major; `biases` (`Biases`). Returns the output (N, L, H * d) and
     the new keys and values (b, kv, s, L, d), one chunk slot's layout when L = 1.
 
     Every query of a request (its beams x s candidates x L new tokens x g query heads per kv head)
@@ -165,7 +166,7 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     masked block-diagonal: there a row's own key sat at its candidate's column, so identical
     candidates summed their softmax in different orders and differed in the last bits, and most of
     the columns were masked; here every row's scores are laid out alike, and only its own U slots
-    bound are read). The two parts are one softmax: the context's part enters the beam's softmax as
+    are read). The two parts are one softmax: the context's part enters the beam's softmax as
     one more key per query row, scored by the log-sum-exp of its scores, with its normalised output
     as the value (exactly the split-softmax merge, in one Softmax node), so no score tensor is
     transposed; only q and d + 1 numbers per query row are. `softcap` (Gemma 2): scores become

@@ -3,6 +3,7 @@ over a `PrefixCache`: inputs bound in place, the new token's K/V written straigh
 next chunk slot, outputs into buffers kept from step to step (no allocation, no host copy)."""
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +127,9 @@ class PrefixDecoder:
         self.vocab = self.session.get_outputs()[0].shape[-1]
         names = [i.name for i in self.session.get_inputs()]
         self.layers = sum(n.startswith("prefix.") for n in names) // 2
+        # the cache's inputs per level, in the order of its tensors [k0, v0, k1, v1, ...]
+        self._cache_inputs = [[f"{level}.{i}.{t}" for i in range(self.layers) for t in ("key", "value")]
+                              for level in ("context", "prefix", "chunk")]
         # the graph computes distinct rows only (`slot_row`, `row_slot`; an older export computes every slot)
         self.distinct = "slot_row" in names
         self._arange = np.arange(0)
@@ -150,6 +154,7 @@ class PrefixDecoder:
         self.ops = HOST if kv_device is None else DeviceOps(kv_device, dtype=self.dtype)
         self.host_bytes = 0       # bytes bound from host memory (inputs bound again, outputs) in the last call
         self.host_bytes_total, self.calls = 0, 0                    # ... and over all calls
+        self.graph_seconds = 0.0  # inside ORT's run, over all calls (the rest of a call is the host's work)
         self.store: ContextStore | None = None      # prefilled contexts kept across requests (host cache only)
 
     def _identity(self, n: int) -> np.ndarray:
@@ -192,6 +197,11 @@ class PrefixDecoder:
             bind(name, self.ops.device, self.ops.device_id, arr.dtype.type, list(arr.shape), arr.ptr)
             key = _Bound(arr.ptr, tuple(arr.shape), arr)
         self._bound[name] = key
+
+    def _run(self, io) -> None:
+        t0 = time.perf_counter()
+        self.session.run_with_iobinding(io)
+        self.graph_seconds += time.perf_counter() - t0
 
     def _moved(self, n: int) -> None:
         self.host_bytes += n
@@ -328,25 +338,33 @@ class PrefixDecoder:
             feeds["slot_row"], feeds["row_slot"] = rows if rows is not None else (self._identity(N),) * 2
         elif rows is not None:
             raise ValueError("this decode graph computes every slot (re-export the model for distinct rows)")
-        for i in range(self.layers):
-            for level, tensors in (("context", cache.context), ("prefix", cache.prefix), ("chunk", chunk)):
-                feeds.update({f"{level}.{i}.key": tensors[2 * i], f"{level}.{i}.value": tensors[2 * i + 1]})
         for name, arr in feeds.items():
             self._bind(name, np.ascontiguousarray(arr) if isinstance(arr, np.ndarray) else arr)
+        bound = self._bound
+        for names, tensors in zip(self._cache_inputs, (cache.context, cache.prefix, chunk)):
+            for name, arr in zip(names, tensors):
+                if bound.get(name) is not arr:      # most are the arrays bound at the last step
+                    self._bind(name, np.ascontiguousarray(arr) if isinstance(arr, np.ndarray) else arr)
         if self.ops is not HOST and not in_place:      # a prefill: the new K/V stay on the device
             out = self._buffers(cache, L, new=False, n=len(ids))
             self._bind(self.outputs[0], out[0], output=True)
             for name in self.outputs[1:]:
                 io.bind_output(name, self.ops.device, self.ops.device_id)
                 self._bound[name] = None
-            self.session.run_with_iobinding(io)
+            self._run(io)
             from .device import DeviceArray
 
             return out[0], [DeviceArray(v, tuple(v.shape())) for v in io.get_outputs()[1:]]
-        out = self._buffers(cache, L, new=not in_place, n=len(ids))
-        if in_place:
+        # one new token per row on the host: the new K/V into buffers kept from step to step (bound
+        # once), copied into the chunk's slot after the run; on a device, written there in place
+        to_slot = in_place and self.ops is HOST
+        out = self._buffers(cache, L, new=not in_place or to_slot, n=len(ids))
+        if in_place and not to_slot:
             out = out + cache.next_slot()
         for name, arr in zip(self.outputs, out):
             self._bind(name, arr, output=True)
-        self.session.run_with_iobinding(io)
+        self._run(io)
+        if to_slot:
+            for slot, new in zip(cache.next_slot(), out[1:]):
+                slot[...] = new
         return out[0], (None if in_place else out[1:])

@@ -4,7 +4,7 @@ On the CPU the cache is NumPy arrays bound to the decode graph in place (`dbs_fa
 With the CUDA provider those arrays would live in host memory: every step ORT would copy the
 chunk slots it reads to the GPU and the new K/V back, and every chunk the whole prefix up.
 `DeviceArray` is a tensor in ORT's memory on a device (an `OrtValue` and an offset into it, so
-that a leading slice, a chunk's first slots or one slot, is a view and not a copy), bound to the
+that one chunk slot is a view and not a copy), bound to the
 decode graph by pointer. `DeviceOps` does the cache's few tensor operations (gather of beams,
 prefix extension by kept chunks, concatenation, left padding, column trim, zeros) as small ONNX
 graphs run by the same provider on the same device, so that at a step only the token ids,
@@ -51,10 +51,6 @@ class DeviceArray:
     @property
     def ptr(self) -> int:
         return self.buf.data_ptr() + self.offset * self.dtype.itemsize
-
-    def lead(self, n: int) -> DeviceArray:
-        """The first n entries of axis 0 (a view)."""
-        return DeviceArray(self.buf, (n,) + tuple(self.shape[1:]), self.offset, self.dtype)
 
     def at(self, i: int, shape: tuple | None = None) -> DeviceArray:
         """Entry i of axis 0 (a view), reshaped to `shape` (same size) if given."""
@@ -194,10 +190,6 @@ class DeviceOps:
         """Columns z.. (axis 2), a copy."""
         return self._run("cols", x=x, z=np.array([z], np.int64), end=np.array([x.shape[2]], np.int64),
                          axis=np.array([2], np.int64))
-
-    @staticmethod
-    def lead(x: DeviceArray, n: int) -> DeviceArray:
-        return x.lead(n)
 
     @staticmethod
     def at(x: DeviceArray, i: int, shape) -> DeviceArray:

@@ -76,10 +76,6 @@ class HostOps:
         return np.ascontiguousarray(x[:, :, z:])
 
     @staticmethod
-    def lead(x: np.ndarray, n: int) -> np.ndarray:
-        return x[:n]
-
-    @staticmethod
     def at(x: np.ndarray, i: int, shape) -> np.ndarray:
         return x[i].reshape(shape)
 
@@ -153,11 +149,11 @@ class PrefixCache:
         return self._blocks[1]
 
     def slots(self) -> tuple[list[np.ndarray], np.ndarray]:
-        """The chunk as a decode step reads it: each tensor's first U = max(1, used) slots (a
-        contiguous view) and their mask (N, U). With none decoded, slot 0 is bound masked while the
-        step writes its new K/V there: whichever values the graph reads, finite, get weight 0."""
-        U = max(1, self.used)
-        return [self.ops.lead(c, U) for c in self.chunk], np.ascontiguousarray(self.chunk_mask[:, :U])
+        """The chunk as a decode step reads it: each tensor's whole buffer of k slots (the same
+        arrays at every step of a chunk, so bound once) and their mask (N, k), a copy (a device
+        graph takes a host input at binding). The undecoded slots are masked: whichever values the
+        graph reads there (zeros, or a past chunk's), finite, get weight 0."""
+        return self.chunk, self.chunk_mask.copy()
 
     def next_slot(self) -> list[np.ndarray]:
         """Where a decode step's new K/V go: the chunk's slot `used`, (b, kv, s, 1, d) per tensor (a
