@@ -497,12 +497,17 @@ def test_dense_boost_tables_match_reference_exactly(scale, boost_first):
         assert np.array_equal(kept, got) and np.array_equal(klp, glp)   # the whole table, built by the caller
 
 
-def test_extend_prefix_equals_numpy_gather():
+@pytest.mark.parametrize("parallel_from", [0, 1 << 30])
+def test_extend_prefix_equals_numpy_gather(parallel_from, monkeypatch):
     """`extend_prefix` (the chunk boundary: each new beam's parent prefix plus its row's first j
-    chunk tokens) against its NumPy reference, with repeated and reordered sources."""
+    chunk tokens) against its NumPy reference, with repeated and reordered sources, on the
+    parallel kernel and on the one-thread one (small copies)."""
     from naive import extend_prefix_ref
 
+    from dbs_fast.kv import kv_copy
     from dbs_fast.kv.kv_copy import extend_prefix
+
+    monkeypatch.setattr(kv_copy, "PARALLEL_FROM", parallel_from)
 
     rng = np.random.default_rng(14)
     b, kv, T, s, K, d, j = 3, 2, 7, 4, 5, 8, 3

@@ -7,8 +7,7 @@ import numpy as np
 from ..numba_runtime import njit, prange, start_threads
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _extend_prefix(new, prefix, chunk, src, s, j):
+def _extend(new, prefix, chunk, src, s, j):
     kv, T, d = prefix.shape[1], prefix.shape[2], prefix.shape[3]
     for q in prange(new.shape[0] * kv):
         beam, h = q // kv, q % kv
@@ -21,10 +20,20 @@ def _extend_prefix(new, prefix, chunk, src, s, j):
                 new[beam, h, T + t, i] = chunk[t, parent, h, row, i]
 
 
+_extend_prefix = njit(parallel=True, cache=True, nogil=True)(_extend)
+# a small copy on one thread: waking the workers costs more than the copy (~15 us a call, 60 calls
+# a chunk boundary on the default at b = s = 1)
+_extend_prefix_serial = njit(cache=True, nogil=True)(_extend)
+PARALLEL_FROM = 1 << 16     # elements of the new prefix
+
+
 def extend_prefix(new: np.ndarray, prefix: np.ndarray, chunk: np.ndarray, src: np.ndarray, s: int, j: int) -> None:
     """new[i] = prefix[src[i] // s] followed by the first j chunk tokens of row src[i] (chunk[:j,
     src[i] // s, :, src[i] % s]): the chunk boundary, new (B, kv, T + j, d) from prefix (b,
     kv, T, d) and the slot-major chunk (K, b, kv, s, d), in parallel over (new beam, kv head).
     GPT-2 large at the paper setting copies ~130 MB a chunk this way (72 tensors)."""
+    if new.size < PARALLEL_FROM:
+        _extend_prefix_serial(new, prefix, chunk, np.asarray(src, np.int64), s, j)
+        return
     start_threads()
     _extend_prefix(new, prefix, chunk, np.asarray(src, np.int64), s, j)

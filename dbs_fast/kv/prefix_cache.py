@@ -161,6 +161,14 @@ class PrefixCache:
         self._room(1)
         return [self.ops.at(c, self.used, c.shape[1:4] + (1,) + c.shape[4:]) for c in self.chunk]
 
+    def put(self, new: list[np.ndarray]) -> None:
+        """A decode step's new K/V, (b, kv, s, 1, d) per tensor (host arrays), copied into the
+        chunk's slot `used` (`advance` then counts it)."""
+        self._room(1)
+        u = self.used
+        for c, x in zip(self.chunk, new):
+            c[u] = x[:, :, :, 0]
+
     def advance(self, L: int = 1) -> None:
         """Count L new tokens written at slots `used`.. of the chunk."""
         self._room(L)
