@@ -20,6 +20,7 @@ from .config import (
 )
 from .errors import DBSError
 from .export.gguf_weights import ACCURACY, ACCURACY_LEVELS
+from .export.prefix_graph import ATTENTIONS
 
 FLAG = {name: flag for name, flag, *_ in OPTIONS}            # DBSConfig field -> CLI flag
 PROVIDER_HELP = "execution provider: cuda needs onnxruntime-gpu (see the GPU guide); falls back to cpu with a warning"
@@ -88,6 +89,11 @@ def _add_export(sub):
                         "(Q8_0 then runs in fp32, which has no fast 8-bit kernel at level 0); 4 quantizes the "
                         "activations to int8 per block, as llama.cpp does, and keeps Q8_0 as blocks too (smaller "
                         f"and faster, not exact); default {ACCURACY}")
+    p.add_argument("--attention", choices=ATTENTIONS, default=None,
+                   help="the decode graph's attention: split reads each request's context and each beam's prefix "
+                        "once (long contexts, many candidates); gathered gives each candidate its own copy of its "
+                        "keys in fewer nodes (a GPU, or one candidate over a short context); default gathered for "
+                        "--dtype fp16, else split")
     p.add_argument("--row-layout", action="store_true",
                    help="with --weights gguf, write model.onnx too (the row layout, --kv-layout rows: fp32, "
                         "about four times the GGUF file); without it the export holds the decode graph alone")
@@ -103,7 +109,7 @@ def _run_export(a) -> int:
         raise DBSError(f"export needs the export extra (`pip install 'dbs-fast[export]'`): {e}") from None
     m = export_model(a.model, a.out, optimize=a.optimize, quantize=a.quantize, force=a.force, quiet=a.quiet,
                      dtype=a.dtype, weights=a.weights, accuracy=a.accuracy_level,
-                     row_layout=a.row_layout)
+                     row_layout=a.row_layout, attention=a.attention)
     keys = ("source", "architecture", "dtype", "steps", "parity") + (("quantize_auto",) if a.quantize == "auto" else ())
     print(json.dumps({k: m[k] for k in keys}, indent=2))
     return 0

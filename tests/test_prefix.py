@@ -629,6 +629,28 @@ def test_an_fp16_export_decodes_on_the_gathered_graph_as_the_model_does(kind, tm
     assert r.new_tokens > 0
 
 
+@pytest.mark.integration
+def test_export_attention_gathered_makes_an_fp32_graph_of_that_form(tmp_path):
+    """`export --attention gathered` in fp32: the gathered form on the host cache, decoding each
+    row as the transformers model does (to fp32's precision); an unknown form is refused."""
+    from conftest import make_checkpoint
+
+    from dbs_fast.errors import DBSError
+    from dbs_fast.export.convert import export_model
+    from dbs_fast.kv.decoder import PrefixDecoder
+
+    ckpt = make_checkpoint("llama", tmp_path / "llama")
+    with pytest.raises(DBSError, match="`--attention` must be one of"):
+        export_model(str(ckpt), tmp_path / "bad", quiet=True, attention="fused")
+    out = tmp_path / "gathered"
+    export_model(str(ckpt), out, quiet=True, attention="gathered")
+    m = json.loads((out / "dbs_fast_model.json").read_text())
+    assert m["prefix_decode"]["written"] and m["prefix_decode"]["attention"] == "gathered", m["prefix_decode"]
+    dec = PrefixDecoder(out / "decode.onnx")
+    assert dec.dtype == np.float32 and dec.ops.device is None               # the host cache
+    _decodes_as_the_model_does(dec, ckpt, m, s=2, keep=[3, 0], seed=1, tol=1e-3)
+
+
 def _decodes_as_the_model_does(dec, ckpt, m, s: int, keep: list, seed: int, tol: float, float32_logits=False):
     """`dec` (a PrefixDecoder of an export of `ckpt`, manifest `m`) decodes each row as the
     transformers model does over the whole sequence, within `tol`: two left-padded contexts, s

@@ -32,6 +32,7 @@ from dbs_fast.model import OnnxModel
 
 from . import parity as parity_mod
 from .gguf_weights import ACCURACY, ACCURACY_LEVELS
+from .prefix_graph import ATTENTIONS
 from .source import (
     Source,
     check_supported,
@@ -153,7 +154,7 @@ class ParityFailed(DBSError):
 
 
 def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet: bool, dtype: str = "fp32",
-           weights: str = "fp32", accuracy: int = 0, row_layout: bool = False) -> dict:
+           weights: str = "fp32", accuracy: int = 0, row_layout: bool = False, attention: str | None = None) -> dict:
     """Write the whole export into `work`; returns the manifest. A decode graph on a GGUF file's
     blocks leaves out model.onnx (the row layout, fp32: four times the file) unless `row_layout`."""
     config = load_config(src)
@@ -208,7 +209,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     _check_parity(model, work, manifest, mode, src.name, t0, quiet)
     manifest["prefix_decode"] = _prefix_decode(model, work, quantize, quiet, dtype=dtype,
                                                gguf=Path(src.path) / src.gguf_file if weights == "gguf" else None,
-                                               accuracy=accuracy)
+                                               accuracy=accuracy, attention=attention)
     if weights == "gguf" and manifest["prefix_decode"]["written"] and not row_layout:
         (work / "model.onnx").unlink()
         manifest["onnx"] = None
@@ -342,13 +343,15 @@ def _gguf_blocks(model, gguf: Path, quiet: bool, accuracy: int) -> dict:
 
 
 def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_graph: Path | None = None,
-                   dtype: str = "fp32", gguf: Path | None = None, accuracy: int = 0) -> dict:
+                   dtype: str = "fp32", gguf: Path | None = None, accuracy: int = 0,
+                   attention: str | None = None) -> dict:
     """The decode graph (export/prefix_graph.py) beside model.onnx, checked against it;
     optional: a model it cannot serve keeps the row layout, and the manifest says why.
     `fp32_graph`: quantise that decode graph (of an fp32 export of the model) instead of exporting one.
     `dtype` "fp16": the graph with the gathered attention, checked in fp32, then in float16 (the
     GPU's graph; model.onnx stays fp32). `gguf`: the file whose 4-bit blocks the graph keeps (the
-    model's linear layers swapped for them, last: nothing uses the model after)."""
+    model's linear layers swapped for them, last: nothing uses the model after). `attention`: the
+    graph's form (`prefix_graph.ATTENTIONS`; None: gathered for fp16, else split)."""
     from . import prefix_graph
 
     try:
@@ -362,7 +365,7 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
         if fp32_graph is None:
             fp32 = work / "_decode" / DECODE_GRAPH
             info = prefix_graph.export_prefix_decoder(model, fp32,
-                                                      attention="gathered" if dtype == "fp16" else "split")
+                                                      attention=attention or ("gathered" if dtype == "fp16" else "split"))
         else:
             fp32 = fp32_graph
             info = {k: v for k, v in json.loads((fp32.parent / MANIFEST).read_text())["prefix_decode"].items()
@@ -402,12 +405,14 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
 
 def export_model(model: str, out: str | os.PathLike, optimize: bool = False, quantize: str | None = None,
                  force: bool = False, quiet: bool = False, dtype: str = "fp32", weights: str | None = None,
-                 accuracy: int | None = None, row_layout: bool = False) -> dict:
+                 accuracy: int | None = None, row_layout: bool = False, attention: str | None = None) -> dict:
     """`dtype` "fp16": the decode graph in float16 with the gathered attention, for the CUDA provider.
     `weights` "gguf": a GGUF file's 4-bit blocks kept in the decode graph (`export/gguf_weights.py`);
     None: "gguf" for a GGUF source exported in fp32 without `quantize`, else "fp32". `accuracy`: the
     blocks' MatMulNBits accuracy level (`gguf_weights.ACCURACY_LEVELS`; None: `ACCURACY`).
-    `row_layout`: keep model.onnx (the row layout) beside a decode graph on a GGUF file's blocks."""
+    `row_layout`: keep model.onnx (the row layout) beside a decode graph on a GGUF file's blocks.
+    `attention`: the decode graph's attention (`prefix_graph.ATTENTIONS`; None: gathered for fp16,
+    else split)."""
     out = Path(out).expanduser()
     from .quantize import AUTO, METHODS
 
@@ -424,6 +429,8 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
                        "`--dtype fp16`", "weights", weights)
     if accuracy is not None and accuracy not in ACCURACY_LEVELS:
         raise DBSError(f"`--accuracy-level` must be one of {ACCURACY_LEVELS}, got {accuracy!r}", "accuracy_level", accuracy)
+    if attention is not None and attention not in ATTENTIONS:
+        raise DBSError(f"`--attention` must be one of {ATTENTIONS}, got {attention!r}", "attention", attention)
     if out.exists() and not force:
         raise DBSError(f"output directory {out} exists; pass --force to replace it")
     src = resolve(model)
@@ -435,7 +442,7 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
                 manifest = _export_auto(src, out, optimize, quiet)
             else:
                 manifest = _export_once(src, out, optimize, quantize, quiet, dtype, weights,
-                                         ACCURACY if accuracy is None else accuracy, row_layout)
+                                         ACCURACY if accuracy is None else accuracy, row_layout, attention)
     except BaseException:
         if Path(log).stat().st_size:
             print(f"[export] what the exporters wrote is in {log}", file=sys.stderr, flush=True)
@@ -500,14 +507,14 @@ def _export_auto(src: Source, out: Path, optimize: bool, quiet: bool) -> dict:
 
 def _export_once(src: Source, out: Path, optimize: bool, quantize: str | None, quiet: bool,
                  dtype: str = "fp32", weights: str | None = "fp32", accuracy: int = 0,
-                 row_layout: bool = False) -> dict:
+                 row_layout: bool = False, attention: str | None = None) -> dict:
     """One export into a temporary directory beside `out`, moved into place only when it is whole."""
     if weights is None:                 # a GGUF file keeps its blocks where nothing else quantises
         weights = "gguf" if src.is_gguf and quantize is None and dtype == "fp32" else "fp32"
     if weights == "gguf" and not src.is_gguf:
         raise DBSError(f"`--weights gguf` keeps a GGUF file's blocks: {src.name} is not a GGUF file", "weights", weights)
     return _whole(out, lambda work: _build(src, work, optimize, quantize, quiet, dtype, weights, accuracy,
-                                                row_layout))
+                                                row_layout, attention))
 
 
 def _derive_once(fp32: Path, out: Path, method: str, model, quiet: bool) -> dict:

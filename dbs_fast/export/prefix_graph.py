@@ -189,11 +189,14 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     # more key whose score is its log-sum-exp and whose value is its normalised output
     sp = cap(torch.matmul(qg, pk.transpose(2, 3)) * scale) + biases.prefix                # (b, kv, s*L*g, T)
     kr, vr = (torch.cat([c.permute(1, 2, 3, 0, 4), x], dim=3) for c, x in ((ck, kn), (cv, vn)))  # (b, kv, s, U+L, d)
-    sr = torch.matmul(q6.reshape(b, kv, s, L * g, d), kr.transpose(3, 4))               # (b, kv, s, L*g, U+L)
-    sr = cap(sr.reshape(b, kv, s * L * g, U + L) * scale) + torch.cat([biases.chunk, biases.new], dim=-1)
-    w = torch.softmax(torch.cat([sp, sr, ox[..., d:]], dim=-1), dim=-1)
-    orow = torch.matmul(w[..., T:-1].reshape(b, kv, s, L * g, U + L), vr).reshape(b, kv, s * L * g, d)
-    o = torch.matmul(w[..., :T], pv) + orow + w[..., -1:] * ox[..., :d]
+    # the scale right after the MatMul (one FusedMatMul), the biases of all layers one tensor
+    br = torch.cat([biases.chunk, biases.new], dim=-1).reshape(b, 1, s, L * g, U + L)
+    sr = cap(torch.matmul(q6.reshape(b, kv, s, L * g, d), kr.transpose(3, 4)) * scale) + br   # (b, kv, s, L*g, U+L)
+    ov, lse = torch.split(ox, [d, 1], dim=-1)
+    w = torch.softmax(torch.cat([sp, sr.reshape(b, kv, s * L * g, U + L), lse], dim=-1), dim=-1)
+    wp, wr, wx = torch.split(w, [T, U + L, 1], dim=-1)                                   # one Split, not 3 Slices
+    orow = torch.matmul(wr.reshape(b, kv, s, L * g, U + L), vr).reshape(b, kv, s * L * g, d)
+    o = torch.matmul(wp, pv) + orow + wx * ov
     return o.reshape(b, kv, s, L, g, d).permute(0, 2, 3, 1, 4, 5).reshape(N, L, H * d), kn, vn
 
 
