@@ -365,6 +365,14 @@ def test_a_step_writes_its_new_kv_into_the_next_chunk_slot_in_place():
     chunks, mask = pc.slots()
     assert chunks[0].shape == (k, b, kv, s, d) and chunks[0].flags.c_contiguous and mask.shape == (b * s, k)
     assert mask[:, :2].all() and not mask[:, 2:].any()
+    # a step's new K/V of every tensor in one copy (one array), or tensor by tensor (a list)
+    stack = rng.standard_normal((len(pc.chunk), b, kv, s, 1, d)).astype(np.float32)
+    pc.put(stack)
+    for c, x in zip(pc.chunk, stack):
+        np.testing.assert_array_equal(c[2], x[:, :, :, 0])
+    pc.advance()
+    pc.put(list(stack * 2))
+    np.testing.assert_array_equal(pc.chunk[1][3], 2 * stack[1][:, :, :, 0])
 
 
 def _on_device(dbs, model_dir):

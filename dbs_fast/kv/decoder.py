@@ -134,6 +134,7 @@ class PrefixDecoder:
         self.distinct = "slot_row" in names
         self._arange = np.arange(0)
         self._out: list[np.ndarray] = []
+        self._new = np.empty(0, np.float32)          # the new K/V of every tensor (`_buffers`)
         # one IO binding for all steps: an input is bound again only when its array is not the one
         # bound (the cache's buffers are written in place between steps, so most are not rebound:
         # binding GPT-2 large's 149 inputs took ~1 ms a step). One thread drives a decoder, as one
@@ -171,7 +172,9 @@ class PrefixDecoder:
         _, b, kv, s, d = cache.chunk[0].shape
         shapes = [(N, self.vocab)] + [(b, kv, s, L, d) for _ in cache.chunk if new]
         if [o.shape for o in self._out] != shapes:
-            self._out = [np.empty(sh, np.float32 if i == 0 else self.dtype) for i, sh in enumerate(shapes)]
+            # the new K/V of every tensor are entries of one array, so that `PrefixCache.put` copies once
+            self._new = np.empty((len(shapes) - 1, b, kv, s, L, d), self.dtype)
+            self._out = [np.empty(shapes[0], np.float32)] + list(self._new)
         return [self._out[0][:N if n is None else n]] + self._out[1:]
 
     def _bind(self, name: str, arr, output: bool = False) -> None:
@@ -368,5 +371,5 @@ class PrefixDecoder:
                 self._moved(arr.nbytes)
         self._run(io)
         if to_slot:
-            cache.put(out[1:])
+            cache.put(self._new)
         return out[0], (None if in_place else out[1:])
