@@ -1,6 +1,8 @@
 """The decode graph (`decode.onnx`, `dbs_fast/export/prefix_graph.py`) as an ONNX Runtime session
-over a `PrefixCache`: inputs bound in place, the new token's K/V written straight into the cache's
-next chunk slot, outputs into buffers kept from step to step (no allocation, no host copy)."""
+over a `PrefixCache`: inputs bound in place and rebound only when their array changes, outputs into
+buffers kept from step to step (no allocation); the new token's K/V come out in one array, copied
+into the cache's chunk slot at once (`PrefixCache.put`), or, with the cache on a device, written
+into the slot in place."""
 from __future__ import annotations
 
 import time

@@ -6,9 +6,10 @@ all its beams: `beam_context` says whose), b prefixes (b, kv_heads, T, head_dim)
 each beam generated, and the N = b * s rows' preallocated chunks, slot-major (k, b, kv_heads, s,
 head_dim); row r is candidate r % s of beam r // s. A context is never written after its prefill
 (a context store may hold the same arrays). A decode step (`PrefixDecoder.step`, the graph of
-`export/prefix_graph.py`) reads the contexts, the prefixes and the chunk's decoded slots in place
-(the first slots of the buffer: a contiguous view) and writes the new token's K/V straight into
-the chunk's next slot (its output is bound there), so a step copies nothing on the host. At the
+`export/prefix_graph.py`) reads the contexts, the prefixes and the chunk's buffers in place (its
+undecoded slots masked; on the host the chunk's tensors are entries of one array) and its new
+token's K/V go into the chunk's next slot: one copy of a few KB a layer on the host (`put`; rebinding
+60 outputs at each step cost more), the output bound there on a device. At the
 chunk boundary
 `keep(rows)` builds the next prefixes from the kept candidates: their parent beam's prefix plus
 their own chunk (a gather of b prefixes and b chunks of <= k tokens), and empties the chunks.
