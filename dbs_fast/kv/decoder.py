@@ -203,6 +203,15 @@ class PrefixDecoder:
             key = _Bound(arr.ptr, tuple(arr.shape), arr)
         self._bound[name] = key
 
+    def _bind_cache(self, cache: PrefixCache, chunk: list) -> None:
+        """The cache's tensors bound to the graph's inputs, each only where it is not the array bound
+        there already (most are, between chunk boundaries)."""
+        bound = self._bound
+        for names, tensors in zip(self._cache_inputs, (cache.context, cache.prefix, chunk)):
+            for name, arr in zip(names, tensors):
+                if bound.get(name) is not arr:
+                    self._bind(name, np.ascontiguousarray(arr) if isinstance(arr, np.ndarray) else arr)
+
     def _run(self, io) -> None:
         t0 = time.perf_counter()
         self.session.run_with_iobinding(io)
@@ -345,11 +354,7 @@ class PrefixDecoder:
             raise ValueError("this decode graph computes every slot (re-export the model for distinct rows)")
         for name, arr in feeds.items():
             self._bind(name, np.ascontiguousarray(arr) if isinstance(arr, np.ndarray) else arr)
-        bound = self._bound
-        for names, tensors in zip(self._cache_inputs, (cache.context, cache.prefix, chunk)):
-            for name, arr in zip(names, tensors):
-                if bound.get(name) is not arr:      # most are the arrays bound at the last step
-                    self._bind(name, np.ascontiguousarray(arr) if isinstance(arr, np.ndarray) else arr)
+        self._bind_cache(cache, chunk)
         if self.ops is not HOST and not in_place:      # a prefill: the new K/V stay on the device
             out = self._buffers(cache, L, new=False, n=len(ids))
             self._bind(self.outputs[0], out[0], output=True)
@@ -366,6 +371,7 @@ class PrefixDecoder:
         out = self._buffers(cache, L, new=not in_place or to_slot, n=len(ids))
         if in_place and not to_slot:
             out = out + cache.next_slot()
+        bound = self._bound
         for name, arr in zip(self.outputs, out):
             if bound.get(name) is not arr:
                 self._bind(name, arr, output=True)
