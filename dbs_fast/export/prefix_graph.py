@@ -26,8 +26,8 @@ and returns `logits` (n, vocab) of each computed row's last new token and only t
 (the host copies it there, or, with the cache on a device, binds the slot as the output); the kept
 rows' chunks are appended to the prefixes once per chunk (`dbs_fast.kv.prefix_cache.PrefixCache`).
 Nothing per step copies the context or the prefix, and a chunk's inputs are the same arrays at each
-of its steps, bound once (binding 60 tensors a step was a tenth of a one-row step on the default). A decode step has L = 1; a prefill
-runs a (left-padded) context as L new tokens per call over the columns before them as context.
+of its steps, bound once (binding 60 tensors a step was a tenth of a one-row step on the default).
+A decode step has L = 1; a prefill runs a (left-padded) context as L new tokens per call over the columns before them as context.
 
 Attention (Hydragen's decomposition, at two levels): all query rows of a request are rows of one
 batched matmul over its context, and those of a beam (its s candidates, their L new tokens and
@@ -150,8 +150,8 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     """Attention of L new tokens per row, row r = candidate r % s of beam r // s, over three levels:
     its request's context, its beam's generated prefix and its own chunk (then its new tokens).
     q (N, L, H * d); k, v (N, L, kv * d) (or with the heads as an axis of their own): the new
-    tokens'; xk, xv (R, kv, C, d): the contexts, one copy per request; pk, pv (b, kv, T, d): the beams' prefixes; ck, cv (U, b, kv, s, d): the
-    chunks' U slots, slot-major; `biases` (`Biases`). Returns the output (N, L, H * d) and
+    tokens'; xk, xv (R, kv, C, d): the contexts, one copy per request; pk, pv (b, kv, T, d): the
+    beams' prefixes; ck, cv (U, b, kv, s, d): the chunks' U slots, slot-major; `biases` (`Biases`). Returns the output (N, L, H * d) and
     the new keys and values (b, kv, s, L, d), one chunk slot's layout when L = 1.
 
     Every query of a request (its beams x s candidates x L new tokens x g query heads per kv head)
@@ -189,12 +189,13 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     # more key whose score is its log-sum-exp and whose value is its normalised output
     sp = cap(torch.matmul(qg, pk.transpose(2, 3)) * scale) + biases.prefix                # (b, kv, s*L*g, T)
     kr, vr = (torch.cat([c.permute(1, 2, 3, 0, 4), x], dim=3) for c, x in ((ck, kn), (cv, vn)))  # (b, kv, s, U+L, d)
-    # the scale right after the MatMul (one FusedMatMul), the biases of all layers one tensor
+    # the scale right after the MatMul (ORT folds it into one FusedMatMul); the bias is the same
+    # nodes in every layer, which ORT merges into one
     br = torch.cat([biases.chunk, biases.new], dim=-1).reshape(b, 1, s, L * g, U + L)
     sr = cap(torch.matmul(q6.reshape(b, kv, s, L * g, d), kr.transpose(3, 4)) * scale) + br   # (b, kv, s, L*g, U+L)
     ov, lse = torch.split(ox, [d, 1], dim=-1)
     w = torch.softmax(torch.cat([sp, sr.reshape(b, kv, s * L * g, U + L), lse], dim=-1), dim=-1)
-    wp, wr, wx = torch.split(w, [T, U + L, 1], dim=-1)                                   # one Split, not 3 Slices
+    wp, wr, wx = torch.split(w, [T, U + L, 1], dim=-1)
     orow = torch.matmul(wr.reshape(b, kv, s, L * g, U + L), vr).reshape(b, kv, s * L * g, d)
     o = torch.matmul(wp, pv) + orow + wx * ov
     return o.reshape(b, kv, s, L, g, d).permute(0, 2, 3, 1, 4, 5).reshape(N, L, H * d), kn, vn
@@ -396,7 +397,7 @@ def _llama(model, ids, pos, biases, kv, dims):
     x = norm(m.layers[0].input_layernorm, h)
     for i, layer in enumerate(m.layers):
         a = layer.self_attn
-        q, k, v = _qkv(a, x, H, KV, d, dims, biases)
+        q, k, v = _qkv(a, x, dims, biases)
         turn = rope if getattr(a, "use_rope", True) else lambda y, heads: y       # SmolLM3: NoPE
         q = turn(_head_norm(a, "q_norm", q, H, d), H)                  # (N, L, H * d)
         k = turn(_head_norm(a, "k_norm", k, KV, d), KV)                # (N, L, KV * d)
@@ -409,11 +410,11 @@ def _llama(model, ids, pos, biases, kv, dims):
     return (_logits(model, x, dims), *new)
 
 
-def _qkv(attn, x, H: int, KV: int, d: int, dims: Dims, biases):
+def _qkv(attn, x, dims: Dims, biases):
     """The attention slots' q (N, L, H * d), k and v (N, L, KV * d) from the computed rows' x: one
     projection on the three weights packed (Phi-3's own `qkv_proj`), taken to the slots and split:
     one MatMul, one Reshape, one Gather and one Split where three of each were."""
-    sizes = [H * d, KV * d, KV * d]
+    sizes = [dims.H * dims.d, dims.kv * dims.d, dims.kv * dims.d]
     y = attn.qkv_proj(x) if hasattr(attn, "qkv_proj") else _packed(x, (attn.q_proj, attn.k_proj, attn.v_proj))
     return to_slots(y.reshape(dims.n, dims.L, -1), biases).split(sizes, dim=-1)
 
@@ -554,8 +555,8 @@ def rope_kind(model, emb=None) -> str:
 
 
 def _rotary(model, h, pos, dims: Dims, emb=None):
-    """A function of (y, heads): y (n * L or (n, L), heads * d) with RoPE applied at `pos` (n, L),
-    the rows' or the attention slots' positions (dims.n: their number); (n, L, heads * d) out, or
+    """A function of (y, heads): y (n, L, heads * d) with RoPE applied at `pos` (n, L), the rows'
+    or the attention slots' positions (dims.n: their number); (n, L, heads * d) out, or
     (n, L, heads, d) for the elementwise form. For the static rotary types it exports as one
     `com.microsoft.RotaryEmbedding` per tensor, which looks the angles up in a table of positions
     0..max(pos), instead of 7 elementwise nodes per tensor (Slice, Slice, Neg,
@@ -597,7 +598,7 @@ def _rotary(model, h, pos, dims: Dims, emb=None):
             return out.setType(y.type())                     # same shape and type as y (no exporter warning)
 
     # (n, L, heads * d) in and out: `attend` takes the heads as they are laid out, no Reshape either side
-    return lambda y, heads: Rotary.apply(y if y.dim() == 3 else y.reshape(N, L, -1), pos, tc, ts, heads)
+    return lambda y, heads: Rotary.apply(y, pos, tc, ts, heads)
 
 
 def _gpt2(model, ids, pos, biases, kv, dims):
@@ -661,7 +662,7 @@ def _gemma(model, ids, pos, biases, kv, dims):
     x = norm(m.layers[0].input_layernorm, h)
     for i, layer in enumerate(m.layers):
         a = layer.self_attn
-        q, k, v = _qkv(a, x, H, KV, d, dims, biases)
+        q, k, v = _qkv(a, x, dims, biases)
         rope = ropes[getattr(layer, "attention_type", "full_attention")]
         q = rope(_head_norm(a, "q_norm", q, H, d), H)
         k = rope(_head_norm(a, "k_norm", k, KV, d), KV)
@@ -689,7 +690,7 @@ def _neox(model, ids, pos, biases, kv, dims):
     for i, layer in enumerate(t.layers):
         a = layer.attention
         q, k, v = a.query_key_value(layer.input_layernorm(h)).reshape(-1, H, 3 * d).chunk(3, dim=-1)
-        q, k = rope(q, H), rope(k, H)                                  # (n, L, H, d)
+        q, k = (rope(t.reshape(n, L, H * d), H) for t in (q, k))      # (n, L, H * d) or (n, L, H, d)
         o, kn, vn = attend(*(to_slots(x, biases) for x in (q, k, v.reshape(n, L, H, d))), *kv[6 * i:6 * i + 6],
                            biases, a.scaling, dims)
         o = a.dense(to_rows(o, biases).reshape(-1, H * d))
