@@ -13,6 +13,7 @@ CLI flags and the service's JSON fields are all derived from it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from keyword import iskeyword
 
@@ -108,9 +109,10 @@ class DBSConfig:
                            "begun with each subject phrase (\"The dog\", \"A dog\" for a concept \"dog\", then "
                            "\"A man\", \"A woman\", ...) and the rest free; the quality score keeps b. For "
                            "one-sentence tasks after a context that ends a line", OPENINGS)
-    stream_lag: int = option(0, int, "chunks: after each chunk commit the best beam's text older than this and drop "
-                             "the beams that disagree, so that text streams early (0 = off: the text is chosen "
-                             "whole at the end; a stream's default is the service's)")
+    stream_lag: float = option(0, float, "chunks: after each chunk commit the best beam's text older than this "
+                               "and drop the beams that disagree, so that text streams early; a fraction holds "
+                               "back part of a chunk (0.4 of 5 tokens: 2) and commits after the first (0 = off: "
+                               "the text is chosen whole at the end; a stream's default is the service's)")
     pick: str = option("blend", str, "the beam returned: q, the best by the quality score (the paper); "
                        "likelihood, the finished beam with the best mean log-prob per token; consensus, the "
                        "finished beam most like the other finished ones (BLEU-4, minimum Bayes risk); blend, the finished beam "
@@ -157,8 +159,9 @@ class DBSConfig:
             bad("boost_cutoff", "must be >= 0")
         if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0):
             bad("repetition_penalty", "must be > 0 (1 = off)")
-        if not _is_int(self.stream_lag, 0):
-            bad("stream_lag", "must be an integer >= 0 (0 = off)")
+        if not (isinstance(self.stream_lag, (int, float)) and not isinstance(self.stream_lag, bool)
+                and 0 <= self.stream_lag <= self.max_new_tokens):
+            bad("stream_lag", "must be a number of chunks >= 0 (0 = off), at most the token budget")
         if not _is_int(self.no_repeat_ngram_size, 0):
             bad("no_repeat_ngram_size", "must be an integer >= 0 (0 = off)")
         if not _is_int(self.no_repeat_word_window, 0) or self.no_repeat_word_window == 1:
@@ -190,6 +193,11 @@ class DBSConfig:
     def needs_sentence_ends(self) -> bool:
         """Whether the search reads the sentence-end token table (stopping, deadlines, bans)."""
         return self.stop == "sentence" or bool(self.sentence_deadline) or bool(self.min_sentence)
+
+    @property
+    def lag_tokens(self) -> int:
+        """`stream_lag` in tokens: the tokens a commit holds back (a part of a chunk rounds up)."""
+        return math.ceil(self.stream_lag * self.chunk - 1e-9) if self.stream_lag else 0
 
     @property
     def shapes_logits(self) -> bool:

@@ -113,7 +113,7 @@ def test_the_cache_keeps_only_columns_some_row_needs(dbs):
     assert rest[0][1].generated == _alone(dbs, CFG, JOBS[0]).generated
 
 
-@pytest.mark.parametrize("lag", [0, 1, 2])
+@pytest.mark.parametrize("lag", [0, 0.5, 1, 2])
 def test_certain_text_is_a_prefix_of_the_final_text(dbs, lag):
     """What a stream sends between chunks only grows and starts the final text; with a fixed lag
     (`stream_lag`) it is there before the end."""
@@ -136,3 +136,5 @@ def test_certain_text_is_a_prefix_of_the_final_text(dbs, lag):
     assert all(a == b[:len(a)] for a, b in zip(seen, seen[1:]))   # it only grows
     if lag:
         assert seen[-1]                                        # committed before the request ended
+    if lag < 1:                                                # a part of a chunk: after the first one
+        assert bool(seen[0]) == bool(lag)

@@ -275,7 +275,7 @@ class BeamSearch:
         full = set_aside(self.slots, rows, done, cfg.finished)   # set aside, the other beams go on; full: they end
         rows.ended |= full[rows.req]
         keep = quality.select_best(rows.req, rows.cum, cfg.beams)
-        keep, copy = commit(rows, keep, self.slots, ~(last | full), cfg.stream_lag, cfg.chunk)
+        keep, copy = commit(rows, keep, self.slots, ~(last | full), cfg.lag_tokens)
         self.chunks += 1
         plain = np.bincount(rows.req, minlength=len(self.slots)) * (k - last)
         for s, n in zip(self.slots, plain):

@@ -1,8 +1,9 @@
 """Fixed-lag commit (`stream_lag`): text that streams before the request ends.
 
-After each chunk, a request's best kept beam (by Q) commits its tokens older than the lag; its kept
-beams that disagree with them are replaced by copies of the best one (scored -inf, so that they
-are not chosen over a real beam), and its set-aside finished candidates that disagree are dropped.
+After each chunk, a request's best kept beam (by Q) commits its tokens older than the lag (in
+tokens, `DBSConfig.lag_tokens`: a lag under one chunk commits after the first); its kept beams
+that disagree with them are replaced by copies of the best one (scored -inf, so that they are not
+chosen over a real beam), and its set-aside finished candidates that disagree are dropped.
 Every row and candidate that can still be returned then starts with the committed tokens, so they
 stream at once, and the result never trims back into them. Off (lag 0) nothing changes."""
 from __future__ import annotations
@@ -18,11 +19,11 @@ def agrees(rows: Rows, i: int, prefix: np.ndarray) -> bool:
     return len(g) >= len(prefix) and np.array_equal(g[:len(prefix)], prefix)
 
 
-def commit(rows: Rows, keep: np.ndarray, slots: list, stay: np.ndarray, lag: int, chunk: int):
+def commit(rows: Rows, keep: np.ndarray, slots: list, stay: np.ndarray, lag: int):
     """The kept rows `keep` (indices into `rows`) after committing, for each request q with
-    `stay[q]`, its best kept beam's tokens but those of the last `lag` chunks of `chunk` tokens
-    (`slots[q].committed` grows to their count; lag 0: nothing); returns (keep, copy): `copy[j]`
-    where keep[j] now points at the best beam in place of one that disagreed."""
+    `stay[q]`, its best kept beam's tokens but its last `lag` (`slots[q].committed` grows to their
+    count; lag 0: nothing); returns (keep, copy): `copy[j]` where keep[j] now points at the best
+    beam in place of one that disagreed."""
     keep, copy = keep.copy(), np.zeros(len(keep), bool)
     if not lag:
         return keep, copy
@@ -33,7 +34,7 @@ def commit(rows: Rows, keep: np.ndarray, slots: list, stay: np.ndarray, lag: int
             continue
         best = keep[live[np.argmax(rows.cum[keep[live]])]]
         g = rows.generated(best)
-        n = len(g) - lag * chunk
+        n = len(g) - lag
         slot = slots[q]
         if n <= slot.committed:
             continue
