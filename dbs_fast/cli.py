@@ -132,12 +132,12 @@ def _add_config_flags(p, title: str) -> None:
                    help="the paper's protocol: no repetition control, fixed max-new-tokens (flags above override)")
 
 
-def config_from_args(a, task: str | None = None, **extra) -> tuple[DBSConfig, str]:
+def config_from_args(a, task: str | None = None, chat: bool = False, **extra) -> tuple[DBSConfig, str]:
     """The config and the context from the parsed flags: the preset (`config.preset`: the task's,
-    --paper's or the default), then the flags given, then `extra`."""
+    --paper's, the chat door's or the default), then the flags given, then `extra`."""
     from dataclasses import replace
 
-    base, context = preset(task, a.paper)
+    base, context = preset(task, a.paper, chat)
     given = {name: getattr(a, name) for name, *_ in OPTIONS if getattr(a, name) is not None}
     return replace(base, **given, **extra), (context if a.context is None else a.context)
 
@@ -407,7 +407,8 @@ def _run_eval(a) -> int:
     if a.start < 0:
         raise DBSError(f"`--start` must be >= 0, got {a.start}")
     commongen = a.sets == "commongen-dev" and not a.keywords_file
-    cfg, a.context = config_from_args(a, "commongen" if commongen else None)   # the task's preset for its sets
+    cfg, a.context = config_from_args(a, "commongen" if commongen else None,   # the task's preset for its sets
+                                      chat=a.sets == "chat")
     if a.sets == "chat":
         return _run_chat_eval(a, cfg)
     configs = eval_configs(cfg, a.runs)

@@ -33,6 +33,14 @@ def parse_constraints(keywords, ban=None):
     return kws, bans
 
 
+def lam_of(keyword, context: str, cfg: DBSConfig) -> float:
+    """A keyword's guidance strength: `lam_named` where the context already names it (by
+    `cfg.match`: a message asking for the word), else `lam`."""
+    if cfg.lam_named is None or not occurrence.count(context, keyword, rule=cfg.match):
+        return cfg.lam
+    return cfg.lam_named
+
+
 class RequestBuilder:
     """Turns (context, keywords, ban, seed, config) into a Request for one model: its tokenizer
     (the backend's), its guide-word table, its export's manifest and chat template. `window`: the
@@ -144,7 +152,7 @@ class RequestBuilder:
                    for head, whole in constraints.phrase_starts(enc, k, words=cfg.complete_words)]
         allowed = ~self.word_piece if cfg.boost_word_starts else None
         with naming("keywords", keywords):                   # a word the embeddings lack
-            boosts = [constraints.keyword_boost(self.table, k, cfg.lam, cfg.boost_cutoff, self.subword_fallback,
+            boosts = [constraints.keyword_boost(self.table, k, lam_of(k, context, cfg), cfg.boost_cutoff, self.subword_fallback,
                                                 lenient=cfg.guarantee, allowed=allowed,
                                                 own=constraints.first_tokens(enc, k) if cfg.complete_words else ())
                       for k in kws]

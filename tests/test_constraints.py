@@ -346,3 +346,18 @@ def test_token_texts_heal_bans_every_token_that_does_not_rewrite_the_tail():
     assert h.ban.dtype == np.int32                         # sorted int32, as the kernel reads it
     assert tt.heal([0], " teach") is None                  # nothing left to read
     assert tt.heal([5, 7], "\ufffd") is None               # a partial character
+
+
+def test_a_keyword_the_context_names_is_boosted_at_lam_named(dbs):
+    """lam_named: a keyword the context already names (by the match rule: "colonies" names
+    "colony") gets that strength, the others lambda's; unset, every keyword gets lambda."""
+    from dataclasses import replace
+
+    def strongest(req):
+        return [float(b.values.max()) for b in req.boosts]
+
+    cfg = replace(dbs.config, lam=20.0, lam_named=1.0, match="stem")
+    assert strongest(dbs.request("Two colonies met.", "colony,enemy", None, 0, cfg)) == pytest.approx([1.0, 20.0])
+    assert strongest(dbs.request("It is", "colony,enemy", None, 0, cfg)) == pytest.approx([20.0, 20.0])
+    assert strongest(dbs.request("Two colonies met.", "colony,enemy", None, 0,
+                                 replace(cfg, lam_named=None))) == pytest.approx([20.0, 20.0])

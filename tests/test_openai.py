@@ -410,3 +410,19 @@ def test_a_request_without_keywords_is_answered_by_the_same_engine_unguided(clie
     chat = client.chat.completions.create(model=_name(client), max_tokens=12, seed=4, extra_body=SMALL,
                                           messages=[{"role": "user", "content": "Tell me about rivers."}])
     assert chat.choices[0].message.content
+
+
+def test_the_chat_door_starts_from_the_chat_preset(model_dir):
+    """/v1/chat/completions answers with `DBSConfig.chat()` under the body's options, completions
+    with the default; a task or --paper in the body replaces it."""
+    from dbs_fast.config import DBSConfig
+    from dbs_fast.serving.openai_api import chat_model, completion_model, job_arguments
+    from dbs_fast.text.chat import ChatTemplate
+
+    template = ChatTemplate.of(model_dir)
+    chat = chat_model()(model=model_dir.name, messages=[{"role": "user", "content": "Hi"}], keywords="river")
+    assert job_arguments(chat, str(model_dir), 7, template, chat=True)["base"] == DBSConfig.chat()
+    plain = completion_model()(model=model_dir.name, prompt="It is", keywords="river")
+    assert job_arguments(plain, str(model_dir), 7, template, chat=False)["base"] == DBSConfig()
+    paper = chat_model()(model=model_dir.name, messages=[{"role": "user", "content": "Hi"}], paper=True)
+    assert job_arguments(paper, str(model_dir), 7, template, chat=True)["base"] == DBSConfig.paper()

@@ -141,7 +141,7 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
     if body.stream and body.n > 1:
         raise Refused("n", "`n` > 1 cannot be streamed: the beams are chosen at the end")
     try:
-        base, _ = preset(body.task, body.paper)           # an unknown task, or two presets: a 400
+        base, _ = preset(body.task, body.paper, chat)     # an unknown task, or two presets: a 400
     except DBSError as e:
         raise Refused(e.field, str(e)) from None
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
