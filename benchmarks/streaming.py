@@ -1,16 +1,16 @@
 """Streams with a fixed lag (`stream_lag`): when the first text arrives, and what the lag costs.
 
 Requests of the chat set (`dbs-fast eval --sets chat`; `--start`, `--n`), each user message
-rendered by the default model's chat template with its guide words as keywords, at the default
-settings, streamed as the service streams them: after every chunk the certain text
-(`Batch.certain`), whose first non-empty value is the first content a client sees. Per lag in
-chunks (0 = off; a fraction holds back part of a chunk): the median and p90 of that time over the
+rendered by the default model's chat template with its guide words as keywords, at the chat
+door's settings (`DBSConfig.chat()`), streamed as the service streams them: after every chunk
+the certain text (`Batch.certain`), whose first non-empty value is the first content a client
+sees. Per lag in chunks (0 = off; a fraction holds back part of a chunk): the median and p90 of that time over the
 answer's total time, the coverage of the guide words (by lemma), the judge's median perplexity of
 the answer after the message in the judge's chat template (the other embedded model,
 gemma3-270m), rep-4, the mean words, and how many answers are the same as at lag 0; three
 answers picked by numpy default_rng(0).
 
-    python -m benchmarks.streaming --n 40 --lags 0,0.4,0.6,1 --out runs/streaming
+    python -m benchmarks.streaming --n 40 --lags 0,0.2,0.4,0.6,0.8,1 --out runs/streaming
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import numpy as np
 from benchmarks import write
 from dbs_fast.api import DirectedBeamSearch
 from dbs_fast.bench.machine import machine
+from dbs_fast.config import DBSConfig
 from dbs_fast.evaluation.chat import chat_requests, judge_contexts
 from dbs_fast.evaluation.judge import Judge
 from dbs_fast.evaluation.metrics import coverage, rep_n, words
@@ -59,22 +60,22 @@ def main(argv=None) -> None:
     p.add_argument("--lags", default="0,0.4,0.6,1")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
-    dbs = DirectedBeamSearch("default")
+    dbs, base = DirectedBeamSearch("default"), DBSConfig.chat()    # the chat door's settings
     reqs = chat_requests()[a.start:a.start + a.n]
     sets, messages = [kws for _, kws, _ in reqs], [m for _, _, m in reqs]
     contexts = [dbs.chat_template.render([{"role": "user", "content": m}]) for m in messages]
     lags = [float(x) for x in a.lags.split(",")]
     runs = {}
     for lag in lags:
-        cfg = replace(dbs.config, stream_lag=lag)
+        cfg = replace(base, stream_lag=lag)
         runs[lag] = [stream(dbs, cfg, c, s, seed) for seed, (c, s) in enumerate(zip(contexts, sets))]
         print(f"lag {lag}: done", flush=True)
     judge = Judge("gemma3-270m", generator_dir=dbs.model_dir)
     judged = judge_contexts(judge, messages)
     report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "sets": [a.start, a.start + a.n],
-              "config": dbs.config.to_dict(), "lags": {}}
-    lines = [f"{a.n} requests of the chat set ({a.start}-{a.start + a.n - 1}: half name their words), default "
-             "settings, streamed; judge gemma3-270m (median perplexity of the answer after the message, in the "
+              "config": base.to_dict(), "lags": {}}
+    lines = [f"{a.n} requests of the chat set ({a.start}-{a.start + a.n - 1}: half name their words), the chat "
+             "door's settings, streamed; judge gemma3-270m (median perplexity of the answer after the message, in the "
              "judge's chat template).", "",
              "| stream_lag | first text / total (median, p90) | seconds (median total) | coverage | judge ppl "
              "(median) | rep-4 | words | same answer as off |", "|---|---|---|---|---|---|---|---|"]
