@@ -4,11 +4,11 @@ Requests of the chat set (`dbs-fast eval --sets chat`; `--start`, `--n`), each u
 rendered by the default model's chat template with its guide words as keywords, at the chat
 door's settings (`DBSConfig.chat()`), streamed as the service streams them: after every chunk
 the certain text (`Batch.certain`), whose first non-empty value is the first content a client
-sees. Per lag in chunks (0 = off; a fraction holds back part of a chunk): the median and p90 of that time over the
-answer's total time, the coverage of the guide words (by lemma), the judge's median perplexity of
-the answer after the message in the judge's chat template (the other embedded model,
-gemma3-270m), rep-4, the mean words, and how many answers are the same as at lag 0; three
-answers picked by numpy default_rng(0).
+sees. Per lag in chunks (0 = off; a fraction holds back part of a chunk): the median and p90 of
+that time over the answer's total time, the coverage of the guide words (by lemma), the judge's
+median perplexity of the answer after the message in the judge's chat template (the other
+embedded model, gemma3-270m), rep-4, the mean words, and how many answers are the same as at
+lag 0; three answers picked by numpy default_rng(0).
 
     python -m benchmarks.streaming --n 40 --lags 0,0.2,0.4,0.6,0.8,1 --out runs/streaming
 """
@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=40)
     p.add_argument("--start", type=int, default=0)
-    p.add_argument("--lags", default="0,0.4,0.6,1")
+    p.add_argument("--lags", default="0,0.4,0.6,0.8,1")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     dbs, base = DirectedBeamSearch("default"), DBSConfig.chat()    # the chat door's settings

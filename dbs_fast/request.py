@@ -35,7 +35,8 @@ def parse_constraints(keywords, ban=None):
 
 def lam_of(keyword, context: str, cfg: DBSConfig) -> float:
     """A keyword's guidance strength: `lam_named` where the context already names it (by
-    `cfg.match`: a message asking for the word), else `lam`."""
+    `cfg.match`: a message asking for the word; a chat template's own system text counts too),
+    else `lam`."""
     if cfg.lam_named is None or not occurrence.count(context, keyword, rule=cfg.match):
         return cfg.lam
     return cfg.lam_named
@@ -152,8 +153,8 @@ class RequestBuilder:
                    for head, whole in constraints.phrase_starts(enc, k, words=cfg.complete_words)]
         allowed = ~self.word_piece if cfg.boost_word_starts else None
         with naming("keywords", keywords):                   # a word the embeddings lack
-            boosts = [constraints.keyword_boost(self.table, k, lam_of(k, context, cfg), cfg.boost_cutoff, self.subword_fallback,
-                                                lenient=cfg.guarantee, allowed=allowed,
+            boosts = [constraints.keyword_boost(self.table, k, lam_of(k, context, cfg), cfg.boost_cutoff,
+                                                self.subword_fallback, lenient=cfg.guarantee, allowed=allowed,
                                                 own=constraints.first_tokens(enc, k) if cfg.complete_words else ())
                       for k in kws]
         ban_seqs = constraints.ban_sequences(enc, bans)
