@@ -37,7 +37,7 @@ def lam_of(keyword, context: str, cfg: DBSConfig) -> float:
     """A keyword's guidance strength: `lam_named` where the context already names it (by
     `cfg.match`: a message asking for the word; a chat template's own system text counts too),
     else `lam`."""
-    if cfg.lam_named is None or not occurrence.count(context, keyword, rule=cfg.match):
+    if cfg.lam_named is None or occurrence.first_match(context, keyword, rule=cfg.match) is None:
         return cfg.lam
     return cfg.lam_named
 

@@ -371,12 +371,8 @@ class PrefixDecoder:
         out = self._buffers(cache, L, new=not in_place or to_slot, n=len(ids))
         if in_place and not to_slot:
             out = out + cache.next_slot()
-        bound = self._bound
         for name, arr in zip(self.outputs, out):
-            if bound.get(name) is not arr:
-                self._bind(name, arr, output=True)
-            else:                               # bound already; a host output still comes back each run
-                self._moved(arr.nbytes)
+            self._bind(name, arr, output=True)      # bound already (most steps): only counted
         self._run(io)
         if to_slot:
             cache.put(self._new)
