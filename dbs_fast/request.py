@@ -33,11 +33,11 @@ def parse_constraints(keywords, ban=None):
     return kws, bans
 
 
-def lam_of(keyword, context: str, cfg: DBSConfig) -> float:
-    """A keyword's guidance strength: `lam_named` where the context already names it (by
-    `cfg.match`: a message asking for the word; a chat template's own system text counts too),
-    else `lam`."""
-    if cfg.lam_named is None or occurrence.first_match(context, keyword, rule=cfg.match) is None:
+def lam_of(keyword, said: str, cfg: DBSConfig) -> float:
+    """A keyword's guidance strength: `lam_named` where the text the user wrote (`said`: a plain
+    context, or a chat's messages without the template's own text) already names it (by
+    `cfg.match`: a message asking for the word), else `lam`."""
+    if cfg.lam_named is None or occurrence.first_match(said, keyword, rule=cfg.match) is None:
         return cfg.lam
     return cfg.lam_named
 
@@ -152,8 +152,9 @@ class RequestBuilder:
         phrases = [(i, head, whole) for i, k in enumerate(kws)
                    for head, whole in constraints.phrase_starts(enc, k, words=cfg.complete_words)]
         allowed = ~self.word_piece if cfg.boost_word_starts else None
+        said = self.chat_template.said(context) if self.chat_template else context
         with naming("keywords", keywords):                   # a word the embeddings lack
-            boosts = [constraints.keyword_boost(self.table, k, lam_of(k, context, cfg), cfg.boost_cutoff,
+            boosts = [constraints.keyword_boost(self.table, k, lam_of(k, said, cfg), cfg.boost_cutoff,
                                                 self.subword_fallback, lenient=cfg.guarantee, allowed=allowed,
                                                 own=constraints.first_tokens(enc, k) if cfg.complete_words else ())
                       for k in kws]

@@ -27,6 +27,17 @@ def test_a_known_template_renders_as_transformers_renders_it(tmp_path):
     assert with_system == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_what_the_messages_say_is_the_context_less_the_templates_own_text(tmp_path):
+    """`said`: a rendered chat less the template's default system prompt and turn markers around
+    the messages; a context the template did not frame comes back as it is."""
+    (tmp_path / "chat_template.jinja").write_text(SMOLLM2)
+    t = ChatTemplate.of(tmp_path)
+    assert t.said(t.render([{"role": "user", "content": "Describe a face."}])) == "Describe a face."
+    with_system = t.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert "Hugging" not in t.said(with_system) and "Be brief." in t.said(with_system)
+    assert t.said("Once upon a time") == "Once upon a time"
+
+
 def test_the_template_in_tokenizer_config_and_special_tokens(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}",

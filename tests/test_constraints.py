@@ -361,3 +361,22 @@ def test_a_keyword_the_context_names_is_boosted_at_lam_named(dbs):
     assert strongest(dbs.request("It is", "colony,enemy", None, 0, cfg)) == pytest.approx([20.0, 20.0])
     assert strongest(dbs.request("Two colonies met.", "colony,enemy", None, 0,
                                  replace(cfg, lam_named=None))) == pytest.approx([20.0, 20.0])
+
+
+def test_a_chat_templates_own_text_does_not_name_a_keyword(exported, tmp_path):
+    """A keyword that only the chat template's default system prompt names ("colony" here) is not
+    one the user asked for: it keeps lambda's strength; one the message names gets lam_named."""
+    import shutil
+    from dataclasses import replace
+
+    d = tmp_path / "gpt2"
+    shutil.copytree(exported["gpt2"], d)
+    (d / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] != 'system' %}System: you serve the colony.\n{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    dbs = DirectedBeamSearch(d, config=DBSConfig(beams=2, candidates=3, chunk=4, max_new_tokens=16))
+    cfg = replace(dbs.config, lam=20.0, lam_named=1.0, match="stem")
+    chat = dbs.chat_template.render([{"role": "user", "content": "Tell me about an enemy."}])
+    assert "colony" in chat
+    assert [float(b.values.max()) for b in dbs.request(chat, "colony,enemy", None, 0, cfg).boosts] == \
+        pytest.approx([20.0, 1.0])

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..errors import DBSError
 
 ROLES = ("system", "user", "assistant")
+SENTINEL = "\x00"      # a message text no template writes itself
 
 
 class ChatTemplate:
@@ -53,6 +54,16 @@ class ChatTemplate:
             return self.template.render(messages=plain, add_generation_prompt=True, **self.special)
         except TemplateError as e:
             raise DBSError(f"the model's chat template refused these messages: {e}", "messages", None) from None
+
+    def said(self, context: str) -> str:
+        """What the messages of a rendered `context` say: the context less the template's own text
+        before the first message and after the last (SmolLM2's default system prompt, "You are a
+        helpful AI assistant named SmolLM, trained by Hugging Face", and the turn markers), as a
+        one-message conversation frames them; a context framed otherwise as it is."""
+        head, _, tail = self.render([{"role": "user", "content": SENTINEL}]).partition(SENTINEL)
+        if head and context.startswith(head):
+            context = context[len(head):]
+        return context[:-len(tail)] if tail and context.endswith(tail) else context
 
 
 def text_content(content, i: int) -> str:
