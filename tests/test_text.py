@@ -125,6 +125,10 @@ def test_an_underscore_piece_continues_the_word_before_it():
     ("Is it?", True),
     ('He said "yes."', True),
     ("a doctor named Dr. Frank Z.", False),
+    ("It is, e.", False),                      # a lone lower-case letter: an abbreviation's start
+    ("He wrote a.", False),
+    ("Then I.", False),
+    ("He lived in the U.S.", False),
     ("a doctor named Dr. Frank Z. Miller (a.", False),  # inside a parenthesis still open
     ("He left (for good.", False),
     ("He saw it (twice).", True),

@@ -111,6 +111,7 @@ _TAIL = 80          # characters of the text the decision looks at (a sentence s
 
 
 _DIGIT_PERIOD = re.compile(r"\d\.\s*$")
+_LETTER_PERIOD = re.compile(r"(?<![\w.])[^\W\d_]\.\s*$")      # a lone letter, then the period: "e.", "Z."
 
 
 def ends_a_sentence_here(text: str) -> bool:
@@ -119,10 +120,14 @@ def ends_a_sentence_here(text: str) -> bool:
     "St." and middle initials do not end a sentence; "U.S." and "p.m." do before a capital. A
     period right after a digit does not either: it may be a decimal point ("$1." of "$1.5"), and
     the text cannot see the next token; a sentence that does end after a number ("in 2012.")
-    then ends at its next end. Nor does one inside a parenthesis still open ("Miller (a.", "(b.
-    1950", "(for good."): a sentence in parentheses ends after its ")", at the next end."""
+    then ends at its next end. Nor does one after a lone letter, whatever its case: an initial
+    ("Frank Z.") or the start of an abbreviation ("It is, e." of "e.g."), which the splitter
+    takes for an end when the letter is lower-case. Nor does one inside a parenthesis still open
+    ("Miller (a.", "(b. 1950", "(for good."): a sentence in parentheses ends after its ")", at
+    the next end."""
     tail = text[-_TAIL:]
-    return _DIGIT_PERIOD.search(text) is None and tail.rfind("(") <= tail.rfind(")") and _splits(tail.lstrip())
+    return _DIGIT_PERIOD.search(text) is None and _LETTER_PERIOD.search(text) is None and \
+        tail.rfind("(") <= tail.rfind(")") and _splits(tail.lstrip())
 
 
 @lru_cache(maxsize=4096)
