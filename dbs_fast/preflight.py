@@ -42,13 +42,13 @@ def check_size(cfg: DBSConfig, context_tokens: int, manifest: dict, window: int 
     (or than `window`, `decode_window`'s) or larger than this machine's free memory (`manifest`:
     the export's)."""
     if window and context_tokens + cfg.max_new_tokens > window:
-        raise DBSError(f"context ({context_tokens} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the "
+        raise DBSError(f"context ({context_tokens} tokens) + --max-new-tokens ({cfg.max_new_tokens}) exceeds the "
                        f"{window} tokens of this model's sliding attention window, which its shared-context "
                        f"decode graph does not slide: use --kv-layout rows for longer texts", "context")
     limit = manifest.get("max_positions")
     if limit and context_tokens + cfg.max_new_tokens > limit:
         field = "max_new_tokens" if cfg.max_new_tokens >= limit else "context"
-        raise DBSError(f"context ({context_tokens} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds "
+        raise DBSError(f"context ({context_tokens} tokens) + --max-new-tokens ({cfg.max_new_tokens}) exceeds "
                        f"the model's context window of {limit} tokens", field,
                        cfg.max_new_tokens if field == "max_new_tokens" else None)
     need, free = memory_needed(cfg, context_tokens, manifest), available_memory()

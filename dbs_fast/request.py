@@ -143,11 +143,11 @@ class RequestBuilder:
         force = [constraints.keyword_tokens(enc, k)[0] for k in kws]
         for k, f in zip(kws, force):
             if len(f) > cfg.max_new_tokens:
-                raise DBSError(f"keyword {k.text!r} takes {len(f)} tokens, more than max_new_tokens "
+                raise DBSError(f"keyword {k.text!r} takes {len(f)} tokens, more than --max-new-tokens "
                                f"({cfg.max_new_tokens})", "keywords", keywords)
         if cfg.guarantee and sum(map(len, force)) > cfg.max_new_tokens:
             raise DBSError(f"--guarantee: the keywords take {sum(map(len, force))} tokens, more than "
-                           f"max_new_tokens ({cfg.max_new_tokens}) can hold; raise it or give fewer keywords",
+                           f"--max-new-tokens ({cfg.max_new_tokens}) can hold; raise it or give fewer keywords",
                            "keywords", keywords)
         phrases = [(i, head, whole) for i, k in enumerate(kws)
                    for head, whole in constraints.phrase_starts(enc, k, words=cfg.complete_words)]

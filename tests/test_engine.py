@@ -186,7 +186,7 @@ def test_generate_without_keywords_writes_the_models_own_text(exported, capsys):
     (["--keywords", "war,colony", "--ban", "gun,War"], "also banned"),
     (["--keywords", "colony", "--order", "sideways"], "--order: invalid choice"),
     (["--keywords", "colony,enemy,mouth,speed,river", "--guarantee", "--max-new-tokens", "4"], "can hold"),
-    (["--keywords", "the colony of the enemy at the mouth"], "more than max_new_tokens"),
+    (["--keywords", "the colony of the enemy at the mouth"], "more than --max-new-tokens"),
     (["--keywords", "qwzxvbnmkj", "--max-new-tokens", "20"], "not in the embeddings"),
     (["--keywords", "colony", "--max-new-tokens", "400"], "context window"),
     (["--keywords", "colony", "--beams", "0"], "--beams must be"),

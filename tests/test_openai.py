@@ -161,10 +161,33 @@ def test_a_stream_without_a_lag_takes_the_services_default(client):
 
 def test_n_returns_distinct_choices(client):
     r = client.completions.create(model=_name(client), prompt="It is", max_tokens=12, seed=0, n=3,
-                                  extra_body={"keywords": "river", "beams": 4, "candidates": 3, "chunk": 3})
+                                  extra_body={"keywords": "river", "beams": 4, "candidates": 3, "chunk": 3,
+                                              "stop_at": "max"})
     texts = [c.text for c in r.choices]
-    assert 1 < len(texts) <= 3 and len(set(texts)) == len(texts)
+    assert len(texts) == 3 and len(set(texts)) == len(texts)
     assert [c.index for c in r.choices] == list(range(len(texts)))
+
+
+def test_n_asks_the_search_for_n_finished_answers(model_dir):
+    """`n` above the finished answers a request gathers (`finished`, 1 by default) raises it to n,
+    so that a search that stops at a sentence end returns n finished answers (at 1 it ended at the
+    first, and n = 2 came back as one choice); each finished answer is a `stop` choice, a beam cut
+    at the budget a `length` one."""
+    from types import SimpleNamespace
+
+    from dbs_fast.serving.openai_api import Reply, completion_model, job_arguments
+
+    def given(**extra):
+        body = completion_model()(model=model_dir.name, prompt="It is", keywords="river", **extra)
+        return job_arguments(body, str(model_dir), 7, None, chat=False)["given"]
+
+    assert given(n=3)["finished"] == 3
+    assert given(n=2, finished=5)["finished"] == 5 and given().get("finished") is None
+    beams = [{"text": t, "finished": f} for t, f in ((" a.", True), (" b.", True), (" c", False))]
+    result = SimpleNamespace(generated=" a.", beams=beams, stopped="sentence", prompt_tokens=2, new_tokens=2,
+                             keywords=["river"], found={}, success_rate=1.0, seconds=0.1, candidate_tokens=9)
+    choices = Reply(False, "m", [], 3).final(result)["choices"]
+    assert [(c["text"], c["finish_reason"]) for c in choices] == [(" a.", "stop"), (" b.", "stop"), (" c", "length")]
 
 
 def test_stop_sequences_cut_the_text(client):
@@ -389,6 +412,12 @@ def test_a_rule_reads_the_same_at_every_door_in_that_doors_words(server):
     for path, extra in (("/v1/generate", {}), ("/v1/completions", {"model": "gpt2", "prompt": "It is"})):
         e = error(path, {"keywords": "colony", "temperature": 0.0, **extra, **SMALL})
         assert e["message"] == "`temperature` must be > 0, got 0.0" and e["param"] == "temperature", e
+    # a message that names another option names it as the door does: the budget is `max_tokens` there
+    long = error("/v1/completions", {"model": "gpt2", "prompt": "It is", "keywords": "colony", "max_tokens": 10**6})
+    assert "`max_tokens` (1000000)" in long["message"] and "max_new_tokens" not in long["message"], long
+    assert long["param"] == "max_tokens"
+    long = error("/v1/generate", {"keywords": "colony", "max_new_tokens": 10**6})
+    assert "`max_new_tokens` (1000000)" in long["message"] and long["param"] == "max_new_tokens", long
 
 
 def test_a_request_without_keywords_is_answered_by_the_same_engine_unguided(client, server, model_dir):

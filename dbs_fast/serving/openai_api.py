@@ -3,7 +3,7 @@
 The standard fields map onto the engine's: `prompt` (or `messages`, through the model's chat
 template) is the context, `max_tokens` is `max_new_tokens`, `temperature`, `top_p` and `seed`
 are the engine's, `stop` cuts the text at the first stop sequence, `n` returns that many
-distinct beams. The constraints and every DBS option are extra body fields (the SDK's
+distinct beams (with the engine's `stop_at: sentence`, the search gathers n finished answers first). The constraints and every DBS option are extra body fields (the SDK's
 `extra_body`), named as in /v1/generate: `keywords`, `ban`, `order`, `guarantee`, `beams`,
 `lambda`, ...; `task` ("commongen") starts from a task preset; the engine's own stop rule is
 `stop_at` ("sentence" or "max"). A standard field the engine cannot honour is a 400 naming it.
@@ -165,6 +165,8 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
     beams = base.beams if given.get("beams") is None else given["beams"]
     if beams >= 1 and body.n > beams:                # (beams < 1 is refused with the config, naming beams)
         raise Refused("n", f"`n` ({body.n}) is more than the beams searched ({beams})")
+    if body.n > (given.get("finished") or base.finished):
+        given["finished"] = body.n                   # n finished answers to return, not beams cut mid-sentence
     return {"context": context, "keywords": body.keywords, "ban": body.ban,
             "seed": 0 if body.seed is None else body.seed, "given": given, "base": base, "timeout": body.timeout,
             "stream": body.stream, "door": "openai", "context_field": "messages" if chat else "prompt",
@@ -218,7 +220,8 @@ class Reply:
             if text in seen:
                 continue
             seen.add(text)
-            finish = self._finish(result.stopped if i == 0 else "max", cut)
+            finish = self._finish(result.stopped if i == 0 else "sentence" if result.beams[i]["finished"] else "max",
+                                  cut)
             choices.append({"index": len(choices), "finish_reason": finish, "logprobs": None,
                             **({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})})
             if len(choices) == self.n:

@@ -81,9 +81,9 @@ class ServiceOptions:
             raise DBSError(f"`--schedule` must be one of {SCHEDULES}, got {self.schedule!r}")
 
 
-# JSON field -> the CLI flag that sets the same option (the flags an engine message may name)
-FLAG_FIELDS = {door_name(name): door_name(name, "cli")
-               for name in (*JSON_NAMES, "keywords", "context", "ban", "seed", "task", "paper")}
+# field -> the CLI flag that sets the same option (the flags an engine message may name)
+FLAG_FIELDS = {name: door_name(name, "cli") for name in (*JSON_NAMES, "keywords", "context", "ban", "seed", "task",
+                                                         "paper")}
 FLAG = re.compile(r"`?(--[a-z][a-z0-9-]*)`?")
 # a stream's fixed lag, in chunks, where the request names none (`stream_lag`; a request not streamed
 # has none, so that its text does not change): 4 of a 5-token chunk held back, so text commits after
@@ -118,11 +118,12 @@ def request_model():
     return create_model("GenerateRequest", __config__=body_config(), **fields, **option_fields("json", JSON_NAMES))
 
 
-def http_words(message: str) -> str:
-    """An engine's message in the HTTP door's words: a CLI flag it names (`--beams`) becomes the JSON
-    field that sets the same option (`beams`), and one no request field sets (`--subword-fallback`)
-    the server's option of that name."""
-    flags = {flag: name for name, flag in FLAG_FIELDS.items()}
+def http_words(message: str, door: str = "json") -> str:
+    """An engine's message in an HTTP door's words: a CLI flag it names (`--beams`) becomes the field
+    of `door`'s bodies that sets the same option (`beams`; `--max-new-tokens` is `max_tokens` on the
+    OpenAI endpoints), and one no request field sets (`--subword-fallback`) the server's option of
+    that name."""
+    flags = {flag: door_name(name, door) for name, flag in FLAG_FIELDS.items()}
 
     def field(m):
         flag = m.group(1)
@@ -241,7 +242,7 @@ class Service:
             request = self.dbs.request(context, keywords, ban, seed, cfg)
         except DBSError as e:
             name = "body" if not e.field else context_field if e.field == "context" else door_name(e.field, door)
-            raise DBSError(http_words(e.said_as(f"`{name}`")), name, e.value) from None
+            raise DBSError(http_words(e.said_as(f"`{name}`"), door), name, e.value) from None
         if cfg.beams * cfg.candidates > self.opts.max_rows:
             field = "beams" if cfg.beams > cfg.candidates else "candidates"     # the larger of the two
             raise DBSError(f"beams x candidates = {cfg.beams * cfg.candidates} rows, more than this server's "
