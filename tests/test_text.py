@@ -141,6 +141,18 @@ def test_a_sentence_does_not_end_at_an_abbreviation_or_an_initial(text, ends):
     assert ends_a_sentence_here(text) is ends
 
 
+def test_a_sentence_end_must_be_generated_not_the_contexts_own():
+    """A healed context's end re-written by the first token adds no text: "Why is the sky blue?"
+    then "?" is no answer (an unguided request at a context that ends a sentence came back empty,
+    stopped: sentence)."""
+    from dbs_fast.text.occurrence import ends_generated_sentence
+
+    assert not ends_generated_sentence("Why is the sky blue?", "")
+    assert not ends_generated_sentence("Why is the sky blue?", "\n")
+    assert ends_generated_sentence("Why is the sky blue?", " Light scatters.")
+    assert not ends_generated_sentence("It is", " a doctor named Dr.")
+
+
 def test_the_certain_text_stops_at_the_last_real_sentence_end():
     import numpy as np
 

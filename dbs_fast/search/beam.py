@@ -448,7 +448,7 @@ class BeamSearch:
             end = np.flatnonzero(live & (guidance.remaining(self.tables, rows, seen) == 0) & self.sentence_end[d.ids])
             if len(end):                  # not at an abbreviation or an initial ("Dr.", "J.")
                 texts = self._generated_texts(rows, end)
-                rows.ended[end] |= [occurrence.ends_a_sentence_here(self.slots[rows.req[i]].request.context + t)
+                rows.ended[end] |= [occurrence.ends_generated_sentence(self.slots[rows.req[i]].request.context, t)
                                     for i, t in zip(end, texts)]
         return seen
 

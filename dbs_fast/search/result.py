@@ -152,7 +152,7 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
     elif cfg.stop == "sentence":   # budget ran out: cut back to the last sentence end after the keywords
         need = max([f["token"] for f in found.values() if f is not None] + [fin.committed], default=0)
         ends = [n for n in range(max(need, 1), n_gen + 1)
-                if sentence_end[toks[n - 1]] and occurrence.ends_a_sentence_here(context + texts[n - 1])]
+                if sentence_end[toks[n - 1]] and occurrence.ends_generated_sentence(context, texts[n - 1])]
         if ends:
             n_gen, stopped = ends[-1], ("trimmed" if ends[-1] < n_gen else "sentence")
             toks, texts = toks[:n_gen], texts[:n_gen]

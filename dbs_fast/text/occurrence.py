@@ -130,6 +130,14 @@ def ends_a_sentence_here(text: str) -> bool:
         tail.rfind("(") <= tail.rfind(")") and _splits(tail.lstrip())
 
 
+def ends_generated_sentence(context: str, generated: str) -> bool:
+    """Whether `generated`, the text added to `context`, ends a sentence there: it must hold a
+    character of its own (a healed context's end that the first token re-wrote, "Why is the sky
+    blue?" then "?", adds none, and the context's own end is not the answer's), then end one
+    (`ends_a_sentence_here`)."""
+    return bool(generated.strip()) and ends_a_sentence_here(context + generated)
+
+
 @lru_cache(maxsize=4096)
 def _splits(tail: str) -> bool:
     parts = _segmenter().segment(tail + _PROBE)
