@@ -113,6 +113,28 @@ def test_the_cache_keeps_only_columns_some_row_needs(dbs):
     assert rest[0][1].generated == _alone(dbs, CFG, JOBS[0]).generated
 
 
+def test_a_beam_that_ended_before_its_words_does_not_commit():
+    """The commit takes the best kept beam that goes on: one that ended at EOS before its words
+    (the best by Q here) would have its copies replace every other beam, and the stream end there,
+    without its words (3 of 100 chat answers streamed at lag 0.8)."""
+    import numpy as np
+
+    from dbs_fast.search.beam import Slot
+    from dbs_fast.search.commit import commit
+    from dbs_fast.search.rows import Rows
+
+    rows = Rows.new(np.zeros(3, np.int64), 0, 0, cum=np.array([5.0, 3.0, 1.0]), ended=np.array([True, False, False]),
+                    tokens=np.array([[7, 8, 0, 0], [7, 9, 4, 4], [6, 6, 6, 6]]), n_tok=np.array([3, 4, 4]),
+                    col0=np.zeros(3, np.int64))
+    slot = Slot(None, np.random.default_rng(0), 0.0, 0)
+    keep, copy = commit(rows, np.arange(3), [slot], np.array([True]), 2)
+    assert slot.committed == 2 and list(keep) == [1, 1, 1] and list(copy) == [True, False, True]
+    rows.ended[:] = True                              # none goes on: the best ended one commits
+    slot.committed = 0
+    keep, _ = commit(rows, np.arange(3), [slot], np.array([True]), 2)
+    assert slot.committed == 1 and list(keep) == [0, 1, 0]      # row 1 starts with its token 7
+
+
 @pytest.mark.parametrize("lag", [0, 0.5, 1, 2])
 def test_certain_text_is_a_prefix_of_the_final_text(dbs, lag):
     """What a stream sends between chunks only grows and starts the final text; with a fixed lag

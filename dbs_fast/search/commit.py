@@ -1,6 +1,8 @@
 """Fixed-lag commit (`stream_lag`): text that streams before the request ends.
 
-After each chunk, a request's best kept beam (by Q) commits its tokens older than the lag (in
+After each chunk, a request's best kept beam (by Q) that goes on (one that ended at EOS before its
+words, while another goes on, does not commit: the copies of it would end the stream there,
+without them) commits its tokens older than the lag (in
 tokens, `DBSConfig.lag_tokens`: a lag under one chunk commits after the first); its kept beams
 that disagree with them are replaced by copies of the best one (scored -inf, so that they are not
 chosen over a real beam), and its set-aside finished candidates that disagree are dropped.
@@ -30,6 +32,8 @@ def commit(rows: Rows, keep: np.ndarray, slots: list, stay: np.ndarray, lag: int
     for q in np.flatnonzero(stay):
         at = np.flatnonzero(rows.req[keep] == q)
         live = at[np.isfinite(rows.cum[keep[at]])]
+        going = live[~rows.ended[keep[live]]]                # not ended at EOS before the words
+        live = going if len(going) else live
         if not len(live):
             continue
         best = keep[live[np.argmax(rows.cum[keep[live]])]]
