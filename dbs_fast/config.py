@@ -46,8 +46,9 @@ class DBSConfig:
     lam: float = option(20.0, float, "guidance strength (the paper picks 20: best success)")
     lam_named: float | None = option(
         None, float, "guidance strength of a keyword the context already names (a message that asks for "
-        "the word, matched by --match; a chat template's own text does not count): the model leans to it already, and a full boost writes it at once and "
-        "lists it twice (default: lambda's; the chat door's preset: 1)")
+        "the word, matched by --match; a chat template's own text does not count): the model leans to it "
+        "already, and a full boost writes it at once and lists it twice (default: lambda's; the chat door's "
+        "preset: 1)")
     beams: int = option(7, int, "b: beams kept after every chunk")
     candidates: int = option(10, int, "s: candidates per beam, all b*s decoded as one batch")
     chunk: int = option(5, int, "k: tokens per chunk; sets keyword density")

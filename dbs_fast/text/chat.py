@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 
 from ..errors import DBSError
@@ -55,12 +56,18 @@ class ChatTemplate:
         except TemplateError as e:
             raise DBSError(f"the model's chat template refused these messages: {e}", "messages", None) from None
 
+    @cached_property
+    def _frame(self) -> tuple[str, str]:
+        """The template's own text before and after a one-message conversation's message."""
+        head, _, tail = self.render([{"role": "user", "content": SENTINEL}]).partition(SENTINEL)
+        return head, tail
+
     def said(self, context: str) -> str:
         """What the messages of a rendered `context` say: the context less the template's own text
         before the first message and after the last (SmolLM2's default system prompt, "You are a
         helpful AI assistant named SmolLM, trained by Hugging Face", and the turn markers), as a
         one-message conversation frames them; a context framed otherwise as it is."""
-        head, _, tail = self.render([{"role": "user", "content": SENTINEL}]).partition(SENTINEL)
+        head, tail = self._frame
         if head and context.startswith(head):
             context = context[len(head):]
         return context[:-len(tail)] if tail and context.endswith(tail) else context
