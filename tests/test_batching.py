@@ -127,11 +127,14 @@ def test_a_beam_that_ended_before_its_words_does_not_commit():
                     tokens=np.array([[7, 8, 0, 0], [7, 9, 4, 4], [6, 6, 6, 6]]), n_tok=np.array([3, 4, 4]),
                     col0=np.zeros(3, np.int64))
     slot = Slot(None, np.random.default_rng(0), 0.0, 0)
-    keep, copy = commit(rows, np.arange(3), [slot], np.array([True]), 2)
-    assert slot.committed == 2 and list(keep) == [1, 1, 1] and list(copy) == [True, False, True]
+    keep = commit(rows, np.arange(3), [slot], np.array([True]), 2)
+    assert slot.committed == 2 and list(keep) == [1, 1, 1]
+    slot.committed, rows.ended[2] = 0, True           # every kept beam ended: the best that goes on is kept
+    keep = commit(rows, np.array([0, 2]), [slot], np.array([True]), 2)
+    assert slot.committed == 2 and list(keep) == [1, 1]
     rows.ended[:] = True                              # none goes on: the best ended one commits
     slot.committed = 0
-    keep, _ = commit(rows, np.arange(3), [slot], np.array([True]), 2)
+    keep = commit(rows, np.arange(3), [slot], np.array([True]), 2)
     assert slot.committed == 1 and list(keep) == [0, 1, 0]      # row 1 starts with its token 7
 
 

@@ -275,7 +275,7 @@ class BeamSearch:
         full = set_aside(self.slots, rows, done, cfg.finished)   # set aside, the other beams go on; full: they end
         rows.ended |= full[rows.req]
         keep = quality.select_best(rows.req, rows.cum, cfg.beams)
-        keep, copy = commit(rows, keep, self.slots, ~(last | full), cfg.lag_tokens)
+        keep = commit(rows, keep, self.slots, ~(last | full), cfg.lag_tokens)
         self.chunks += 1
         plain = np.bincount(rows.req, minlength=len(self.slots)) * (k - last)
         for s, n in zip(self.slots, plain):
@@ -291,13 +291,13 @@ class BeamSearch:
             need[stay] = True
             self._next_logits(rows, rows.tokens[:, -1], need & ~rows.final(self.cfg.max_new_tokens))
         finished = Finished.leaving(kept, leave, self.slots, self.candidate_tokens, self.pad)
-        self._regrow(rows, keep, leave, copy)
+        self._regrow(rows, keep, leave)
         return finished
 
     @timed("kv_gather")
-    def _regrow(self, rows: Rows, keep: np.ndarray, leave: np.ndarray, copy: np.ndarray) -> None:
+    def _regrow(self, rows: Rows, keep: np.ndarray, leave: np.ndarray) -> None:
         """The kept beams of the requests that stay, each repeated s times (one gather of rows,
-        logits and caches; a `copy` of the best beam scored -inf); the requests in `leave` go."""
+        logits and caches); the requests in `leave` go."""
         s = self.cfg.candidates
         stays = ~leave[rows.req[keep]]
         grow = np.repeat(keep[stays], s)                    # keep and repeat: one gather
@@ -306,7 +306,7 @@ class BeamSearch:
             self.pending, self.cache = self.be.gather(self.pending, self.cache, grow)
             self.scorer.select(grow)
         dup = self.rows.ended & (np.arange(len(grow)) % s > 0)
-        self.rows.cum[dup | np.repeat(copy[stays], s)] = -np.inf   # an ended beam is one candidate, not s
+        self.rows.cum[dup] = -np.inf                        # an ended beam is one candidate, not s
         self._leave(leave)
 
     # -- requests joining and leaving ---------------------------------------------------------
