@@ -227,8 +227,9 @@ def _is_int(v, least: int) -> bool:
 # The one place where a door's name for a field differs from the field's own (the Python API's):
 # `lambda` is a Python keyword, so the field is `lam`; OpenAI's bodies have a `stop` of their own
 # (stop sequences) and `max_tokens`, so the engine's stop rule is `stop_at` there.
-RENAMED = {"json": {"lam": "lambda", "lam_named": "lambda_named"},
-           "openai": {"lam": "lambda", "lam_named": "lambda_named", "stop": "stop_at", "max_new_tokens": "max_tokens"}}
+_JSON_RENAMED = {"lam": "lambda", "lam_named": "lambda_named"}
+RENAMED = {"json": _JSON_RENAMED,
+           "openai": {**_JSON_RENAMED, "stop": "stop_at", "max_new_tokens": "max_tokens"}}
 DOORS = ("python", "json", "openai", "cli")
 
 

@@ -38,9 +38,8 @@ def commit(rows: Rows, keep: np.ndarray, slots: list, stay: np.ndarray, lag: int
         if len(at) and not len(going):                       # all kept ended: the best that goes on, kept
             on = np.flatnonzero((rows.req == q) & np.isfinite(rows.cum) & ~rows.ended)
             if len(on):
-                keep[at[np.argmin(rows.cum[keep[at]])]] = on[np.argmax(rows.cum[on])]
-                live = at[np.isfinite(rows.cum[keep[at]])]
-                going = live[~rows.ended[keep[live]]]
+                going = at[[np.argmin(rows.cum[keep[at]])]]      # the worst kept one's place: the only one going
+                keep[going] = on[np.argmax(rows.cum[on])]
         live = going if len(going) else live
         if not len(live):
             continue
