@@ -92,8 +92,8 @@ def _add_export(sub):
     p.add_argument("--attention", choices=ATTENTIONS, default=None,
                    help="the decode graph's attention: split reads each request's context and each beam's prefix "
                         "once (long contexts, many candidates); gathered gives each candidate its own copy of its "
-                        "keys in fewer nodes (a GPU, or one candidate over a short context); default gathered for "
-                        "--dtype fp16, else split")
+                        "keys in fewer nodes (a GPU, or one candidate over a short context); fused is gathered as one "
+                        "ONNX Attention node a layer (opset 23); default gathered for --dtype fp16, else split")
     p.add_argument("--row-layout", action="store_true",
                    help="with --weights gguf, write model.onnx too (the row layout, --kv-layout rows: fp32, "
                         "about four times the GGUF file); without it the export holds the decode graph alone")

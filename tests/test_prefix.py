@@ -24,7 +24,7 @@ def _slot_major(x, b):
 
 def _attend(q, k, v, xk, xv, pk, pv, ck, cv, xmask, beam_context, pmask, cmask, seen, scale, attention="split"):
     """`attend` on NumPy inputs with the chunks given row-major and the masks as booleans; `attention`
-    "gathered": its biases for `attend_gathered`."""
+    "gathered" or "fused": its biases for `attend_gathered` or `attend_fused`."""
     from dbs_fast.export.prefix_graph import (
         Biases,
         Dims,
@@ -39,9 +39,10 @@ def _attend(q, k, v, xk, xv, pk, pv, ck, cv, xmask, beam_context, pmask, cmask, 
     (N, L, H, d), (b, kv, T, _), K, (R, C) = q.shape, pk.shape, ck.shape[2], xmask.shape
     beams, slot = context_blocks(beam_context, R)
     dims = Dims(N, L, b, N // b, T, K, R, beams.shape[1], C, H, kv, d)
-    if attention == "gathered":
+    if attention != "split":
         biases = gathered_biases(Biases(None, None, None, None, t(beams), t(slot)), t(seen), None,
-                                 *(t(m.astype(np.int64)) for m in (xmask, pmask, cmask)), dims)
+                                 *(t(m.astype(np.int64)) for m in (xmask, pmask, cmask)), dims,
+                                 fused=attention == "fused")
     else:
         biases = Biases(mask_bias(t(xmask))[:, None, None, :], mask_bias(t(pmask))[:, None, None, :],
                         *block_biases(t(cmask.astype(np.int64)), t(seen), dims), t(beams), t(slot))
@@ -74,13 +75,14 @@ def _reference(q, keys_of, r, i, xmask, pmask, cmask, seen, beam_context, s):
     return attention_ref(q[r, i], keys, values, mask)
 
 
-@pytest.mark.parametrize("attention", ["split", "gathered"])
+@pytest.mark.parametrize("attention", ["split", "gathered", "fused"])
 @pytest.mark.parametrize("beam_context", [[0, 0, 1], [1, 0, 0, 2], [0]])
 def test_attend_equals_full_attention_over_the_three_levels(beam_context, attention):
     """One new token per row: attention over the request's context (one copy for all its beams),
     the beam's prefix, the row's chunk and the token itself equals plain attention over their
-    concatenation; contexts with different numbers of beams, in any order; in both forms (the
-    split one's merge of the context by its log-sum-exp, the gathered one's keys per slot)."""
+    concatenation; contexts with different numbers of beams, in any order; in every form (the
+    split one's merge of the context by its log-sum-exp, the gathered one's keys per slot, the
+    fused one's Attention operator, here its torch reference)."""
     rng = np.random.default_rng(len(beam_context))
     b, s, H, kv, d, T, K, C = len(beam_context), 4, 6, 2, 8, 7, 5, 6
     N = b * s
@@ -102,7 +104,7 @@ def test_attend_equals_full_attention_over_the_three_levels(beam_context, attent
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["split", "gathered"])
+@pytest.mark.parametrize("attention", ["split", "gathered", "fused"])
 def test_attend_of_several_new_tokens_is_causal_full_attention(attention):
     """L new tokens per row (a prefill): token i attends to the context, the beam's prefix, the
     row's chunk and the new tokens up to i that are not padding, as plain attention over the
@@ -638,22 +640,31 @@ def test_an_fp16_export_decodes_on_the_gathered_graph_as_the_model_does(kind, tm
 
 
 @pytest.mark.integration
-def test_export_attention_gathered_makes_an_fp32_graph_of_that_form(tmp_path):
-    """`export --attention gathered` in fp32: the gathered form on the host cache, decoding each
-    row as the transformers model does (to fp32's precision); an unknown form is refused."""
+@pytest.mark.parametrize("kind, attention", [("llama", "gathered"), ("llama", "fused"), ("gpt2", "fused"),
+                                             ("gemma3", "fused"), ("phi4", "fused"), ("neox", "fused"), ("opt", "fused")])
+def test_export_attention_makes_an_fp32_graph_of_that_form(kind, attention, tmp_path):
+    """`export --attention gathered|fused` in fp32: that form on the host cache (the fused one as
+    one ONNX Attention node a layer, run by ONNX Runtime's own kernel), decoding each row as the
+    transformers model does (to fp32's precision; Gemma 3's local window slid past); an unknown
+    form is refused."""
+    import onnx
     from conftest import make_checkpoint
 
     from dbs_fast.errors import DBSError
     from dbs_fast.export.convert import export_model
     from dbs_fast.kv.decoder import PrefixDecoder
 
-    ckpt = make_checkpoint("llama", tmp_path / "llama")
+    ckpt = make_checkpoint(kind, tmp_path / kind)
     with pytest.raises(DBSError, match="`--attention` must be one of"):
-        export_model(str(ckpt), tmp_path / "bad", quiet=True, attention="fused")
-    out = tmp_path / "gathered"
-    export_model(str(ckpt), out, quiet=True, attention="gathered")
+        export_model(str(ckpt), tmp_path / "bad", quiet=True, attention="cascade")
+    out = tmp_path / attention
+    export_model(str(ckpt), out, quiet=True, attention=attention)
     m = json.loads((out / "dbs_fast_model.json").read_text())
-    assert m["prefix_decode"]["written"] and m["prefix_decode"]["attention"] == "gathered", m["prefix_decode"]
+    assert m["prefix_decode"]["written"] and m["prefix_decode"]["attention"] == attention, m["prefix_decode"]
+    graph = onnx.load(str(out / "decode.onnx"), load_external_data=False)
+    ops = [n.op_type for n in graph.graph.node if n.domain in ("", "ai.onnx")]
+    assert ops.count("Attention") == (m["num_layers"] if attention == "fused" else 0)
+    assert ops.count("Softmax") == (0 if attention == "fused" else m["num_layers"])
     dec = PrefixDecoder(out / "decode.onnx")
     assert dec.dtype == np.float32 and dec.ops.device is None               # the host cache
     _decodes_as_the_model_does(dec, ckpt, m, s=2, keep=[3, 0], seed=1, tol=1e-3)

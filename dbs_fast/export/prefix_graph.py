@@ -66,8 +66,10 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 GEMMA_FAMILY = ("gemma2", "gemma3_text")
 # the decode graph's attention: "split" reads each request's context and each beam's prefix once
 # (`attend`: the CPU's, and long contexts'); "gathered" gives each slot its own keys, about a third
-# of the nodes (`attend_gathered`: the GPU's, where launches bound a step)
-ATTENTIONS = ("split", "gathered")
+# of the nodes (`attend_gathered`: the GPU's, where launches bound a step); "fused", the gathered
+# form as one ONNX Attention node a layer (`attend_fused`, opset 23)
+ATTENTIONS = ("split", "gathered", "fused")
+FUSED_OPSET = 23    # ONNX's Attention operator (grouped KV heads, an additive mask, a past to append to)
 
 
 def family(config) -> str:
@@ -174,7 +176,8 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     import torch
 
     if biases.gathered is not None:
-        return attend_gathered(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale, dims, softcap)
+        form = attend_fused if biases.fused and softcap is None else attend_gathered
+        return form(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale, dims, softcap)
 
     def cap(x):
         return x if softcap is None else torch.tanh(x / softcap) * softcap
@@ -230,14 +233,93 @@ def attend_gathered(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims:
     return o.permute(0, 2, 1, 3, 4).reshape(N, L, H * d), kn, vn
 
 
+def attend_fused(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, softcap: float | None = None):
+    """`attend_gathered` as one ONNX `Attention` node (opset 23): each slot's queries (N, L, H * d),
+    as the projection and RoPE lay them out, against its past, [its context | its beam's prefix |
+    its chunk] (N, kv, C+T+U, d), and its new keys (N, L, kv * d), which the operator appends; the
+    kv heads grouped (`kv_num_heads`), the step's additive bias (N, 1, L, C+T+U+L) shared by the
+    heads (`gathered_biases(..., fused=True)`). No score tensor, Softmax or head transpose in the
+    graph: the operator's kernel (CPU and CUDA) does them. Soft-capped scores (Gemma 2) keep
+    `attend_gathered`: the CUDA kernel refuses a softcap. Same arguments and results as `attend`."""
+    import torch
+
+    N, L, b, s, T, U, R, M, C, H, kv, d, _ = dims
+    q, k, v = (x if x.dim() == 3 else x.reshape(N, L, -1) for x in (q, k, v))
+
+    def past(x, p, c):                                                                # (N, kv, C+T+U, d)
+        return torch.cat([torch.index_select(x, 0, biases.slot_context), torch.index_select(p, 0, biases.slot_beam),
+                          c.permute(1, 3, 2, 0, 4).reshape(N, kv, -1, d)], dim=2)
+
+    o = _attention(q, k, v, biases.gathered, past(xk, pk, ck), past(xv, pv, cv), H, kv, scale)
+    kn, vn = (x.reshape(b, s, L, kv, d).permute(0, 3, 1, 2, 4) for x in (k, v))      # (b, kv, s, L, d)
+    return o, kn, vn
+
+
+def onnx_attention(q, k, v, bias, past_k, past_v, heads: int, kv_heads: int, scale: float):
+    """ONNX's Attention (opset 23) as `attend_fused` calls it, in torch: q (N, L, heads * d), k, v
+    (N, L, kv_heads * d) appended to the past (N, kv_heads, P, d), each kv head serving heads /
+    kv_heads query heads, bias broadcast to (N, heads, L, P + L); (N, L, heads * d) out."""
+    import torch
+
+    N, L, _ = q.shape
+    d = past_k.shape[-1]
+    keys, values = (torch.cat([p, x.reshape(N, L, kv_heads, d).transpose(1, 2)], dim=2).repeat_interleave(
+        heads // kv_heads, dim=1) for p, x in ((past_k, k), (past_v, v)))               # (N, heads, P+L, d)
+    w = torch.softmax(torch.matmul(q.reshape(N, L, heads, d).transpose(1, 2), keys.transpose(2, 3)) * scale + bias, -1)
+    return torch.matmul(w, values).transpose(1, 2).reshape(N, L, heads * d)
+
+
+def _attention(*args):
+    """`onnx_attention`, exported as one Attention node."""
+    import torch
+
+    class Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, bias, past_k, past_v, heads, kv_heads, scale):
+            return onnx_attention(q, k, v, bias, past_k, past_v, heads, kv_heads, scale)
+
+        @staticmethod
+        def symbolic(g, q, k, v, bias, past_k, past_v, heads, kv_heads, scale):
+            # written in a domain of its own and moved to ONNX's at opset 23 after the export
+            # (`standard_attention`): the TorchScript exporter writes opsets up to 20. The two
+            # presents (past + new) are outputs ORT's CPU kernel needs when a past is given.
+            out, _, _ = g.op(f"{ATTENTION_DOMAIN}::Attention", q, k, v, bias, past_k, past_v, q_num_heads_i=heads,
+                             kv_num_heads_i=kv_heads, scale_f=scale, outputs=3)
+            return out.setType(q.type())
+
+    return Attention.apply(*args)
+
+
+ATTENTION_DOMAIN = "dbs_fast.attention"
+
+
+def standard_attention(path: Path) -> int:
+    """The graph at `path` with its `attend_fused` nodes in ONNX's own domain at opset
+    `FUSED_OPSET` (the ops it has besides are the same there: from opset 18 on, none of them
+    changed meaning); returns the Attention nodes moved."""
+    import onnx
+
+    g = onnx.load(str(path))
+    moved = 0
+    for node in g.graph.node:
+        if node.domain == ATTENTION_DOMAIN:
+            node.domain, moved = "", moved + 1
+    kept = [o for o in g.opset_import if o.domain not in ("", "ai.onnx", ATTENTION_DOMAIN)]
+    del g.opset_import[:]
+    g.opset_import.extend([onnx.helper.make_opsetid("", FUSED_OPSET), *kept])
+    save(g, path)
+    return moved
+
+
 def gathered_biases(biases, seen, position_ids, context_mask, prefix_mask, chunk_mask, dims: Dims,
-                    window: int | None = None):
+                    window: int | None = None, fused: bool = False):
     """`biases` with what `attend_gathered` takes, built once per step for all layers: each slot's
     context and beam, and the additive bias (N, 1, L*g, C+T+U+L) of its queries (ordered new
     token, query head of the kv head) over [context | prefix | chunk | new] keys: padding and
     undecoded chunk slots masked, new keys causal (`seen` (N, L, L), per slot), and with `window`
     keys at or before a query's position - window masked too (positions numbered as
-    `window_biases` numbers them)."""
+    `window_biases` numbers them). `fused`: the bias (N, 1, L, C+T+U+L), one row per new token,
+    shared by the query heads (`attend_fused`)."""
     import torch
 
     N, L, s, M, H, kv = dims.N, dims.L, dims.s, dims.M, dims.H, dims.kv
@@ -256,6 +338,8 @@ def gathered_biases(biases, seen, position_ids, context_mask, prefix_mask, chunk
         key_pos = torch.cat([torch.cumsum(cm, -1) - 1, n_ctx + torch.cumsum(pm, -1) - 1,
                              n_pre + torch.arange(U)[None], slot_pos], dim=1)        # (N, C+T+U+L)
         sees = sees & (key_pos[:, None, :] > slot_pos[:, :, None] - window)
+    if fused:
+        return biases._replace(slot_context=slot_context, slot_beam=slot_beam, gathered=mask_bias(sees)[:, None], fused=True)
     bias = mask_bias(sees)[:, None, :, None, :].expand(N, 1, L, g, sees.shape[2]).reshape(N, 1, L * g, -1)
     return biases._replace(slot_context=slot_context, slot_beam=slot_beam, gathered=bias)
 
@@ -313,6 +397,7 @@ class Biases(NamedTuple):
     slot_context: object = None
     slot_beam: object = None
     gathered: object = None
+    fused: bool = False         # the gathered attention as one Attention node (`attend_fused`)
 
 
 def layer_biases(biases, layer=None):
@@ -364,12 +449,14 @@ def _decoder(model, attention: str = "split"):
             dims = Dims(slot_row.shape[0], input_ids.shape[1], prefix_mask.shape[0], kv[4].shape[3],
                         prefix_mask.shape[1], chunk_mask.shape[1], *context_beams.shape, context_mask.shape[1], *heads,
                         input_ids.shape[0])
-            if attention == "gathered":
+            if attention != "split":
                 biases = Biases(None, None, None, None, context_beams, beam_slot, slot_row, row_slot)
                 levels = (seen, position_ids, context_mask, prefix_mask, chunk_mask, dims)
+                fused = attention == "fused"
                 if window:
-                    biases = biases._replace(window=gathered_biases(biases, *levels, window))
-                return LAYERS[fam](self.model, input_ids, position_ids, gathered_biases(biases, *levels), kv, dims)
+                    biases = biases._replace(window=gathered_biases(biases, *levels, window, fused=fused))
+                return LAYERS[fam](self.model, input_ids, position_ids, gathered_biases(biases, *levels, fused=fused),
+                                   kv, dims)
             biases = Biases(mask_bias(context_mask)[:, None, None, :], mask_bias(prefix_mask)[:, None, None, :],
                             *block_biases(chunk_mask, seen, dims), context_beams, beam_slot, slot_row, row_slot)
             if window:
@@ -866,7 +953,11 @@ def export_prefix_decoder(model, path: Path, opset: int = 17, attention: str = "
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         torch.onnx.export(dec, tuple(args), str(path), input_names=ins, output_names=outs, dynamic_axes=axes,
-                          opset_version=opset, dynamo=False, do_constant_folding=True)
+                          opset_version=max(opset, 18) if attention == "fused" else opset, dynamo=False,
+                          do_constant_folding=True)
+    if attention == "fused":
+        standard_attention(path)
+        opset = FUSED_OPSET
     saved = written_once(path)
     rope = {"rope": rope_kind(model)} if family(cfg) in ("llama", "gemma", "neox") else {}
     window = {"sliding_window": sliding_window(cfg), "window_masked": True} if sliding_window(cfg) else {}
