@@ -641,12 +641,13 @@ def test_an_fp16_export_decodes_on_the_gathered_graph_as_the_model_does(kind, tm
 
 @pytest.mark.integration
 @pytest.mark.parametrize("kind, attention", [("llama", "gathered"), ("llama", "fused"), ("gpt2", "fused"),
-                                             ("gemma3", "fused"), ("phi4", "fused"), ("neox", "fused"), ("opt", "fused")])
+                                             ("gemma3", "fused"), ("phi4", "fused"), ("neox", "fused"), ("opt", "fused"),
+                                             ("gemma2", "fused")])
 def test_export_attention_makes_an_fp32_graph_of_that_form(kind, attention, tmp_path):
     """`export --attention gathered|fused` in fp32: that form on the host cache (the fused one as
     one ONNX Attention node a layer, run by ONNX Runtime's own kernel), decoding each row as the
-    transformers model does (to fp32's precision; Gemma 3's local window slid past); an unknown
-    form is refused."""
+    transformers model does (to fp32's precision; Gemma 3's local window slid past); Gemma 2's
+    soft-capped scores are written gathered, and the manifest says so; an unknown form is refused."""
     import onnx
     from conftest import make_checkpoint
 
@@ -660,6 +661,7 @@ def test_export_attention_makes_an_fp32_graph_of_that_form(kind, attention, tmp_
     out = tmp_path / attention
     export_model(str(ckpt), out, quiet=True, attention=attention)
     m = json.loads((out / "dbs_fast_model.json").read_text())
+    attention = "gathered" if kind == "gemma2" else attention
     assert m["prefix_decode"]["written"] and m["prefix_decode"]["attention"] == attention, m["prefix_decode"]
     graph = onnx.load(str(out / "decode.onnx"), load_external_data=False)
     ops = [n.op_type for n in graph.graph.node if n.domain in ("", "ai.onnx")]

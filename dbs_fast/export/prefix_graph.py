@@ -176,7 +176,7 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     import torch
 
     if biases.gathered is not None:
-        form = attend_fused if biases.fused and softcap is None else attend_gathered
+        form = attend_fused if biases.fused else attend_gathered
         return form(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale, dims, softcap)
 
     def cap(x):
@@ -239,8 +239,8 @@ def attend_fused(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Di
     its chunk] (N, kv, C+T+U, d), and its new keys (N, L, kv * d), which the operator appends; the
     kv heads grouped (`kv_num_heads`), the step's additive bias (N, 1, L, C+T+U+L) shared by the
     heads (`gathered_biases(..., fused=True)`). No score tensor, Softmax or head transpose in the
-    graph: the operator's kernel (CPU and CUDA) does them. Soft-capped scores (Gemma 2) keep
-    `attend_gathered`: the CUDA kernel refuses a softcap. Same arguments and results as `attend`."""
+    graph: the operator's kernel (CPU and CUDA) does them. No `softcap`: soft-capped scores (Gemma
+    2) are exported gathered (`written_form`). Same arguments and results as `attend`."""
     import torch
 
     N, L, b, s, T, U, R, M, C, H, kv, d, _ = dims
@@ -309,6 +309,12 @@ def standard_attention(path: Path) -> int:
     g.opset_import.extend([onnx.helper.make_opsetid("", FUSED_OPSET), *kept])
     save(g, path)
     return moved
+
+
+def written_form(attention: str, config) -> str:
+    """The attention form a graph of `config` is written in when `attention` is asked: soft-capped
+    scores (Gemma 2) are not fused (ORT's CUDA Attention kernel refuses a softcap), gathered instead."""
+    return "gathered" if attention == "fused" and getattr(config, "attn_logit_softcapping", None) else attention
 
 
 def gathered_biases(biases, seen, position_ids, context_mask, prefix_mask, chunk_mask, dims: Dims,
@@ -928,6 +934,7 @@ def export_prefix_decoder(model, path: Path, opset: int = 17, attention: str = "
     if attention not in ATTENTIONS:
         raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
     cfg = model.config
+    attention = written_form(attention, cfg)
     dec = _decoder(model, attention)
     L = cfg.num_hidden_layers
     H, KV, d = _heads(cfg)
