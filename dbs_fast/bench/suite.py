@@ -12,6 +12,8 @@ Contenders, each in its own process (peak memory and cold start are its own):
   torch-fp32  the same scheduler over transformers with its KV cache and a torch sampler
   onnx-fp16, torch-fp16, torch-fp16-compile   the GPU's (not run unless named): the `--dtype fp16`
               export, PyTorch in float16, and the same under torch.compile(mode="reduce-overhead")
+  onnx-fp16-fused   the fp16 export with the fused attention (`--attention fused`: one ONNX
+              Attention node a layer), against onnx-fp16's gathered attention in plain operators
   reference   the authors' way as the paper describes it: one candidate at a time, batch 1,
               the whole sequence re-run for every token, no KV cache (PyTorch). Measured on
               one chunk of one beam at the middle of a generation, extrapolated (see JSON).
@@ -60,10 +62,13 @@ KEYWORD_SETS = [["enemy", "speed", "meet", "colony", "mouth"],
                 ["garden", "winter", "doctor", "song", "river"],
                 ["market", "storm", "letter", "horse", "silver"]]
 CONTENDERS = ("onnx-fp32", "onnx-int8", "onnx-fp32-rows", "onnx-int8-rows", "onnx-fp32-plain", "torch-fp32", "reference",
-              "onnx-fp16", "torch-fp16", "torch-fp16-compile")
+              "onnx-fp16", "onnx-fp16-fused", "torch-fp16", "torch-fp16-compile")
 ENGINES = tuple(c for c in CONTENDERS if c != "reference")
-# the GPU's: the fp16 export (gathered attention) and PyTorch in fp16, eager and compiled; not run by default
-GPU_CONTENDERS = ("onnx-fp16", "torch-fp16", "torch-fp16-compile")
+# the GPU's: the fp16 exports (gathered and fused attention) and PyTorch in fp16, eager and compiled; not
+# run by default
+GPU_CONTENDERS = ("onnx-fp16", "onnx-fp16-fused", "torch-fp16", "torch-fp16-compile")
+# the fp16 contenders' attention (`export --attention`)
+FP16_FORMS = {"onnx-fp16": "gathered", "onnx-fp16-fused": "fused"}
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in GPU_CONTENDERS)
 TORCH = tuple(c for c in CONTENDERS if c.startswith("torch"))
 # seconds per step by stage (the search's `timed` labels): the model call as graph = inside the
@@ -88,22 +93,29 @@ def _export(src: str, out: Path, quantize: str | None) -> Path:
     return out
 
 
-def _fp16(fp32: str, out: Path) -> Path:
-    """The `--dtype fp16` export beside the fp32 one, made from it (`convert.float16_from`)."""
+def _fp16(fp32: str, out: Path, attention: str) -> Path:
+    """The `--dtype fp16` export beside the fp32 one, made from it (`convert.float16_from`), its
+    decode graph's attention `attention`."""
     if not current_export(out):
         from dbs_fast.export.convert import float16_from
 
-        print(f"[bench] the fp16 decode graph of {fp32} -> {out}", flush=True)
+        print(f"[bench] the fp16 decode graph of {fp32} ({attention} attention) -> {out}", flush=True)
         if out.exists():
             shutil.rmtree(out)
-        float16_from(Path(fp32), out, quiet=True)
+        float16_from(Path(fp32), out, quiet=True, attention=attention)
     return out
 
 
+def _fp16_exports(fp32: str, out: Path, contenders) -> dict:
+    """{contender: its fp16 export} for the fp16 contenders among `contenders`, beside `fp32`."""
+    return {c: str(_fp16(fp32, out.parent / f"{out.name}-{form}", form)) for c, form in FP16_FORMS.items()
+            if c in contenders}
+
+
 def prepare_points(workdir: Path, tokenizer: Path | None, checkpoint: Path | None, shape: str,
-                   with_default: bool, int8: bool = True, fp16: bool = False) -> dict:
-    """{point: {"checkpoint", "onnx-fp32", "onnx-int8", "onnx-fp16"}}; builds and exports what is missing
-    (the int8 and fp16 graphs only when `int8` and `fp16`: a contender runs them)."""
+                   with_default: bool, int8: bool = True, fp16=()) -> dict:
+    """{point: {"checkpoint", "onnx-fp32", "onnx-int8", and each fp16 contender in `fp16`}}; builds and
+    exports what is missing (the int8 graphs only when `int8`: a contender runs them)."""
     points = {}
     if checkpoint is None:
         from .checkpoints import make_random_gpt2
@@ -125,8 +137,7 @@ def prepare_points(workdir: Path, tokenizer: Path | None, checkpoint: Path | Non
     fp32 = str(_export(str(checkpoint), workdir / "onnx" / f"{name}-fp32", None))
     points[name] = {"checkpoint": str(checkpoint), "int8_method": "int8", "onnx-fp32": fp32,
                     "onnx-int8": str(_export(str(checkpoint), workdir / "onnx" / f"{name}-int8", "int8"))
-                    if int8 else None,
-                    "onnx-fp16": str(_fp16(fp32, workdir / "onnx" / f"{name}-fp16")) if fp16 else None}
+                    if int8 else None, **_fp16_exports(fp32, workdir / "onnx" / f"{name}-fp16", fp16)}
     if with_default:
         # the default in fp32 (its embedded export keeps its GGUF file's 4-bit blocks)
         fp32 = _export("default", workdir / "onnx" / "default-fp32", None)
@@ -134,7 +145,7 @@ def prepare_points(workdir: Path, tokenizer: Path | None, checkpoint: Path | Non
         points["default"] = {"checkpoint": None, "onnx-fp32": str(fp32), "int8_method": "int8-block",
                              "onnx-int8": str(_export("default", workdir / "onnx" / "default-int8-block",
                                                       "int8-block")) if int8 else None,
-                             "onnx-fp16": str(_fp16(str(fp32), workdir / "onnx" / "default-fp16")) if fp16 else None}
+                             **_fp16_exports(str(fp32), workdir / "onnx" / "default-fp16", fp16)}
     return points
 
 
@@ -532,7 +543,7 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
                                                                 [(1, 5), (3, 5), (5, 5), (5, 10)]))]
     ref_cands = reference_candidates or (1 if quick else 2)
     points = prepare_points(workdir, tokenizer, checkpoint, shape, with_default,
-                            int8=any("int8" in c for c in contenders), fp16="onnx-fp16" in contenders)
+                            int8=any("int8" in c for c in contenders), fp16=contenders)
     report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "quick": quick, "provider": provider,
               "config": cfg.to_dict(), "context": CONTEXT, "keyword_sets": KEYWORD_SETS, "points": {}}
     from .kernel import run as kernel_run
@@ -550,7 +561,7 @@ def run_bench(out: Path, workdir: Path, quick: bool = False, repeats: int | None
                "memory_budget_bytes": {}, "contenders": {}}
         specs = {c: {"point": name, "contender": c, "config": cfg.to_dict(), "keyword_sets": KEYWORD_SETS,
                      "repeats": repeats, "threads": threads, "provider": provider,
-                     "model_dir": p["onnx-int8" if "int8" in c else "onnx-fp16" if c == "onnx-fp16" else "onnx-fp32"],
+                     "model_dir": p["onnx-int8" if "int8" in c else c if c in FP16_FORMS else "onnx-fp32"],
                      "checkpoint": p["checkpoint"], "reference_candidates": ref_cands,
                      "sweep": sweep if c.startswith("onnx") and name == next(iter(points)) else []}
                  for c in contenders if c != "reference" or p["checkpoint"] is not None}

@@ -308,11 +308,11 @@ def _providers() -> list[str]:
     return ort.get_available_providers()
 
 
-def float16_from(fp32: Path, out: Path, quiet: bool = False) -> dict:
+def float16_from(fp32: Path, out: Path, quiet: bool = False, attention: str | None = None) -> dict:
     """The `--dtype fp16` export of a model at `out`, from a finished fp32 export `fp32` of it: its
-    files linked (model.onnx stays fp32), the decode graph exported again with the gathered
-    attention and converted to float16, with the same checks as `--dtype fp16`; no second export
-    of model.onnx (on GPT-2 large, most of an export's time)."""
+    files linked (model.onnx stays fp32), the decode graph exported again with the attention
+    `attention` (None: fp16's) and converted to float16, with the same checks as `--dtype fp16`; no
+    second export of model.onnx (on GPT-2 large, most of an export's time)."""
     from .source import load_torch_model, resolve
 
     def write(work: Path) -> dict:
@@ -322,7 +322,7 @@ def float16_from(fp32: Path, out: Path, quiet: bool = False) -> dict:
         manifest = {k: v for k, v in base.items() if k != "prefix_decode"}
         manifest["files"] = _files(work)
         (work / MANIFEST).write_text(json.dumps(manifest, indent=2))       # what the parity check reads
-        manifest["prefix_decode"] = _prefix_decode(model, work, None, quiet, dtype="fp16")
+        manifest["prefix_decode"] = _prefix_decode(model, work, None, quiet, dtype="fp16", attention=attention)
         manifest["files"] = _files(work)
         (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
         return manifest
