@@ -214,7 +214,7 @@ class Batch:
 
     def _result(self, fin: Finished) -> GenerationResult:
         be = self.dbs.backend
-        sentence_end = self.dbs.sentence_end if self.config.stop == "sentence" else None
+        sentence_end = self.dbs.sentence_end if self.config.finishes else None
         return build_result(fin, self.config, be.decode_batch, be.eos_ids, sentence_end,
                             dict(self.search.t.seconds), self.search.t.kv_bytes)
 

@@ -406,7 +406,7 @@ def test_a_rule_reads_the_same_at_every_door_in_that_doors_words(server):
     generate = error("/v1/generate", {"keywords": "colony", "stop": "never", **SMALL})
     completion = error("/v1/completions", {"model": "gpt2", "prompt": "It is", "keywords": "colony",
                                            "stop_at": "never", **SMALL})
-    rule = "must be one of ('max', 'sentence'), got 'never'"
+    rule = "must be one of ('max', 'sentence', 'eos'), got 'never'"
     assert generate["message"] == f"`stop` {rule}" and generate["param"] == "stop"
     assert completion["message"] == f"`stop_at` {rule}" and completion["param"] == "stop_at"
     for path, extra in (("/v1/generate", {}), ("/v1/completions", {"model": "gpt2", "prompt": "It is"})):

@@ -98,6 +98,39 @@ def test_stop_sentence_scheduler_rule(dbs):
     assert finished_any
 
 
+def test_stop_eos_goes_on_past_sentence_ends_to_the_models_own_end(dbs):
+    """stop="eos" (the chat door's): a beam with every keyword in goes on past its sentence ends
+    and ends only at EOS; a text the budget ends is cut back to its last sentence end after the
+    keywords, as with stop="sentence"."""
+    from dataclasses import replace
+
+    V = dbs.backend.vocab_size
+    ends = (np.random.default_rng(1).random(V) < 0.15) | dbs.sentence_end   # many tokens in the table
+    cfg = replace(dbs.config, stop="eos", max_new_tokens=60, lam=40.0)
+    went_on = False
+    for seed in range(4):
+        ctx, rows = _run(dbs, cfg, seed, sentence_end=ends)
+        for i in range(len(rows.req)):
+            toks = rows.tokens[i, :rows.n_tok[i]]
+            if rows.ended[i]:
+                assert toks[-1] in dbs.backend.eos_ids
+            texts = dbs.backend.decode_batch([toks[:n] for n in range(1, len(toks) + 1)])
+            all_in = next((n for n, t in enumerate(texts, 1) if all(occurrence.count(t, parse_keyword(k)) for k in KW)),
+                          None)
+            went_on |= all_in is not None and any(ends[toks[n - 1]] and occurrence.ends_a_sentence_here(texts[n - 1])
+                                                  for n in range(all_in + 1, len(toks)))
+    assert went_on                  # stop="sentence" would have ended those beams there
+    dbs._sentence_end = ends
+    try:
+        for seed in range(4):
+            r = dbs.generate("It is", KW, seed=seed, config=cfg)
+            assert r.stopped in ("eos", "sentence", "trimmed", "max")
+            if r.stopped in ("sentence", "trimmed"):    # cut back at the budget: to a sentence end
+                assert r.new_tokens <= cfg.max_new_tokens and occurrence.ends_a_sentence_here(r.text)
+    finally:
+        dbs._sentence_end = None
+
+
 def test_paper_preset_is_the_papers_protocol():
     p = DBSConfig.paper()
     assert (p.lam, p.beams, p.candidates, p.chunk, p.top_p, p.max_new_tokens) == (20.0, 7, 10, 5, 0.9, 90)

@@ -152,7 +152,7 @@ def certain_text(search: "BeamSearch", q: int) -> str:
     def is_end(n: int) -> bool:
         return occurrence.ends_a_sentence_here(context + be.decode_batch([seqs[0][:n]])[0])
 
-    n = certain_length(seqs, search.sentence_end if search.cfg.stop == "sentence" else None, is_end)
+    n = certain_length(seqs, search.sentence_end if search.cfg.finishes else None, is_end)
     n = max(n, search.slots[q].committed) if seqs else 0   # committed: every row and candidate starts with it
     return be.decode_batch([seqs[0][:n]])[0][search.tables.tail[q]:].rstrip("\ufffd") if n else ""
 
@@ -271,7 +271,7 @@ class BeamSearch:
         rows, chunk = self._sample_chunk(rows, text_before, k, bool(last.all()))
         self._quality(rows, text_before, self._scorer_logprobs(rows, chunk, bool(last.all())), k)
         left = guidance.remaining(self.tables, rows, 0)
-        done = (cfg.stop == "sentence") & quality.finished_rows(rows.ended, left) & np.isfinite(rows.cum)
+        done = cfg.finishes & quality.finished_rows(rows.ended, left) & np.isfinite(rows.cum)
         full = set_aside(self.slots, rows, done, cfg.finished)   # set aside, the other beams go on; full: they end
         rows.ended |= full[rows.req]
         keep = quality.select_best(rows.req, rows.cum, cfg.beams)

@@ -149,7 +149,7 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
     stopped = "max"
     if rows.ended[best]:
         stopped = "eos" if n_gen and toks[-1] in eos_ids else "sentence"
-    elif cfg.stop == "sentence":   # budget ran out: cut back to the last sentence end after the keywords
+    elif cfg.finishes:   # budget ran out: cut back to the last sentence end after the keywords
         need = max([f["token"] for f in found.values() if f is not None] + [fin.committed], default=0)
         ends = [n for n in range(max(need, 1), n_gen + 1)
                 if sentence_end[toks[n - 1]] and occurrence.ends_generated_sentence(context, texts[n - 1])]

@@ -3,11 +3,11 @@
 The standard fields map onto the engine's: `prompt` (or `messages`, through the model's chat
 template) is the context, `max_tokens` is `max_new_tokens`, `temperature`, `top_p` and `seed`
 are the engine's, `stop` cuts the text at the first stop sequence, `n` returns that many
-distinct beams (with the engine's `stop_at: sentence`, n finished answers: `finished` is raised to
-n). The constraints and every DBS option are extra body fields (the SDK's `extra_body`), named
+distinct beams (with the engine's `stop_at: sentence` or `eos`, n finished answers: `finished` is
+raised to n). The constraints and every DBS option are extra body fields (the SDK's `extra_body`), named
 as in /v1/generate: `keywords`, `ban`, `order`, `guarantee`, `beams`, `lambda`, ...; `task`
-("commongen") starts from a task preset; the engine's own stop rule is `stop_at` ("sentence" or
-"max"). A standard field the engine cannot honour is a 400 naming it.
+("commongen") starts from a task preset; the engine's own stop rule is `stop_at` ("sentence", "eos"
+or "max"; the chat door's is "eos"). A standard field the engine cannot honour is a 400 naming it.
 
 Streaming sends only text that no later chunk can change (the common prefix of the request's
 surviving beams, `search.beam.certain_text`), so a delta is never revised; the last chunk carries the
