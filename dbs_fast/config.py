@@ -109,8 +109,8 @@ class DBSConfig:
                        "keyword; eos: end where the model ends its text (EOS) after the last keyword; max: always "
                        "max-new-tokens (the paper). sentence and eos cut a text the budget ends back to its last "
                        "sentence end", STOPS)
-    finished: int = option(1, int, "stop=sentence: the finished candidates (every keyword, then a "
-                           "sentence end or EOS) a request gathers before it ends; each is set aside and the "
+    finished: int = option(1, int, "stop=sentence or eos: the finished candidates (every keyword, then "
+                           "its end) a request gathers before it ends; each is set aside and the "
                            "other beams go on (1: the first chunk with one ends the request); --pick chooses "
                            "among them")
     openings: str = option("none", str, "subjects: the first chunk draws b*s candidates, one "
