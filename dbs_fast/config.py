@@ -216,6 +216,15 @@ class DBSConfig:
         return self.stop != "max"
 
     @property
+    def landing_tokens(self) -> int:
+        """A streamed text that stops at EOS (stop "eos", `stream_lag` on) ends at its first sentence
+        end after the last keyword once it is within this many tokens of the budget (its last
+        third): its committed text cannot be cut back at the budget, as an unstreamed one is, so
+        without a landing it ended mid-sentence (29 of 100 streamed chat answers at a lag of 0.8).
+        0: no landing."""
+        return self.max_new_tokens // 3 if self.stop == "eos" and self.stream_lag else 0
+
+    @property
     def lag_tokens(self) -> int:
         """`stream_lag` in tokens: the tokens a commit holds back (a part of a chunk rounds up)."""
         return math.ceil(self.stream_lag * self.chunk - 1e-9) if self.stream_lag else 0

@@ -120,6 +120,16 @@ def test_stop_eos_goes_on_past_sentence_ends_to_the_models_own_end(dbs):
             went_on |= all_in is not None and any(ends[toks[n - 1]] and occurrence.ends_a_sentence_here(texts[n - 1])
                                                   for n in range(all_in + 1, len(toks)))
     assert went_on                  # stop="sentence" would have ended those beams there
+    streamed = replace(cfg, stream_lag=0.8)         # committed text is not cut back: it lands on a sentence end
+    landed = False
+    for seed in range(12):                          # (real sentence ends are rare in the tiny model's text)
+        ctx, rows = _run(dbs, streamed, seed, sentence_end=ends)
+        for i in np.flatnonzero(rows.ended):
+            toks = rows.tokens[i, :rows.n_tok[i]]
+            if toks[-1] not in dbs.backend.eos_ids:
+                assert ends[toks[-1]] and len(toks) >= cfg.max_new_tokens - streamed.landing_tokens
+                landed = True
+    assert landed and cfg.landing_tokens == 0 and streamed.landing_tokens == cfg.max_new_tokens // 3
     dbs._sentence_end = ends
     try:
         for seed in range(4):

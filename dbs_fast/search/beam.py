@@ -444,8 +444,11 @@ class BeamSearch:
         rows.glue = (new & ~seen) != 0
         seen = seen | new
         guidance.advance_forcing(self.tables, rows, d.force, seen, col + 1, self.word_piece)
-        if self.cfg.stop == "sentence":   # all keywords in (before or in this chunk) + sentence end
-            end = np.flatnonzero(live & (guidance.remaining(self.tables, rows, seen) == 0) & self.sentence_end[d.ids])
+        landing = self.cfg.landing_tokens     # a streamed eos text near its budget ends as stop="sentence"'s
+        if self.cfg.stop == "sentence" or landing:   # all keywords in (before or in this chunk) + sentence end
+            near = rows.n_tok >= self.cfg.max_new_tokens - landing if landing else True
+            end = np.flatnonzero(live & near & (guidance.remaining(self.tables, rows, seen) == 0)
+                                 & self.sentence_end[d.ids])
             if len(end):                  # not at an abbreviation or an initial ("Dr.", "J.")
                 texts = self._generated_texts(rows, end)
                 rows.ended[end] |= [occurrence.ends_generated_sentence(self.slots[rows.req[i]].request.context, t)
