@@ -221,8 +221,7 @@ def attend_gathered(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims:
     k, v = (x.reshape(N, L, kv, d) for x in (k, v))
 
     def keys(x, p, c, new):                                                           # (N, kv, C+T+U+L, d)
-        return torch.cat([torch.index_select(x, 0, biases.slot_context), torch.index_select(p, 0, biases.slot_beam),
-                          c.permute(1, 3, 2, 0, 4).reshape(N, kv, -1, d), new.permute(0, 2, 1, 3)], dim=2)
+        return torch.cat([*_slot_levels(x, p, c, biases, dims), new.permute(0, 2, 1, 3)], dim=2)
 
     scores = torch.matmul(qs, keys(xk, pk, ck, k).transpose(2, 3)) * scale
     if softcap is not None:
@@ -246,13 +245,19 @@ def attend_fused(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Di
     N, L, b, s, T, U, R, M, C, H, kv, d, _ = dims
     q, k, v = (x if x.dim() == 3 else x.reshape(N, L, -1) for x in (q, k, v))
 
-    def past(x, p, c):                                                                # (N, kv, C+T+U, d)
-        return torch.cat([torch.index_select(x, 0, biases.slot_context), torch.index_select(p, 0, biases.slot_beam),
-                          c.permute(1, 3, 2, 0, 4).reshape(N, kv, -1, d)], dim=2)
-
-    o = _attention(q, k, v, biases.gathered, past(xk, pk, ck), past(xv, pv, cv), H, kv, scale)
+    past_k, past_v = (torch.cat(_slot_levels(x, p, c, biases, dims), dim=2) for x, p, c in ((xk, pk, ck), (xv, pv, cv)))
+    o = _attention(q, k, v, biases.gathered, past_k, past_v, H, kv, scale)      # past: (N, kv, C+T+U, d)
     kn, vn = (x.reshape(b, s, L, kv, d).permute(0, 3, 1, 2, 4) for x in (k, v))      # (b, kv, s, L, d)
     return o, kn, vn
+
+
+def _slot_levels(x, p, c, biases, dims: Dims) -> list:
+    """Each slot's context (from the contexts x), its beam's prefix (from p) and its own chunk
+    (from the slot-major c), (N, kv, ., d) each: the gathered and fused forms' keys or values."""
+    import torch
+
+    return [torch.index_select(x, 0, biases.slot_context), torch.index_select(p, 0, biases.slot_beam),
+            c.permute(1, 3, 2, 0, 4).reshape(dims.N, dims.kv, -1, dims.d)]
 
 
 def onnx_attention(q, k, v, bias, past_k, past_v, heads: int, kv_heads: int, scale: float):
@@ -293,22 +298,20 @@ def _attention(*args):
 ATTENTION_DOMAIN = "dbs_fast.attention"
 
 
-def standard_attention(path: Path) -> int:
+def standard_attention(path: Path) -> None:
     """The graph at `path` with its `attend_fused` nodes in ONNX's own domain at opset
     `FUSED_OPSET` (the ops it has besides are the same there: from opset 18 on, none of them
-    changed meaning); returns the Attention nodes moved."""
+    changed meaning)."""
     import onnx
 
     g = onnx.load(str(path))
-    moved = 0
     for node in g.graph.node:
         if node.domain == ATTENTION_DOMAIN:
-            node.domain, moved = "", moved + 1
+            node.domain = ""
     kept = [o for o in g.opset_import if o.domain not in ("", "ai.onnx", ATTENTION_DOMAIN)]
     del g.opset_import[:]
     g.opset_import.extend([onnx.helper.make_opsetid("", FUSED_OPSET), *kept])
     save(g, path)
-    return moved
 
 
 def written_form(attention: str, config) -> str:
