@@ -85,7 +85,7 @@ def test_every_flag_explains_itself(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "{next,any}" in out and "{max,sentence}" in out and "{stem,lemma}" in out
+    assert "{next,any}" in out and "{max,sentence,eos}" in out and "{stem,lemma}" in out
     assert "(default: It is;" in out and "(default: 0)" in out
 
 
