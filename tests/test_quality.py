@@ -70,6 +70,19 @@ def test_stop_sentence_ends_at_the_first_sentence_end_after_the_last_keyword(dbs
         dbs._sentence_end = None
 
 
+def _sentence_ends(dbs, toks, ends):
+    """For a row's tokens: whether its first n tokens end at a real sentence end (a token of the
+    table `ends` where a sentence splitter ends the text), and the first n with every keyword in
+    (None: never)."""
+    texts = dbs.backend.decode_batch([toks[:n] for n in range(1, len(toks) + 1)])
+
+    def real_end(n):
+        return ends[toks[n - 1]] and occurrence.ends_a_sentence_here(texts[n - 1])
+
+    all_in = next((n for n, t in enumerate(texts, 1) if all(occurrence.count(t, parse_keyword(k)) for k in KW)), None)
+    return real_end, all_in
+
+
 def test_stop_sentence_scheduler_rule(dbs):
     """Scheduler level: every finished beam ends with a sentence end at or after the point where
     its last keyword appeared, and no earlier sentence end follows that point. A sentence end is a
@@ -87,13 +100,8 @@ def test_stop_sentence_scheduler_rule(dbs):
                 continue
             finished_any = True
             toks = rows.tokens[i, :rows.n_tok[i]]
-            texts = dbs.backend.decode_batch([toks[:n] for n in range(1, len(toks) + 1)])
-
-            def real_end(n):
-                return ends[toks[n - 1]] and occurrence.ends_a_sentence_here(texts[n - 1])
-
+            real_end, all_in = _sentence_ends(dbs, toks, ends)
             assert real_end(len(toks)) or toks[-1] in dbs.backend.eos_ids
-            all_in = next(n for n, t in enumerate(texts, 1) if all(occurrence.count(t, parse_keyword(k)) for k in KW))
             assert not any(real_end(n) for n in range(all_in + 1, len(toks)))
     assert finished_any
 
@@ -114,11 +122,8 @@ def test_stop_eos_goes_on_past_sentence_ends_to_the_models_own_end(dbs):
             toks = rows.tokens[i, :rows.n_tok[i]]
             if rows.ended[i]:
                 assert toks[-1] in dbs.backend.eos_ids
-            texts = dbs.backend.decode_batch([toks[:n] for n in range(1, len(toks) + 1)])
-            all_in = next((n for n, t in enumerate(texts, 1) if all(occurrence.count(t, parse_keyword(k)) for k in KW)),
-                          None)
-            went_on |= all_in is not None and any(ends[toks[n - 1]] and occurrence.ends_a_sentence_here(texts[n - 1])
-                                                  for n in range(all_in + 1, len(toks)))
+            real_end, all_in = _sentence_ends(dbs, toks, ends)
+            went_on |= all_in is not None and any(real_end(n) for n in range(all_in + 1, len(toks)))
     assert went_on                  # stop="sentence" would have ended those beams there
     streamed = replace(cfg, stream_lag=0.8)         # committed text is not cut back: it lands on a sentence end
     landed = False
