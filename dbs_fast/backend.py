@@ -8,7 +8,6 @@ batches only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
@@ -18,7 +17,7 @@ from .kernels import StepRules
 from .kv.groups import distinct_rows
 from .kv.prefix_cache import PrefixCache
 from .model import KVCache, OnnxModel
-from .text.occurrence import WordTable, word_table
+from .text.occurrence import WordTable
 
 
 def left_pad(seqs: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
@@ -155,10 +154,10 @@ class OnnxBackend:
     def sample(self, logits, uniforms, rules: StepRules):
         return kernels.sample(logits, uniforms, rules)
 
-    @cached_property
+    @property
     def words(self) -> WordTable:
-        """The vocabulary's words, for the word-loop rule (`occurrence.word_table`)."""
-        return word_table(self.decode_one, self.vocab_size)
+        """The vocabulary's words, for the word-loop rule (the model's, `OnnxModel.words`)."""
+        return self.model.words
 
     def encode(self, text: str) -> list[int]:
         return self.model.encode(text)
@@ -167,7 +166,7 @@ class OnnxBackend:
         return self.model.tokenizer.decode_batch([list(map(int, s)) for s in seqs], skip_special_tokens=True)
 
     def decode_one(self, i: int) -> str:
-        return self.model.tokenizer.decode([i], skip_special_tokens=False)
+        return self.model.decode_one(i)
 
     @property
     def max_positions(self):

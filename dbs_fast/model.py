@@ -13,6 +13,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from .cpu import cpu_model, cpu_signature
 from .errors import DBSError
 from .manifest import read_manifest
 from .runtime import make_session
+from .text.occurrence import WordTable, word_table
 
 
 @dataclass
@@ -184,3 +186,13 @@ class OnnxModel:
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def decode_one(self, i: int) -> str:
+        """One token's text, special tokens written out."""
+        return self.tokenizer.decode([i], skip_special_tokens=False)
+
+    @cached_property
+    def words(self) -> WordTable:
+        """The vocabulary's words, for the word-loop rule (`occurrence.word_table`): decoded once per
+        model, for the backend of every batch."""
+        return word_table(self.decode_one, self.vocab_size)
