@@ -459,11 +459,11 @@ def _sample_rows(logits, uniforms, guide, history, bans, words, knobs, out_ids, 
     The groups are tuples (`sample` packs them from a StepRules):
     guide = (row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force),
     history = (tokens, start), bans = (row_ban, group_ptr, seq_ptr, seq_tok),
-    words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p, penalty, ngram, window, shaped)."""
+    words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p (R,), penalty, ngram, window, shaped)."""
     row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force = guide
     hseq, hstart = history
     row_ban = bans[0]
-    inv_temp, top_p, min_p, penalty, ngram, window, shaped = knobs
+    inv_temp, top_p, row_min_p, penalty, ngram, window, shaped = knobs
     R, V = logits.shape
     hend = hseq.shape[1]
     for r in prange(R):
@@ -478,6 +478,7 @@ def _sample_rows(logits, uniforms, guide, history, bans, words, knobs, out_ids, 
             top = max(top, _penalise(x, s, inv_temp, hseq[r], hstart[r], hend, penalty, ngram))
         loops = _loop_bans(s, hseq[r], hstart[r], hend, words, window)
         banned = _sequence_bans(s, hseq[r], hstart[r], hend, row_ban[r], bans)
+        min_p = row_min_p[r]
         own_top = _own_top(s, min_p)
         bf = boost_first[r]
         if bf:
@@ -533,7 +534,8 @@ class StepRules:
       group_ptr[g]:group_ptr[g+1], sequence q is seq_tok[seq_ptr[q]:seq_ptr[q+1]]; `row_ban[r]` is
       the row's group or -1. A banned one-token sequence is never drawn; a longer one's last token
       is never drawn when the history ends with the rest;
-    - `words`: the vocabulary's words (`occurrence.WordTable`), for the word-loop rule.
+    - `words`: the vocabulary's words (`occurrence.WordTable`), for the word-loop rule;
+    - `row_min_p` (R,): each row's min_p, its request's (`request.min_p_of`); None: the config's.
     A new rule is a config field (or a field here) and a helper in the kernel; no signature changes."""
 
     config: DBSConfig
@@ -547,6 +549,7 @@ class StepRules:
     bans: tuple | None = None
     row_ban: np.ndarray | None = None
     words: tuple | None = None
+    row_min_p: np.ndarray | None = None
 
     @classmethod
     def given(cls, config: DBSConfig | None = None, **rules) -> "StepRules":
@@ -562,6 +565,12 @@ class StepRules:
         """(R,) bool: the rows that boost before filtering."""
         bf = self.config.boost_order == "boost_then_filter" if self.boost_first is None else self.boost_first
         return np.broadcast_to(np.asarray(bf, bool), (R,)).copy()
+
+    def min_ps(self, R: int) -> np.ndarray:
+        """(R,) float64: each row's min_p."""
+        if self.row_min_p is None:
+            return np.full(R, self.config.min_p, np.float64)
+        return np.ascontiguousarray(self.row_min_p, np.float64)
 
     @property
     def multi_token_bans(self) -> bool:
@@ -591,7 +600,7 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, rules: StepRules) -> tuple[
     else:
         bans = (np.asarray(rules.row_ban, np.int64), *(np.asarray(a, t) for a, t in zip(rules.bans, (np.int64, np.int64,
                                                                                                       np.int32))))
-    knobs = (np.float32(1.0 / cfg.temperature), float(cfg.top_p), float(cfg.min_p), np.float32(cfg.repetition_penalty),
+    knobs = (np.float32(1.0 / cfg.temperature), float(cfg.top_p), rules.min_ps(R), np.float32(cfg.repetition_penalty),
              int(cfg.no_repeat_ngram_size), int(cfg.no_repeat_word_window), bool(cfg.shapes_logits))
     start_threads()
     out_ids = np.empty(R, np.int64)

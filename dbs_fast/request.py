@@ -37,9 +37,22 @@ def lam_of(keyword, said: str, cfg: DBSConfig) -> float:
     """A keyword's guidance strength: `lam_named` where the text the user wrote (`said`: a plain
     context, or a chat's messages without the template's own text) already names it (by
     `cfg.match`: a message asking for the word), else `lam`."""
-    if cfg.lam_named is None or occurrence.first_match(said, keyword, rule=cfg.match) is None:
+    if cfg.lam_named is None or not named(said, keyword, cfg):
         return cfg.lam
     return cfg.lam_named
+
+
+def named(said: str, keyword, cfg: DBSConfig) -> bool:
+    """Whether the text the user wrote names `keyword` (by `cfg.match`)."""
+    return occurrence.first_match(said, keyword, rule=cfg.match) is not None
+
+
+def min_p_of(keywords, said: str, cfg: DBSConfig) -> float:
+    """A request's min_p: `min_p_named` where the text the user wrote names every keyword (the
+    model means to write them all), else `min_p`."""
+    if cfg.min_p_named is None or not keywords or not all(named(said, k, cfg) for k in keywords):
+        return cfg.min_p
+    return cfg.min_p_named
 
 
 class RequestBuilder:
@@ -162,7 +175,8 @@ class RequestBuilder:
         heal = self._heal(ids, cfg, sum(map(len, force)), ban_seqs) if plain else None
         req_ids = heal.context_ids if heal else ids
         return Request(req_ids, kws, int(seed), boosts, force, phrases, ban_seqs, context, heal=heal,
-                       openings=self._openings(context, kws, cfg, len(ids) - len(req_ids)) if plain else [])
+                       openings=self._openings(context, kws, cfg, len(ids) - len(req_ids)) if plain else [],
+                       min_p=min_p_of(kws, said, cfg))
 
     def _openings(self, context: str, kws, cfg: DBSConfig, healed: int) -> list[tuple]:
         """The token sequences of `cfg.openings`' phrases after `context` (from the token the healing

@@ -22,9 +22,9 @@ from .text.constraints import banned_tokens
 from .text.occurrence import WordTable, word_table
 
 
-def torch_sample(logits, uniforms, row_word, dense_boosts, cfg, boost_first):
+def torch_sample(logits, uniforms, row_word, dense_boosts, cfg, boost_first, min_p=None):
     """logits (R, V) torch float32 (shaped and banned); dense_boosts (W, V) torch or None; `cfg`'s
-    temperature, top_p and min_p. Returns ids, unguided logp."""
+    temperature and top_p; `min_p` (R,) each row's (None: `cfg`'s). Returns ids, unguided logp."""
     import torch
 
     top_p = cfg.top_p
@@ -38,8 +38,10 @@ def torch_sample(logits, uniforms, row_word, dense_boosts, cfg, boost_first):
     bf = torch.as_tensor(np.asarray(boost_first, bool), device=dev).reshape(-1, 1)    # one flag, or one per row
     key = torch.where(bf, s + boost, s)
     plausible = torch.ones_like(s, dtype=torch.bool)
-    if cfg.min_p > 0:                    # the model's own probability against its top token's, before boosts
-        plausible = s - s.max(-1, keepdim=True).values >= math.log(cfg.min_p)
+    min_p = np.full(len(s), cfg.min_p) if min_p is None else np.asarray(min_p, np.float64)
+    if (min_p > 0).any():                # the model's own probability against its top token's, before boosts
+        floor = torch.as_tensor([math.log(p) if p > 0 else -math.inf for p in min_p], dtype=s.dtype, device=dev)
+        plausible = s - s.max(-1, keepdim=True).values >= floor[:, None]
         key = torch.where(plausible, key, -torch.inf)
     if top_p < 1.0:
         sorted_key, order = torch.sort(key, dim=-1, descending=True)
@@ -225,7 +227,7 @@ class TorchBackend:
             dense = kernels.dense_boosts(*rules.boosts, self.vocab_size, exp=False)
             self._dense, self._dense_key = self.torch.as_tensor(dense, device=self.device), rules.boosts
         with self.torch.inference_mode():
-            tok, lp = torch_sample(logits, uniforms, row_word, self._dense, cfg, rules.boost_firsts(R))
+            tok, lp = torch_sample(logits, uniforms, row_word, self._dense, cfg, rules.boost_firsts(R), rules.min_ps(R))
             if rules.force is not None:
                 f = self.torch.as_tensor(rules.force, device=self.device)
                 tok = self.torch.where(f >= 0, f, tok)

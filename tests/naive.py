@@ -69,9 +69,9 @@ def shape_logits(x, history, penalty=1.0, ngram=0, words=None, window=0):
 def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, boost_first=False,
                histories=None, penalty=1.0, ngram=0, bans=None, force=None, words=None, window=0, min_p=0.0):
     """dense_boosts: list per row of a (V,) boost vector or None; histories: list per row of token ids;
-    bans: list per row of banned token sequences; force: per row a token id or -1; min_p: keep only
-    tokens whose own probability (shaped, before boosts) is at least min_p times the top one's, then
-    top-p of those."""
+    bans: list per row of banned token sequences; force: per row a token id or -1; min_p (one, or one
+    per row): keep only tokens whose own probability (shaped, before boosts) is at least min_p times
+    the top one's, then top-p of those."""
     R, V = logits.shape
     ids = np.empty(R, np.int64)
     logp = np.empty(R, np.float64)
@@ -91,7 +91,7 @@ def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, 
         b = None if dense_boosts is None else dense_boosts[r]
         key = s.astype(np.float64) + (b if (b is not None and boost_first) else 0.0)
         key = key.astype(np.float32) if (b is not None and boost_first) else s
-        plausible = np.exp(s.astype(np.float64) - float(m)) >= min_p      # min_p first, before boosts
+        plausible = np.exp(s.astype(np.float64) - float(m)) >= np.broadcast_to(min_p, (R,))[r]   # min_p first
         if top_p < 1.0:
             w = np.where(plausible, np.exp(key.astype(np.float64) - float(m)), 0.0)
             order = np.argsort(-key, kind="stable")

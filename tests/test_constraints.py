@@ -363,6 +363,24 @@ def test_a_keyword_the_context_names_is_boosted_at_lam_named(dbs):
                                  replace(cfg, lam_named=None))) == pytest.approx([20.0, 20.0])
 
 
+def test_a_request_whose_context_names_every_keyword_draws_at_min_p_named(dbs):
+    """min_p_named: a request whose context names all its keywords gets that min_p; one that
+    leaves any out, or has none, gets min_p; unset, every request gets min_p. The search reads
+    the request's own (each row of a batch at its request's)."""
+    from dataclasses import replace
+
+    from dbs_fast.search.tables import BatchTables
+
+    cfg = replace(dbs.config, min_p=0.0, min_p_named=0.1, match="stem")
+    both = dbs.request("Two colonies met an enemy.", "colony,enemy", None, 0, cfg)
+    one = dbs.request("Two colonies met.", "colony,enemy", None, 0, cfg)
+    assert (both.min_p, one.min_p, dbs.request("Two colonies met.", None, None, 0, cfg).min_p) == (0.1, 0.0, 0.0)
+    assert dbs.request("Two colonies met an enemy.", "colony,enemy", None, 0,
+                       replace(cfg, min_p_named=None)).min_p == 0.0
+    tables = BatchTables.build([both, one], cfg, 0, np.array([0]), None, None)
+    assert tables.min_p.tolist() == [0.1, 0.0]
+
+
 def test_a_chat_templates_own_text_does_not_name_a_keyword(exported, tmp_path):
     """A keyword that only the chat template's default system prompt names ("colony" here) is not
     one the user asked for: it keeps lambda's strength; one the message names gets lam_named."""

@@ -178,6 +178,33 @@ def test_pytorch_baselines_min_p_draws_the_references_tokens(boost_first):
         assert np.array_equal(got.numpy(), want)
 
 
+@pytest.mark.parametrize("boost_first", [False, True])
+def test_each_row_draws_at_its_own_min_p(boost_first):
+    """`row_min_p`: each row filters at its request's min_p (0 = off for that row), the kernel, the
+    reference and the PyTorch sampler alike; a row draws what a batch at its min_p alone draws."""
+    rng, logits, boosts, row_word, dense = _case(24, scale=2.0)
+    R = len(logits)
+    per_row = np.resize([0.0, 0.3, 0.05, 0.6], R)
+    ptr, ids, vals = csr_boosts(boosts)
+    for _ in range(5):
+        u = rng.random(R)
+        got, _ = sample(logits, u, top_p=0.9, row_min_p=per_row, row_word=row_word, boosts=(ptr, ids, vals),
+                        boost_first=boost_first)
+        want, _ = sample_ref(logits, u, 1.0, 0.9, dense, boost_first, min_p=per_row)
+        assert np.array_equal(got, want)
+        for p in np.unique(per_row):
+            alone, _ = sample(logits, u, top_p=0.9, min_p=float(p), row_word=row_word, boosts=(ptr, ids, vals),
+                              boost_first=boost_first)
+            assert np.array_equal(got[per_row == p], alone[per_row == p])
+        torch = pytest.importorskip("torch")
+        from dbs_fast.config import DBSConfig
+        from dbs_fast.torch_backend import torch_sample
+
+        table = torch.as_tensor(kernels.dense_boosts(ptr, ids, vals, logits.shape[1], exp=False))
+        tgot, _ = torch_sample(torch.as_tensor(logits), u, row_word, table, DBSConfig(top_p=0.9), boost_first, per_row)
+        assert np.array_equal(tgot.numpy(), want)
+
+
 def test_min_p_off_and_on():
     """min_p 0 draws what the kernel drew without it; a min_p that only the top token passes
     draws the top token whatever the uniform (no boosts)."""

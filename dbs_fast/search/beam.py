@@ -38,6 +38,7 @@ class Request:
     context: str = ""                                   # the context as given (for the result)
     heal: Healing | None = None                         # token healing: the first token re-writes `heal.tail`
     openings: list[tuple] = field(default_factory=list)  # token sequences that open first-chunk candidates
+    min_p: float | None = None                          # the request's min_p (`request.min_p_of`); None: the config's
     merged: dict = field(default_factory=dict, repr=False)  # order="any": mask -> merged boost, cached
 
 
@@ -416,7 +417,7 @@ class BeamSearch:
         hist, hstart = guidance.history(cfg, tb, rows, col, healing)
         rules = StepRules(cfg, word, tb.boosts.csr, tb.boosts.dense_exp(self.pending.shape[1]), boost_first, force,
                           hist, hstart, tb.bans, guidance.ban_groups(cfg, tb, rows, rem, healing, n_done),
-                          self.be.words if cfg.no_repeat_word_window else None)
+                          self.be.words if cfg.no_repeat_word_window else None, tb.min_p[rows.req])
         ids, lp = self.be.sample(self.pending, uniforms(self.slots, rows.req), rules)
         return Draw(ids, lp, rem, cand, word, force, n_done)
 

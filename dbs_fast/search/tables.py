@@ -33,6 +33,7 @@ class BatchTables:
     bans: tuple | None           # (group_ptr, seq_ptr, seq_tok) of the ban groups, None: no bans at all
     ban_group: np.ndarray | None  # (Q, 8) group of request q for 4 * healing + 2 * glue + end-banned
     multi_bans: bool             # a ban of several tokens (the kernel then reads each row's history)
+    min_p: np.ndarray            # (Q,) float64 each request's min_p
 
     @staticmethod
     def build(requests: list, cfg: DBSConfig, pad: int, eos: np.ndarray, sentence_end: np.ndarray | None,
@@ -72,7 +73,8 @@ class BatchTables:
             boosts=BoostTable([b for r in requests for b in r.boosts],
                               {int(base): r.merged for base, r in zip(word_base, requests)}),
             forced=forced, force_idx=force_idx, need=need, phrases=phrases, openings=openings, seq_ptr=seq_ptr, seq_tok=seq_tok,
-            bans=bans, ban_group=ban_group, multi_bans=any(len(b) > 1 for r in requests for b in r.bans))
+            bans=bans, ban_group=ban_group, multi_bans=any(len(b) > 1 for r in requests for b in r.bans),
+            min_p=np.array([cfg.min_p if r.min_p is None else r.min_p for r in requests], np.float64))
 
     def remap_forcing(self, fseq: np.ndarray, before: "BatchTables") -> None:
         """Rows being forced point into `before`'s sequences: point them into these (in place)."""
