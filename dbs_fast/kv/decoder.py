@@ -135,6 +135,7 @@ class PrefixDecoder:
         # the graph computes distinct rows only (`slot_row`, `row_slot`; an older export computes every slot)
         self.distinct = "slot_row" in names
         self._arange = np.arange(0)
+        self._ones_kept = np.ones(0, np.int64)
         self._out: list[np.ndarray] = []
         self._new = np.empty(0, np.float32)          # the new K/V of every tensor (`_buffers`)
         # one IO binding for all steps: an input is bound again only when its array is not the one
@@ -155,6 +156,9 @@ class PrefixDecoder:
         if kv_device is None and self.dtype != np.float32:
             kv_device = "cpu"
         self.ops = HOST if kv_device is None else DeviceOps(kv_device, dtype=self.dtype)
+        # a CPU-only session reads a bound host input where it lies (at every run); another copies it
+        # at binding, so an input written in place between steps is bound again there
+        self._reads_host_memory = self.session.get_providers() == ["CPUExecutionProvider"]
         self.host_bytes = 0       # bytes bound from host memory (inputs bound again, outputs) in the last call
         self.host_bytes_total, self.calls = 0, 0                    # ... and over all calls
         self.graph_seconds = 0.0  # inside ORT's run, over all calls (the rest of a call is the host's work)
@@ -164,6 +168,12 @@ class PrefixDecoder:
         if len(self._arange) < n:
             self._arange = np.arange(max(n, 64), dtype=np.int64)
         return self._arange[:n]
+
+    def _ones(self, shape: tuple) -> np.ndarray:
+        """An all-ones int64 array of `shape`, the same one while the shape is (bound once)."""
+        if self._ones_kept.shape != shape:
+            self._ones_kept = np.ones(shape, np.int64)
+        return self._ones_kept
 
     def _buffers(self, cache: PrefixCache, L: int, new: bool = True, n: int | None = None) -> list[np.ndarray]:
         """Logits (n, vocab) (n: the rows computed, default every slot) and, with `new`, the new
@@ -335,6 +345,8 @@ class PrefixDecoder:
         io = self._io
         self.host_bytes, self.calls = 0, self.calls + 1
         chunk, chunk_mask = cache.slots()
+        if not self._reads_host_memory:                # a device graph copies a host input at binding
+            chunk_mask = chunk_mask.copy()
         context_beams, beam_slot = cache.blocks()
         N = chunk_mask.shape[0]
         if rows is None:
@@ -347,7 +359,7 @@ class PrefixDecoder:
                  "position_ids": positions,
                  "context_mask": cache.context_mask, "context_beams": context_beams, "beam_slot": beam_slot,
                  "prefix_mask": cache.mask, "chunk_mask": chunk_mask,
-                 "new_mask": np.ones(ids.shape, np.int64) if new_mask is None else new_mask.astype(np.int64)}
+                 "new_mask": self._ones(ids.shape) if new_mask is None else new_mask.astype(np.int64)}
         if self.distinct:
             feeds["slot_row"], feeds["row_slot"] = rows if rows is not None else (self._identity(N),) * 2
         elif rows is not None:

@@ -162,11 +162,11 @@ class PrefixCache:
         return self._blocks[1]
 
     def slots(self) -> tuple[list[np.ndarray], np.ndarray]:
-        """The chunk as a decode step reads it: each tensor's whole buffer of k slots (the same
-        arrays at every step of a chunk, so bound once) and their mask (N, k), a copy (a device
-        graph takes a host input at binding). The undecoded slots are masked: whichever values the
-        graph reads there (zeros, or a past chunk's), finite, get weight 0."""
-        return self.chunk, self.chunk_mask.copy()
+        """The chunk as a decode step reads it: each tensor's whole buffer of k slots and their mask
+        (N, k), the same arrays at every step of a chunk (`advance` writes the mask in place). The
+        undecoded slots are masked: whichever values the graph reads there (zeros, or a past
+        chunk's), finite, get weight 0."""
+        return self.chunk, self.chunk_mask
 
     def next_slot(self) -> list[np.ndarray]:
         """Where a decode step's new K/V go: the chunk's slot `used`, (b, kv, s, 1, d) per tensor (a

@@ -402,6 +402,7 @@ class BeamSearch:
             seen = self._mark_seen(rows, text_before, d, live, seen, base + j)
             if j < k - 1 or not (last or self.kept_last):
                 self._next_logits(rows, d.ids, ~rows.final(self.cfg.max_new_tokens))
+        self.t.kv(self.cache)                # within a chunk the cache only grows: its peak, read once
         return rows, rows.tokens[:, base:]
 
     @timed("sample")
@@ -464,7 +465,6 @@ class BeamSearch:
         g0 = self.be.graph_seconds
         self.pending, self.cache = self.be.step(ids, self.cache, need)
         self.t.seconds["graph"] += self.be.graph_seconds - g0
-        self.t.kv(self.cache)
         done = rows.req if self.be.computed is None else rows.req[self.be.computed]
         for s, n in zip(self.slots, np.bincount(done, minlength=len(self.slots))):
             s.model_rows += int(n)
