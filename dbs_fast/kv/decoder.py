@@ -136,7 +136,9 @@ class PrefixDecoder:
         self.distinct = "slot_row" in names
         self._arange = np.arange(0)
         self._ones_kept = np.ones(0, np.int64)
-        self._out: list[np.ndarray] = []
+        self._out_shape: tuple = ()
+        self._outs: dict[int, list[np.ndarray]] = {}    # rows computed -> the outputs' buffers (`_buffers`)
+        self._outs_bound: tuple | None = None            # (the outputs list bound, its bytes)
         self._new = np.empty(0, np.float32)          # the new K/V of every tensor (`_buffers`)
         # one IO binding for all steps: an input is bound again only when its array is not the one
         # bound (the cache's buffers are written in place between steps, so most are not rebound:
@@ -182,12 +184,15 @@ class PrefixDecoder:
         than the last allocates nothing."""
         N = cache.chunk_mask.shape[0]
         _, b, kv, s, d = cache.chunk[0].shape
-        shapes = [(N, self.vocab)] + [(b, kv, s, L, d) for _ in cache.chunk if new]
-        if [o.shape for o in self._out] != shapes:
+        shape = (N, len(cache.chunk) if new else 0, b, kv, s, L, d)
+        if shape != self._out_shape:
             # the new K/V of every tensor are entries of one array, so that `PrefixCache.put` copies once
-            self._new = np.empty((len(shapes) - 1, b, kv, s, L, d), self.dtype)
-            self._out = [np.empty(shapes[0], np.float32)] + list(self._new)
-        return [self._out[0][:N if n is None else n]] + self._out[1:]
+            self._new = np.empty(shape[1:], self.dtype)
+            self._out_shape, self._outs = shape, {0: [np.empty((N, self.vocab), np.float32)] + list(self._new)}
+        n = N if n is None else n
+        if n not in self._outs:              # the same list, and views, while n is the same: bound once
+            self._outs[n] = [self._outs[0][0][:n]] + self._outs[0][1:]
+        return self._outs[n]
 
     def _bind(self, name: str, arr, output: bool = False) -> None:
         """Bind `arr` (a NumPy array, or a DeviceArray on the cache's device) to `name` unless it is
@@ -236,7 +241,7 @@ class PrefixDecoder:
         of an in-place step are its chunk slots, so that they would stay alive after their batch)."""
         self._io.clear_binding_inputs()
         self._io.clear_binding_outputs()
-        self._bound = {}
+        self._bound, self._outs_bound = {}, None
 
     def prefill(self, ids: np.ndarray, mask: np.ndarray, kv_heads: int, head_dim: int, s: int, k: int,
                 reserve: int = 0) -> tuple[np.ndarray, PrefixCache]:
@@ -373,6 +378,7 @@ class PrefixDecoder:
             for name in self.outputs[1:]:
                 io.bind_output(name, self.ops.device, self.ops.device_id)
                 self._bound[name] = None
+            self._outs_bound = None
             self._run(io)
             from .device import DeviceArray
 
@@ -383,8 +389,12 @@ class PrefixDecoder:
         out = self._buffers(cache, L, new=not in_place or to_slot, n=len(ids))
         if in_place and not to_slot:
             out = out + cache.next_slot()
-        for name, arr in zip(self.outputs, out):
-            self._bind(name, arr, output=True)      # bound already (most steps): only counted
+        if self._outs_bound is not None and self._outs_bound[0] is out:
+            self._moved(self._outs_bound[1])        # bound already (most steps): only counted
+        else:
+            for name, arr in zip(self.outputs, out):
+                self._bind(name, arr, output=True)
+            self._outs_bound = (out, sum(a.nbytes for a in out if isinstance(a, np.ndarray)))
         self._run(io)
         if to_slot:
             cache.put(self._new)
