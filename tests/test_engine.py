@@ -41,6 +41,14 @@ def test_guidance_places_keywords_far_more_than_unguided(dbs):
     assert np.mean(guided) >= 0.6 and np.mean(guided) > np.mean(plain) + 0.4
 
 
+def test_every_batch_reads_the_models_word_table(dbs):
+    """The vocabulary's words (the word-loop rule) are decoded once per model: the backend of each
+    batch reads the engine's table, not a table of its own."""
+    table = dbs.backend.words
+    assert dbs.beam_search(dbs.config).be.words is table
+    assert dbs.beam_search(dbs.config).be.words is table
+
+
 def test_kv_reuse_gives_the_logprobs_of_a_full_recompute(dbs):
     """The self-scorer log-probs of the kept beam (KV caches gathered/repeated every chunk)
     equal a from-scratch forward over context + generated tokens."""
