@@ -140,6 +140,8 @@ class PrefixDecoder:
         self._outs: dict[int, list[np.ndarray]] = {}    # rows computed -> the outputs' buffers (`_buffers`)
         self._outs_bound: tuple | None = None            # (the outputs list bound, its bytes)
         self._new = np.empty(0, np.float32)          # the new K/V of every tensor (`_buffers`)
+        self._logits = np.empty((0, 0), np.float32)  # the logits of every slot (`_buffers`)
+        self._new_views: list[np.ndarray] = []       # `_new`'s entries, made once (bound once)
         # one IO binding for all steps: an input is bound again only when its array is not the one
         # bound (the cache's buffers are written in place between steps, so most are not rebound:
         # binding GPT-2 large's 149 inputs took ~1 ms a step). One thread drives a decoder, as one
@@ -188,10 +190,11 @@ class PrefixDecoder:
         if shape != self._out_shape:
             # the new K/V of every tensor are entries of one array, so that `PrefixCache.put` copies once
             self._new = np.empty(shape[1:], self.dtype)
-            self._out_shape, self._outs = shape, {0: [np.empty((N, self.vocab), np.float32)] + list(self._new)}
+            self._logits, self._new_views = np.empty((N, self.vocab), np.float32), list(self._new)
+            self._out_shape, self._outs = shape, {}
         n = N if n is None else n
         if n not in self._outs:              # the same list, and views, while n is the same: bound once
-            self._outs[n] = [self._outs[0][0][:n]] + self._outs[0][1:]
+            self._outs[n] = [self._logits[:n]] + self._new_views
         return self._outs[n]
 
     def _bind(self, name: str, arr, output: bool = False) -> None:
