@@ -11,6 +11,10 @@ MANIFEST = "dbs_fast_model.json"
 # another version is refused with "re-export it with `dbs-fast export --force`" (embedded models
 # are exported again on their own)
 EXPORT_FORMAT_VERSION = 4
+# bumped whenever the decode graph an export writes changes but an older one still runs (the same
+# inputs and outputs: a leaner step): an embedded model's export of an older graph is written
+# again, once, instead of running the slower step without a word
+DECODE_GRAPH_REVISION = 1
 
 
 def current_export(model_dir: Path) -> bool:
@@ -52,11 +56,14 @@ def window_unmasked(manifest: dict) -> bool:
 
 def stale_embedded(manifest: dict, row_layout: bool = False) -> str | None:
     """Why an embedded model's export is to be written again by this version (None: it is not):
-    a decode graph that does not slide its local layers' window, one written before the graph kept
+    a decode graph that does not slide its local layers' window, one of an older revision
+    (`DECODE_GRAPH_REVISION`), one written before the graph kept
     the GGUF file's blocks at an accuracy level, or no row layout (model.onnx) where one is needed."""
     graph = manifest.get("prefix_decode") or {}
     if window_unmasked(manifest):
         return "its decode graph does not slide its local layers' window"
+    if graph.get("written") and graph.get("revision", 0) < DECODE_GRAPH_REVISION:
+        return f"its decode graph predates this version's (revision {DECODE_GRAPH_REVISION}: a leaner step)"
     if manifest.get("gguf_file") and graph.get("written") and manifest.get("dtype") == "float32" and \
             "accuracy_level" not in (graph.get("weights") or {}):
         return "its decode graph predates the GGUF file's own blocks at an accuracy level"

@@ -644,10 +644,11 @@ def test_gemma_tokenizer_rebuild_gives_the_known_encodings():
 
 def test_an_embedded_export_without_the_decode_graph_its_family_now_has_is_due(tmp_path):
     """An embedded model exported before its family had a shared-context graph, before that
-    graph slid its local layers' window, or before it kept its GGUF file's blocks, is exported
-    again once; one whose graph failed parity, or of a family still without one, is not."""
+    graph slid its local layers' window, before it kept its GGUF file's blocks, or with an older
+    revision of the graph, is exported again once; one whose graph failed parity, or of a family
+    still without one, is not."""
     from dbs_fast.export.convert import _decode_graph_due
-    from dbs_fast.manifest import MANIFEST
+    from dbs_fast.manifest import DECODE_GRAPH_REVISION, MANIFEST
 
     def due(model_type, reason):
         (tmp_path / MANIFEST).write_text(json.dumps({"model_type": model_type,
@@ -657,12 +658,15 @@ def test_an_embedded_export_without_the_decode_graph_its_family_now_has_is_due(t
     assert due("gemma3_text", "no prefix-shared decode graph for model type 'gemma3_text' (supported: gpt2)")
     assert not due("gemma3_text", "parity against model.onnx: max |logit diff| 5.81e-01")
     assert not due("bloom", "no prefix-shared decode graph for model type 'bloom' (supported: gpt2)")
-    (tmp_path / MANIFEST).write_text(json.dumps({"model_type": "llama", "prefix_decode": {"written": True}}))
+    now = {"written": True, "revision": DECODE_GRAPH_REVISION}
+    (tmp_path / MANIFEST).write_text(json.dumps({"model_type": "llama", "prefix_decode": now}))
     assert not _decode_graph_due(tmp_path)
+    (tmp_path / MANIFEST).write_text(json.dumps({"model_type": "llama", "prefix_decode": {"written": True}}))
+    assert "predates this version's" in _decode_graph_due(tmp_path)      # an older graph: a slower step
 
     def graph(**given):
         (tmp_path / MANIFEST).write_text(json.dumps({"model_type": "gemma3_text",
-                                                     "prefix_decode": {"written": True, **given}}))
+                                                     "prefix_decode": {**now, **given}}))
         return _decode_graph_due(tmp_path)
 
     assert graph(sliding_window=512)                                  # a graph that does not slide its window
@@ -670,7 +674,7 @@ def test_an_embedded_export_without_the_decode_graph_its_family_now_has_is_due(t
 
     def blocks(**given):                                              # a GGUF source's fp32 export
         (tmp_path / MANIFEST).write_text(json.dumps({"model_type": "llama", "gguf_file": "m.gguf", "dtype": "float32",
-                                                     "prefix_decode": {"written": True, **given}}))
+                                                     "prefix_decode": {**now, **given}}))
         return _decode_graph_due(tmp_path)
 
     assert blocks()                                                   # before the graph kept the file's blocks

@@ -55,6 +55,7 @@ from typing import NamedTuple
 
 from dbs_fast.kv.decoder import PrefixDecoder
 from dbs_fast.kv.prefix_cache import DECODE_GRAPH
+from dbs_fast.manifest import DECODE_GRAPH_REVISION
 from dbs_fast.model import OnnxModel
 
 MASKED = -1e4     # additive bias of a masked key (finite, see export/fuse.py)
@@ -971,7 +972,8 @@ def export_prefix_decoder(model, path: Path, opset: int = 17, attention: str = "
     saved = written_once(path)
     rope = {"rope": rope_kind(model)} if family(cfg) in ("llama", "gemma", "neox") else {}
     window = {"sliding_window": sliding_window(cfg), "window_masked": True} if sliding_window(cfg) else {}
-    return {"graph": path.name, "family": family(cfg), "layers": L, "opset": opset, "attention": attention, **rope, **window,
+    return {"graph": path.name, "revision": DECODE_GRAPH_REVISION, "family": family(cfg), "layers": L, "opset": opset,
+            "attention": attention, **rope, **window,
             "inputs": "input_ids, position_ids, slot_row, row_slot, context_mask, context_beams, beam_slot, prefix_mask, chunk_mask, "
                       "new_mask, context.L.key/value, prefix.L.key/value, chunk.L.key/value", "outputs": "logits, new.L.key/value", "shared_bytes": saved}
 
