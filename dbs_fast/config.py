@@ -156,7 +156,7 @@ class DBSConfig:
             bad("top_p", "must be a float in (0, 1]")
         for name in ("min_p", "min_p_named"):
             v = getattr(self, name)
-            if not (v is None and name == "min_p_named" or isinstance(v, (int, float)) and 0.0 <= v < 1.0):
+            if (v is not None or name == "min_p") and not (isinstance(v, (int, float)) and 0.0 <= v < 1.0):
                 bad(name, "must be a float in [0, 1) (0 = off)")
         for name in ("lam", "lam_named"):
             v = getattr(self, name)
@@ -306,8 +306,8 @@ COMMONGEN = {"order": "any", "match": "lemma", "max_new_tokens": 40, "lam": 1.0,
 # every word placed; a word the message leaves out needs the full boost (lambda 1 placed a quarter
 # of them). Where the message names every word, min_p 0.1 (`min_p_named`) leaves out the tail of
 # tokens the model finds implausible (the chat set's 50 such requests: 1.78x -> 1.07x, coverage
-# 1.000 -> 0.987); where it leaves one out, min_p would drop that word too. Unordered words matched by lemma, the likeliest
-# of 7 finished answers returned (docs/results/chat.md).
+# 1.000 -> 0.987); where it leaves one out, min_p would drop that word too. Unordered words
+# matched by lemma, the likeliest of 7 finished answers returned (docs/results/chat.md).
 CHAT = {"order": "any", "match": "lemma", "lam_named": 1.0, "min_p_named": 0.1, "finished": 7, "pick": "likelihood",
         "stop": "eos"}
 COMMONGEN_CONTEXT = "Here is one sentence describing an everyday scene:\n"

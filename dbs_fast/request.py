@@ -33,26 +33,24 @@ def parse_constraints(keywords, ban=None):
     return kws, bans
 
 
-def lam_of(keyword, said: str, cfg: DBSConfig) -> float:
-    """A keyword's guidance strength: `lam_named` where the text the user wrote (`said`: a plain
-    context, or a chat's messages without the template's own text) already names it (by
-    `cfg.match`: a message asking for the word), else `lam`."""
-    if cfg.lam_named is None or not named(said, keyword, cfg):
-        return cfg.lam
-    return cfg.lam_named
+def named_keywords(keywords, said: str, cfg: DBSConfig) -> list[bool]:
+    """Whether the text the user wrote (`said`: a plain context, or a chat's messages without the
+    template's own text) names each keyword (by `cfg.match`: a message asking for the word), read
+    once per request; all False where neither `lam_named` nor `min_p_named` is set."""
+    if cfg.lam_named is None and cfg.min_p_named is None:
+        return [False] * len(keywords)
+    return [occurrence.first_match(said, k, rule=cfg.match) is not None for k in keywords]
 
 
-def named(said: str, keyword, cfg: DBSConfig) -> bool:
-    """Whether the text the user wrote names `keyword` (by `cfg.match`)."""
-    return occurrence.first_match(said, keyword, rule=cfg.match) is not None
+def lam_of(named: bool, cfg: DBSConfig) -> float:
+    """A keyword's guidance strength: `lam_named` where the user's text names it, else `lam`."""
+    return cfg.lam_named if named and cfg.lam_named is not None else cfg.lam
 
 
-def min_p_of(keywords, said: str, cfg: DBSConfig) -> float:
-    """A request's min_p: `min_p_named` where the text the user wrote names every keyword (the
-    model means to write them all), else `min_p`."""
-    if cfg.min_p_named is None or not keywords or not all(named(said, k, cfg) for k in keywords):
-        return cfg.min_p
-    return cfg.min_p_named
+def min_p_of(named: list[bool], cfg: DBSConfig) -> float:
+    """A request's min_p: `min_p_named` where the user's text names every keyword (the model means
+    to write them all), else `min_p`."""
+    return cfg.min_p_named if cfg.min_p_named is not None and named and all(named) else cfg.min_p
 
 
 class RequestBuilder:
@@ -166,17 +164,18 @@ class RequestBuilder:
                    for head, whole in constraints.phrase_starts(enc, k, words=cfg.complete_words)]
         allowed = ~self.word_piece if cfg.boost_word_starts else None
         said = self.chat_template.said(context) if self.chat_template else context
+        named = named_keywords(kws, said, cfg)
         with naming("keywords", keywords):                   # a word the embeddings lack
-            boosts = [constraints.keyword_boost(self.table, k, lam_of(k, said, cfg), cfg.boost_cutoff,
+            boosts = [constraints.keyword_boost(self.table, k, lam_of(n, cfg), cfg.boost_cutoff,
                                                 self.subword_fallback, lenient=cfg.guarantee, allowed=allowed,
                                                 own=constraints.first_tokens(enc, k) if cfg.complete_words else ())
-                      for k in kws]
+                      for k, n in zip(kws, named)]
         ban_seqs = constraints.ban_sequences(enc, bans)
         heal = self._heal(ids, cfg, sum(map(len, force)), ban_seqs) if plain else None
         req_ids = heal.context_ids if heal else ids
         return Request(req_ids, kws, int(seed), boosts, force, phrases, ban_seqs, context, heal=heal,
                        openings=self._openings(context, kws, cfg, len(ids) - len(req_ids)) if plain else [],
-                       min_p=min_p_of(kws, said, cfg))
+                       min_p=min_p_of(named, cfg))
 
     def _openings(self, context: str, kws, cfg: DBSConfig, healed: int) -> list[tuple]:
         """The token sequences of `cfg.openings`' phrases after `context` (from the token the healing
