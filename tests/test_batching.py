@@ -121,6 +121,7 @@ def test_a_beam_that_ended_before_its_words_does_not_commit():
 
     from dbs_fast.search.beam import Slot
     from dbs_fast.search.commit import commit
+    from dbs_fast.search.quality import keep_going
     from dbs_fast.search.rows import Rows
 
     rows = Rows.new(np.zeros(3, np.int64), 0, 0, cum=np.array([5.0, 3.0, 1.0]), ended=np.array([True, False, False]),
@@ -130,12 +131,31 @@ def test_a_beam_that_ended_before_its_words_does_not_commit():
     keep = commit(rows, np.arange(3), [slot], np.array([True]), 2)
     assert slot.committed == 2 and list(keep) == [1, 1, 1]
     slot.committed, rows.ended[2] = 0, True           # every kept beam ended: the best that goes on is kept
-    keep = commit(rows, np.array([0, 2]), [slot], np.array([True]), 2)
+    keep = commit(rows, keep_going(rows, np.array([0, 2]), np.array([True])), [slot], np.array([True]), 2)
     assert slot.committed == 2 and list(keep) == [1, 1]
     rows.ended[:] = True                              # none goes on: the best ended one commits
     slot.committed = 0
     keep = commit(rows, np.arange(3), [slot], np.array([True]), 2)
     assert slot.committed == 1 and list(keep) == [0, 1, 0]      # row 1 starts with its token 7
+
+
+def test_a_request_whose_kept_beams_all_ended_before_their_words_goes_on():
+    """Streamed or not, where every kept beam of a request ended at EOS before its words, the best
+    candidate that goes on takes the worst kept one's place, so the request goes on to place its
+    words; a request that ends this chunk, or whose candidates all ended, keeps what it kept."""
+    import numpy as np
+
+    from dbs_fast.search.quality import keep_going
+    from dbs_fast.search.rows import Rows
+
+    rows = Rows.new(np.array([0, 0, 0, 1, 1]), 0, 0, cum=np.array([5.0, 3.0, 1.0, 2.0, 4.0]),
+                    ended=np.array([True, False, True, True, True]), tokens=np.zeros((5, 4), np.int64),
+                    n_tok=np.full(5, 4), col0=np.zeros(5, np.int64))
+    keep = np.array([0, 2, 3, 4])                                 # request 0: rows 0 and 2, both ended
+    assert list(keep_going(rows, keep, np.array([True, True]))) == [0, 1, 3, 4]
+    assert list(keep_going(rows, keep, np.array([False, True]))) == [0, 2, 3, 4]   # request 0 ends now
+    rows.ended[1] = True                                          # no candidate of request 0 goes on
+    assert list(keep_going(rows, keep, np.array([True, True]))) == [0, 2, 3, 4]
 
 
 @pytest.mark.parametrize("lag", [0, 0.5, 1, 2])

@@ -275,7 +275,7 @@ class BeamSearch:
         done = cfg.finishes & quality.finished_rows(rows.ended, left) & np.isfinite(rows.cum)
         full = set_aside(self.slots, rows, done, cfg.finished)   # set aside, the other beams go on; full: they end
         rows.ended |= full[rows.req]
-        keep = quality.select_best(rows.req, rows.cum, cfg.beams)
+        keep = quality.keep_going(rows, quality.select_best(rows.req, rows.cum, cfg.beams), ~(last | full))
         keep = commit(rows, keep, self.slots, ~(last | full), cfg.lag_tokens)
         self.chunks += 1
         plain = np.bincount(rows.req, minlength=len(self.slots)) * (k - last)

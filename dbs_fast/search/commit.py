@@ -3,9 +3,9 @@
 After each chunk, a request's best kept beam (by Q) that goes on commits its tokens older than the
 lag (in tokens, `DBSConfig.lag_tokens`: a lag under one chunk commits after the first). A beam that
 ended at EOS before its words does not commit (copies of it would end the stream there, without
-them); where every kept beam did, the best candidate that goes on takes the worst one's place. The
-kept beams that disagree with the committed tokens are replaced by copies of the best one, which
-draw candidates of their own next chunk (scored as it is: a lag that holds back part of a chunk
+them; where every kept beam did, `quality.keep_going` has put the best candidate that goes on in
+the worst one's place). The kept beams that disagree with the committed tokens are replaced by
+copies of the best one, which draw candidates of their own next chunk (scored as it is: a lag that holds back part of a chunk
 leaves few beams that agree, and copies scored -inf left the stream one beam's s candidates, 0.963
 of the chat set's words against 0.993 unstreamed), and its set-aside finished candidates that
 disagree are dropped. Every row and candidate that can still be returned then starts with the
@@ -35,11 +35,6 @@ def commit(rows: Rows, keep: np.ndarray, slots: list, stay: np.ndarray, lag: int
         at = np.flatnonzero(rows.req[keep] == q)
         live = at[np.isfinite(rows.cum[keep[at]])]
         going = live[~rows.ended[keep[live]]]                # not ended at EOS before the words
-        if len(at) and not len(going):                       # all kept ended: the best that goes on, kept
-            on = np.flatnonzero((rows.req == q) & np.isfinite(rows.cum) & ~rows.ended)
-            if len(on):
-                going = at[[np.argmin(rows.cum[keep[at]])]]      # the worst kept one's place: the only one going
-                keep[going] = on[np.argmax(rows.cum[on])]
         live = going if len(going) else live
         if not len(live):
             continue

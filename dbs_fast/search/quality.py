@@ -123,6 +123,24 @@ def select_best(req: np.ndarray, cum: np.ndarray, beams: int) -> np.ndarray:
     return np.sort(order[rank < beams])
 
 
+def keep_going(rows, keep: np.ndarray, stay: np.ndarray) -> np.ndarray:
+    """The kept rows `keep` (indices into `rows`, from `select_best`), where for a request q with
+    `stay[q]` every kept beam ended at EOS before its words (or scored -inf), the best candidate
+    that goes on in the worst kept one's place: the request goes on to place its words, where it
+    would have ended without them."""
+    live = np.isfinite(rows.cum) & ~rows.ended
+    stuck = stay & (np.bincount(rows.req[keep[live[keep]]], minlength=len(stay)) == 0)
+    stuck &= np.bincount(rows.req[live], minlength=len(stay)) > 0
+    if not stuck.any():
+        return keep
+    keep = keep.copy()
+    for q in np.flatnonzero(stuck):
+        at = np.flatnonzero(rows.req[keep] == q)
+        on = np.flatnonzero((rows.req == q) & live)
+        keep[at[np.argmin(rows.cum[keep[at]])]] = on[np.argmax(rows.cum[on])]
+    return keep
+
+
 def finished_rows(ended: np.ndarray, remaining: np.ndarray) -> np.ndarray:
     """stop="sentence": the finished candidates, every keyword in then a sentence end or EOS, (R,) bool."""
     return ended & (remaining == 0)
