@@ -131,7 +131,8 @@ def test_a_beam_that_ended_before_its_words_does_not_commit():
     keep = commit(rows, np.arange(3), [slot], np.array([True]), 2)
     assert slot.committed == 2 and list(keep) == [1, 1, 1]
     slot.committed, rows.ended[2] = 0, True           # every kept beam ended: the best that goes on is kept
-    keep = commit(rows, keep_going(rows, np.array([0, 2]), np.array([True])), [slot], np.array([True]), 2)
+    keep = commit(rows, keep_going(rows, np.array([0, 2]), np.array([True]), np.ones(3, np.int64)), [slot],
+                  np.array([True]), 2)
     assert slot.committed == 2 and list(keep) == [1, 1]
     rows.ended[:] = True                              # none goes on: the best ended one commits
     slot.committed = 0
@@ -142,7 +143,8 @@ def test_a_beam_that_ended_before_its_words_does_not_commit():
 def test_a_request_whose_kept_beams_all_ended_before_their_words_goes_on():
     """Streamed or not, where every kept beam of a request ended at EOS before its words, the best
     candidate that goes on takes the worst kept one's place, so the request goes on to place its
-    words; a request that ends this chunk, or whose candidates all ended, keeps what it kept."""
+    words; a request that ends this chunk, whose candidates all ended, or a kept beam of which ended
+    with every word in (one without keywords: at its EOS), keeps what it kept."""
     import numpy as np
 
     from dbs_fast.search.quality import keep_going
@@ -152,10 +154,13 @@ def test_a_request_whose_kept_beams_all_ended_before_their_words_goes_on():
                     ended=np.array([True, False, True, True, True]), tokens=np.zeros((5, 4), np.int64),
                     n_tok=np.full(5, 4), col0=np.zeros(5, np.int64))
     keep = np.array([0, 2, 3, 4])                                 # request 0: rows 0 and 2, both ended
-    assert list(keep_going(rows, keep, np.array([True, True]))) == [0, 1, 3, 4]
-    assert list(keep_going(rows, keep, np.array([False, True]))) == [0, 2, 3, 4]   # request 0 ends now
-    rows.ended[1] = True                                          # no candidate of request 0 goes on
-    assert list(keep_going(rows, keep, np.array([True, True]))) == [0, 2, 3, 4]
+    missing = np.array([1, 1, 1, 0, 0])                           # request 1 has every word in
+    assert list(keep_going(rows, keep, np.array([True, True]), missing)) == [0, 1, 3, 4]
+    assert list(keep_going(rows, keep, np.array([False, True]), missing)) == [0, 2, 3, 4]   # request 0 ends now
+    missing[2] = 0                                                # its kept row 2 ended complete
+    assert list(keep_going(rows, keep, np.array([True, True]), missing)) == [0, 2, 3, 4]
+    missing[2], rows.ended[1] = 1, True                           # no candidate of request 0 goes on
+    assert list(keep_going(rows, keep, np.array([True, True]), missing)) == [0, 2, 3, 4]
 
 
 @pytest.mark.parametrize("lag", [0, 0.5, 1, 2])

@@ -123,13 +123,15 @@ def select_best(req: np.ndarray, cum: np.ndarray, beams: int) -> np.ndarray:
     return np.sort(order[rank < beams])
 
 
-def keep_going(rows, keep: np.ndarray, stay: np.ndarray) -> np.ndarray:
+def keep_going(rows, keep: np.ndarray, stay: np.ndarray, remaining: np.ndarray) -> np.ndarray:
     """The kept rows `keep` (indices into `rows`, from `select_best`), where for a request q with
-    `stay[q]` every kept beam ended at EOS before its words (or scored -inf), the best candidate
-    that goes on in the worst kept one's place: the request goes on to place its words, where it
-    would have ended without them."""
+    `stay[q]` every kept beam ended at EOS before its words (`remaining`: their bits; or scored
+    -inf), the best candidate that goes on in the worst kept one's place: the request goes on to
+    place its words, where it would have ended without them. A kept beam that ended with every
+    word in (a request without keywords: at its EOS) ends the request as it would."""
     live = np.isfinite(rows.cum) & ~rows.ended
-    stuck = stay & (np.bincount(rows.req[keep[live[keep]]], minlength=len(stay)) == 0)
+    whole = live | (np.isfinite(rows.cum) & rows.ended & (remaining == 0))   # goes on, or ended complete
+    stuck = stay & (np.bincount(rows.req[keep[whole[keep]]], minlength=len(stay)) == 0)
     stuck &= np.bincount(rows.req[live], minlength=len(stay)) > 0
     if not stuck.any():
         return keep
