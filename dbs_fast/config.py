@@ -49,6 +49,10 @@ class DBSConfig:
         "the word, matched by --match; a chat template's own text does not count): the model leans to it "
         "already, and a full boost writes it at once and lists it twice (default: lambda's; the chat door's "
         "preset: 1)")
+    lam_ahead: float | None = option(
+        None, float, "guidance strength of a keyword the context does not name while the row is ahead of its "
+        "deadline (at least reserve-per-keyword tokens left per keyword still to place): a light boost places "
+        "the words that fit the text, and lambda's places the rest in time (default: lambda's)")
     beams: int = option(7, int, "b: beams kept after every chunk")
     candidates: int = option(10, int, "s: candidates per beam, all b*s decoded as one batch")
     chunk: int = option(5, int, "k: tokens per chunk; sets keyword density")
@@ -158,7 +162,7 @@ class DBSConfig:
             v = getattr(self, name)
             if (v is not None or name == "min_p") and not (isinstance(v, (int, float)) and 0.0 <= v < 1.0):
                 bad(name, "must be a float in [0, 1) (0 = off)")
-        for name in ("lam", "lam_named"):
+        for name in ("lam", "lam_named", "lam_ahead"):
             v = getattr(self, name)
             if v is not None and not (0.0 <= v <= 80.0):
                 bad(name, "must be in [0, 80] (exp(lambda) must fit float32)")
@@ -250,7 +254,7 @@ def _is_int(v, least: int) -> bool:
 # The one place where a door's name for a field differs from the field's own (the Python API's):
 # `lambda` is a Python keyword, so the field is `lam`; OpenAI's bodies have a `stop` of their own
 # (stop sequences) and `max_tokens`, so the engine's stop rule is `stop_at` there.
-_JSON_RENAMED = {"lam": "lambda", "lam_named": "lambda_named"}
+_JSON_RENAMED = {"lam": "lambda", "lam_named": "lambda_named", "lam_ahead": "lambda_ahead"}
 RENAMED = {"json": _JSON_RENAMED,
            "openai": {**_JSON_RENAMED, "stop": "stop_at", "max_new_tokens": "max_tokens"}}
 DOORS = ("python", "json", "openai", "cli")
@@ -306,10 +310,13 @@ COMMONGEN = {"order": "any", "match": "lemma", "max_new_tokens": 40, "lam": 1.0,
 # every word placed; a word the message leaves out needs the full boost (lambda 1 placed a quarter
 # of them). Where the message names every word, min_p 0.1 (`min_p_named`) leaves out the tail of
 # tokens the model finds implausible (the chat set's 50 such requests: 1.78x -> 1.07x, coverage
-# 1.000 -> 0.987); where it leaves one out, min_p would drop that word too. Unordered words
-# matched by lemma, the likeliest of 7 finished answers returned (docs/results/chat.md).
-CHAT = {"order": "any", "match": "lemma", "lam_named": 1.0, "min_p_named": 0.1, "finished": 7, "pick": "likelihood",
-        "stop": "eos"}
+# 1.000 -> 0.987); where it leaves one out, min_p would drop that word too. A word the message
+# leaves out is boosted at lambda 5 while the answer is ahead of its deadline (`lam_ahead`), then
+# at 20: on 16 such messages the judge read 11 answers as more fluent (paired perplexity 0.76x), all
+# words placed, where lambda 5 throughout placed 0.71 of them. Unordered words matched by lemma,
+# the likeliest of 7 finished answers returned (docs/results/chat.md).
+CHAT = {"order": "any", "match": "lemma", "lam_named": 1.0, "min_p_named": 0.1, "lam_ahead": 5.0, "finished": 7,
+        "pick": "likelihood", "stop": "eos"}
 COMMONGEN_CONTEXT = "Here is one sentence describing an everyday scene:\n"
 DEFAULT_CONTEXT = "It is"           # the context when a request gives none (the paper's examples start so)
 SEED_MAX = 2**63 - 1                # numpy's generators take seeds in 0..2**63-1

@@ -42,9 +42,12 @@ def named_keywords(keywords, said: str, cfg: DBSConfig) -> list[bool]:
     return [occurrence.first_match(said, k, rule=cfg.match) is not None for k in keywords]
 
 
-def lam_of(named: bool, cfg: DBSConfig) -> float:
-    """A keyword's guidance strength: `lam_named` where the user's text names it, else `lam`."""
-    return cfg.lam_named if named and cfg.lam_named is not None else cfg.lam
+def lam_of(named: bool, cfg: DBSConfig, ahead: bool = False) -> float:
+    """A keyword's guidance strength: `lam_named` where the user's text names it, else `lam_ahead`
+    for a row `ahead` of its deadline where it is set, else `lam`."""
+    if named and cfg.lam_named is not None:
+        return cfg.lam_named
+    return cfg.lam_ahead if ahead and cfg.lam_ahead is not None else cfg.lam
 
 
 def min_p_of(named: list[bool], cfg: DBSConfig) -> float:
@@ -165,11 +168,12 @@ class RequestBuilder:
         allowed = ~self.word_piece if cfg.boost_word_starts else None
         said = self.chat_template.said(context) if self.chat_template else context
         named = named_keywords(kws, said, cfg)
+        # a row ahead of its deadline reads the keywords' rows at `lam_ahead`, after those at lambda
         with naming("keywords", keywords):                   # a word the embeddings lack
-            boosts = [constraints.keyword_boost(self.table, k, lam_of(n, cfg), cfg.boost_cutoff,
+            boosts = [constraints.keyword_boost(self.table, k, lam_of(n, cfg, ahead), cfg.boost_cutoff,
                                                 self.subword_fallback, lenient=cfg.guarantee, allowed=allowed,
                                                 own=constraints.first_tokens(enc, k) if cfg.complete_words else ())
-                      for k, n in zip(kws, named)]
+                      for ahead in (False, True)[:1 + (cfg.lam_ahead is not None)] for k, n in zip(kws, named)]
         ban_seqs = constraints.ban_sequences(enc, bans)
         heal = self._heal(ids, cfg, sum(map(len, force)), ban_seqs) if plain else None
         req_ids = heal.context_ids if heal else ids

@@ -24,7 +24,7 @@ BAD_OPTION = {
     "prompt_style": ("loud", "--prompt-style"), "heal": ("maybe", "--heal"), "shots": ("201", "--shots"),
     "sentence_deadline": ("-1", "--sentence-deadline"), "min_sentence": ("-1", "--min-sentence"),
     "stream_lag": ("-1", "--stream-lag"), "lam_named": ("81", "--lambda-named"),
-    "min_p_named": ("1", "--min-p-named"),
+    "min_p_named": ("1", "--min-p-named"), "lam_ahead": ("81", "--lambda-ahead"),
 }
 FLAG = {name: flag for name, flag, *_ in OPTIONS}
 

@@ -363,6 +363,30 @@ def test_a_keyword_the_context_names_is_boosted_at_lam_named(dbs):
                                  replace(cfg, lam_named=None))) == pytest.approx([20.0, 20.0])
 
 
+def test_a_row_ahead_of_its_deadline_reads_its_keywords_at_lam_ahead(dbs):
+    """lam_ahead: a request holds its keywords' boosts at lambda, then at lam_ahead (a keyword the
+    context names keeps lam_named in both); a row ahead of its deadline is guided by the second
+    set, one behind by the first, alone or merged (order any); unset, one set."""
+    from dataclasses import replace
+
+    from dbs_fast.search import guidance
+    from dbs_fast.search.rows import Rows
+    from dbs_fast.search.tables import BatchTables
+
+    cfg = replace(dbs.config, lam=20.0, lam_named=1.0, lam_ahead=4.0, match="stem", order="any")
+    plain = dbs.request("It is", "colony,enemy", None, 0, replace(cfg, lam_ahead=None))
+    req = dbs.request("Two colonies met.", "colony,enemy", None, 0, cfg)
+    assert [float(b.values.max()) for b in plain.boosts] == pytest.approx([20.0, 20.0])
+    assert [float(b.values.max()) for b in req.boosts] == pytest.approx([1.0, 20.0, 1.0, 4.0])
+    tables = BatchTables.build([plain, req], cfg, 0, np.array([0]), None, None)
+    assert tables.word_base.tolist() == [0, 2] and tables.ahead_at.tolist() == [0, 2]
+    rows = Rows.new(np.array([0, 0, 1, 1, 1]), 0, 0)
+    ahead = np.array([True, False, True, False, True])
+    words = guidance.guide_words(cfg, tables, rows, np.array([2, 2, 2, 2, 3]), ahead)
+    assert words[:4].tolist() == [1, 1, 2 + 2 + 1, 2 + 1]           # enemy: plain's either way; req's at 4, at 20
+    assert float(tables.boosts.rows[words[4]].values.max()) == pytest.approx(4.0)   # both, merged at lam_ahead
+
+
 def test_a_request_whose_context_names_every_keyword_draws_at_min_p_named(dbs):
     """min_p_named: a request whose context names all its keywords gets that min_p; one that
     leaves any out, or has none, gets min_p; unset, every request gets min_p. The search reads

@@ -31,7 +31,8 @@ class Request:
     context_ids: list[int]
     keywords: list[Keyword]
     seed: int
-    boosts: list = field(default_factory=list)          # per keyword: its SparseBoost (the kernel's guidance)
+    boosts: list = field(default_factory=list)          # per keyword: its SparseBoost (the kernel's guidance);
+    #                                                     then, with `lam_ahead`, each at that strength
     force: list[tuple] = field(default_factory=list)    # per keyword: the tokens `guarantee` forces
     phrases: list[tuple] = field(default_factory=list)  # (keyword index, first word's tokens, phrase's tokens)
     bans: list[tuple] = field(default_factory=list)     # banned token sequences
@@ -39,7 +40,7 @@ class Request:
     heal: Healing | None = None                         # token healing: the first token re-writes `heal.tail`
     openings: list[tuple] = field(default_factory=list)  # token sequences that open first-chunk candidates
     min_p: float | None = None                          # the request's min_p (`request.min_p_of`); None: the config's
-    merged: dict = field(default_factory=dict, repr=False)  # order="any": mask -> merged boost, cached
+    merged: dict = field(default_factory=dict, repr=False)  # order="any": first row -> mask -> merged boost
 
 
 @dataclass
@@ -275,7 +276,7 @@ class BeamSearch:
         done = cfg.finishes & quality.finished_rows(rows.ended, left) & np.isfinite(rows.cum)
         full = set_aside(self.slots, rows, done, cfg.finished)   # set aside, the other beams go on; full: they end
         rows.ended |= full[rows.req]
-        keep = quality.keep_going(rows, quality.select_best(rows.req, rows.cum, cfg.beams), ~(last | full))
+        keep = quality.keep_going(rows, quality.select_best(rows.req, rows.cum, cfg.beams), ~(last | full), left)
         keep = commit(rows, keep, self.slots, ~(last | full), cfg.lag_tokens)
         self.chunks += 1
         plain = np.bincount(rows.req, minlength=len(self.slots)) * (k - last)
@@ -393,11 +394,12 @@ class BeamSearch:
         R = len(rows.req)
         seen = np.zeros(R, np.int64)         # keywords seen in this chunk so far (guidance moves on)
         base = rows.tokens.shape[1]
-        boost_first = quality.boost_first(self.cfg, self._on_time(rows, base + k))
+        ahead = self._on_time(rows, base + k)
+        boost_first = quality.boost_first(self.cfg, ahead)
         rows.tokens = np.concatenate([rows.tokens, np.full((R, k), self.pad, np.int64)], axis=1)  # (R, L+k)
         rows.logp = np.concatenate([rows.logp, np.zeros((R, k), np.float32)], axis=1)
         for j in range(k):
-            d = self._draw(rows, seen, base + j, boost_first)
+            d = self._draw(rows, seen, base + j, boost_first, ahead)
             live = self._append(rows, d, base + j)
             seen = self._mark_seen(rows, text_before, d, live, seen, base + j)
             if j < k - 1 or not (last or self.kept_last):
@@ -406,14 +408,14 @@ class BeamSearch:
         return rows, rows.tokens[:, base:]
 
     @timed("sample")
-    def _draw(self, rows: Rows, seen: np.ndarray, col: int, boost_first) -> Draw:
+    def _draw(self, rows: Rows, seen: np.ndarray, col: int, boost_first, ahead: np.ndarray) -> Draw:
         """The next token of every row: guidance, forcing, bans and repetition rules, then the kernel."""
         cfg, tb = self.cfg, self.tables
         rem = guidance.remaining(self.tables, rows, seen)
         cand = guidance.candidates(cfg, rem, seen)
         n_done = col - rows.col0                     # the row's tokens so far
         healing = (n_done == 0) & tb.heals[rows.req]        # the model alone writes the first token
-        word = np.where(healing, -1, guidance.guide_words(cfg, tb, rows, cand)).astype(np.int32)
+        word = np.where(healing, -1, guidance.guide_words(cfg, tb, rows, cand, ahead)).astype(np.int32)
         force = guidance.forced(cfg, tb, rows, rem, n_done)
         hist, hstart = guidance.history(cfg, tb, rows, col, healing)
         rules = StepRules(cfg, word, tb.boosts.csr, tb.boosts.dense_exp(self.pending.shape[1]), boost_first, force,

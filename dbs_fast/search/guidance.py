@@ -28,11 +28,12 @@ def candidates(cfg: DBSConfig, rem: np.ndarray, seen: np.ndarray) -> np.ndarray:
     return np.where(seen == 0, lowest_bit(rem), 0)
 
 
-def guide_words(cfg: DBSConfig, tb: BatchTables, rows: Rows, cand: np.ndarray) -> np.ndarray:
-    """Boost-table row of each row's guide keywords (merged for several), -1 when unguided."""
+def guide_words(cfg: DBSConfig, tb: BatchTables, rows: Rows, cand: np.ndarray, ahead: np.ndarray) -> np.ndarray:
+    """Boost-table row of each row's guide keywords (merged for several), -1 when unguided; a row
+    `ahead` of its deadline reads its request's rows at `lam_ahead` where it has them."""
     if not cfg.guided:
         return np.full(len(cand), -1, np.int32)
-    return tb.boosts.rows_for(tb.word_base[rows.req], cand)
+    return tb.boosts.rows_for(tb.word_base[rows.req] + ahead * tb.ahead_at[rows.req], cand)
 
 
 def forced(cfg: DBSConfig, tb: BatchTables, rows: Rows, rem: np.ndarray, n_done: np.ndarray) -> np.ndarray:

@@ -22,6 +22,7 @@ class BatchTables:
     n_kw: np.ndarray             # (Q,) keywords per request
     full: np.ndarray             # (Q,) int64 every keyword's bit
     word_base: np.ndarray        # (Q,) int64 the request's first row in the boost table
+    ahead_at: np.ndarray         # (Q,) int64 its rows at `lam_ahead` after the first (0: it has none)
     boosts: BoostTable           # every request's keyword boosts, one table
     forced: SequenceTable        # the token sequences forcing can emit (keywords, phrases' rests)
     force_idx: np.ndarray        # (Q, K) int64 keyword -> its forced sequence in `forced`, -1 none
@@ -43,7 +44,9 @@ class BatchTables:
         for q, r in enumerate(requests):
             ctx[q, ctx.shape[1] - len(r.context_ids):] = r.context_ids
         n_kw = np.array([len(r.keywords) for r in requests])
-        word_base = np.concatenate([[0], np.cumsum(n_kw)[:-1]]).astype(np.int64)
+        n_rows = np.array([len(r.boosts) for r in requests])
+        word_base = np.concatenate([[0], np.cumsum(n_rows)[:-1]]).astype(np.int64)
+        ahead_at = np.where(n_rows > n_kw, n_kw, 0).astype(np.int64)
         K = max(1, n_kw.max())
         forced = SequenceTable()
         force_idx = np.full((len(requests), K), -1, np.int64)
@@ -69,9 +72,10 @@ class BatchTables:
             ctx=ctx, ctx_start=(ctx.shape[1] - ctx_len).astype(np.int32),
             tail=np.array([len(r.heal.tail) if r.heal else 0 for r in requests]),
             heals=np.array([r.heal is not None for r in requests], bool),
-            n_kw=n_kw, full=(np.left_shift(1, n_kw) - 1).astype(np.int64), word_base=word_base,
+            n_kw=n_kw, full=(np.left_shift(1, n_kw) - 1).astype(np.int64), word_base=word_base, ahead_at=ahead_at,
             boosts=BoostTable([b for r in requests for b in r.boosts],
-                              {int(base): r.merged for base, r in zip(word_base, requests)}),
+                              {int(base + at): r.merged.setdefault(int(at), {}) for base, r, a in
+                               zip(word_base, requests, ahead_at) for at in {0, a}}),
             forced=forced, force_idx=force_idx, need=need, phrases=phrases, openings=openings, seq_ptr=seq_ptr, seq_tok=seq_tok,
             bans=bans, ban_group=ban_group, multi_bans=any(len(b) > 1 for r in requests for b in r.bans),
             min_p=np.array([cfg.min_p if r.min_p is None else r.min_p for r in requests], np.float64))
