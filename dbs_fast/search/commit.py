@@ -5,12 +5,12 @@ lag (in tokens, `DBSConfig.lag_tokens`: a lag under one chunk commits after the 
 ended at EOS before its words does not commit (copies of it would end the stream there, without
 them; where every kept beam did, `quality.keep_going` has put the best candidate that goes on in
 the worst one's place). The kept beams that disagree with the committed tokens are replaced by
-copies of the best one, which draw candidates of their own next chunk (scored as it is: a lag that holds back part of a chunk
-leaves few beams that agree, and copies scored -inf left the stream one beam's s candidates, 0.963
-of the chat set's words against 0.993 unstreamed), and its set-aside finished candidates that
-disagree are dropped. Every row and candidate that can still be returned then starts with the
-committed tokens, so they stream at once, and the result never trims back into them. Off (lag 0)
-nothing changes."""
+copies of the best one, which draw candidates of their own next chunk (scored as it is: a lag
+that holds back part of a chunk leaves few beams that agree, and copies scored -inf left the
+stream one beam's s candidates, 0.963 of the chat set's words against 0.993 unstreamed), and its
+set-aside finished candidates that disagree are dropped. Every row and candidate that can still
+be returned then starts with the committed tokens, so they stream at once, and the result never
+trims back into them. Off (lag 0) nothing changes."""
 from __future__ import annotations
 
 import numpy as np
