@@ -168,12 +168,18 @@ class RequestBuilder:
         allowed = ~self.word_piece if cfg.boost_word_starts else None
         said = self.chat_template.said(context) if self.chat_template else context
         named = named_keywords(kws, said, cfg)
-        # a row ahead of its deadline reads the keywords' rows at `lam_ahead`, after those at lambda
+
+        def boost(k, lam: float):
+            return constraints.keyword_boost(self.table, k, lam, cfg.boost_cutoff, self.subword_fallback,
+                                             lenient=cfg.guarantee, allowed=allowed,
+                                             own=constraints.first_tokens(enc, k) if cfg.complete_words else ())
+
         with naming("keywords", keywords):                   # a word the embeddings lack
-            boosts = [constraints.keyword_boost(self.table, k, lam_of(n, cfg, ahead), cfg.boost_cutoff,
-                                                self.subword_fallback, lenient=cfg.guarantee, allowed=allowed,
-                                                own=constraints.first_tokens(enc, k) if cfg.complete_words else ())
-                      for ahead in (False, True)[:1 + (cfg.lam_ahead is not None)] for k, n in zip(kws, named)]
+            lams = [lam_of(n, cfg) for n in named]
+            boosts = [boost(k, lam) for k, lam in zip(kws, lams)]
+            if cfg.lam_ahead is not None:    # a row ahead of its deadline reads these rows, after those at lambda
+                boosts += [b if lam_of(n, cfg, True) == lam else boost(k, lam_of(n, cfg, True))
+                           for k, n, b, lam in zip(kws, named, boosts, lams)]
         ban_seqs = constraints.ban_sequences(enc, bans)
         heal = self._heal(ids, cfg, sum(map(len, force)), ban_seqs) if plain else None
         req_ids = heal.context_ids if heal else ids
