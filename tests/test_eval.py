@@ -2,6 +2,7 @@
 resumption), text metrics, CommonGen's coverage and scores."""
 import json
 
+import numpy as np
 import pytest
 
 from dbs_fast.cli import main as cli
@@ -250,6 +251,19 @@ def test_commongen_scores_are_the_librarys_over_all_references():
     assert c["coverage"] == pytest.approx(2 / 3) and c["coverage_text"] == 1.0 and c["words"] == 5
 
 
+def test_the_text_around_the_words_leaves_out_every_token_of_an_occurrence():
+    """`around_words`: the perplexity over the tokens that overlap no occurrence of a guide word
+    (by lemma: "Clients" for "client"); the log-probs cover the text's last tokens."""
+    from dbs_fast.evaluation.chat import around_words
+
+    text = "A barber greets two Clients."
+    offsets = [(0, 1), (1, 4), (4, 8), (8, 15), (15, 19), (19, 25), (25, 27), (27, 28)]   # "A"," bar","ber",...
+    lp = np.log(np.array([0.5, 0.01, 0.2, 0.5, 0.5, 0.02, 0.3, 0.5]))[1:]          # the first not scored
+    assert around_words(lp, offsets, text, ["barber", "client"]) == pytest.approx(2.0)  # 0.5, 0.5, 0.5 left
+    assert around_words(lp, offsets, text, ["dog"]) == pytest.approx(float(np.exp(-lp.mean())))
+    assert np.isnan(around_words(lp[:2], offsets[:3], text[:8], ["barber"]))       # nothing left
+
+
 def test_eval_chat_answers_guided_and_unguided_through_the_chat_template(chat_model_dir, exported, tmp_path, capsys):
     """`--sets chat`: each packaged message rendered by the generator's chat template, answered
     with its guide words and without (the reference, cut to as many sentences), both judged."""
@@ -268,6 +282,7 @@ def test_eval_chat_answers_guided_and_unguided_through_the_chat_template(chat_mo
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["requests"] == 4 and s["names"]["requests"] == 2 and s["leaves_out"]["requests"] == 2
     assert s["all"]["judge_ppl_median"] > 1 and s["all"]["reference_judge_ppl_median"] > 1
+    assert s["all"]["judge_ppl_around_words_median"] > 1
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     for r in rows:
         assert len(sentences(r["reference"])) <= max(1, len(sentences(r["answer"])))

@@ -8,11 +8,14 @@ the token budget, since with nothing to place the first sentence end would end i
 cut to as many sentences as the guided answer has. The judge reads each answer after
 its message, in the judge's own chat template where it has one. Reported per kind of message and
 in all: coverage of the guide words (by lemma), the judge's median perplexity of the answers and
-of the references and their ratio, the mean words of both, rep-4 and word loops; three examples
-picked by numpy default_rng(seed)."""
+of the references and their ratio, the same over the answers' tokens outside their guide words
+(the text around the words: a word the message did not ask for surprises any reader, however
+well it is placed), the mean words of both, rep-4 and word loops; three examples picked by numpy
+default_rng(seed)."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import replace
@@ -22,7 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DBSError
+from ..text import occurrence
 from ..text.chat import ChatTemplate
+from ..text.constraints import parse_keyword
 from .metrics import coverage, rep_n, word_loop, words
 
 KINDS = ("names", "leaves_out")
@@ -68,9 +73,11 @@ def run_chat_eval(dbs, out: Path, judge, seed: int = 0, limit: int | None = None
                      "reference": first_sentences(own.generated.strip(), len(sentences(guided.generated))),
                      "found": guided.success_rate, "seconds": guided.seconds})
     judged = judge_contexts(judge, [r["message"] for r in rows])
-    for r, a, b in zip(rows, judge.perplexity([(c, r["answer"]) for c, r in zip(judged, rows)]),
-                       judge.perplexity([(c, r["reference"]) for c, r in zip(judged, rows)])):
-        r["judge_ppl"], r["reference_judge_ppl"] = a, b
+    for r, lp, b in zip(rows, judge.token_logprobs([(c, r["answer"]) for c, r in zip(judged, rows)]),
+                        judge.perplexity([(c, r["reference"]) for c, r in zip(judged, rows)])):
+        r["judge_ppl"] = float(math.exp(-lp.mean())) if len(lp) else float("nan")
+        r["judge_ppl_around_words"] = around_words(lp, judge.offsets(r["answer"]), r["answer"], r["keywords"])
+        r["reference_judge_ppl"] = b
     summary = {"judge": judge.name, "model": str(dbs.model_dir), "date": time.strftime("%Y-%m-%d"),
                "requests": len(rows), "first": start, "seed": seed, "config": cfg.to_dict(),
                **{kind: aggregate([r for r in rows if r["kind"] == kind]) for kind in KINDS},
@@ -80,6 +87,16 @@ def run_chat_eval(dbs, out: Path, judge, seed: int = 0, limit: int | None = None
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "summary.md").write_text(markdown(summary, rows, seed))
     return summary
+
+
+def around_words(lp: np.ndarray, offsets, text: str, keywords: list[str]) -> float:
+    """The perplexity of `text` over its tokens outside every occurrence of `keywords` (by lemma):
+    `lp` the log-probs of its last len(lp) tokens, `offsets` every token's (start, end) characters;
+    a token that overlaps an occurrence is left out. nan where no token is left."""
+    found = [s for k in keywords for s in occurrence.spans(text, parse_keyword(k), "lemma")]
+    offs = list(offsets)[len(offsets) - len(lp):]
+    keep = np.array([not any(a < e and s < b for s, e in found) for a, b in offs], bool)
+    return float(math.exp(-np.asarray(lp)[keep].mean())) if keep.any() else float("nan")
 
 
 def judge_contexts(judge, messages: list[str]) -> list[str]:
@@ -93,9 +110,12 @@ def aggregate(rows: list[dict]) -> dict:
         return {}
     a = statistics.median(r["judge_ppl"] for r in rows)
     b = statistics.median(r["reference_judge_ppl"] for r in rows)
+    around = [r["judge_ppl_around_words"] for r in rows if math.isfinite(r.get("judge_ppl_around_words", math.nan))]
+    around = statistics.median(around) if around else math.nan
     return {"requests": len(rows),
             "coverage": float(np.mean([coverage(r["answer"], r["keywords"]) for r in rows])),
             "judge_ppl_median": a, "reference_judge_ppl_median": b, "judge_ratio": a / b,
+            "judge_ppl_around_words_median": around, "around_words_ratio": around / b,
             "words": float(np.mean([len(words(r["answer"])) for r in rows])),
             "reference_words": float(np.mean([len(words(r["reference"])) for r in rows])),
             "rep_4": float(np.mean([rep_n(r["answer"], 4) for r in rows])),
@@ -107,14 +127,17 @@ def markdown(summary: dict, rows: list[dict], seed: int) -> str:
     lines = [f"{summary['requests']} chat requests (`dbs_fast/data/chat_requests.tsv`), answered guided and with "
              f"no guide words (the reference, cut to as many sentences); judge {summary['judge']} (the answer after "
              "the message, in the judge's chat template where it has one).", "",
-             "| messages | coverage | judge ppl (median): answer / reference = ratio | words: answer / reference | "
-             "rep-4 | word loops | seconds (median) |", "|---|---|---|---|---|---|---|"]
+             "| messages | coverage | judge ppl (median): answer / reference = ratio | around the words: answer / "
+             "reference | words: answer / reference | rep-4 | word loops | seconds (median) |",
+             "|---|---|---|---|---|---|---|---|"]
     for kind in (*KINDS, "all"):
         a = summary[kind]
         if a:
             lines.append(f"| {kind.replace('_', ' ')} ({a['requests']}) | {a['coverage']:.3f} | "
                          f"{a['judge_ppl_median']:.1f} / {a['reference_judge_ppl_median']:.1f} = "
-                         f"{a['judge_ratio']:.2f}x | {a['words']:.1f} / {a['reference_words']:.1f} | "
+                         f"{a['judge_ratio']:.2f}x | {a['judge_ppl_around_words_median']:.1f} / "
+                         f"{a['reference_judge_ppl_median']:.1f} = {a['around_words_ratio']:.2f}x | "
+                         f"{a['words']:.1f} / {a['reference_words']:.1f} | "
                          f"{a['rep_4']:.3f} | {a['word_loops']:.3f} | {a['seconds_median']:.1f} |")
     lines += ["", "Examples (requests picked by numpy default_rng(seed), unedited):", ""]
     for i in sorted(np.random.default_rng(seed).choice(len(rows), size=min(3, len(rows)), replace=False).tolist()):

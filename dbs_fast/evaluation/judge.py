@@ -42,6 +42,10 @@ class Judge:
         tok = self.model.tokenizer
         return tok.encode(context).ids, tok.encode(continuation, add_special_tokens=False).ids
 
+    def offsets(self, continuation: str) -> list[tuple[int, int]]:
+        """(start, end) characters of each of `continuation`'s tokens, as `encode_pair` cuts it."""
+        return self.model.tokenizer.encode(continuation, add_special_tokens=False).offsets
+
     def token_logprobs(self, pairs) -> list[np.ndarray]:
         """Per (context, continuation): log-probs of the continuation's tokens given what precedes
         them. With no context token (and no BOS) the first continuation token cannot be scored."""

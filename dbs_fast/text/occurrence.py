@@ -61,6 +61,11 @@ def _spans(text: str, keyword: Keyword, open_end: bool = False, rule: str = "ste
                 break
 
 
+def spans(text: str, keyword: Keyword, rule: str = "stem") -> list[tuple[int, int]]:
+    """(start, end) character spans of every occurrence of `keyword` in a finished `text`."""
+    return list(_spans(text, keyword, False, rule))
+
+
 def count(text: str, keyword: Keyword, open_end: bool = False, rule: str = "stem") -> int:
     """Occurrences of `keyword` in `text` ("Colonies." counts for "colony"; "ice creams" for
     "ice cream"; "ran" for "run|ran"). `open_end`: the text is not finished (see `_spans`)."""
