@@ -87,11 +87,13 @@ def main(argv=None) -> None:
                "coverage": float(np.mean([coverage(r["text"], s) for r, s in zip(rs, sets)])),
                "judge_ppl_median": statistics.median(ppl), "rep_4": float(np.mean([rep_n(r["text"], 4) for r in rs])),
                "words": float(np.mean([len(words(r["text"])) for r in rs])),
-               "same_as_off": sum(r["text"] == o["text"] for r, o in zip(rs, runs[lags[0]])), "texts": rs}
+               "same_as_off": sum(r["text"] == o["text"] for r, o in zip(rs, runs[0.0])) if 0.0 in runs else None,
+               "texts": rs}
         report["lags"][f"{lag:g}"] = row
+        same = "" if row["same_as_off"] is None else f"{row['same_as_off']} of {a.n}"    # off among the lags
         lines.append(f"| {label(lag)} | {row['first_share_median']:.2f}, {row['first_share_p90']:.2f} | "
                      f"{row['seconds_median']:.1f} | {row['coverage']:.3f} | {row['judge_ppl_median']:.1f} | "
-                     f"{row['rep_4']:.3f} | {row['words']:.1f} | {row['same_as_off']} of {a.n} |")
+                     f"{row['rep_4']:.3f} | {row['words']:.1f} | {same} |")
     lines += ["", "Answers (sets picked by numpy default_rng(0), unedited):", ""]
     for i in sorted(np.random.default_rng(0).choice(a.n, size=min(3, a.n), replace=False).tolist()):
         lines.append(f"- {messages[i]}")
