@@ -28,6 +28,7 @@ from ..errors import DBSError
 from ..text import occurrence
 from ..text.chat import ChatTemplate
 from ..text.constraints import parse_keyword
+from .judge import perplexity
 from .metrics import coverage, rep_n, word_loop, words
 
 KINDS = ("names", "leaves_out")
@@ -75,7 +76,7 @@ def run_chat_eval(dbs, out: Path, judge, seed: int = 0, limit: int | None = None
     judged = judge_contexts(judge, [r["message"] for r in rows])
     for r, lp, b in zip(rows, judge.token_logprobs([(c, r["answer"]) for c, r in zip(judged, rows)]),
                         judge.perplexity([(c, r["reference"]) for c, r in zip(judged, rows)])):
-        r["judge_ppl"] = float(math.exp(-lp.mean())) if len(lp) else float("nan")
+        r["judge_ppl"] = perplexity(lp)
         r["judge_ppl_around_words"] = around_words(lp, judge.offsets(r["answer"]), r["answer"], r["keywords"])
         r["reference_judge_ppl"] = b
     summary = {"judge": judge.name, "model": str(dbs.model_dir), "date": time.strftime("%Y-%m-%d"),
@@ -96,7 +97,7 @@ def around_words(lp: np.ndarray, offsets, text: str, keywords: list[str]) -> flo
     found = [s for k in keywords for s in occurrence.spans(text, parse_keyword(k), "lemma")]
     offs = list(offsets)[len(offsets) - len(lp):]
     keep = np.array([not any(a < e and s < b for s, e in found) for a, b in offs], bool)
-    return float(math.exp(-np.asarray(lp)[keep].mean())) if keep.any() else float("nan")
+    return perplexity(np.asarray(lp)[keep])
 
 
 def judge_contexts(judge, messages: list[str]) -> list[str]:

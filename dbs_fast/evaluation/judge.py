@@ -19,6 +19,11 @@ from ..model import OnnxModel
 from ..scorer import token_logprobs
 
 
+def perplexity(lp: np.ndarray) -> float:
+    """exp(-mean) of log-probs `lp`; nan for none."""
+    return float(math.exp(-np.mean(lp))) if len(lp) else float("nan")
+
+
 def judge_for(generator: str) -> str:
     """The default judge of a generator: the embedded model of the other family."""
     return "default" if str(generator) == "gemma3-270m" else "gemma3-270m"
@@ -75,4 +80,4 @@ class Judge:
 
     def perplexity(self, pairs) -> list[float]:
         """exp(-mean log-prob) of each continuation under the judge; nan for an empty one."""
-        return [float(math.exp(-lp.mean())) if len(lp) else float("nan") for lp in self.token_logprobs(pairs)]
+        return [perplexity(lp) for lp in self.token_logprobs(pairs)]
