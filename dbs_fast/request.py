@@ -178,8 +178,8 @@ class RequestBuilder:
             lams = [lam_of(n, cfg) for n in named]
             boosts = [boost(k, lam) for k, lam in zip(kws, lams)]
             if cfg.lam_ahead is not None:    # a row ahead of its deadline reads these rows, after those at lambda
-                boosts += [b if lam_of(n, cfg, True) == lam else boost(k, lam_of(n, cfg, True))
-                           for k, n, b, lam in zip(kws, named, boosts, lams)]
+                boosts += [b if ahead == lam else boost(k, ahead)
+                           for k, b, lam, ahead in zip(kws, boosts, lams, (lam_of(n, cfg, True) for n in named))]
         ban_seqs = constraints.ban_sequences(enc, bans)
         heal = self._heal(ids, cfg, sum(map(len, force)), ban_seqs) if plain else None
         req_ids = heal.context_ids if heal else ids

@@ -111,7 +111,7 @@ def aggregate(rows: list[dict]) -> dict:
         return {}
     a = statistics.median(r["judge_ppl"] for r in rows)
     b = statistics.median(r["reference_judge_ppl"] for r in rows)
-    around = [r["judge_ppl_around_words"] for r in rows if math.isfinite(r.get("judge_ppl_around_words", math.nan))]
+    around = [r["judge_ppl_around_words"] for r in rows if math.isfinite(r["judge_ppl_around_words"])]
     around = statistics.median(around) if around else math.nan
     return {"requests": len(rows),
             "coverage": float(np.mean([coverage(r["answer"], r["keywords"]) for r in rows])),
