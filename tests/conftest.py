@@ -9,28 +9,49 @@ import pytest
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 GPT2_TOKENIZER = SHARED / "data" / "gpt2-tokenizer"
+# A test that reads what a fixed random model writes under GPT-2's own vocabulary (where its
+# sentences end, which words are one token) runs where ../shared holds that tokenizer.
+GPT2_VOCAB = pytest.mark.skipif(not (GPT2_TOKENIZER / "vocab.json").is_file(),
+                                reason="reads a fixed random model's text under the real GPT-2 tokenizer "
+                                       "(../shared/data/gpt2-tokenizer), absent here")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/naive.py
 os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".numba_cache"))
 
 
 def _gpt2_tokenizer(tmp: Path):
-    """The real GPT-2 tokenizer when ../shared is present, else a small byte-level BPE."""
+    """The real GPT-2 tokenizer when ../shared is present, else a byte-level BPE trained on the
+    packaged English (CommonGen's references and the chat requests), large enough that the tests'
+    everyday words are single tokens, as they are in GPT-2's."""
     from transformers import GPT2TokenizerFast
 
     if (GPT2_TOKENIZER / "vocab.json").is_file():
         return GPT2TokenizerFast.from_pretrained(str(GPT2_TOKENIZER))
-    return _trained_bpe(tmp)
+    return _trained_bpe(tmp, vocab_size=8000)
+
+
+def _packaged_english() -> list[str]:
+    import json
+    from importlib.resources import files
+
+    data = files("dbs_fast").joinpath("data")
+    refs = [r for line in data.joinpath("commongen_dev_all_refs.jsonl").read_text(encoding="utf-8").splitlines()
+            if line for r in json.loads(line)["references"]]
+    tsv = [line.split("\t")[-1] for name in ("commongen_train_pool.tsv", "chat_requests.tsv")
+           for line in data.joinpath(name).read_text(encoding="utf-8").splitlines()]
+    return refs + tsv
 
 
 def _trained_bpe(tmp: Path, vocab_size: int = 400):
+    """A byte-level BPE of `vocab_size` tokens; above 1,000 it also learns the packaged English."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import GPT2TokenizerFast
 
     text = ("It is a colony of enemies that meet at speed near the mouth of the river. " * 20
             + "The quick brown fox jumps over the lazy dog. Colonies, mouths, meetings. " * 20)
+    lines = [text] + (_packaged_english() if vocab_size > 1000 else [])
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator([text], vocab_size=vocab_size, min_frequency=1, special_tokens=["<|endoftext|>"])
+    bpe.train_from_iterator(lines, vocab_size=vocab_size, min_frequency=1, special_tokens=["<|endoftext|>"])
     d = tmp / f"bpe{vocab_size}"
     d.mkdir(exist_ok=True)
     bpe.save_model(str(d))

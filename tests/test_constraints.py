@@ -3,6 +3,7 @@ guaranteed inclusion and bans in the engine (tiny random model), CommonGen cover
 
 import numpy as np
 import pytest
+from conftest import GPT2_VOCAB
 
 from dbs_fast import DBSConfig, DirectedBeamSearch
 from dbs_fast.errors import DBSError
@@ -137,6 +138,7 @@ def test_guarantee_places_every_keyword_at_any_lambda(dbs, order, lam):
         assert min(plain) < 1.0          # the test bites: unguided by boosts, the random model misses
 
 
+@GPT2_VOCAB
 @pytest.mark.parametrize("order", ["next", "any"])
 def test_sentence_deadline_puts_every_keyword_in_the_first_sentence(dbs, order):
     """With a sentence deadline under guarantee, no sentence ends while a keyword is missing and

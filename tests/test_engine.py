@@ -4,6 +4,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from conftest import GPT2_VOCAB
 
 from dbs_fast import DBSConfig, DirectedBeamSearch
 from dbs_fast.cli import main as cli
@@ -290,6 +291,7 @@ def test_token_healing_is_the_same_in_the_pytorch_baseline(exported, dbs):
         assert a.text == b.text and [x["text"] for x in a.beams] == [x["text"] for x in b.beams]
 
 
+@GPT2_VOCAB
 def test_a_context_reads_as_a_document_and_a_chat_frames_itself(dbs):
     """A plain context starts with the model's document-start token (never a chat-turn marker
     the tokenizer would add); a context that starts with a special token is taken as it is and

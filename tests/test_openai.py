@@ -12,6 +12,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
+from conftest import GPT2_VOCAB  # noqa: E402
 from test_service import Server, _wait  # noqa: E402
 
 from dbs_fast.api import DirectedBeamSearch  # noqa: E402
@@ -60,6 +61,7 @@ def test_completion_with_keywords_as_extra_body(client):
     assert dbs["candidate_tokens"] > 0 and dbs["seconds"] > 0
 
 
+@GPT2_VOCAB
 def test_chat_goes_through_the_models_template(client, server):
     r = client.chat.completions.create(model=_name(client), messages=[{"role": "user", "content": "Tell me"}],
                                        max_tokens=16, seed=2,
@@ -190,6 +192,7 @@ def test_n_asks_the_search_for_n_finished_answers(model_dir):
     assert [(c["text"], c["finish_reason"]) for c in choices] == [(" a.", "stop"), (" b.", "stop"), (" c", "length")]
 
 
+@GPT2_VOCAB
 def test_stop_sequences_cut_the_text(client):
     kw = dict(model=_name(client), prompt="It is", max_tokens=24, seed=5,
               extra_body={"keywords": "colony", "stop_at": "max", **SMALL})

@@ -2,6 +2,7 @@
 deadline rules, and their bad input."""
 import numpy as np
 import pytest
+from conftest import GPT2_VOCAB
 
 from dbs_fast import DBSConfig, DirectedBeamSearch
 from dbs_fast.cli import main as cli
@@ -46,6 +47,7 @@ def test_no_repeat_ngram_never_repeats_and_the_test_bites(dbs):
         assert _max_ngram_count(ctx + list(rows.tokens[i, :rows.n_tok[i]]), 2) == 1
 
 
+@GPT2_VOCAB
 def test_stop_sentence_ends_at_the_first_sentence_end_after_the_last_keyword(dbs):
     from dataclasses import replace
 
@@ -106,6 +108,7 @@ def test_stop_sentence_scheduler_rule(dbs):
     assert finished_any
 
 
+@GPT2_VOCAB
 def test_stop_eos_goes_on_past_sentence_ends_to_the_models_own_end(dbs):
     """stop="eos" (the chat door's): a beam with every keyword in goes on past its sentence ends
     and ends only at EOS; a text the budget ends is cut back to its last sentence end after the
@@ -213,6 +216,7 @@ def test_late_rows_boost_before_the_nucleus_cut():
     assert quality.boost_first(DBSConfig.paper(boost_order="boost_then_filter"), ahead) is True
 
 
+@GPT2_VOCAB
 def test_finished_candidates_are_gathered_across_chunks_and_picked_among(dbs):
     """stop="sentence" with `finished` N: each finished candidate is set aside and the other beams
     go on until N different ones are in (or the budget ends). The result's beams are those
