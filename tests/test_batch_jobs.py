@@ -81,7 +81,8 @@ def test_every_line_is_answered_once_and_bad_lines_become_error_lines(dbs, model
     assert got["a"]["response"]["body"]["object"] == "text_completion"
     assert _text(got["a"]) == dbs.generate("It is", "colony", seed=derived_seed(0, "a"), config=cfg).generated
     chat = dbs.chat_template.render([{"role": "user", "content": "Hi"}])
-    assert _text(got["b"]) == dbs.generate(chat, ["enemy"], seed=3, config=cfg).generated
+    chat_cfg = DBSConfig.chat(max_new_tokens=6, **SMALL)              # the chat door starts from its preset
+    assert _text(got["b"]) == dbs.generate(chat, ["enemy"], seed=3, config=chat_cfg).generated
     plain = got["p1"]["response"]["body"]
     assert plain["generated"] == dbs.generate("The city", "colony,enemy", seed=derived_seed(0, "p1"), config=cfg).generated
     assert plain["keywords"] == ["colony", "enemy"] and got["p1"]["response"]["status_code"] == 200
