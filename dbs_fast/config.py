@@ -73,6 +73,11 @@ class DBSConfig:
                                     "true/false: rows behind the deadline boost before the top-p cut")
     reserve_per_keyword: int = option(15, int,
                                       "tokens kept per keyword still to place (the deadline)")
+    boost_first_reserve: int = option(
+        0, int, "with late-boost-first: a row boosts before the top-p cut only once fewer than this many tokens "
+        "are left per keyword still to place, a later deadline than reserve-per-keyword's; between the two "
+        "the full boost places a word once the model's nucleus holds it, where it fits the text (0: at the "
+        "deadline)")
     c_star: float = option(2.0, float, "Q's penalty for a chunk without the guide word")
     max_new_tokens: int = option(90, int, "token budget")
     boost_order: str = option("filter_then_boost", str,
@@ -180,6 +185,9 @@ class DBSConfig:
             bad("sentence_deadline", "must be an integer >= 0 (0 = off)")
         if not _is_int(self.reserve_per_keyword, 0):
             bad("reserve_per_keyword", "must be an integer >= 0")
+        if not (_is_int(self.boost_first_reserve, 0) and self.boost_first_reserve <= self.reserve_per_keyword):
+            bad("boost_first_reserve", f"must be an integer in 0..reserve_per_keyword ({self.reserve_per_keyword}): "
+                "the later of two deadlines (0 = the deadline)")
         if self.boost_cutoff < 0:
             bad("boost_cutoff", "must be >= 0")
         if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0):

@@ -25,6 +25,7 @@ BAD_OPTION = {
     "sentence_deadline": ("-1", "--sentence-deadline"), "min_sentence": ("-1", "--min-sentence"),
     "stream_lag": ("-1", "--stream-lag"), "lam_named": ("81", "--lambda-named"),
     "min_p_named": ("1", "--min-p-named"), "lam_ahead": ("81", "--lambda-ahead"),
+    "boost_first_reserve": ("-1", "--boost-first-reserve"),
 }
 FLAG = {name: flag for name, flag, *_ in OPTIONS}
 

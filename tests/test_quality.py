@@ -210,10 +210,28 @@ def test_late_rows_boost_before_the_nucleus_cut():
     from dbs_fast.search import quality
 
     cfg = DBSConfig(max_new_tokens=90, reserve_per_keyword=10)
-    ahead = quality.on_time(cfg, np.full(3, 60), 31 & ~np.array([0, 0b111, 0b11111]))
-    assert list(quality.boost_first(cfg, ahead)) == [True, False, False]     # 30 left: only 5 words are late
-    assert quality.boost_first(DBSConfig(late_boost_first=False), ahead) is False
-    assert quality.boost_first(DBSConfig.paper(boost_order="boost_then_filter"), ahead) is True
+    done, remaining = np.full(3, 60), 31 & ~np.array([0, 0b111, 0b11111])
+    assert list(quality.boost_first(cfg, done, remaining)) == [True, False, False]   # 30 left: only 5 words are late
+    assert quality.boost_first(DBSConfig(late_boost_first=False), done, remaining) is False
+    assert quality.boost_first(DBSConfig.paper(boost_order="boost_then_filter"), done, remaining) is True
+
+
+def test_a_later_deadline_for_boosting_before_the_nucleus_cut():
+    """`boost_first_reserve`: between the deadline and the later one a row is late (the paper's
+    alpha, the full boost) but boosts after the nucleus cut, so that its word goes in where the
+    model's nucleus holds it; behind the later deadline it boosts first, as every late row does
+    without the option."""
+    from dbs_fast.search import quality
+
+    cfg = DBSConfig(max_new_tokens=90, reserve_per_keyword=10, boost_first_reserve=5)
+    done, remaining = np.array([60, 70, 60, 85]), np.array([0b11111, 0b11111, 0b111, 0b11])
+    # left 30, 20, 30, 5; the deadline needs 50, 50, 30, 20 of them, the later one 25, 25, 15, 10
+    assert list(quality.on_time(cfg, done, remaining)) == [False, False, True, False]
+    assert list(quality.boost_first(cfg, done, remaining)) == [False, True, False, True]
+    assert list(quality.boost_first(DBSConfig(max_new_tokens=90, reserve_per_keyword=10), done, remaining)) == \
+        [True, True, False, True]
+    with pytest.raises(DBSError, match="boost_first_reserve"):
+        DBSConfig(reserve_per_keyword=10, boost_first_reserve=11)
 
 
 @GPT2_VOCAB
