@@ -394,8 +394,9 @@ class BeamSearch:
         R = len(rows.req)
         seen = np.zeros(R, np.int64)         # keywords seen in this chunk so far (guidance moves on)
         base = rows.tokens.shape[1]
-        ahead = self._on_time(rows, base + k)
-        boost_first = quality.boost_first(self.cfg, base + k - rows.col0, guidance.remaining(self.tables, rows, 0))
+        done, left = base + k - rows.col0, guidance.remaining(self.tables, rows, 0)   # once the chunk is in
+        ahead = quality.on_time(self.cfg, done, left)
+        boost_first = quality.boost_first(self.cfg, done, left)
         rows.tokens = np.concatenate([rows.tokens, np.full((R, k), self.pad, np.int64)], axis=1)  # (R, L+k)
         rows.logp = np.concatenate([rows.logp, np.zeros((R, k), np.float32)], axis=1)
         for j in range(k):
