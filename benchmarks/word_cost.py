@@ -27,13 +27,13 @@ def word_costs(judge, rows: list[dict]) -> list[tuple[int, float]]:
     contexts = judge_contexts(judge, [r["message"] for r in rows])
     out = []
     for r, lp in zip(rows, judge.token_logprobs([(c, r["answer"]) for c, r in zip(contexts, rows)])):
-        offsets = judge.offsets(r["answer"])[len(judge.offsets(r["answer"])) - len(lp):]
+        offsets = judge.offsets(r["answer"])
+        offsets = offsets[len(offsets) - len(lp):]                 # the scored tokens'
         for k in r["keywords"]:
-            spans = occurrence.spans(r["answer"], parse_keyword(k), "lemma")[:1]
-            for start, _ in spans:
-                i = next((i for i, (a, b) in enumerate(offsets) if a <= start < b), None)
-                if i is not None:
-                    out.append((i, float(-lp[i])))
+            spans = occurrence.spans(r["answer"], parse_keyword(k), "lemma")
+            i = next((i for i, (a, b) in enumerate(offsets) if spans and a <= spans[0][0] < b), None)
+            if i is not None:
+                out.append((i, float(-lp[i])))
     return out
 
 

@@ -27,7 +27,7 @@ def _gpt2_tokenizer(tmp: Path):
 
     if (GPT2_TOKENIZER / "vocab.json").is_file():
         return GPT2TokenizerFast.from_pretrained(str(GPT2_TOKENIZER))
-    return _trained_bpe(tmp, vocab_size=8000)
+    return _trained_bpe(tmp, vocab_size=8000, english=True)
 
 
 def _packaged_english() -> list[str]:
@@ -42,17 +42,18 @@ def _packaged_english() -> list[str]:
     return refs + tsv
 
 
-def _trained_bpe(tmp: Path, vocab_size: int = 400):
-    """A byte-level BPE of `vocab_size` tokens; above 1,000 it also learns the packaged English."""
+def _trained_bpe(tmp: Path, vocab_size: int = 400, english: bool = False):
+    """A byte-level BPE of `vocab_size` tokens, trained on two sentences (and with `english` the
+    packaged English)."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import GPT2TokenizerFast
 
     text = ("It is a colony of enemies that meet at speed near the mouth of the river. " * 20
             + "The quick brown fox jumps over the lazy dog. Colonies, mouths, meetings. " * 20)
-    lines = [text] + (_packaged_english() if vocab_size > 1000 else [])
+    lines = [text] + (_packaged_english() if english else [])
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(lines, vocab_size=vocab_size, min_frequency=1, special_tokens=["<|endoftext|>"])
-    d = tmp / f"bpe{vocab_size}"
+    d = tmp / f"bpe{vocab_size}{'-english' if english else ''}"
     d.mkdir(exist_ok=True)
     bpe.save_model(str(d))
     return GPT2TokenizerFast(vocab_file=str(d / "vocab.json"), merges_file=str(d / "merges.txt"))
