@@ -129,7 +129,8 @@ class DBSConfig:
     openings: str = option("none", str, "subjects: the first chunk draws b*s candidates, one "
                            "begun with each subject phrase (\"The dog\", \"A dog\" for a concept \"dog\", then "
                            "\"A man\", \"A woman\", ...) and the rest free; the quality score keeps b. For "
-                           "one-sentence tasks after a context that ends a line", OPENINGS)
+                           "one-sentence tasks after a context that ends a line, and chat answers (the words "
+                           "the message leaves out, no people; none where it names every word)", OPENINGS)
     stream_lag: float = option(0, float, "chunks: after each chunk commit the best beam's text older than this "
                                "and drop the beams that disagree, so that text streams early; a fraction holds "
                                "back part of a chunk (0.4 of 5 tokens: 2) and commits after the first (0 = off: "

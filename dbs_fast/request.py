@@ -184,19 +184,22 @@ class RequestBuilder:
         heal = self._heal(ids, cfg, sum(map(len, force)), ban_seqs) if plain else None
         req_ids = heal.context_ids if heal else ids
         return Request(req_ids, kws, int(seed), boosts, force, phrases, ban_seqs, context, heal=heal,
-                       openings=self._openings(context, kws, cfg, len(ids) - len(req_ids)) if plain else [],
+                       openings=self._openings(context, kws, cfg, len(ids) - len(req_ids), named, said != context),
                        min_p=min_p_of(named, cfg))
 
-    def _openings(self, context: str, kws, cfg: DBSConfig, healed: int) -> list[tuple]:
+    def _openings(self, context: str, kws, cfg: DBSConfig, healed: int, named: list[bool], chat: bool) -> list[tuple]:
         """The token sequences of `cfg.openings`' phrases after `context` (from the token the healing
         re-writes, if any), each as the context and the phrase tokenise together; a phrase that
-        would change the context's own tokens is left out."""
+        would change the context's own tokens is left out. After a `chat` (a context its template framed) an answer
+        opens with a word the user's message leaves out (`named`), never with people in general;
+        where the message names every word, the model opens as it means to."""
         if cfg.openings == "none":
             return []
+        words = [k.text for k, n in zip(kws, named) if not n]
         ctx = self.pieces(context)
         keep = len(ctx) - healed
         out = []
-        for phrase in openings.subject_phrases([k.text for k in kws], cfg.opened_rows):
+        for phrase in openings.subject_phrases(words, cfg.opened_rows, people=not chat):
             ids = self.pieces(openings.opening_text(context, phrase))
             if ids[:keep] == ctx[:keep] and len(ids) > keep:
                 out.append(tuple(ids[keep:]))

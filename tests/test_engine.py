@@ -479,6 +479,32 @@ def test_openings_begin_the_first_chunks_candidates(dbs):
     assert dbs.request("It is", KW, seed=2).openings == []                    # off by default
 
 
+def test_a_chat_answer_opens_with_a_word_its_message_leaves_out(chat_model_dir):
+    """After a chat, the openings are the words the user's message leaves out ("The enemy", not
+    people in general); a message that names every word opens as the model means to, with b rows
+    (not b*s) in its first chunk, alone or beside a request with openings."""
+    from dbs_fast.text.openings import opening_text
+
+    dbs = DirectedBeamSearch(chat_model_dir, config=SMALL)
+    cfg = replace(SMALL, openings="subjects", lam_named=1.0)
+    said = dbs.chat_template.render([{"role": "user", "content": "Tell me about the colony."}])
+    named = dbs.chat_template.render([{"role": "user", "content": "The colony, the enemy and its speed."}])
+    req, all_named = dbs.request(said, KW, seed=2, config=cfg), dbs.request(named, KW, seed=2, config=cfg)
+    healed = dbs.backend.decode_batch([req.context_ids])[0]
+    assert [healed + dbs.backend.decode_batch([list(s)])[0] for s in req.openings] == \
+        [opening_text(said, p) for p in ("The enemy", "An enemy", "The speed", "A speed")]
+    assert all_named.openings == []
+    search = dbs.beam_search(cfg)
+    search.admit([all_named, req])
+    b, n = cfg.beams, cfg.beams * cfg.candidates
+    assert list(search.rows.req) == [0] * b + [1] * n
+    assert (search.rows.fseq[:b] < 0).all() and (search.rows.fseq[b:b + 4] >= 0).all() and (search.rows.fseq[b + 4:] < 0).all()
+    alone = dbs.beam_search(cfg)
+    alone.admit([all_named])
+    assert len(alone.rows.req) == b
+    assert dbs.generate(named, KW, seed=2, config=cfg).text == dbs.generate(named, KW, seed=2, config=replace(cfg, openings="none")).text
+
+
 def test_a_repick_reads_the_beams_order_by_q():
     """`benchmarks.pick` re-picks stored beams in their order by Q: by `rank` where stored, the
     stored order where the run picked by Q, and only the rules that read no order otherwise."""

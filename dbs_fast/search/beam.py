@@ -318,7 +318,8 @@ class BeamSearch:
         t0 = time.perf_counter()
         contexts = [r.context_ids for r in requests]
         pending, cache = self.be.prefill(contexts)                   # (Q, V)
-        first = np.repeat(np.arange(len(requests)), self.cfg.first_rows)   # step 1: b beams (b*s) per request
+        per = [self.cfg.first_rows if r.openings else self.cfg.beams for r in requests]
+        first = np.repeat(np.arange(len(requests)), per)      # step 1: b beams, b*s where openings seed some
         pending, cache = self.be.gather(pending, cache, first)
         self.scorer.admit(contexts, first)
         rows = Rows.new(first + len(self.slots), 0 if self.rows is None else self.rows.tokens.shape[1], self.pad)
@@ -330,15 +331,13 @@ class BeamSearch:
         q0 = len(self.slots)
         self.slots += [Slot(r, np.random.default_rng(r.seed), t0, self.candidate_tokens) for r in requests]
         self._index()
-        self._open(len(self.rows.req) - len(first), q0)
+        self._open(len(self.rows.req) - len(first), q0, per)
 
-    def _open(self, row0: int, q0: int) -> None:
-        """The first rows of each joining request (requests q0.., `first_rows` rows each from `row0`)
+    def _open(self, row0: int, q0: int, per: list[int]) -> None:
+        """The first rows of each joining request (requests q0.., `per` rows each from `row0`)
         begin with its openings, forced; at least b rows draw freely."""
-        per = self.cfg.first_rows
-        for q in range(q0, len(self.slots)):
+        for q, start in zip(range(q0, len(self.slots)), row0 + np.cumsum([0] + per[:-1])):
             seqs = self.tables.openings[q][:self.cfg.opened_rows]
-            start = row0 + (q - q0) * per
             self.rows.fseq[start:start + len(seqs)], self.rows.fpos[start:start + len(seqs)] = seqs, 0
 
     def drop(self, requests) -> None:

@@ -8,14 +8,15 @@ from __future__ import annotations
 PEOPLE = ("A man", "A woman", "The man", "The woman", "A boy", "A girl", "A person", "People")
 
 
-def subject_phrases(keywords: list[str], limit: int) -> list[str]:
-    """At most `limit` distinct opening phrases for `keywords`, the concepts' own first."""
+def subject_phrases(keywords: list[str], limit: int, people: bool = True) -> list[str]:
+    """At most `limit` distinct opening phrases for `keywords`, the concepts' own first, then
+    (`people`) people in general."""
     own = []
     for k in keywords:
         w = k.strip()
         if w.isalpha() and w.islower():
             own += [f"The {w}", f"{'An' if w[0] in 'aeiou' else 'A'} {w}"]
-    return list(dict.fromkeys(own + list(PEOPLE)))[:max(0, limit)]
+    return list(dict.fromkeys(own + list(PEOPLE if people else ())))[:max(0, limit)]
 
 
 def opening_text(context: str, phrase: str) -> str:
