@@ -327,10 +327,12 @@ COMMONGEN = {"order": "any", "match": "lemma", "max_new_tokens": 40, "lam": 1.0,
 # leaves out is boosted at 5 while the answer is ahead of its deadline (`lam_ahead`), the deadline
 # at 20 tokens a word still to place: 33 of the 50 such answers more fluent to the judge (1.86x the
 # model's own, not 2.01x), 0.980 of their words placed (1.000); at the task's 15 tokens, 0.953.
-# Unordered words matched by lemma, the likeliest of 7 finished answers returned
-# (docs/results/chat.md).
+# The first chunk's candidates open with a word the message leaves out ("The barber"), besides
+# the model's own openings (`openings`): on those 50 messages 1.79x, not 1.86x, 0.993 of the words
+# placed (0.980); a message naming every word opens as the model means to. Unordered words matched
+# by lemma, the likeliest of 7 finished answers returned (docs/results/chat.md).
 CHAT = {"order": "any", "match": "lemma", "lam_named": 1.0, "min_p_named": 0.1, "lam_ahead": 5.0,
-        "reserve_per_keyword": 20, "finished": 7, "pick": "likelihood", "stop": "eos"}
+        "reserve_per_keyword": 20, "finished": 7, "pick": "likelihood", "stop": "eos", "openings": "subjects"}
 COMMONGEN_CONTEXT = "Here is one sentence describing an everyday scene:\n"
 DEFAULT_CONTEXT = "It is"           # the context when a request gives none (the paper's examples start so)
 SEED_MAX = 2**63 - 1                # numpy's generators take seeds in 0..2**63-1

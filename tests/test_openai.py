@@ -68,10 +68,14 @@ def test_chat_goes_through_the_models_template(client, server):
                                        extra_body={"keywords": "river", "guarantee": True, **SMALL})
     msg = r.choices[0].message
     assert msg.role == "assistant" and "river" in msg.content.lower()
-    # the rendered prompt is the context: the same text as /v1/generate given that context
+    # the rendered prompt is the context: the same text as /v1/generate given that context and the
+    # chat door's preset
+    from dbs_fast.config import JSON_NAMES, DBSConfig
+
+    chat = DBSConfig.chat(guarantee=True, max_new_tokens=16, **SMALL).to_dict()
     plain = httpx.post(server.url + "/v1/generate", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
                        json={"context": "<|user|>Tell me\n<|assistant|>", "keywords": "river", "seed": 2,
-                             "guarantee": True, "max_new_tokens": 16, **SMALL}).json()
+                             **{j: chat[f] for f, j in JSON_NAMES.items()}}).json()
     assert plain["generated"] == msg.content and r.usage.prompt_tokens == plain["prompt_tokens"]
 
 
