@@ -78,10 +78,6 @@ class DBSConfig:
         "are left per keyword still to place, a later deadline than reserve-per-keyword's; between the two "
         "the full boost places a word once the model's nucleus holds it, where it fits the text (0: at the "
         "deadline)")
-    lookahead: float = option(
-        0.0, float, "weight, in the choice of beams, of a candidate's readiness to place a word next: the "
-        "model's own log-probability, after the candidate's chunk, of the first token of a keyword still to "
-        "place (the likeliest one); beams head for a spot where a word fits (0 = off)")
     c_star: float = option(2.0, float, "Q's penalty for a chunk without the guide word")
     max_new_tokens: int = option(90, int, "token budget")
     boost_order: str = option("filter_then_boost", str,
@@ -178,7 +174,7 @@ class DBSConfig:
                 bad(name, "must be in [0, 80] (exp(lambda) must fit float32)")
         if not self.temperature > 0.0:
             bad("temperature", "must be > 0")
-        for name in ("alpha", "c_star", "alpha_fluent", "lookahead"):
+        for name in ("alpha", "c_star", "alpha_fluent"):
             v = getattr(self, name)
             if v is not None and v < 0:
                 bad(name, "must be >= 0")

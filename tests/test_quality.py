@@ -1,7 +1,5 @@
 """Quality features of the search: anti-repetition, natural stopping, the quality score's
 deadline rules, and their bad input."""
-from dataclasses import replace
-
 import numpy as np
 import pytest
 from conftest import GPT2_VOCAB
@@ -234,50 +232,6 @@ def test_a_later_deadline_for_boosting_before_the_nucleus_cut():
         [True, True, False, True]
     with pytest.raises(DBSError, match="boost_first_reserve"):
         DBSConfig(reserve_per_keyword=10, boost_first_reserve=11)
-
-
-def test_readiness_is_the_likeliest_remaining_words_log_probability_next():
-    """`quality.readiness` against a loop over rows and words: the log-softmax of the next-token
-    logits at each remaining keyword's first token, the likeliest one's, floored; 0 where no word is
-    left (or a row's words have no first token)."""
-    from dbs_fast.search import quality
-
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(5, 11)).astype(np.float32) * 4
-    logits[3, 7] = -500.0                                   # far below the floor
-    heads = np.array([[2, 5, 7], [2, 5, 7], [2, 5, 7], [7, -1, 1], [-1, -1, -1]])
-    remaining = np.array([0b111, 0b010, 0, 0b011, 0b001])
-    got = quality.readiness(logits, heads, remaining)
-    for r in range(5):
-        x = logits[r].astype(np.float64)
-        lsm = x - np.log(np.exp(x - x.max()).sum()) - x.max()
-        words = [lsm[heads[r, k]] for k in range(3) if remaining[r] >> k & 1 and heads[r, k] >= 0]
-        want = max(max(words), quality.READY_FLOOR) if words else 0.0
-        assert got[r] == pytest.approx(want, abs=1e-9), r
-    assert got[3] == quality.READY_FLOOR and got[2] == 0.0 and got[4] == 0.0
-
-
-def test_lookahead_chooses_the_beams_ready_for_a_word_the_same_on_both_schedules(exported):
-    """With `lookahead` every candidate's logits after its chunk are computed and the beams are
-    chosen by Q plus the weight times their readiness: a heavy weight changes the text, and the
-    distinct schedule still writes the plain one's texts; a bad weight is refused."""
-    from dbs_fast import DirectedBeamSearch as D
-
-    arms = {s: D(exported["gpt2"], kv_layout="prefix", schedule=s, context_cache_mb=0) for s in ("distinct", "plain")}
-    base = DBSConfig(beams=2, candidates=4, chunk=3, max_new_tokens=15, stop="max", top_p=1e-6, lam=2.0)
-    reqs = [("It is", "colony,river"), ("A", "mouth,speed,meet")]
-    cfg = replace(base, lookahead=5.0)
-    on = {s: [r.generated for r in dbs.generate_batch(reqs, seeds=[1, 2], config=cfg)] for s, dbs in arms.items()}
-    assert on["distinct"] == on["plain"]
-    drawn = replace(base, top_p=0.9)        # candidates that differ, for the weight to choose among
-    texts = {w: [r.generated for r in arms["distinct"].generate_batch(reqs, seeds=[1, 2], config=replace(drawn, lookahead=w))]
-             for w in (0.0, 5.0)}
-    assert texts[0.0] != texts[5.0]
-    assert arms["distinct"].generate("It is", None, seed=0, config=cfg).generated    # no words to be ready for
-    search = arms["distinct"].beam_search(cfg)
-    assert not search.kept_last and arms["distinct"].beam_search(base).kept_last
-    with pytest.raises(DBSError, match="lookahead"):
-        DBSConfig(lookahead=-1.0)
 
 
 @GPT2_VOCAB

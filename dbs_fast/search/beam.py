@@ -237,8 +237,7 @@ class BeamSearch:
         self.rows: Rows | None = None
         self.tables: BatchTables | None = None     # the requests' tables, rebuilt when one joins or leaves
         self.pending = self.cache = None      # next-token logits (R, V) and the KV cache of the rows
-        # the last step for the kept beams only; with lookahead every candidate's, which the choice reads
-        self.kept_last = bool(getattr(backend, "distinct", False)) and not cfg.lookahead
+        self.kept_last = bool(getattr(backend, "distinct", False))   # the last step for the kept beams only
         if requests:
             self.admit(list(requests))
 
@@ -277,8 +276,7 @@ class BeamSearch:
         done = cfg.finishes & quality.finished_rows(rows.ended, left) & np.isfinite(rows.cum)
         full = set_aside(self.slots, rows, done, cfg.finished)   # set aside, the other beams go on; full: they end
         rows.ended |= full[rows.req]
-        keep = quality.keep_going(rows, quality.select_best(rows.req, self._ahead_scores(rows, left, last), cfg.beams),
-                                  ~(last | full), left)
+        keep = quality.keep_going(rows, quality.select_best(rows.req, rows.cum, cfg.beams), ~(last | full), left)
         keep = commit(rows, keep, self.slots, ~(last | full), cfg.lag_tokens)
         self.chunks += 1
         plain = np.bincount(rows.req, minlength=len(self.slots)) * (k - last)
@@ -516,17 +514,6 @@ class BeamSearch:
                                          self.open_end)
         rows.cum[idx] += q
         rows.found[idx] |= placed
-
-    def _ahead_scores(self, rows: Rows, left: np.ndarray, last: np.ndarray) -> np.ndarray:
-        """The scores the beams are chosen by: `cum`, and with `lookahead` its weight times each
-        candidate's readiness to place a word next (`quality.readiness`: the log-probability of the
-        likeliest word still to place, on the logits after its chunk, which every candidate has then)."""
-        if not self.cfg.lookahead or bool(last.all()):
-            return rows.cum
-        go = ~rows.ended & ~rows.final(self.cfg.max_new_tokens)
-        ready = quality.readiness(self.pending, self.tables.heads[rows.req], np.where(go, left, 0))
-        ready[~go & (left != 0)] = quality.READY_FLOOR            # a row that cannot place its words any more
-        return rows.cum + self.cfg.lookahead * ready
 
     def _on_time(self, rows: Rows, col: int) -> np.ndarray:
         """Rows ahead of their deadline once the tokens up to column `col` are generated."""

@@ -47,28 +47,6 @@ def alphas(cfg: DBSConfig, ahead: np.ndarray) -> np.ndarray:
     return np.where(ahead, cfg.alpha_fluent, cfg.alpha)
 
 
-READY_FLOOR = -20.0          # nats: readiness of a row whose words cannot come next
-
-
-def readiness(logits: np.ndarray, heads: np.ndarray, remaining: np.ndarray, floor: float = READY_FLOOR) -> np.ndarray:
-    """Each row's readiness to place a keyword next: the log-softmax of its next-token `logits`
-    (R, V) at the first token of each keyword still to place (`heads` (R, K) token ids, -1 none;
-    `remaining` (R,) their bits), the likeliest one's, at least `floor`; 0 where none is left."""
-    R, K = heads.shape
-    out = np.zeros(R, np.float64)
-    live = (remaining != 0) & (heads >= 0).any(axis=1)
-    if not live.any():
-        return out
-    x = logits[live].astype(np.float64)
-    top = x.max(axis=1, keepdims=True)
-    lse = top[:, 0] + np.log(np.exp(x - top).sum(axis=1))
-    h = heads[live]
-    left = ((remaining[live, None] >> np.arange(K)) & 1).astype(bool) & (h >= 0)
-    lp = np.take_along_axis(x, np.maximum(h, 0), axis=1) - lse[:, None]
-    out[live] = np.maximum(np.where(left, lp, -np.inf).max(axis=1), floor)
-    return out
-
-
 def boost_first(cfg: DBSConfig, done: np.ndarray, remaining: np.ndarray):
     """Per-row boost order: the configured one, and boost-then-filter for rows behind their
     deadline when `late_boost_first` (their word may lie outside the nucleus); with

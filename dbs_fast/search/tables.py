@@ -80,14 +80,6 @@ class BatchTables:
             bans=bans, ban_group=ban_group, multi_bans=any(len(b) > 1 for r in requests for b in r.bans),
             min_p=np.array([cfg.min_p if r.min_p is None else r.min_p for r in requests], np.float64))
 
-    @property
-    def heads(self) -> np.ndarray:
-        """(Q, K) int64: each keyword's first token (of its forced sequence), -1 none."""
-        out = np.full(self.force_idx.shape, -1, np.int64)
-        on = self.force_idx >= 0
-        out[on] = self.seq_tok[self.seq_ptr[self.force_idx[on]]]
-        return out
-
     def remap_forcing(self, fseq: np.ndarray, before: "BatchTables") -> None:
         """Rows being forced point into `before`'s sequences: point them into these (in place)."""
         on = fseq >= 0
