@@ -1,7 +1,9 @@
 """Subject phrases that open a one-sentence task's candidates (NeuroLogic's zero-shot CommonGen
 seeds beams so: "The man", "A kid"): "The {concept}" and "A {concept}" for each one-word
-concept, then people in general. The search's first chunk draws one candidate from each, besides
-its free ones, and the quality score keeps the best b, as in any chunk."""
+concept, then people in general (after a chat, only the words the user's message leaves out, as
+an assistant's answer opens with its subject, not with "A man"). The search's first chunk draws
+one candidate from each, besides its free ones, and the quality score keeps the best b, as in any
+chunk."""
 from __future__ import annotations
 
 # people in general: the subjects of everyday scenes when no concept is one
