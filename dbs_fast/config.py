@@ -214,14 +214,10 @@ class DBSConfig:
                                "pip install lemminflect", "match", self.match)
 
     @property
-    def first_rows(self) -> int:
-        """Rows of a request's first chunk: b beams, or b*s candidates when openings seed some."""
-        return self.beams * (self.candidates if self.openings != "none" else 1)
-
-    @property
     def opened_rows(self) -> int:
-        """Of those, the most that openings begin: all but b, which draw freely."""
-        return self.first_rows - self.beams
+        """Rows a request's first chunk adds to its b free ones for its openings, the most that
+        openings begin: b*s candidates in all where it has some (`openings` set), b where not."""
+        return self.beams * (self.candidates - 1) if self.openings != "none" else 0
 
     @property
     def needs_sentence_ends(self) -> bool:

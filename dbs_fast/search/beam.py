@@ -318,7 +318,7 @@ class BeamSearch:
         t0 = time.perf_counter()
         contexts = [r.context_ids for r in requests]
         pending, cache = self.be.prefill(contexts)                   # (Q, V)
-        per = [self.cfg.first_rows if r.openings else self.cfg.beams for r in requests]
+        per = [self.cfg.beams + (self.cfg.opened_rows if r.openings else 0) for r in requests]
         first = np.repeat(np.arange(len(requests)), per)      # step 1: b beams, b*s where openings seed some
         pending, cache = self.be.gather(pending, cache, first)
         self.scorer.admit(contexts, first)
