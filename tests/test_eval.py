@@ -287,3 +287,23 @@ def test_eval_chat_answers_guided_and_unguided_through_the_chat_template(chat_mo
     for r in rows:
         assert len(sentences(r["reference"])) <= max(1, len(sentences(r["answer"])))
     assert "answer / reference" in capsys.readouterr().out
+
+
+def test_two_chat_runs_are_paired_answer_by_answer(tmp_path, capsys):
+    """`benchmarks.chat_pairs`: per kind, the geometric mean of the second run's judge perplexity
+    over the first's for the same request, and the answers more fluent, less and the same."""
+    from benchmarks.chat_pairs import main as pairs
+
+    def row(kind, message, answer, ppl, found=1.0):
+        return {"kind": kind, "message": message, "answer": answer, "judge_ppl": ppl, "found": found}
+
+    base = [row("names", "a", "x y", 10.0), row("leaves_out", "b", "x", 8.0), row("leaves_out", "c", "z", 4.0)]
+    new = [row("names", "a", "x y", 10.0), row("leaves_out", "b", "w v", 2.0, 0.5), row("leaves_out", "c", "q", 16.0)]
+    for name, rows in (("base", base), ("new", new)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = pairs([str(tmp_path / "base"), str(tmp_path / "new")])
+    assert out["names"] == {"requests": 1, "coverage": [1.0, 1.0], "words": [2.0, 2.0], "paired": 1.0,
+                            "better": 0, "worse": 0, "same": 1}
+    assert out["leaves_out"]["paired"] == 1.0 and (out["leaves_out"]["better"], out["leaves_out"]["worse"]) == (1, 1)
+    assert out["leaves_out"]["coverage"] == [1.0, 0.75] and out["leaves_out"]["words"] == [1.0, 1.5]
+    assert "leaves_out" in capsys.readouterr().out
