@@ -451,12 +451,15 @@ def _min_p_drop(e, f, boosted, floor):
 
 
 @njit(parallel=True, cache=True)
-def _sample_rows(logits, uniforms, guide, history, bans, words, knobs, out_ids, out_logp):
-    """One draw per row of `logits`, by named steps: scale, shape (penalties, word loops, banned
-    sequences), boost (boost-first rows), weigh, the model's own log-normaliser, then (unless the
-    token is forced) filter (min-p, then top-p of what it keeps), boost the kept (filter-then-boost
-    rows) and draw.
-    The groups are tuples (`sample` packs them from a StepRules):
+def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history, bans, words, knobs, out_ids,
+                 out_logp):
+    """One draw per row r of logits[table_row[r]], by named steps: scale, shape (penalties, word
+    loops, banned sequences), boost (boost-first rows), weigh, the model's own log-normaliser,
+    then (unless the token is forced) filter (min-p, then top-p of what it keeps), boost the kept
+    (filter-then-boost rows) and draw. Rows that read the same logits under the same rules (the
+    group members[group_ptr[g]:group_ptr[g + 1]], `row_groups`) are shaped, weighed and filtered
+    once, by the group's first row, and each draws with its own uniform (or takes its forced token).
+    The rule groups are tuples (`sample` packs them from a StepRules):
     guide = (row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force),
     history = (tokens, start), bans = (row_ban, group_ptr, seq_ptr, seq_tok),
     words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p (R,), penalty, ngram, window, shaped)."""
@@ -464,10 +467,11 @@ def _sample_rows(logits, uniforms, guide, history, bans, words, knobs, out_ids, 
     hseq, hstart = history
     row_ban = bans[0]
     inv_temp, top_p, row_min_p, penalty, ngram, window, shaped = knobs
-    R, V = logits.shape
+    V = logits.shape[1]
     hend = hseq.shape[1]
-    for r in prange(R):
-        x = logits[r]
+    for g in prange(group_ptr.shape[0] - 1):
+        r = members[group_ptr[g]]            # the group's rules are its first row's
+        x = logits[table_row[r]]
         s = np.empty(V, np.float32)          # scaled, shaped (and, boost-first, boosted) logits
         e = np.empty(V, np.float32)          # exp(s - top): unnormalised weights
         top = _scale(x, inv_temp, s)
@@ -494,9 +498,15 @@ def _sample_rows(logits, uniforms, guide, history, bans, words, knobs, out_ids, 
         elif bf and w >= 0:                  # each weight divided by its exp(boost): no cancellation
             unguided = _unboosted_mass(e, boost_exp[row_dense[r]])
         logz = top + np.log(unguided)
-        if force[r] >= 0:                    # a forced token (a deadline or a phrase's rest)
-            out_ids[r] = force[r]
-            out_logp[r] = x[force[r]] * inv_temp - logz
+        free = 0
+        for j in range(group_ptr[g], group_ptr[g + 1]):
+            m = members[j]
+            if force[m] >= 0:                # a forced token (a deadline or a phrase's rest)
+                out_ids[m] = force[m]
+                out_logp[m] = x[force[m]] * inv_temp - logz
+            else:
+                free += 1
+        if free == 0:
             continue
         if min_p > 0.0:                      # the model's implausible tokens out, then top-p of the rest
             boosted = bf and w >= 0
@@ -509,9 +519,12 @@ def _sample_rows(logits, uniforms, guide, history, bans, words, knobs, out_ids, 
             cut, mass = np.float32(-np.inf), total
         if not bf and w >= 0:                # kept tokens' weights times exp(boost)
             mass += _boost_kept(s, e, cut, boost_exp[row_dense[r]])
-        chosen = _draw(s, e, cut, uniforms[r] * mass)
-        out_ids[r] = chosen
-        out_logp[r] = x[chosen] * inv_temp - logz
+        for j in range(group_ptr[g], group_ptr[g + 1]):
+            m = members[j]
+            if force[m] < 0:
+                chosen = _draw(s, e, cut, uniforms[m] * mass)
+                out_ids[m] = chosen
+                out_logp[m] = x[chosen] * inv_temp - logz
 
 
 @dataclass(frozen=True)
@@ -581,12 +594,17 @@ class StepRules:
         return int(seq_ptr[-1] - seq_ptr[0]) > len(seq_ptr) - 1     # more tokens than sequences
 
 
-def sample(logits: np.ndarray, uniforms: np.ndarray, rules: StepRules) -> tuple[np.ndarray, np.ndarray]:
+def sample(logits: np.ndarray, uniforms: np.ndarray, rules: StepRules,
+           rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Draw one token per row of `logits` (R, V) float32 under `rules`, from the given uniforms
-    (R,); returns (ids (R,) int64, the model's own log-probs (R,) float32)."""
+    (R,); returns (ids (R,) int64, the model's own log-probs (R,) float32). With `rows` (R,),
+    row r's logits are logits[rows[r]] instead (a table that rows with one history share, read in
+    place: `backend.RowLogits`)."""
     cfg = rules.config
     logits = np.ascontiguousarray(logits, dtype=np.float32)
-    R, V = logits.shape
+    V = logits.shape[1]
+    table_row = np.arange(len(logits)) if rows is None else np.asarray(rows, np.int64)
+    R = len(table_row)
     guide = _guide(rules, R, V)
     assert uniforms.shape == (R,) and guide[0].shape == (R,)
     history = _history(rules, R)
@@ -602,11 +620,33 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, rules: StepRules) -> tuple[
                                                                                                       np.int32))))
     knobs = (np.float32(1.0 / cfg.temperature), float(cfg.top_p), rules.min_ps(R), np.float32(cfg.repetition_penalty),
              int(cfg.no_repeat_ngram_size), int(cfg.no_repeat_word_window), bool(cfg.shapes_logits))
+    group_ptr, members = row_groups(table_row, guide, history, bans[0], knobs[2])
     start_threads()
     out_ids = np.empty(R, np.int64)
     out_logp = np.empty(R, np.float32)
-    _sample_rows(logits, uniforms.astype(np.float64), guide, history, bans, words, knobs, out_ids, out_logp)
+    _sample_rows(logits, table_row, group_ptr, members, uniforms.astype(np.float64), guide, history, bans, words,
+                 knobs, out_ids, out_logp)
     return out_ids, out_logp
+
+
+def row_groups(table_row, guide, history, row_ban, row_min_p) -> tuple[np.ndarray, np.ndarray]:
+    """The rows that draw from one distribution, as CSR groups (group_ptr, members): the same
+    logits row under the same rules (guide word, boost order, min_p, ban group, and the history
+    where a rule reads it); a forced token or a uniform does not shape the distribution, so rows
+    that differ only there share a group. Each group in the order of its first row."""
+    R = len(table_row)
+    if R < 2 or len(np.unique(table_row)) == R:        # no logits row shared: a group per row
+        return np.arange(R + 1, dtype=np.int64), np.arange(R, dtype=np.int64)
+    row_word, boost_first = guide[0], guide[6]
+    hseq, hstart = history
+    key = np.column_stack([table_row, row_word, boost_first, np.ascontiguousarray(row_min_p, np.float64).view(np.int64),
+                           row_ban, hstart, hseq]).astype(np.int64, copy=False)
+    _, first, inverse = np.unique(key, axis=0, return_index=True, return_inverse=True)
+    rank = np.empty(len(first), np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))     # groups by their first row
+    group = rank[inverse.reshape(-1)]
+    members = np.argsort(group, kind="stable")
+    return np.concatenate([[0], np.cumsum(np.bincount(group, minlength=len(first)))]).astype(np.int64), members
 
 
 def _guide(rules: StepRules, R: int, V: int) -> tuple:

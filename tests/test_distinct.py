@@ -50,7 +50,7 @@ def test_a_distinct_step_gives_each_row_the_logits_of_the_plain_step(kind, expor
         steps = []
         for t in toks:
             logits, lay = be.step(t, lay, need)
-            steps.append((logits.copy(), None if be.computed is None else be.computed.copy()))
+            steps.append((np.array(logits), None if be.computed is None else be.computed.copy()))
         out[distinct] = steps
     for j, ((got, computed), (want, _)) in enumerate(zip(out[True], out[False])):
         np.testing.assert_allclose(got[need], want[need], rtol=1e-5, atol=1e-5)

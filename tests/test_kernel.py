@@ -559,3 +559,54 @@ def test_the_packages_ban_rule_equals_the_reference():
         assert package_rule(history, bans) == banned_tokens(history, bans), (history, bans)
     assert banned_tokens([1, 2], [(2, 3), (1, 3, 4), (5,)]) == {3, 5}
     assert banned_tokens([], [(2, 3)]) == set() and banned_tokens(None, [(7,)]) == {7}
+
+
+@pytest.mark.parametrize("boost_first", [False, True])
+@pytest.mark.parametrize("penalty,min_p", [(1.0, 0.0), (1.2, 0.05)])
+def test_rows_sharing_a_logits_row_draw_as_from_their_own_copies(boost_first, penalty, min_p):
+    """Rows that read one row of a logits table (`rows`) draw exactly what each draws from its own
+    copy, and the reference's tokens: those under the same rules are shaped once (one group), those
+    whose guide word, history, ban group or min_p differ apart, and a forced row takes its token."""
+    rng, table, boosts, _, _ = _case(11, R=6)
+    V = table.shape[1]
+    rows = np.repeat(np.arange(6), 5)                          # 30 rows, five a table row
+    R = len(rows)
+    word = np.where(np.arange(R) % 5 < 3, rows % 3, -1).astype(np.int32)   # three guided alike, two not
+    word[4] = 2                                                # one that differs from its table row's others
+    hist6, start6, _ = _histories(rng, 6, V)
+    hist, start = hist6[rows].copy(), start6[rows].copy()
+    hist[9, -1] = (hist[9, -1] + 1) % V                        # one history that differs
+    seqs = [hist[r, start[r]:] for r in range(R)]
+    row_ban = np.where(np.arange(R) == 12, 0, -1)
+    groups = [[(int(np.argmax(table[rows[12]])),)]]
+    force = np.full(R, -1)
+    force[[1, 16]] = 3
+    row_min_p = np.full(R, min_p)
+    row_min_p[21] = 0.2
+    ptr, ids, vals = csr_boosts(boosts)
+    dense = [None if w < 0 else np.zeros(V) for w in word]
+    for r, w in enumerate(word):
+        if w >= 0:
+            dense[r][boosts[w].ids] = boosts[w].values
+    rules = StepRules.given(top_p=0.9, repetition_penalty=penalty, row_word=word, boosts=(ptr, ids, vals),
+                            boost_first=boost_first, history=hist, history_start=start, bans=_ban_arrays(groups),
+                            row_ban=row_ban, force=force, row_min_p=row_min_p)
+    for _ in range(3):
+        u = rng.random(R)
+        got, glp = kernels.sample(table, u, rules, rows=rows)
+        each, elp = kernels.sample(table[rows], u, rules)
+        assert np.array_equal(got, each) and np.array_equal(glp, elp)
+        ref_bans = [groups[g] if g >= 0 else None for g in row_ban]
+        for r in range(R):
+            want, wlp = sample_ref(table[rows[r]][None], u[r:r + 1], 1.0, 0.9, [dense[r]], boost_first, [seqs[r]],
+                                   penalty, 0, [ref_bans[r]], force[r:r + 1], min_p=row_min_p[r])
+            assert got[r] == want[0]
+        assert got[1] == 3 and got[16] == 3
+    ptr_g, members = kernels.row_groups(rows, kernels._guide(rules, R, V), kernels._history(rules, R),
+                                        np.asarray(row_ban, np.int64), row_min_p)
+    sizes = np.diff(ptr_g)
+    assert sorted(members) == list(range(R)) and len(sizes) < R
+    together = {tuple(members[ptr_g[g]:ptr_g[g + 1]]) for g in range(len(sizes))}
+    assert (0, 1, 2) in together and (4,) in together           # forced row 1 with 0 and 2; row 4's word apart
+    assert (12,) in together and (21,) in together
+    assert ((9,) if penalty != 1.0 else (8, 9)) in together     # a history counts only where a rule reads it
