@@ -4,7 +4,9 @@ Each checkout runs in its own process, kept loaded (the engine of that checkout 
 its own DBS_FAST_HOME, re-exported there if its format differs); the two generate the same
 request in turns, the order swapped every round, so the machine's load falls on both alike. The
 paper's search (b=7, s=10, k=5), 40 new tokens, context "It is", keywords river, doctor, winter
-(`--context`, `--keywords`, `--beams`, `--candidates`, `--tokens` to change). Reports each one's median seconds per generation (and of it,
+(`--context`, `--keywords`, `--beams`, `--candidates`, `--tokens` to change); `--preset default`
+or `--preset commongen` runs that preset instead (`config.preset`: its context, its budget, its
+prompt and rules; the flags given apply on top). Reports each one's median seconds per generation (and of it,
 decode), the median of the paired ratios B / A, and how many texts were the same; and per decode
 step, where its time went: the graph (inside ONNX Runtime's run, timed around the session's own
 call, so that any checkout is measured alike), the kernel (the search's "sample" stage: guidance
@@ -30,9 +32,11 @@ from dbs_fast.bench.machine import machine
 WORKER = """
 import dataclasses, json, sys, time
 from dbs_fast.api import DirectedBeamSearch
-from dbs_fast.config import DBSConfig
-beams, candidates, tokens = (int(x) for x in sys.argv[3:6])
-cfg = dataclasses.replace(DBSConfig.paper(max_new_tokens=tokens), beams=beams, candidates=candidates)
+from dbs_fast.config import preset
+name = sys.argv[3]
+cfg, preset_context = preset("commongen") if name == "commongen" else preset(None, paper=name == "paper")
+given = zip(("beams", "candidates", "max_new_tokens"), sys.argv[4:7])
+cfg = dataclasses.replace(cfg, **{k: int(v) for k, v in given if v != "-"})
 dbs = DirectedBeamSearch("default", config=cfg)
 clock = {"graph": 0.0, "steps": 0}
 if dbs.decoder is not None:         # ORT's run and the decode steps, timed and counted from outside
@@ -48,7 +52,7 @@ if dbs.decoder is not None:         # ORT's run and the decode steps, timed and 
         return step(*a, **k)
 
     dec.session.run_with_iobinding, dec.step = timed_run, counted_step
-context, keywords = sys.argv[1], sys.argv[2].split(",")
+context, keywords = sys.argv[1] or preset_context, sys.argv[2].split(",")
 dbs.generate(context, keywords, seed=0)
 print("ready", flush=True)
 for line in sys.stdin:
@@ -59,9 +63,13 @@ for line in sys.stdin:
 """
 
 
-def worker(checkout: Path, home: Path, context: str, keywords: str, shape: tuple = (7, 10, 40)) -> subprocess.Popen:
+def worker(checkout: Path, home: Path, context: str, keywords: str, preset: str = "paper",
+           shape: tuple = (7, 10, 40)) -> subprocess.Popen:
+    """A loaded worker of `checkout`: the `preset` ("paper", "default" or "commongen"; "" context: the
+    preset's own) with `shape` (beams, candidates, new tokens; None: the preset's) on top."""
     env = dict(os.environ, PYTHONPATH=str(checkout.resolve()), DBS_FAST_HOME=str(home))
-    p = subprocess.Popen([sys.executable, "-c", WORKER, context, keywords, *map(str, shape)], stdin=subprocess.PIPE,
+    given = ["-" if x is None else str(x) for x in shape]
+    p = subprocess.Popen([sys.executable, "-c", WORKER, context, keywords, preset, *given], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True, env=env, cwd=str(checkout))
     if p.stdout.readline().strip() != "ready":
         raise SystemExit(f"the worker of {checkout} did not start")
@@ -81,16 +89,21 @@ def main(argv=None) -> int:
     ap.add_argument("--b", type=Path, required=True, help="checkout B (the change)")
     ap.add_argument("--b-home", type=Path, required=True, help="DBS_FAST_HOME of B")
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--context", default="It is")
+    ap.add_argument("--preset", default="paper", choices=["paper", "default", "commongen"],
+                    help="the search: the paper's protocol, the default or the CommonGen task's")
+    ap.add_argument("--context", default=None, help="default: the preset's (the paper's: \"It is\")")
     ap.add_argument("--keywords", default="river,doctor,winter")
-    ap.add_argument("--beams", type=int, default=7)
-    ap.add_argument("--candidates", type=int, default=10)
-    ap.add_argument("--tokens", type=int, default=40, help="new tokens per generation")
+    ap.add_argument("--beams", type=int, default=None, help="default: the preset's (7)")
+    ap.add_argument("--candidates", type=int, default=None, help="default: the preset's (10)")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="new tokens per generation (default: 40 for the paper's, else the preset's budget)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.tokens is None and args.preset == "paper":
+        args.tokens = 40
     shape = (args.beams, args.candidates, args.tokens)
-    procs = {"A": worker(args.a, args.a_home, args.context, args.keywords, shape),
-             "B": worker(args.b, args.b_home, args.context, args.keywords, shape)}
+    procs = {"A": worker(args.a, args.a_home, args.context or "", args.keywords, args.preset, shape),
+             "B": worker(args.b, args.b_home, args.context or "", args.keywords, args.preset, shape)}
     runs = {"A": [], "B": []}
     for i in range(args.rounds):
         for k in ("A", "B") if i % 2 == 0 else ("B", "A"):
@@ -101,7 +114,7 @@ def main(argv=None) -> int:
         p.stdin.close()
         p.wait()
     report = {"machine": machine(), "a": str(args.a), "b": str(args.b), "rounds": args.rounds,
-              "context": args.context, "keywords": args.keywords, "beams": args.beams,
+              "preset": args.preset, "context": args.context, "keywords": args.keywords, "beams": args.beams,
               "candidates": args.candidates, "tokens": args.tokens,
               **{k: {"seconds_median": statistics.median(r[0] for r in v),
                      "decode_seconds_median": statistics.median(r[1] for r in v), "seconds_all": [r[0] for r in v],
