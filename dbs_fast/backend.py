@@ -98,7 +98,8 @@ class RowLogits:
     computes each distinct history once gives its rows so, read in place by the sampler
     (`kernels.sample(..., rows=)`), rather than copied out to one row each (70 rows of a 49,152-token
     vocabulary are 13.8 MB a step); keeping and repeating rows indexes, and copies nothing. The
-    table is the decoder's buffer, valid until its next step, which comes after these are drawn."""
+    table is the decoder's buffer, valid until its next step: a batch's logits that outlive its
+    chunk (another batch on the same decoder may step in between) are `owned`."""
 
     table: np.ndarray
     rows: np.ndarray
@@ -116,6 +117,11 @@ class RowLogits:
 
     def take(self, idx: np.ndarray) -> "RowLogits":
         return RowLogits(self.table, self.rows[idx])
+
+    def owned(self) -> "RowLogits":
+        """The same rows over a copy of only the table rows they read (a chunk's kept beams: a few)."""
+        used, rows = np.unique(self.rows, return_inverse=True)
+        return RowLogits(self.table[used], rows.reshape(-1))
 
 
 class OnnxBackend:
@@ -250,6 +256,12 @@ class PrefixBackend(OnnxBackend):
             return np.zeros((len(tokens), self.vocab_size), np.float32), lay
         logits = self.decoder.step(ids[row_slot], cache, rows=(slot_row, row_slot), group=group)
         return RowLogits(logits, slot_row[lay.live]), lay
+
+    def gather(self, logits, cache, idx: np.ndarray):
+        """`OnnxBackend.gather`, the logits kept in memory of their own (between chunks, when this
+        runs, the batches that share the decoder take turns)."""
+        kept = self.take(logits, idx)
+        return (kept.owned() if isinstance(kept, RowLogits) else kept), self.select(cache, idx)
 
     def feed(self, tokens: np.ndarray, lay: "Layout"):
         """Known tokens (R, k) of this chunk, one decode step each: the logits after each (R, k, V)."""
