@@ -267,7 +267,6 @@ class PrefixBackend(OnnxBackend):
         """Known tokens (R, k) of this chunk, one decode step each: the logits after each (R, k, V)."""
         return np.stack([np.asarray(self.step(tokens[:, t], lay)[0]) for t in range(tokens.shape[1])], axis=1), lay
 
-
     def release(self) -> None:
         """The batch is empty: the decoder lets go of the last cache's arrays."""
         self.decoder.release()
