@@ -94,10 +94,10 @@ class Backend(Protocol):
 
 @dataclass(frozen=True)
 class RowLogits:
-    """Next-token logits of R rows as rows of a table: row r's are table[rows[r]]. A step that
-    computes each distinct history once gives its rows so, read in place by the sampler
-    (`kernels.sample(..., rows=)`), rather than copied out to one row each (70 rows of a 49,152-token
-    vocabulary are 13.8 MB a step); keeping and repeating rows indexes, and copies nothing. The
+    """Next-token logits of R rows as rows of a table: row r's are table[rows[r]]. A decode step
+    gives its rows so (with distinct rows, one table row per distinct history), read in place by
+    the sampler (`kernels.sample(..., rows=)`), rather than copied out to one row each (70 rows of
+    a 49,152-token vocabulary are 13.8 MB a step); keeping and repeating rows indexes, and copies nothing. The
     table is the decoder's buffer, valid until its next step: a batch's logits that outlive its
     chunk (another batch on the same decoder may step in between) are `owned`."""
 
@@ -243,7 +243,7 @@ class PrefixBackend(OnnxBackend):
         ids = np.full(cache.chunk_mask.shape[0], self.pad_id, np.int64)
         ids[lay.live] = tokens
         if not self.distinct:
-            return self.decoder.step(ids, cache)[lay.live], lay
+            return RowLogits(self.decoder.step(ids, cache), lay.live), lay
         needed = np.zeros(len(ids), bool)
         needed[lay.live if need is None else lay.live[need]] = True
         group, slot_row, row_slot = distinct_rows(cache.groups(), ids, needed)
