@@ -128,15 +128,16 @@ def block_biases(chunk_mask, seen, dims: Dims):
 
 
 def _context_level(qg, xk, xv, biases, cap, scale: float, dims: Dims):
-    """`attend`'s context level: a request's query rows (gathered from the beams' `qg`) as one
-    matmul over its one copy of the context; per beam query row its normalised output and the log
-    of its sum of exponentials, (b, kv, s*L*g, d + 1)."""
+    """`attend`'s context level: a request's query rows (gathered from the beams' `qg`) in M blocks,
+    laid out block-major, (M, R, kv, s*L*g, d), so that the blocks' one batched matmul broadcasts
+    over each request's one copy of the context (R, kv, C, d) with no head transpose of the queries
+    or the results; per beam query row its normalised output and the log of its sum of
+    exponentials, (b, kv, s*L*g, d + 1)."""
     import torch
 
     N, L, b, s, T, U, R, M, C, H, kv, d, _ = dims
-    qx = torch.index_select(qg, 0, biases.context_beams.reshape(-1)).reshape(R, M, kv, -1, d).transpose(1, 2)
-    qx = qx.reshape(R, kv, -1, d)
-    sx = cap(torch.matmul(qx, xk.transpose(2, 3)) * scale) + biases.context                  # (R, kv, M*s*L*g, C)
+    qx = torch.index_select(qg, 0, biases.context_beams.t().reshape(-1)).reshape(M, R, kv, -1, d)
+    sx = cap(torch.matmul(qx, xk.transpose(2, 3)) * scale) + biases.context                  # (M, R, kv, s*L*g, C)
     px = torch.softmax(sx, dim=-1)
     # log sum_j exp(sx_j) = sx_j - log(px_j) for any j; at the largest score px_j >= 1 / C. The log
     # of each row's one number is taken LANES times over, so that every row's log is a full
@@ -144,9 +145,10 @@ def _context_level(qg, xk, xv, biases, cap, scale: float, dims: Dims):
     # scalar path and round differently from the same row elsewhere in the batch.
     pmax = px.max(dim=-1, keepdim=True).values
     lse = sx.max(dim=-1, keepdim=True).values - torch.log(pmax * torch.ones(LANES))[..., :1]   # one Mul, no Shape
-    ox = torch.cat([torch.matmul(px, xv), lse], dim=-1)                                  # (R, kv, M*s*L*g, d+1)
-    return torch.index_select(ox.reshape(R, kv, M, -1, d + 1).transpose(1, 2).reshape(R * M, kv, -1, d + 1), 0,
-                              biases.beam_slot)
+    ox = torch.cat([torch.matmul(px, xv), lse], dim=-1)                                  # (M, R, kv, s*L*g, d+1)
+    # beam_slot numbers the blocks context-major (r * M + m): the same block block-major is m * R + r
+    block = torch.remainder(biases.beam_slot, M) * R + torch.div(biases.beam_slot, M, rounding_mode="floor")
+    return torch.index_select(ox.reshape(M * R, kv, -1, d + 1), 0, block)
 
 
 def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, softcap: float | None = None):
@@ -199,7 +201,7 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     sr = cap(torch.matmul(q6.reshape(b, kv, s, L * g, d), kr.transpose(3, 4)) * scale) + br   # (b, kv, s, L*g, U+L)
     ov, lse = torch.split(ox, [d, 1], dim=-1)
     w = torch.softmax(torch.cat([sp, sr.reshape(b, kv, s * L * g, U + L), lse], dim=-1), dim=-1)
-    wp, wr, wx = torch.split(w, [T, U + L, 1], dim=-1)
+    wp, wr, wx = split_last(w, level_sizes(biases))
     orow = torch.matmul(wr.reshape(b, kv, s, L * g, U + L), vr).reshape(b, kv, s * L * g, d)
     o = torch.matmul(wp, pv) + orow + wx * ov
     return o.reshape(b, kv, s, L, g, d).permute(0, 2, 3, 1, 4, 5).reshape(N, L, H * d), kn, vn
@@ -375,8 +377,8 @@ def window_biases(biases, seen, position_ids, context_mask, prefix_mask, chunk_m
     n_ctx = context_mask.sum(-1)                                                     # (R,)
     beam_ctx = torch.index_select(n_ctx, 0, torch.div(biases.beam_slot, M, rounding_mode="floor"))   # (b,)
     ctx_pos = torch.cumsum(context_mask, -1) - 1                                     # (R, C)
-    qx = torch.index_select(q, 0, biases.context_beams.reshape(-1)).reshape(context_mask.shape[0], -1)  # (R, M*s*L*g)
-    context = biases.context + (ctx_pos[:, None, :] <= qx[:, :, None] - window).to(torch.float32)[:, None] * MASKED
+    qx = torch.index_select(q, 0, biases.context_beams.t().reshape(-1)).reshape(M, context_mask.shape[0], 1, -1)  # (M, R, 1, s*L*g)
+    context = biases.context + (ctx_pos[:, None, None, :] <= qx[..., None] - window).to(torch.float32) * MASKED
     pre_pos = beam_ctx[:, None] + torch.cumsum(prefix_mask, -1) - 1                 # (b, T)
     prefix = out(biases.prefix, pre_pos)
     U = chunk_mask.shape[1]
@@ -408,6 +410,36 @@ class Biases(NamedTuple):
     slot_beam: object = None
     gathered: object = None
     fused: bool = False         # the gathered attention as one Attention node (`attend_fused`)
+
+
+def level_sizes(biases):
+    """[T, U + L, 1] (int64): the columns of the split attention's one softmax that are the prefix's,
+    the row's own chunk and new tokens', and the context's, read off the biases' last axes (the same
+    nodes in every layer, which ORT merges into one)."""
+    import torch
+
+    shape = torch._shape_as_tensor
+    return torch.cat([shape(biases.prefix)[-1:], shape(biases.chunk)[-1:] + shape(biases.new)[-1:],
+                      torch.ones(1, dtype=torch.int64)])
+
+
+def split_last(x, sizes):
+    """torch.split(x, sizes, dim=-1), `sizes` a tensor of the step: one ONNX Split node per layer
+    (the exporter writes a Slice per part where the sizes are dynamic)."""
+    import torch
+
+    parts = len(sizes)
+
+    class SplitLast(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, sizes):
+            return tuple(torch.split(x, sizes.tolist(), dim=-1))
+
+        @staticmethod
+        def symbolic(g, x, sizes):
+            return g.op("Split", x, sizes, axis_i=-1, outputs=parts)
+
+    return SplitLast.apply(x, sizes)
 
 
 def layer_biases(biases, layer=None):
