@@ -160,10 +160,11 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     the new keys and values (b, kv, s, L, d), one chunk slot's layout when L = 1.
 
     Every query of a request (its beams x s candidates x L new tokens x g query heads per kv head)
-    is a row of one batched matmul against the request's context, (R, kv, M*s*L*g, d) x (R, kv, d,
-    C) (Hydragen's decomposition, one level up): the beams' query rows are gathered into M blocks
-    per context (`Biases.context_beams`; a context with fewer beams repeats one, whose extra rows
-    are computed and dropped) and their results gathered back (`beam_slot`). Every query of a
+    is a row of one batched matmul against the request's context, (M, R, kv, s*L*g, d) x (R, kv, d,
+    C) broadcast over the M blocks (Hydragen's decomposition, one level up): the beams' query rows
+    are gathered into M blocks per context (`Biases.context_beams`; a context with fewer beams
+    repeats one, whose extra rows are computed and dropped) and their results gathered back
+    (`beam_slot`). Every query of a
     beam is a row of one matmul against the beam's prefix, (b, kv, s*L*g, d) x (b, kv, d, T); each
     row's L*g queries are scored against its own keys, its U chunk slots and its L new tokens side
     by side, in one batched matmul over the rows, (b, kv, s, L*g, d) x (b, kv, s, d, U+L), and
