@@ -682,6 +682,21 @@ def test_an_embedded_export_without_the_decode_graph_its_family_now_has_is_due(t
     assert not blocks(weights={"accuracy_level": 4, "stored_as_run": {"Q4_1 -> MatMulNBits 4-bit + min term": 1}})
 
 
+def test_an_export_without_its_decode_graph_says_why_and_what_runs_instead(tmp_path, capsys):
+    """A decode graph left out (a family it does not cover, an exporter error, failed parity) is
+    said in the export's own output, not only in the manifest: the model then runs on model.onnx."""
+    from types import SimpleNamespace
+
+    from dbs_fast.export.convert import _prefix_decode
+
+    model = SimpleNamespace(config=SimpleNamespace(model_type="bloom"))
+    graph = _prefix_decode(model, tmp_path, None, quiet=False)
+    said = capsys.readouterr().out
+    assert not graph["written"] and "'bloom'" in graph["reason"]
+    assert "[export] no prefix-shared decode graph for model type 'bloom'" in said and "runs on model.onnx" in said
+    assert _prefix_decode(model, tmp_path, None, quiet=True) == graph and capsys.readouterr().out == ""
+
+
 def test_only_a_graph_that_leaves_its_window_unmasked_limits_a_request_to_the_window():
     from dbs_fast.config import DBSConfig
     from dbs_fast.errors import DBSError

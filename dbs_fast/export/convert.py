@@ -357,7 +357,7 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
     try:
         prefix_graph.family(model.config)
     except ValueError as e:
-        return {"written": False, "reason": str(e)}
+        return _left_out(str(e), quiet)
     _log("prefix-shared decode graph + parity against model.onnx", quiet)
     try:
         # in a folder of its own: over 2 GB, torch writes one file per tensor beside the graph
@@ -390,7 +390,7 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
     except Exception as e:                  # noqa: BLE001 -- optional graph: the export stands without it
         for f in work.glob(DECODE_GRAPH + "*"):
             f.unlink()
-        return {"written": False, "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+        return _left_out(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", quiet)
     finally:
         shutil.rmtree(work / "_decode", ignore_errors=True)
     # against model.onnx of the same export: fp32 graphs agree to float rounding; int8 ones differ
@@ -399,8 +399,16 @@ def _prefix_decode(model, work: Path, quantize: str | None, quiet: bool, fp32_gr
         (info["max_abs_logit_diff"] < 1e-3, f"max |logit diff| {info['max_abs_logit_diff']:.2e}")
     if not ok:
         (work / DECODE_GRAPH).unlink()
-        return {"written": False, "reason": f"parity against model.onnx: {why}"}
+        return _left_out(f"parity against model.onnx: {why}", quiet)
     return {"written": True, "criterion": why, **info}
+
+
+def _left_out(reason: str, quiet: bool) -> dict:
+    """The manifest's entry of a decode graph not written, and the export's line that says so: the
+    model then generates on model.onnx, one cache row per candidate (slower, the same search)."""
+    said = reason if reason.startswith("no prefix-shared") else f"no prefix-shared decode graph: {reason}"
+    _log(f"{said}; generation runs on model.onnx, one cache row per candidate", quiet)
+    return {"written": False, "reason": reason}
 
 
 def export_model(model: str, out: str | os.PathLike, optimize: bool = False, quantize: str | None = None,
