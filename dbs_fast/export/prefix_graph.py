@@ -418,8 +418,8 @@ def level_sizes(biases):
     the row's own chunk and new tokens', and the context's, read off the biases' last axes (the same
     nodes in every layer, which ORT merges into one)."""
     import torch
+    from torch.onnx.operators import shape_as_tensor as shape
 
-    shape = torch._shape_as_tensor
     return torch.cat([shape(biases.prefix)[-1:], shape(biases.chunk)[-1:] + shape(biases.new)[-1:],
                       torch.ones(1, dtype=torch.int64)])
 
