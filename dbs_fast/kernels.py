@@ -19,7 +19,7 @@ Tokens tied with that one are all kept (transformers' TopPLogitsWarper keeps the
 order); otherwise it is the same set.
 
 The draw is an inverse CDF over kept tokens in id order (block sums, then one block token by
-token: `_draw`). The returned log-probability is the
+token: `_block_masses`, `_walk`). The returned log-probability is the
 unguided, untruncated log softmax(logits / T) of the drawn token: the `self` scorer uses it.
 
 Anti-repetition (transformers semantics, applied to the raw logits before temperature, as its
@@ -47,7 +47,7 @@ BUCKETS_PER_NAT = 16
 SPAN_NATS = 64          # tokens further below the max than this share the last bucket
 N_BUCKETS = BUCKETS_PER_NAT * SPAN_NATS
 SUB_BUCKETS = 256     # finer buckets of the bucket that straddles top_p (`_nucleus_cut`)
-DRAW_BLOCK = 256      # tokens per block of the draw's kept-mass sums (`_draw`)
+DRAW_BLOCK = 256      # tokens per block of the draw's kept-mass sums (`_block_masses`)
 
 
 LOG2E = np.float32(1.4426950408889634)
@@ -323,24 +323,17 @@ def _block_masses(s, e, cut, out):
 
 
 @njit(cache=True, nogil=True)
-def _draw(s, e, cut, u):
+def _walk(s, e, cut, bs, u):
     """The first kept token (s >= cut, e > 0; a ban's weight is 0) in id order at which the
-    cumulative kept weight exceeds u, or the last kept token if none does (rounding).
+    cumulative kept weight exceeds u, or the last kept token if none does (rounding), given the
+    kept weight's block sums `bs` (`_block_masses`, which the rows drawing from one distribution
+    share).
 
     Block sums first, then a walk of one block: a flat row keeps a random ~70% of the vocabulary,
     and a token-by-token walk mispredicted its branch on each and waited on one float64 chain of
     adds (105 us per 50257-token row against 10 us this way; a peaked row, 9.5 us either way).
     The block sums round differently from a token-by-token sum, so a draw can differ from it only
     when u lies within float64 rounding of a token's boundary."""
-    bs = np.empty((s.shape[0] + DRAW_BLOCK - 1) // DRAW_BLOCK, np.float64)
-    _block_masses(s, e, cut, bs)
-    return _walk(s, e, cut, bs, u)
-
-
-@njit(cache=True, nogil=True)
-def _walk(s, e, cut, bs, u):
-    """`_draw` given the block sums `bs` (`_block_masses`), which the rows drawing from one
-    distribution share."""
     V = s.shape[0]
     nb = bs.shape[0]
     cum = 0.0
@@ -449,7 +442,7 @@ def _boost_first(s, top, boost_ids, boost_vals, lo, hi):
 def _min_p_drop(e, f, boosted, floor):
     """min_p: zero the weight of the tokens whose own weight (e, or e / f where `boosted`: f =
     exp(boost) of a boost-first row) is below `floor` (min_p times the top token's own weight).
-    `_nucleus_cut` and `_draw` then read zero weights as gone."""
+    `_nucleus_cut` and the draw then read zero weights as gone."""
     for i in range(e.shape[0]):
         if e[i] > 0.0:
             own = np.float64(e[i]) / np.float64(f[i]) if boosted else np.float64(e[i])

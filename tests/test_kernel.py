@@ -416,7 +416,7 @@ def test_draw_picks_the_token_where_the_kept_mass_passes_u():
     """The draw (block sums, then one block) against NumPy's cumulative sum over the kept tokens
     in id order: flat and peaked rows, banned tokens (weight 0), u at 0, inside, and past the
     kept mass (rounding: the last kept token), a row whose kept tokens all lie in its first block."""
-    from dbs_fast.kernels import DRAW_BLOCK, _draw
+    from dbs_fast.kernels import DRAW_BLOCK, _block_masses, _walk
 
     rng = np.random.default_rng(5)
     V = 5 * DRAW_BLOCK + 37
@@ -427,10 +427,12 @@ def test_draw_picks_the_token_where_the_kept_mass_passes_u():
         cut = np.float32(np.quantile(s, 0.3)) if x[-1] != -50.0 else np.float32(-1.0)
         kept = (s >= cut) & (e > 0)
         csum = np.cumsum(np.where(kept, e.astype(np.float64), 0.0))
+        bs = np.empty((V + DRAW_BLOCK - 1) // DRAW_BLOCK, np.float64)
+        _block_masses(s, e, cut, bs)
         for u in np.r_[0.0, rng.random(50) * csum[-1], csum[-1] * 1.5]:
             want = int(np.searchsorted(csum, u, side="right")) if u < csum[-1] else int(np.flatnonzero(kept)[-1])
             assert kept[want]
-            assert _draw(s, e, cut, u) == want
+            assert _walk(s, e, cut, bs, u) == want
 
 
 @pytest.mark.parametrize("scale,ties", [(0.05, False), (0.3, False), (0.3, True)])

@@ -147,6 +147,7 @@ def _context_level(qg, xk, xv, biases, cap, scale: float, dims: Dims):
     lse = sx.max(dim=-1, keepdim=True).values - torch.log(pmax * torch.ones(LANES))[..., :1]   # one Mul, no Shape
     ox = torch.cat([torch.matmul(px, xv), lse], dim=-1)                                  # (M, R, kv, s*L*g, d+1)
     # beam_slot numbers the blocks context-major (r * M + m): the same block block-major is m * R + r
+    # (this index and the queries' gather index are the same nodes in every layer, which ORT merges)
     block = torch.remainder(biases.beam_slot, M) * R + torch.div(biases.beam_slot, M, rounding_mode="floor")
     return torch.index_select(ox.reshape(M * R, kv, -1, d + 1), 0, block)
 
