@@ -150,11 +150,13 @@ def decoders(checkpoints, exported, tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("fold", [0, 5], ids=["context-level", "context-in-prefixes"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_prefix_decode_equals_full_recompute(kind, decoders, exported):
+def test_prefix_decode_equals_full_recompute(kind, fold, decoders, exported):
     """b = 2 requests' contexts (lengths 5 and 2, left-padded) -> b beams x s candidates, three
     chunks of k tokens with keep (a beam kept twice, one dropped) between them: every step's
-    logits equal the full model run over each row's whole sequence."""
+    logits equal the full model run over each row's whole sequence, with the contexts as their
+    own level and with them starting the beams' prefixes (the graph then skips the level)."""
     from dbs_fast.kv.decoder import PrefixDecoder
     from dbs_fast.kv.prefix_cache import PrefixCache
     from dbs_fast.model import OnnxModel
@@ -166,7 +168,7 @@ def test_prefix_decode_equals_full_recompute(kind, decoders, exported):
     ctx = np.array([[11, 12, 13, 14, 15], [0, 0, 0, 21, 22]])
     mask = np.array([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
     _, past = full.forward(ctx, full.empty_cache(2), mask)
-    cache = PrefixCache.start(past.tensors, past.mask, s, k)
+    cache = PrefixCache.start(past.tensors, past.mask, s, k, fold=fold)
     seqs = [[int(x) for x, m in zip(ctx[r // s], mask[r // s]) if m] for r in range(2 * s)]
     for chunk in range(3):
         for _ in range(k):
@@ -180,11 +182,16 @@ def test_prefix_decode_equals_full_recompute(kind, decoders, exported):
         keep = [4, 4] if chunk == 0 else [1, 3]          # both beams from one candidate; then a swap
         cache.keep(keep)
         seqs = [list(seqs[keep[r // s]]) for r in range(len(keep) * s)]
+    np.testing.assert_array_equal(cache.beam_context, [0, 0])
+    assert cache.used == 0 and not cache.chunk_mask.any()
+    if fold:       # each beam's prefix is its context (padded as it was), then what it generated
+        assert cache.context_mask.shape == (1, 1) and not cache.context_mask.any()
+        assert cache.mask.shape == (2, 5 + 3 * k) and cache.mask[:, :5].sum() == 4
+        return
     # both beams descend from the second context now: the first is gone, the second is trimmed
     # to its two tokens, held once; each beam's prefix is one masked column, then what it generated
     assert cache.context_mask.shape == (1, 2) and cache.context[0].shape[0] == 1
-    np.testing.assert_array_equal(cache.beam_context, [0, 0])
-    assert cache.mask.shape == (2, 1 + 3 * k) and cache.used == 0 and not cache.chunk_mask.any()
+    assert cache.mask.shape == (2, 1 + 3 * k)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
@@ -194,10 +201,12 @@ def test_one_call_prefill_equals_column_by_column_and_the_full_model(kind, decod
     decoding on from either agrees; so does a prefill in slices (a long context), each slice over
     the ones before it."""
     from dbs_fast.kv import decoder as prefix
+    from dbs_fast.kv import prefix_cache
     from dbs_fast.kv.decoder import PrefixDecoder
     from dbs_fast.model import OnnxModel
 
     full = OnnxModel(exported[kind])
+    monkeypatch.setattr(prefix_cache, "FOLD_CONTEXT", 0)     # the contexts as their own level, compared
     one, per = PrefixDecoder(decoders[kind]), PrefixDecoder(decoders[kind])
     ctx = np.array([[0, 0, 0, 0, 31, 32], [41, 42, 43, 44, 45, 46], [0, 0, 0, 0, 0, 51]])
     mask = (np.arange(6)[None] >= np.array([4, 0, 5])[:, None]).astype(np.int64)
@@ -223,6 +232,69 @@ def _dbs(model_dir, layout):
     from dbs_fast import DirectedBeamSearch
 
     return DirectedBeamSearch(model_dir, kv_layout=layout)
+
+
+def test_context_ifs_moves_the_nodes_only_each_branch_needs_into_an_if():
+    """The marker `if_context(out, empty, cond)` becomes an If: the nodes that compute on the
+    activations or K/V and feed only `out` go into its then-branch, those only `empty` needs into
+    its else-branch; a node also read elsewhere, and a constant, stay in the graph. It gives `out`
+    where cond holds, else `empty`."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from dbs_fast.export.prefix_graph import GRAPH_DOMAIN, context_ifs
+
+    x = "context.0.key"
+    nodes = [helper.make_node("Neg", [x], ["shared"]),
+             helper.make_node("Constant", [], ["two"], value=helper.make_tensor("t", TensorProto.FLOAT, [], [2.0])),
+             helper.make_node("Exp", [x], ["a"]), helper.make_node("Mul", ["a", "two"], ["a2"]),
+             helper.make_node("Add", ["a2", "shared"], ["out"]), helper.make_node("Mul", [x, "two"], ["empty"]),
+             helper.make_node("IfContext", ["out", "empty", "cond"], ["y"], domain=GRAPH_DOMAIN),
+             helper.make_node("Add", ["y", "shared"], ["z"])]
+    g = helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info(x, TensorProto.FLOAT, [3]),
+                     helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [3])]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(GRAPH_DOMAIN, 1)])
+    assert context_ifs(g) == 1
+    onnx.checker.check_model(g)
+    assert [n.op_type for n in g.graph.node] == ["Neg", "Constant", "If", "Add"]
+    branch = {a.name: [n.op_type for n in a.g.node] for a in g.graph.node[2].attribute}
+    assert branch == {"then_branch": ["Exp", "Mul", "Add"], "else_branch": ["Mul"]}
+    assert GRAPH_DOMAIN not in {o.domain for o in g.opset_import}
+    sess = ort.InferenceSession(g.SerializeToString(), providers=["CPUExecutionProvider"])
+    v = np.array([0.5, -1.0, 2.0], np.float32)
+    for cond, want in ((True, 2 * np.exp(v) - 2 * v), (False, 2 * v - v)):
+        np.testing.assert_allclose(sess.run(None, {x: v, "cond": np.array(cond)})[0], want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_step_without_context_tokens_skips_the_level_to_the_bit(kind, decoders, tmp_path):
+    """The decode graph holds its context level in one If a layer, taken where some context column
+    is a token. A step whose context columns are all masked (a short context kept in the beams'
+    prefixes) skips it, and gives the same logits and new K/V, to the bit, as the same step with
+    the level run: a masked context's weight in the softmax is exactly 0."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper
+
+    from dbs_fast.export.timing import feeds
+
+    g = onnx.load(str(decoders[kind]))
+    ifs = [n for n in g.graph.node if n.op_type == "If"]
+    layers = sum(i.name.startswith("context.") for i in g.graph.input) // 2
+    assert len(ifs) == layers
+    g.graph.node.insert(0, helper.make_node("Constant", [], ["always"], value=helper.make_tensor("t", 9, [], [True])))
+    for n in ifs:
+        n.input[0] = "always"
+    onnx.save(g, str(tmp_path / "always.onnx"))
+    skip, run = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"])
+                 for p in (decoders[kind], tmp_path / "always.onnx"))
+    x = feeds(skip, 2, 3, 6, K=3, used=1, C=2)
+    assert not x["context_mask"].any()
+    for a, b in zip(skip.run(None, x), run.run(None, x)):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
@@ -315,7 +387,7 @@ def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers(
     past = [rng.standard_normal((b, kv, T, d)).astype(np.float32) for _ in range(2 * layers)]
     mask = np.ones((b, T), np.int64)
     mask[1, 0] = 0                                                  # left padding survives
-    pc = PrefixCache.start(past, mask, s, k)
+    pc = PrefixCache.start(past, mask, s, k, fold=0)                # the contexts as their own level
     seq = [[np.zeros((kv, 1, d), np.float32) for _ in past] for i in range(b)]  # per beam: (kv, T, d) per tensor
     ctx = np.arange(b)                                              # per beam: the context it descends from
     bufs = set()

@@ -149,7 +149,95 @@ def _context_level(qg, xk, xv, biases, cap, scale: float, dims: Dims):
     # beam_slot numbers the blocks context-major (r * M + m): the same block block-major is m * R + r
     # (this index and the queries' gather index are the same nodes in every layer, which ORT merges)
     block = torch.remainder(biases.beam_slot, M) * R + torch.div(biases.beam_slot, M, rounding_mode="floor")
-    return torch.index_select(ox.reshape(M * R, kv, -1, d + 1), 0, block)
+    out = torch.index_select(ox.reshape(M * R, kv, -1, d + 1), 0, block)
+    if biases.any_context is None:
+        return out
+    # a context of no tokens (every column masked: a short context the host keeps in the prefixes,
+    # a prefill's first slice) gives no output and a log-mass of MASKED, whose weight in the beam's
+    # softmax is exactly 0, as the context level's own is then: that level is skipped
+    return if_context(out, torch.nn.functional.pad(qg * 0, (0, 1), value=MASKED), biases.any_context)
+
+
+GRAPH_DOMAIN = "dbs_fast.graph"
+
+
+def if_context(out, empty, any_context):
+    """`out` where `any_context` (some context column is a token), else `empty`: exported as a
+    marker that `context_ifs` makes an ONNX If, whose branches hold the nodes that only `out` and
+    only `empty` need (the context level, and two nodes), so that a step whose contexts are empty
+    runs none of the level's nodes."""
+    import torch
+
+    class IfContext(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out, empty, cond):
+            return out
+
+        @staticmethod
+        def symbolic(g, out, empty, cond):
+            return g.op(f"{GRAPH_DOMAIN}::IfContext", out, empty, cond).setType(out.type())
+
+    return IfContext.apply(out, empty, any_context)
+
+
+def context_ifs(g) -> int:
+    """The ONNX model `g` with each `if_context` marker made an If node, in place: its then-branch
+    the nodes whose outputs only the marker's first input needs, its else-branch those of the
+    second, of the nodes that compute on the step's activations or K/V (the index arithmetic that
+    every layer shares stays in the graph, where ORT merges it). Returns the number of Ifs."""
+    import collections
+
+    from onnx import TensorProto, helper
+
+    graph = g.graph
+    nodes = list(graph.node)
+    marks = [i for i, n in enumerate(nodes) if n.domain == GRAPH_DOMAIN]
+    if not marks:
+        return 0
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output}
+    consumers = collections.defaultdict(set)
+    for i, n in enumerate(nodes):
+        for t in n.input:
+            consumers[t].add(i)
+    kept = {o.name for o in graph.output}
+    heavy = {i.name for i in graph.input if i.name == "input_ids" or i.name.endswith((".key", ".value"))}
+    for n in nodes:                                     # in topological order, as the exporter writes them
+        if any(t in heavy for t in n.input):
+            heavy.update(n.output)
+
+    def cone(value: str, mark: int) -> set:
+        above, todo = set(), [producer[value]] if value in producer else []
+        while todo:
+            i = todo.pop()
+            if i not in above:
+                above.add(i)
+                todo += [producer[t] for t in nodes[i].input if t in producer]
+        own: set = set()
+        for i in sorted(above, reverse=True):           # a node's consumers are decided before it
+            n = nodes[i]
+            if (all(c in own or c == mark for o in n.output for c in consumers[o]) and not kept & set(n.output)
+                    and any(t in heavy for t in n.input)):
+                own.add(i)
+        return own
+
+    moved, ifs = set(), {}
+    for m in marks:
+        mark = nodes[m]
+        branches = []
+        for value, side in zip(mark.input[:2], ("then", "else")):
+            own = cone(value, m)
+            moved |= own
+            branches.append(helper.make_graph([nodes[i] for i in sorted(own)], f"{mark.output[0]}_{side}", [],
+                                              [helper.make_tensor_value_info(value, TensorProto.FLOAT, None)]))
+        ifs[m] = helper.make_node("If", [mark.input[2]], list(mark.output), name=f"{mark.output[0]}_if",
+                                  then_branch=branches[0], else_branch=branches[1])
+    rest = [ifs.get(i, n) for i, n in enumerate(nodes) if i not in moved]
+    del graph.node[:]
+    graph.node.extend(rest)
+    domains = [o for o in g.opset_import if o.domain != GRAPH_DOMAIN]
+    del g.opset_import[:]
+    g.opset_import.extend(domains)
+    return len(ifs)
 
 
 def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, softcap: float | None = None):
@@ -176,7 +264,9 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     are read). The two parts are one softmax: the context's part enters the beam's softmax as
     one more key per query row, scored by the log-sum-exp of its scores, with its normalised output
     as the value (exactly the split-softmax merge, in one Softmax node), so no score tensor is
-    transposed; only q and d + 1 numbers per query row are. `softcap` (Gemma 2): scores become
+    transposed; only q and d + 1 numbers per query row are. The context level is one If a layer
+    (`if_context`), taken where some context column is a token: the host keeps a short context in
+    the beams' prefixes (`PrefixCache.start`), and its steps run none of the level's nodes. `softcap` (Gemma 2): scores become
     softcap * tanh(score / softcap) before the mask."""
     import torch
 
@@ -412,6 +502,7 @@ class Biases(NamedTuple):
     slot_beam: object = None
     gathered: object = None
     fused: bool = False         # the gathered attention as one Attention node (`attend_fused`)
+    any_context: object = None  # () bool: some context column is a token (the split attention's context level runs)
 
 
 def level_sizes(biases):
@@ -502,7 +593,8 @@ def _decoder(model, attention: str = "split"):
                 return LAYERS[fam](self.model, input_ids, position_ids, gathered_biases(biases, *levels, fused=fused),
                                    kv, dims)
             biases = Biases(mask_bias(context_mask)[:, None, None, :], mask_bias(prefix_mask)[:, None, None, :],
-                            *block_biases(chunk_mask, seen, dims), context_beams, beam_slot, slot_row, row_slot)
+                            *block_biases(chunk_mask, seen, dims), context_beams, beam_slot, slot_row, row_slot,
+                            any_context=context_mask.max() > 0)
             if window:
                 biases = biases._replace(window=window_biases(biases, seen, position_ids, context_mask, prefix_mask,
                                                               chunk_mask, dims, window))
@@ -857,15 +949,17 @@ def _logits(model, h, dims):
 
 
 def written_once(path: Path) -> int:
-    """The decode graph at `path` with its weights written once (`share_tied_head`,
-    `share_constants`), loaded and saved once; returns the bytes saved. A graph over protobuf's
+    """The decode graph at `path` with its context levels in Ifs (`context_ifs`) and its weights
+    written once (`share_tied_head`, `share_constants`), loaded and saved once; returns the bytes
+    saved. A graph over protobuf's
     2 GB (GPT-2 large: torch wrote one file per tensor) is saved with its weights in one external
     file, `<name>_data`, as model.onnx's are."""
     import onnx
 
     g = onnx.load(str(path))
+    ifs = context_ifs(g)
     saved = share_tied_head(g) + share_constants(g)
-    if saved or sum(len(t.raw_data) for t in g.graph.initializer) > LARGE:
+    if ifs or saved or sum(len(t.raw_data) for t in g.graph.initializer) > LARGE:
         save(g, path)
     return saved
 

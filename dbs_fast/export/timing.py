@@ -3,7 +3,8 @@
 The graph timed is the one the engine loads (`decode.onnx`, the prefix cache,
 where the export wrote it; else `model.onnx` with one cache row per candidate), at the paper's
 setting by default: b = 7 beams x s = 10 candidates, 47 tokens before the chunk (the middle of a
-90-token run after a 2-token context: one context of 2, each beam's 45), 2 tokens into the chunk. Inputs are random: the cost of a
+90-token run after a 2-token context, which the engine keeps in the beams' prefixes), 2 tokens into
+the chunk. Inputs are random: the cost of a
 step does not depend on the values. Also used by `benchmarks/profile.py`.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dbs_fast.kv.prefix_cache import DECODE_GRAPH
+from dbs_fast.kv.prefix_cache import DECODE_GRAPH, FOLD_CONTEXT
 from dbs_fast.manifest import MANIFEST
 from dbs_fast.runtime import make_session
 
@@ -25,12 +26,15 @@ BEAMS, CANDIDATES, PREFIX, CONTEXT = 7, 10, 47, 2
 def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2, C: int = CONTEXT) -> dict:
     """Random inputs for one step of `sess` at b x s rows with T tokens before the chunk: the decode
     graph's (one request's context.L.* of C columns, prefix.L.* of b rows and T - C columns,
-    chunk.L.* of b*s rows with the `used` decoded slots of K that the engine binds) or the row
-    layout's (past_key_values.L.* of b*s rows and length T + used)."""
+    chunk.L.* of b*s rows with the `used` decoded slots of K that the engine binds; a context of
+    `FOLD_CONTEXT` columns or fewer is in the prefixes, as the engine keeps it, and the context
+    level one masked column) or the row layout's (past_key_values.L.* of b*s rows and length T +
+    used)."""
     rng = np.random.default_rng(0)
     N, out = b * s, {}
     C = min(C, T - 1)
-    P = T - C                                           # each beam's own columns
+    folded = C <= FOLD_CONTEXT
+    P = T if folded else T - C                          # each beam's own columns
     past = T + used                                     # the row layout's cache length
     U = max(1, used)
     for i in sess.get_inputs():
@@ -44,7 +48,7 @@ def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2, C: int = CONT
         elif n == "prefix_mask":
             out[n] = np.ones((b, P), np.int64)
         elif n == "context_mask":
-            out[n] = np.ones((1, C), np.int64)
+            out[n] = np.zeros((1, 1), np.int64) if folded else np.ones((1, C), np.int64)
         elif n == "context_beams":
             out[n] = np.arange(b)[None]
         elif n == "beam_slot":
@@ -59,7 +63,8 @@ def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2, C: int = CONT
         elif n.startswith("chunk."):                    # the decoded slots (U, b, kv, s, d)
             out[n] = rng.standard_normal((U, b, shape[2], s, shape[4])).astype(_float(i))
         else:                                           # context.L.* / prefix.L.* / past_key_values.L.*
-            rows, length = (1, C) if n.startswith("context.") else (b, P) if n.startswith("prefix.") else (N, past)
+            rows, length = (1, 1 if folded else C) if n.startswith("context.") else (b, P) if n.startswith("prefix.") \
+                else (N, past)
             out[n] = rng.standard_normal((rows, shape[1], length, shape[3])).astype(_float(i))
     return out
 

@@ -1,5 +1,6 @@
 """The three-level KV cache: each request's context stored once, each beam's generated prefix
-once, each candidate's chunk in its own buffer.
+once, each candidate's chunk in its own buffer. A context of `FOLD_CONTEXT` tokens or fewer starts
+its beams' prefixes instead (its level is then one masked column, which the decode graph skips).
 
 `PrefixCache` holds R contexts (R, kv_heads, C, head_dim) per layer (one per request, shared by
 all its beams: `beam_context` says whose), b prefixes (b, kv_heads, T, head_dim) of the tokens
@@ -29,6 +30,10 @@ import numpy as np
 from .kv_copy import extend_prefix
 
 DECODE_GRAPH = "decode.onnx"      # beside model.onnx in an exported model dir
+# contexts of this many tokens or fewer start the beams' prefixes instead of being a level of their
+# own: a step then skips the context level's nodes (16 a layer on the default), and each beam reads
+# its own copy of these few columns
+FOLD_CONTEXT = 64
 # auto: this layout where the export has its decode graph, else rows (one cache row per candidate:
 # an export without a decode graph, the PyTorch baseline)
 KV_LAYOUTS = ("auto", "rows", "prefix")
@@ -119,18 +124,25 @@ class PrefixCache:
     _chunk_base: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
-    def start(cls, past: list, mask: np.ndarray, s: int, k: int, reserve: int = 0, ops=HOST) -> "PrefixCache":
-        """From a prefill's present K/V (one row per context, which becomes its context level, taken
-        as it is) with one beam per context, s candidates per beam, room for k tokens per chunk and
-        `reserve` prefix columns (max_new_tokens) in its buffers. The beams' prefixes start as one
-        masked column (a graph input is never empty)."""
+    def start(cls, past: list, mask: np.ndarray, s: int, k: int, reserve: int = 0, ops=HOST,
+              fold: int | None = None) -> "PrefixCache":
+        """From a prefill's present K/V (one row per context, taken as it is) with one beam per
+        context, s candidates per beam, room for k tokens per chunk and `reserve` prefix columns
+        (max_new_tokens) in its buffers. Contexts of more than `fold` columns become the context
+        level, and the beams' prefixes start as one masked column (a graph input is never empty);
+        shorter ones start the beams' prefixes instead, and the context level is one masked column,
+        which the decode graph skips (`export/prefix_graph.py`, `context_ifs`). `fold`: default
+        `FOLD_CONTEXT`."""
         b = mask.shape[0]
         chunk, base = chunk_buffers(ops, [(k, b, t.shape[1], s, t.shape[3]) for t in past])
         past = [np.ascontiguousarray(t) for t in past] if ops is HOST else past
-        prefix = [ops.zeros((b, t.shape[1], 1, t.shape[3])) for t in past]
-        return cls(past, np.asarray(mask, np.int64), np.arange(b), prefix, np.zeros((b, 1), np.int64), chunk,
-                   np.zeros((b * s, k), np.int64), s, capacity=1 + reserve, ops=ops, group=np.repeat(np.arange(b), s),
-                   _chunk_base=base)
+        empty = [ops.zeros((b, t.shape[1], 1, t.shape[3])) for t in past]
+        mask, none = np.asarray(mask, np.int64), np.zeros((b, 1), np.int64)
+        fold = FOLD_CONTEXT if fold is None else fold
+        context, prefix = (empty, past) if mask.shape[1] <= fold else (past, empty)
+        (context_mask, prefix_mask), T = ((none, mask), mask.shape[1]) if context is empty else ((mask, none), 1)
+        return cls(context, context_mask, np.arange(b), prefix, prefix_mask, chunk, np.zeros((b * s, k), np.int64), s,
+                   capacity=T + reserve, ops=ops, group=np.repeat(np.arange(b), s), _chunk_base=base)
 
     def groups(self) -> np.ndarray:
         """`group`, or every row its own where the cache does not track them."""
