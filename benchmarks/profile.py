@@ -118,10 +118,12 @@ def _ops(graph):
 
 
 def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | None, provider: str = "cpu",
-            context: int | None = None) -> dict:
-    """`context`: that many context columns before the T prefix tokens (default: export/timing's few)."""
+            context: int | None = None, context_level: bool = False) -> dict:
+    """`context`: that many context columns before the T prefix tokens (default: export/timing's few);
+    `context_level`: the context as a level of its own however short (else as the engine keeps it)."""
     plain = _session(graph, threads, provider=provider)
-    x = feeds(plain, b, s, T) if context is None else feeds(plain, b, s, context + T, C=context)
+    fold = 0 if context_level else None
+    x = feeds(plain, b, s, T, fold=fold) if context is None else feeds(plain, b, s, context + T, C=context, fold=fold)
     step = median_seconds(_runner(plain, x, provider), repeats)
     del plain
     events = _profiled_events(graph, x, repeats, threads, provider=provider)
@@ -135,6 +137,7 @@ def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | No
          "beams": b, "candidates": s, "prefix": T, "context": context, "step_ms_median": 1e3 * step,
          "profiled_ms_per_step": total / repeats / 1e3, "profiler_overhead_us": over,
          "ms_less_overhead_per_step": sum(o["ms_less_overhead"] for o in ops), "ops": ops}
+    r["nodes_run_per_step"] = sum(o["nodes_per_step"] for o in ops)     # an If's branch not taken runs none
     r["placement"] = placement(graph, threads, provider)
     r["step_us_per_node"] = 1e3 * r["step_ms_median"] / max(1, r["placement"]["nodes"])
     if provider == "cuda":
@@ -186,6 +189,9 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", type=int, default=10)
     ap.add_argument("--prefix", type=int, default=47, help="prefix length T (47: the middle of the paper's run)")
     ap.add_argument("--context", type=int, default=None, help="context tokens before the prefix (default: a few)")
+    ap.add_argument("--context-level", action="store_true",
+                    help="the context as a level of its own however short (default: as the engine keeps it: "
+                         "in the beams' prefixes up to FOLD_CONTEXT tokens)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
@@ -195,7 +201,7 @@ def main(argv=None) -> int:
     graph = Path(a.model) / "decode.onnx"
     if not graph.is_file():
         ap.error(f"{graph} not found: export the model with this version (`dbs-fast export`)")
-    r = profile(graph, a.beams, a.candidates, a.prefix, a.repeats, a.threads, a.provider, a.context)
+    r = profile(graph, a.beams, a.candidates, a.prefix, a.repeats, a.threads, a.provider, a.context, a.context_level)
     print(f"{graph}: {r['step_ms_median']:.1f} ms per step (median, no profiler); by operator: profiled "
           f"{r['profiled_ms_per_step']:.1f} ms, less the profiler's {r['profiler_overhead_us']:.1f} us per node "
           f"{r['ms_less_overhead_per_step']:.1f} ms")
@@ -204,7 +210,8 @@ def main(argv=None) -> int:
               f"  less overhead {o['ms_less_overhead']:7.1f} ms")
     pl = r["placement"]
     print(f"  on {a.provider}: {pl['nodes']} nodes after ORT's optimization, {pl['nodes_per_layer']:.1f} per layer "
-          f"({pl['layers']} layers; the step's shared nodes counted in), {pl['memcpy_nodes']} host<->GPU copies, "
+          f"({pl['layers']} layers; the step's shared nodes and both branches of an If counted in), "
+          f"{r['nodes_run_per_step']:.0f} run in this step, {pl['memcpy_nodes']} host<->GPU copies, "
           f"{r['step_us_per_node']:.2f} us of the step per node"
           + ("; nodes run by provider: " + ", ".join(f"{p} {n:.0f}" for p, n in r["nodes_per_step_by_provider"].items())
              if "nodes_per_step_by_provider" in r else ""))

@@ -23,17 +23,17 @@ from dbs_fast.runtime import make_session
 BEAMS, CANDIDATES, PREFIX, CONTEXT = 7, 10, 47, 2
 
 
-def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2, C: int = CONTEXT) -> dict:
+def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2, C: int = CONTEXT, fold: int | None = None) -> dict:
     """Random inputs for one step of `sess` at b x s rows with T tokens before the chunk: the decode
     graph's (one request's context.L.* of C columns, prefix.L.* of b rows and T - C columns,
     chunk.L.* of b*s rows with the `used` decoded slots of K that the engine binds; a context of
-    `FOLD_CONTEXT` columns or fewer is in the prefixes, as the engine keeps it, and the context
-    level one masked column) or the row layout's (past_key_values.L.* of b*s rows and length T +
-    used)."""
+    `fold` (default `FOLD_CONTEXT`) columns or fewer is in the prefixes, as the engine keeps it,
+    and the context level one masked column) or the row layout's (past_key_values.L.* of b*s rows
+    and length T + used)."""
     rng = np.random.default_rng(0)
     N, out = b * s, {}
     C = min(C, T - 1)
-    folded = C <= FOLD_CONTEXT
+    folded = C <= (FOLD_CONTEXT if fold is None else fold)
     P = T if folded else T - C                          # each beam's own columns
     past = T + used                                     # the row layout's cache length
     U = max(1, used)

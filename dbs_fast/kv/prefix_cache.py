@@ -32,8 +32,8 @@ from .kv_copy import extend_prefix
 DECODE_GRAPH = "decode.onnx"      # beside model.onnx in an exported model dir
 # contexts of this many tokens or fewer start the beams' prefixes instead of being a level of their
 # own: a step then skips the context level's nodes (16 a layer on the default), and each beam reads
-# its own copy of these few columns
-FOLD_CONTEXT = 64
+# and, at each boundary, copies its own copy of these few columns (at 64 tokens the two were even)
+FOLD_CONTEXT = 32
 # auto: this layout where the export has its decode graph, else rows (one cache row per candidate:
 # an export without a decode graph, the PyTorch baseline)
 KV_LAYOUTS = ("auto", "rows", "prefix")
