@@ -266,8 +266,8 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     as the value (exactly the split-softmax merge, in one Softmax node), so no score tensor is
     transposed; only q and d + 1 numbers per query row are. The context level is one If a layer
     (`if_context`), taken where some context column is a token: the host keeps a short context in
-    the beams' prefixes (`PrefixCache.start`), and its steps run none of the level's nodes. `softcap` (Gemma 2): scores become
-    softcap * tanh(score / softcap) before the mask."""
+    the beams' prefixes (`PrefixCache.start`), and its steps run none of the level's nodes.
+    `softcap` (Gemma 2): scores become softcap * tanh(score / softcap) before the mask."""
     import torch
 
     if biases.gathered is not None:
@@ -951,9 +951,8 @@ def _logits(model, h, dims):
 def written_once(path: Path) -> int:
     """The decode graph at `path` with its context levels in Ifs (`context_ifs`) and its weights
     written once (`share_tied_head`, `share_constants`), loaded and saved once; returns the bytes
-    saved. A graph over protobuf's
-    2 GB (GPT-2 large: torch wrote one file per tensor) is saved with its weights in one external
-    file, `<name>_data`, as model.onnx's are."""
+    saved. A graph over protobuf's 2 GB (GPT-2 large: torch wrote one file per tensor) is saved with
+    its weights in one external file, `<name>_data`, as model.onnx's are."""
     import onnx
 
     g = onnx.load(str(path))

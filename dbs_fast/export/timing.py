@@ -4,8 +4,8 @@ The graph timed is the one the engine loads (`decode.onnx`, the prefix cache,
 where the export wrote it; else `model.onnx` with one cache row per candidate), at the paper's
 setting by default: b = 7 beams x s = 10 candidates, 47 tokens before the chunk (the middle of a
 90-token run after a 2-token context, which the engine keeps in the beams' prefixes), 2 tokens into
-the chunk. Inputs are random: the cost of a
-step does not depend on the values. Also used by `benchmarks/profile.py`.
+the chunk. Inputs are random: the cost of a step does not depend on the values. Also used by
+`benchmarks/profile.py`.
 """
 from __future__ import annotations
 

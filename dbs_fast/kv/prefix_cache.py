@@ -138,11 +138,13 @@ class PrefixCache:
         past = [np.ascontiguousarray(t) for t in past] if ops is HOST else past
         empty = [ops.zeros((b, t.shape[1], 1, t.shape[3])) for t in past]
         mask, none = np.asarray(mask, np.int64), np.zeros((b, 1), np.int64)
-        fold = FOLD_CONTEXT if fold is None else fold
-        context, prefix = (empty, past) if mask.shape[1] <= fold else (past, empty)
-        (context_mask, prefix_mask), T = ((none, mask), mask.shape[1]) if context is empty else ((mask, none), 1)
+        if mask.shape[1] > (FOLD_CONTEXT if fold is None else fold):
+            context, context_mask, prefix, prefix_mask = past, mask, empty, none
+        else:
+            context, context_mask, prefix, prefix_mask = empty, none, past, mask
         return cls(context, context_mask, np.arange(b), prefix, prefix_mask, chunk, np.zeros((b * s, k), np.int64), s,
-                   capacity=T + reserve, ops=ops, group=np.repeat(np.arange(b), s), _chunk_base=base)
+                   capacity=prefix_mask.shape[1] + reserve, ops=ops, group=np.repeat(np.arange(b), s),
+                   _chunk_base=base)
 
     def groups(self) -> np.ndarray:
         """`group`, or every row its own where the cache does not track them."""
