@@ -374,6 +374,30 @@ def test_a_decode_graph_over_the_protobuf_limit_keeps_its_weights_in_one_data_fi
     assert r.new_tokens > 0
 
 
+def test_a_long_context_leaving_takes_its_columns_from_a_folded_one():
+    """A request whose short context is in its beams' prefixes, merged with one whose long context
+    is a level of its own, holds that level's width as padding; once the long one leaves, its
+    context level is one masked column again, and its prefixes are what they were."""
+    from dbs_fast.kv.prefix_cache import PrefixCache
+
+    rng = np.random.default_rng(5)
+    kv, d, s, k = 2, 3, 2, 2
+
+    def past(C):
+        return [rng.standard_normal((1, kv, C, d)).astype(np.float32) for _ in range(4)]
+
+    long_, short = past(40), past(3)
+    a = PrefixCache.start(long_, np.ones((1, 40), np.int64), s, k, fold=32)
+    b = PrefixCache.start(short, np.ones((1, 3), np.int64), s, k, fold=32)
+    assert a.context_mask.shape == (1, 40) and b.context_mask.shape == (1, 1) and b.mask.shape == (1, 3)
+    both = PrefixCache.merge(a, b)
+    assert both.context_mask.shape == (2, 40) and not both.context_mask[1].any()
+    both.keep([s])                                       # the short request's beam only
+    assert both.context_mask.shape == (1, 1) and not both.context_mask.any()
+    for t in range(4):
+        np.testing.assert_array_equal(both.prefix[t][0][:, -3:], short[t][0])
+
+
 def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers():
     """Eight chunk boundaries (the prefix buffers are reused from the third on), with repeats, a
     trim and a regroup before any token in between: every beam's prefix is its parent's plus the

@@ -285,13 +285,15 @@ class PrefixCache:
 
     def _contexts(self, beam_context: np.ndarray) -> None:
         """The beams now belong to `beam_context`: contexts no beam uses any more (their requests
-        left) go, and the context columns that are padding in every remaining one."""
+        left) go, and the context columns that are padding in every remaining one (all but one
+        where every remaining context is in its beams' prefixes)."""
         used = np.unique(beam_context)
         if len(used) < self.context_mask.shape[0]:
             self.context = [self.ops.take(x, used) for x in self.context]
             self.context_mask = self.context_mask[used]
             beam_context = np.searchsorted(used, beam_context)
-            z = int(np.argmax(self.context_mask.any(axis=0)))
+            cols = self.context_mask.any(axis=0)       # none: every context left is in its prefixes
+            z = int(np.argmax(cols)) if cols.any() else len(cols) - 1
             if z:
                 self.context = [self.ops.cols(x, z) for x in self.context]
                 self.context_mask = self.context_mask[:, z:].copy()
