@@ -186,6 +186,7 @@ def context_ifs(g) -> int:
     second, of the nodes that compute on the step's activations or K/V (the index arithmetic that
     every layer shares stays in the graph, where ORT merges it). Returns the number of Ifs."""
     import collections
+    import heapq
 
     from onnx import TensorProto, helper
 
@@ -206,18 +207,19 @@ def context_ifs(g) -> int:
             heavy.update(n.output)
 
     def cone(value: str, mark: int) -> set:
-        above, todo = set(), [producer[value]] if value in producer else []
-        while todo:
-            i = todo.pop()
-            if i not in above:
-                above.add(i)
-                todo += [producer[t] for t in nodes[i].input if t in producer]
+        # latest node first: a node's consumers come after it, so they are decided before it is
         own: set = set()
-        for i in sorted(above, reverse=True):           # a node's consumers are decided before it
+        todo = [-producer[value]] if value in producer else []
+        while todo:
+            i = -heapq.heappop(todo)
             n = nodes[i]
-            if (all(c in own or c == mark for o in n.output for c in consumers[o]) and not kept & set(n.output)
-                    and any(t in heavy for t in n.input)):
-                own.add(i)
+            if i in own or kept & set(n.output) or not any(t in heavy for t in n.input) \
+                    or not all(c in own or c == mark for o in n.output for c in consumers[o]):
+                continue
+            own.add(i)
+            for t in n.input:
+                if t in producer:
+                    heapq.heappush(todo, -producer[t])
         return own
 
     moved, ifs = set(), {}

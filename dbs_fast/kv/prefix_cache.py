@@ -55,6 +55,13 @@ def context_blocks(beam_context: np.ndarray, R: int) -> tuple[np.ndarray, np.nda
     return beams, bc * M + rank
 
 
+def padding_columns(mask: np.ndarray) -> int:
+    """The leading columns of `mask` (rows, cols) that are padding in every row, all but the last
+    where every column is (a graph input is never empty)."""
+    used = mask.any(axis=0)
+    return int(np.argmax(used)) if used.any() else mask.shape[1] - 1
+
+
 class HostOps:
     """The cache's tensor operations on NumPy arrays (`dbs_fast.kv.device.DeviceOps` has the same on a
     device; the prefix extension on the host is `PrefixCache._extend`, into reused buffers)."""
@@ -292,8 +299,7 @@ class PrefixCache:
             self.context = [self.ops.take(x, used) for x in self.context]
             self.context_mask = self.context_mask[used]
             beam_context = np.searchsorted(used, beam_context)
-            cols = self.context_mask.any(axis=0)       # none: every context left is in its prefixes
-            z = int(np.argmax(cols)) if cols.any() else len(cols) - 1
+            z = padding_columns(self.context_mask)    # all but one: every context left is in its prefixes
             if z:
                 self.context = [self.ops.cols(x, z) for x in self.context]
                 self.context_mask = self.context_mask[:, z:].copy()
@@ -331,8 +337,7 @@ class PrefixCache:
 
     def trim(self) -> None:
         """Drop the leading prefix columns that are padding in every beam (keeping one)."""
-        z = min(int(np.argmax(self.mask.any(axis=0))) if self.mask.any() else self.mask.shape[1],
-                self.mask.shape[1] - 1)
+        z = padding_columns(self.mask)
         if z:
             self._release([self.ops.cols(p, z) for p in self.prefix])
             self.mask = self.mask[:, z:].copy()
