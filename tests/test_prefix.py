@@ -235,10 +235,12 @@ def _dbs(model_dir, layout):
 
 
 def test_context_ifs_moves_the_nodes_only_each_branch_needs_into_an_if():
-    """The marker `if_context(out, empty, cond)` becomes an If: the nodes that compute on the
-    activations or K/V and feed only `out` go into its then-branch, those only `empty` needs into
-    its else-branch; a node also read elsewhere, and a constant, stay in the graph. It gives `out`
-    where cond holds, else `empty`."""
+    """The marker `if_context((out, lse), (empty, floor), cond)` becomes an If of two outputs: the
+    nodes that compute on the activations or K/V and feed only `out` and `lse` go into its
+    then-branch, those only `empty` needs into its else-branch; a node also read elsewhere, and a
+    constant, stay in the graph, and a value of the graph that a branch returns (`floor`, made once
+    for all layers) is passed on by an Identity. It gives the first pair where cond holds, else the
+    second."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
@@ -248,24 +250,26 @@ def test_context_ifs_moves_the_nodes_only_each_branch_needs_into_an_if():
     x = "context.0.key"
     nodes = [helper.make_node("Neg", [x], ["shared"]),
              helper.make_node("Constant", [], ["two"], value=helper.make_tensor("t", TensorProto.FLOAT, [], [2.0])),
+             helper.make_node("Constant", [], ["floor"], value=helper.make_tensor("f", TensorProto.FLOAT, [], [-9.0])),
              helper.make_node("Exp", [x], ["a"]), helper.make_node("Mul", ["a", "two"], ["a2"]),
-             helper.make_node("Add", ["a2", "shared"], ["out"]), helper.make_node("Mul", [x, "two"], ["empty"]),
-             helper.make_node("IfContext", ["out", "empty", "cond"], ["y"], domain=GRAPH_DOMAIN),
-             helper.make_node("Add", ["y", "shared"], ["z"])]
+             helper.make_node("Add", ["a2", "shared"], ["out"]), helper.make_node("Sqrt", ["a"], ["lse"]),
+             helper.make_node("Mul", [x, "two"], ["empty"]),
+             helper.make_node("IfContext", ["out", "lse", "empty", "floor", "cond"], ["y", "m"], domain=GRAPH_DOMAIN),
+             helper.make_node("Add", ["y", "shared"], ["z"]), helper.make_node("Add", ["z", "m"], ["w"])]
     g = helper.make_model(helper.make_graph(
         nodes, "g", [helper.make_tensor_value_info(x, TensorProto.FLOAT, [3]),
                      helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
-        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [3])]),
+        [helper.make_tensor_value_info("w", TensorProto.FLOAT, [3])]),
         opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(GRAPH_DOMAIN, 1)])
     assert context_ifs(g) == 1
     onnx.checker.check_model(g)
-    assert [n.op_type for n in g.graph.node] == ["Neg", "Constant", "If", "Add"]
-    branch = {a.name: [n.op_type for n in a.g.node] for a in g.graph.node[2].attribute}
-    assert branch == {"then_branch": ["Exp", "Mul", "Add"], "else_branch": ["Mul"]}
+    assert [n.op_type for n in g.graph.node] == ["Neg", "Constant", "Constant", "If", "Add", "Add"]
+    branch = {a.name: [n.op_type for n in a.g.node] for a in g.graph.node[3].attribute}
+    assert branch == {"then_branch": ["Exp", "Mul", "Add", "Sqrt"], "else_branch": ["Mul", "Identity"]}
     assert GRAPH_DOMAIN not in {o.domain for o in g.opset_import}
     sess = ort.InferenceSession(g.SerializeToString(), providers=["CPUExecutionProvider"])
     v = np.array([0.5, -1.0, 2.0], np.float32)
-    for cond, want in ((True, 2 * np.exp(v) - 2 * v), (False, 2 * v - v)):
+    for cond, want in ((True, 2 * np.exp(v) - 2 * v + np.exp(v / 2)), (False, 2 * v - v - 9.0)):
         np.testing.assert_allclose(sess.run(None, {x: v, "cond": np.array(cond)})[0], want, rtol=1e-6)
 
 

@@ -131,8 +131,8 @@ def _context_level(qg, xk, xv, biases, cap, scale: float, dims: Dims):
     """`attend`'s context level: a request's query rows (gathered from the beams' `qg`) in M blocks,
     laid out block-major, (M, R, kv, s*L*g, d), so that the blocks' one batched matmul broadcasts
     over each request's one copy of the context (R, kv, C, d) with no head transpose of the queries
-    or the results; per beam query row its normalised output and the log of its sum of
-    exponentials, (b, kv, s*L*g, d + 1)."""
+    or the results; per beam query row its normalised output (b, kv, s*L*g, d) and the log of its
+    sum of exponentials (b, kv, s*L*g, 1)."""
     import torch
 
     N, L, b, s, T, U, R, M, C, H, kv, d, _ = dims
@@ -149,42 +149,60 @@ def _context_level(qg, xk, xv, biases, cap, scale: float, dims: Dims):
     # beam_slot numbers the blocks context-major (r * M + m): the same block block-major is m * R + r
     # (this index and the queries' gather index are the same nodes in every layer, which ORT merges)
     block = torch.remainder(biases.beam_slot, M) * R + torch.div(biases.beam_slot, M, rounding_mode="floor")
-    out = torch.index_select(ox.reshape(M * R, kv, -1, d + 1), 0, block)
-    if biases.any_context is None:
+    out = torch.split(torch.index_select(ox.reshape(M * R, kv, -1, d + 1), 0, block), [d, 1], dim=-1)
+    if biases.no_context is None:
         return out
     # a context of no tokens (every column masked: a short context the host keeps in the prefixes,
     # a prefill's first slice) gives no output and a log-mass of MASKED, whose weight in the beam's
-    # softmax is exactly 0, as the context level's own is then: that level is skipped
-    return if_context(out, torch.nn.functional.pad(qg * 0, (0, 1), value=MASKED), biases.any_context)
+    # softmax is exactly 0, as the context level's own is then: that level is skipped, and its
+    # place is taken by the step's `no_context` pair, made once for all layers
+    return if_context(out, biases.no_context, biases.any_context)
+
+
+def no_context(chunk_bias, kv: int):
+    """What a skipped context level gives every layer (`_context_level`), made once a step from the
+    chunks' bias (b, 1, s*L*g, U): no output, a zero that broadcasts over the beam's (b, kv,
+    s*L*g, d), and a log-mass of MASKED per query row (b, kv, s*L*g, 1), the column the beam's
+    softmax reads."""
+    import torch
+
+    return torch.zeros(1, 1, 1, 1), (chunk_bias[..., :1] * 0 + MASKED).repeat(1, kv, 1, 1)
 
 
 GRAPH_DOMAIN = "dbs_fast.graph"
 
 
-def if_context(out, empty, any_context):
-    """`out` where `any_context` (some context column is a token), else `empty`: exported as a
-    marker that `context_ifs` makes an ONNX If, whose branches hold the nodes that only `out` and
-    only `empty` need (the context level, and two nodes), so that a step whose contexts are empty
-    runs none of the level's nodes."""
+def if_context(out: tuple, empty: tuple, any_context) -> tuple:
+    """The tensors `out` where `any_context` (some context column is a token), else those of
+    `empty`: exported as a marker that `context_ifs` makes an ONNX If, whose branches hold the
+    nodes that only `out` and only `empty` need (the context level, and none), so that a step
+    whose contexts are empty runs none of the level's nodes."""
     import torch
+
+    k = len(out)
 
     class IfContext(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, out, empty, cond):
-            return out
+        def forward(ctx, *args):
+            return tuple(a.clone() for a in args[:k])
 
         @staticmethod
-        def symbolic(g, out, empty, cond):
-            return g.op(f"{GRAPH_DOMAIN}::IfContext", out, empty, cond).setType(out.type())
+        def symbolic(g, *args):
+            outs = g.op(f"{GRAPH_DOMAIN}::IfContext", *args, outputs=k)
+            for o, a in zip(outs, args[:k]):
+                o.setType(a.type())
+            return outs
 
-    return IfContext.apply(out, empty, any_context)
+    return IfContext.apply(*out, *empty, any_context)
 
 
 def context_ifs(g) -> int:
     """The ONNX model `g` with each `if_context` marker made an If node, in place: its then-branch
-    the nodes whose outputs only the marker's first input needs, its else-branch those of the
-    second, of the nodes that compute on the step's activations or K/V (the index arithmetic that
-    every layer shares stays in the graph, where ORT merges it). Returns the number of Ifs."""
+    the nodes whose outputs only the marker's first k inputs need (k: its outputs), its
+    else-branch those of the next k, of the nodes that compute on the step's activations or K/V
+    (the index arithmetic that every layer shares stays in the graph, where ORT merges it, and so
+    does what a branch returns unchanged from the graph: the branch passes it on by an Identity).
+    Returns the number of Ifs."""
     import collections
     import heapq
 
@@ -206,10 +224,11 @@ def context_ifs(g) -> int:
         if any(t in heavy for t in n.input):
             heavy.update(n.output)
 
-    def cone(value: str, mark: int) -> set:
+    def cone(values, mark: int) -> set:
         # latest node first: a node's consumers come after it, so they are decided before it is
         own: set = set()
-        todo = [-producer[value]] if value in producer else []
+        todo = [-producer[v] for v in values if v in producer]
+        heapq.heapify(todo)
         while todo:
             i = -heapq.heappop(todo)
             n = nodes[i]
@@ -225,13 +244,21 @@ def context_ifs(g) -> int:
     moved, ifs = set(), {}
     for m in marks:
         mark = nodes[m]
+        k = len(mark.output)
         branches = []
-        for value, side in zip(mark.input[:2], ("then", "else")):
-            own = cone(value, m)
+        for values, side in ((mark.input[:k], "then"), (mark.input[k:2 * k], "else")):
+            own = cone(values, m)
             moved |= own
-            branches.append(helper.make_graph([nodes[i] for i in sorted(own)], f"{mark.output[0]}_{side}", [],
-                                              [helper.make_tensor_value_info(value, TensorProto.FLOAT, None)]))
-        ifs[m] = helper.make_node("If", [mark.input[2]], list(mark.output), name=f"{mark.output[0]}_if",
+            body = [nodes[i] for i in sorted(own)]
+            made = {o for n in body for o in n.output}
+            outs = []
+            for v in values:
+                if v not in made:                   # a value of the graph's: ONNX returns it through a node
+                    body.append(helper.make_node("Identity", [v], [f"{v}_{mark.output[0]}_{side}"]))
+                    v = body[-1].output[0]
+                outs.append(helper.make_tensor_value_info(v, TensorProto.FLOAT, None))
+            branches.append(helper.make_graph(body, f"{mark.output[0]}_{side}", [], outs))
+        ifs[m] = helper.make_node("If", [mark.input[2 * k]], list(mark.output), name=f"{mark.output[0]}_if",
                                   then_branch=branches[0], else_branch=branches[1])
     rest = [ifs.get(i, n) for i, n in enumerate(nodes) if i not in moved]
     del graph.node[:]
@@ -284,7 +311,7 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     q6 = q.reshape(b, s, L, kv, g, d).permute(0, 3, 1, 2, 4, 5)                          # (b, kv, s, L, g, d)
     qg = q6.reshape(b, kv, -1, d)                                                        # (b, kv, s*L*g, d)
     kn, vn = (x.reshape(b, s, L, kv, d).permute(0, 3, 1, 2, 4) for x in (k, v))          # (b, kv, s, L, d)
-    ox = _context_level(qg, xk, xv, biases, cap, scale, dims)                              # (b, kv, s*L*g, d+1)
+    ov, lse = _context_level(qg, xk, xv, biases, cap, scale, dims)              # (b, kv, s*L*g, d), (..., 1)
     # the beam: its prefix, each row's chunk and new tokens; the context joins the softmax as one
     # more key whose score is its log-sum-exp and whose value is its normalised output
     sp = cap(torch.matmul(qg, pk.transpose(2, 3)) * scale) + biases.prefix                # (b, kv, s*L*g, T)
@@ -293,7 +320,6 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     # nodes in every layer, which ORT merges into one
     br = torch.cat([biases.chunk, biases.new], dim=-1).reshape(b, 1, s, L * g, U + L)
     sr = cap(torch.matmul(q6.reshape(b, kv, s, L * g, d), kr.transpose(3, 4)) * scale) + br   # (b, kv, s, L*g, U+L)
-    ov, lse = torch.split(ox, [d, 1], dim=-1)
     w = torch.softmax(torch.cat([sp, sr.reshape(b, kv, s * L * g, U + L), lse], dim=-1), dim=-1)
     wp, wr, wx = split_last(w, level_sizes(biases))
     orow = torch.matmul(wr.reshape(b, kv, s, L * g, U + L), vr).reshape(b, kv, s * L * g, d)
@@ -505,6 +531,7 @@ class Biases(NamedTuple):
     gathered: object = None
     fused: bool = False         # the gathered attention as one Attention node (`attend_fused`)
     any_context: object = None  # () bool: some context column is a token (the split attention's context level runs)
+    no_context: object = None   # what a skipped context level gives (`no_context`); None: the level always runs
 
 
 def level_sizes(biases):
@@ -594,9 +621,10 @@ def _decoder(model, attention: str = "split"):
                     biases = biases._replace(window=gathered_biases(biases, *levels, window, fused=fused))
                 return LAYERS[fam](self.model, input_ids, position_ids, gathered_biases(biases, *levels, fused=fused),
                                    kv, dims)
+            chunk, new = block_biases(chunk_mask, seen, dims)
             biases = Biases(mask_bias(context_mask)[:, None, None, :], mask_bias(prefix_mask)[:, None, None, :],
-                            *block_biases(chunk_mask, seen, dims), context_beams, beam_slot, slot_row, row_slot,
-                            any_context=context_mask.max() > 0)
+                            chunk, new, context_beams, beam_slot, slot_row, row_slot,
+                            any_context=context_mask.max() > 0, no_context=no_context(chunk, dims.kv))
             if window:
                 biases = biases._replace(window=window_biases(biases, seen, position_ids, context_mask, prefix_mask,
                                                               chunk_mask, dims, window))
