@@ -47,6 +47,7 @@ BUCKETS_PER_NAT = 16
 SPAN_NATS = 64          # tokens further below the max than this share the last bucket
 N_BUCKETS = BUCKETS_PER_NAT * SPAN_NATS
 SUB_BUCKETS = 256     # finer buckets of the bucket that straddles top_p (`_nucleus_cut`)
+SHORT_BANS = 1024     # a row's sequence bans up to this many are sorted; more, and in no order, are marked
 DRAW_BLOCK = 256      # tokens per block of the draw's kept-mass sums (`_block_masses`)
 
 
@@ -217,25 +218,59 @@ def _ban(s, h, start, end, lo, hi, seq_ptr, seq_tok, banned):
 
 
 @njit(cache=True, nogil=True)
-def _unguided_mass_delta(x, e, inv_temp, top, hs, boost_ids, lo, hi):
-    """sum over the distinct modified tokens (sorted history `hs` and boost ids lo:hi, both
-    ascending) of exp(raw scaled logit - top) - e[t]: the unguided mass they lost or gained."""
+def _unguided_mass_delta(x, e, inv_temp, top, hs, bs, boost_ids, lo, hi):
+    """sum over the distinct modified tokens (the ascending `hs` and `bs`, the history with the
+    word-loop bans and the sequence bans, and the ascending boost ids lo:hi, merged) of
+    exp(raw scaled logit - top) - e[t]: the unguided mass they lost or gained, added in ascending
+    token order. A merge, not a sort of the three together: a ban list can hold most of the
+    vocabulary (a glue or healing ban), already ascending."""
     i = 0
-    j = lo
-    prev = -1
+    j = 0
+    k = lo
     delta = 0.0
-    while i < hs.shape[0] or j < hi:
-        if j >= hi or (i < hs.shape[0] and hs[i] <= boost_ids[j]):
-            t = hs[i]
+    while i < hs.shape[0] or j < bs.shape[0] or k < hi:
+        t = np.int64(x.shape[0])
+        if i < hs.shape[0]:
+            t = min(t, np.int64(hs[i]))
+        if j < bs.shape[0]:
+            t = min(t, np.int64(bs[j]))
+        if k < hi:
+            t = min(t, np.int64(boost_ids[k]))
+        while i < hs.shape[0] and hs[i] == t:
             i += 1
-        else:
-            t = boost_ids[j]
+        while j < bs.shape[0] and bs[j] == t:
             j += 1
-        if t == prev:
-            continue
-        prev = t
+        while k < hi and boost_ids[k] == t:
+            k += 1
         delta += np.exp(np.float64(x[t] * inv_temp) - top) - np.float64(e[t])
     return delta
+
+
+@njit(cache=True, nogil=True)
+def _unguided_mass_delta_dense(x, e, inv_temp, top, hs, bs, boost_ids, lo, hi):
+    """`_unguided_mass_delta` where `bs` is long and in no order: each token marked once, then the
+    marked ones summed in ascending order (the same terms in the same order as the merge's)."""
+    mark = np.zeros(x.shape[0], np.bool_)
+    for t in hs:
+        mark[t] = True
+    for t in bs:
+        mark[t] = True
+    for k in range(lo, hi):
+        mark[boost_ids[k]] = True
+    delta = 0.0
+    for t in range(x.shape[0]):
+        if mark[t]:
+            delta += np.exp(np.float64(x[t] * inv_temp) - top) - np.float64(e[t])
+    return delta
+
+
+@njit(cache=True, nogil=True)
+def _ascending(v) -> bool:
+    """Whether `v` never goes down (a ban list is, as its table lists them)."""
+    for i in range(1, v.shape[0]):
+        if v[i] < v[i - 1]:
+            return False
+    return True
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -493,8 +528,14 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
         total = _mass_histogram(bk, e, hist)                 # their sum and histogram
         unguided = total                     # the log-prob returned is the unguided one:
         if shaped or len(banned) > 0:        # undo the penalties, bans and (boost_first) boosts
-            hs = np.sort(np.concatenate((hseq[r, hstart[r]:hend] if shaped else hseq[r, 0:0], banned, loops)))
-            unguided += _unguided_mass_delta(x, e, inv_temp, top, hs, boost_ids, lo if bf else hi, hi)
+            hs = np.sort(np.concatenate((hseq[r, hstart[r]:hend] if shaped else hseq[r, 0:0], loops)))
+            ascending = _ascending(banned)
+            if ascending or banned.shape[0] <= SHORT_BANS:
+                unguided += _unguided_mass_delta(x, e, inv_temp, top, hs, banned if ascending else np.sort(banned),
+                                                 boost_ids, lo if bf else hi, hi)
+            else:                            # runs of bans joined (glue, then sentence ends): by a mark
+                unguided += _unguided_mass_delta_dense(x, e, inv_temp, top, hs, banned, boost_ids,
+                                                       lo if bf else hi, hi)
         elif bf and w >= 0:                  # each weight divided by its exp(boost): no cancellation
             unguided = _unboosted_mass(e, boost_exp[row_dense[r]])
         logz = top + np.log(unguided)

@@ -378,6 +378,32 @@ def test_bans_and_forcing_match_reference_exactly(boost_first, penalty, ngram):
             assert got[r] not in banned_tokens(rows[r], groups[r])
 
 
+@pytest.mark.parametrize("boost_first", [False, True])
+def test_a_long_ban_list_in_any_order_draws_and_normalises_as_sorted(boost_first):
+    """A row's one-token bans as two ascending runs joined (the glue ban, then the sentence ends:
+    more than SHORT_BANS tokens, some twice) give the same tokens and the same log-probs, to the
+    bit, as the same bans listed once each in ascending order, and the reference's tokens: the
+    log-prob's normaliser takes each changed token once, in ascending order, either way."""
+    rng, logits, boosts, row_word, dense = _case(11)
+    R, V = logits.shape
+    hist, start, rows = _histories(rng, R, V)
+    runs = np.concatenate([np.arange(1, V, 2), np.arange(0, V, 5)]).astype(np.int32)   # 1,3,5,... then 0,5,10,...
+    assert len(runs) > kernels.SHORT_BANS and np.any(np.diff(runs) < 0)
+    joined, once = ([[(int(t),) for t in toks]] for toks in (runs, np.unique(runs)))
+    row_ban = np.where(np.arange(R) % 3 == 0, 0, -1)
+    ptr, ids, vals = csr_boosts(boosts)
+    for _ in range(3):
+        u = rng.random(R)
+        got = [sample(logits, u, top_p=0.9, row_word=row_word, boosts=(ptr, ids, vals), boost_first=boost_first,
+                      history=hist, history_start=start, repetition_penalty=1.2, no_repeat_ngram_size=3,
+                      bans=_ban_arrays(groups), row_ban=row_ban) for groups in (joined, once)]
+        assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])
+        ref_bans = [once[0] if g >= 0 else None for g in row_ban]
+        want, wlp = sample_ref(logits, u, 1.0, 0.9, dense, boost_first, rows, 1.2, 3, ref_bans, np.full(R, -1))
+        assert np.array_equal(got[0][0], want)
+        np.testing.assert_allclose(got[0][1], wlp, atol=1e-4)
+
+
 def test_banned_token_never_drawn_though_it_has_all_the_mass():
     V = 50
     logits = np.zeros((4, V), np.float32)

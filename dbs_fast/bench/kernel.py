@@ -139,10 +139,25 @@ def load_other(path: str):
     return other
 
 
+def _bans_and_loops(hist: np.ndarray, vocab: int) -> dict:
+    """The default preset's shaping on `hist`: n-gram bans and the word-loop rule (each token its
+    own word), and every tenth row under a ban of a third of the vocabulary, one-token sequences in
+    ascending order (a glue ban: the word pieces that would continue a keyword just placed)."""
+    rows = len(hist)
+    words = (np.ones(vocab, np.int8), np.arange(vocab, dtype=np.int32), np.arange(vocab + 1, dtype=np.int64),
+             np.arange(vocab, dtype=np.int32))
+    banned = np.arange(0, vocab, 3, dtype=np.int32)
+    bans = (np.array([0, len(banned)], np.int64), np.arange(len(banned) + 1, dtype=np.int64), banned)
+    row_ban = np.where(np.arange(rows) % 10 == 0, 0, -1).astype(np.int32)
+    return {"history": hist, "no_repeat_ngram_size": 3, "no_repeat_word_window": 5, "words": words, "bans": bans,
+            "row_ban": row_ban}
+
+
 def against(path: str, rows: int = 70, vocab: int = 50257, rounds: int = 40) -> dict:
     """This kernel against the `sample` of another kernels.py (loaded as a module of this package,
     so its relative imports resolve), alternated call by call; plain (peaked logits), flat
-    logits, and plain with anti-repetition."""
+    logits, plain with anti-repetition, and plain with the default's n-gram and word-loop rules
+    and a large ban (`_bans_and_loops`)."""
     other = load_other(path)
     logits, u, row_word, (ptr, bids, bvals) = _workload(rows, vocab)
     hist = np.random.default_rng(1).integers(0, vocab, (rows, 100)).astype(np.int32)
@@ -152,7 +167,8 @@ def against(path: str, rows: int = 70, vocab: int = 50257, rounds: int = 40) -> 
     out = {"against": str(path), "rounds": rounds}
     for kind, x, kw in (("plain", logits, {}), ("flat", flat, {}),
                         ("anti_repetition", logits, {"history": hist, "repetition_penalty": 1.2,
-                                                     "no_repeat_ngram_size": 3})):
+                                                     "no_repeat_ngram_size": 3}),
+                        ("bans_and_word_loops", logits, _bans_and_loops(hist, vocab))):
         def call(m):
             return draw(m, x, u, top_p=0.9, row_word=row_word, boosts=(ptr, bids, bvals), **kw)
         a, b = call(kernels), call(other)
