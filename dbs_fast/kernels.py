@@ -529,13 +529,13 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
         unguided = total                     # the log-prob returned is the unguided one:
         if shaped or len(banned) > 0:        # undo the penalties, bans and (boost_first) boosts
             hs = np.sort(np.concatenate((hseq[r, hstart[r]:hend] if shaped else hseq[r, 0:0], loops)))
+            blo = lo if bf else hi           # a boost-first row's boosts changed its weights too
             ascending = _ascending(banned)
             if ascending or banned.shape[0] <= SHORT_BANS:
                 unguided += _unguided_mass_delta(x, e, inv_temp, top, hs, banned if ascending else np.sort(banned),
-                                                 boost_ids, lo if bf else hi, hi)
+                                                 boost_ids, blo, hi)
             else:                            # runs of bans joined (glue, then sentence ends): by a mark
-                unguided += _unguided_mass_delta_dense(x, e, inv_temp, top, hs, banned, boost_ids,
-                                                       lo if bf else hi, hi)
+                unguided += _unguided_mass_delta_dense(x, e, inv_temp, top, hs, banned, boost_ids, blo, hi)
         elif bf and w >= 0:                  # each weight divided by its exp(boost): no cancellation
             unguided = _unboosted_mass(e, boost_exp[row_dense[r]])
         logz = top + np.log(unguided)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dbs_fast.kv.prefix_cache import DECODE_GRAPH, FOLD_CONTEXT
+from dbs_fast.kv.prefix_cache import DECODE_GRAPH, in_prefixes
 from dbs_fast.manifest import MANIFEST
 from dbs_fast.runtime import make_session
 
@@ -33,7 +33,7 @@ def feeds(sess, b: int, s: int, T: int, K: int = 5, used: int = 2, C: int = CONT
     rng = np.random.default_rng(0)
     N, out = b * s, {}
     C = min(C, T - 1)
-    folded = C <= (FOLD_CONTEXT if fold is None else fold)
+    folded = in_prefixes(C, fold)
     P = T if folded else T - C                          # each beam's own columns
     past = T + used                                     # the row layout's cache length
     U = max(1, used)

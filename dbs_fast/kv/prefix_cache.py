@@ -55,6 +55,12 @@ def context_blocks(beam_context: np.ndarray, R: int) -> tuple[np.ndarray, np.nda
     return beams, bc * M + rank
 
 
+def in_prefixes(columns: int, fold: int | None = None) -> bool:
+    """Whether a context of `columns` tokens starts its beams' prefixes rather than being a level of
+    its own: `fold` (default `FOLD_CONTEXT`) or fewer."""
+    return columns <= (FOLD_CONTEXT if fold is None else fold)
+
+
 def padding_columns(mask: np.ndarray) -> int:
     """The leading columns of `mask` (rows, cols) that are padding in every row, all but the last
     where every column is (a graph input is never empty)."""
@@ -145,10 +151,10 @@ class PrefixCache:
         past = [np.ascontiguousarray(t) for t in past] if ops is HOST else past
         empty = [ops.zeros((b, t.shape[1], 1, t.shape[3])) for t in past]
         mask, none = np.asarray(mask, np.int64), np.zeros((b, 1), np.int64)
-        if mask.shape[1] > (FOLD_CONTEXT if fold is None else fold):
-            context, context_mask, prefix, prefix_mask = past, mask, empty, none
-        else:
+        if in_prefixes(mask.shape[1], fold):
             context, context_mask, prefix, prefix_mask = empty, none, past, mask
+        else:
+            context, context_mask, prefix, prefix_mask = past, mask, empty, none
         return cls(context, context_mask, np.arange(b), prefix, prefix_mask, chunk, np.zeros((b * s, k), np.int64), s,
                    capacity=prefix_mask.shape[1] + reserve, ops=ops, group=np.repeat(np.arange(b), s),
                    _chunk_base=base)
