@@ -51,7 +51,14 @@ def _data(L, H, d, b, s, T, K=K_CHUNK, used=USED, seed=0):
 def prefix_session(x, path: Path, threads):
     import torch
 
-    from dbs_fast.export.prefix_graph import MASKED, Biases, Dims, attend, block_biases
+    from dbs_fast.export.prefix_graph import (
+        MASKED,
+        Biases,
+        Dims,
+        attend,
+        block_biases,
+        joint_bias,
+    )
     from dbs_fast.runtime import make_session
 
     L = len(x["pk"])
@@ -64,7 +71,7 @@ def prefix_session(x, path: Path, threads):
     class Layers(torch.nn.Module):
         def forward(self, q, k, v, xbias, pbias, cbias, nbias, beams, slot, *kv):
             q, k, v = q[:, None], k[:, None], v[:, None]
-            biases = Biases(xbias, pbias, cbias, nbias, beams, slot)
+            biases = joint_bias(Biases(xbias, pbias, cbias, nbias, beams, slot))
             return tuple(attend(q, k, v, *kv[6 * i:6 * i + 6], biases, float(scale), dims)[0] for i in range(L))
 
     cmask = np.ones((N, U), np.int64)                 # the decoded slots, as a step binds them

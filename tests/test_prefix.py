@@ -31,6 +31,7 @@ def _attend(q, k, v, xk, xv, pk, pv, ck, cv, xmask, beam_context, pmask, cmask, 
         attend,
         block_biases,
         gathered_biases,
+        joint_bias,
         mask_bias,
     )
     from dbs_fast.kv.prefix_cache import context_blocks
@@ -44,13 +45,13 @@ def _attend(q, k, v, xk, xv, pk, pv, ck, cv, xmask, beam_context, pmask, cmask, 
                                  *(t(m.astype(np.int64)) for m in (xmask, pmask, cmask)), dims,
                                  fused=attention == "fused")
     else:
-        biases = Biases(mask_bias(t(xmask))[:, None, None, :], mask_bias(t(pmask))[:, None, None, :],
-                        *block_biases(t(cmask.astype(np.int64)), t(seen), dims), t(beams), t(slot))
+        biases = joint_bias(Biases(mask_bias(t(xmask))[:, None, None, :], mask_bias(t(pmask))[:, None, None, :],
+                                   *block_biases(t(cmask.astype(np.int64)), t(seen), dims), t(beams), t(slot)))
     o, kn, vn = attend(t(q), t(k), t(v), t(xk), t(xv), t(pk), t(pv), t(_slot_major(ck, b)), t(_slot_major(cv, b)),
                        biases, scale, dims)
     for new, x in ((kn, k), (vn, v)):         # the new K/V come back beam-major, (b, kv, s, L, d)
         np.testing.assert_array_equal(new.numpy(), _beam_major(x.transpose(0, 2, 1, 3), b))
-    return o.numpy()
+    return o.numpy().reshape(len(q), q.shape[1], -1)     # (N * L, H * d) -> (N, L, H * d)
 
 
 def _levels(rng, b, s, kv, d, T, K, C, beam_context):

@@ -274,7 +274,7 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     its request's context, its beam's generated prefix and its own chunk (then its new tokens).
     q (N, L, H * d); k, v (N, L, kv * d) (or with the heads as an axis of their own): the new
     tokens'; xk, xv (R, kv, C, d): the contexts, one copy per request; pk, pv (b, kv, T, d): the
-    beams' prefixes; ck, cv (U, b, kv, s, d): the chunks' U slots, slot-major; `biases` (`Biases`). Returns the output (N, L, H * d) and
+    beams' prefixes; ck, cv (U, b, kv, s, d): the chunks' U slots, slot-major; `biases` (`Biases`). Returns the output (N * L, H * d) and
     the new keys and values (b, kv, s, L, d), one chunk slot's layout when L = 1.
 
     Every query of a request (its beams x s candidates x L new tokens x g query heads per kv head)
@@ -314,17 +314,16 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     ov, lse = _context_level(qg, xk, xv, biases, cap, scale, dims)              # (b, kv, s*L*g, d), (..., 1)
     # the beam: its prefix, each row's chunk and new tokens; the context joins the softmax as one
     # more key whose score is its log-sum-exp and whose value is its normalised output
-    sp = cap(torch.matmul(qg, pk.transpose(2, 3)) * scale) + biases.prefix                # (b, kv, s*L*g, T)
+    # the scale right after the MatMul (ORT folds it into one FusedMatMul); the levels' biases are
+    # one tensor of the step's (`Biases.joint`), added once to the softmax's joined scores
+    sp = cap(torch.matmul(qg, pk.transpose(2, 3)) * scale)                               # (b, kv, s*L*g, T)
     kr, vr = (torch.cat([c.permute(1, 2, 3, 0, 4), x], dim=3) for c, x in ((ck, kn), (cv, vn)))  # (b, kv, s, U+L, d)
-    # the scale right after the MatMul (ORT folds it into one FusedMatMul); the bias is the same
-    # nodes in every layer, which ORT merges into one
-    br = torch.cat([biases.chunk, biases.new], dim=-1).reshape(b, 1, s, L * g, U + L)
-    sr = cap(torch.matmul(q6.reshape(b, kv, s, L * g, d), kr.transpose(3, 4)) * scale) + br   # (b, kv, s, L*g, U+L)
-    w = torch.softmax(torch.cat([sp, sr.reshape(b, kv, s * L * g, U + L), lse], dim=-1), dim=-1)
+    sr = cap(torch.matmul(q6.reshape(b, kv, s, L * g, d), kr.transpose(3, 4)) * scale)   # (b, kv, s, L*g, U+L)
+    w = torch.softmax(torch.cat([sp, sr.reshape(b, kv, s * L * g, U + L), lse], dim=-1) + biases.joint, dim=-1)
     wp, wr, wx = split_last(w, level_sizes(biases))
     orow = torch.matmul(wr.reshape(b, kv, s, L * g, U + L), vr).reshape(b, kv, s * L * g, d)
-    o = torch.matmul(wp, pv) + orow + wx * ov
-    return o.reshape(b, kv, s, L, g, d).permute(0, 2, 3, 1, 4, 5).reshape(N, L, H * d), kn, vn
+    o = sum_of(torch.matmul(wp, pv), orow, wx * ov)
+    return o.reshape(b, kv, s, L, g, d).permute(0, 2, 3, 1, 4, 5).reshape(N * L, H * d), kn, vn
 
 
 def attend_gathered(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, softcap: float | None = None):
@@ -352,7 +351,7 @@ def attend_gathered(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims:
     o = torch.matmul(torch.softmax(scores + biases.gathered, dim=-1), keys(xv, pv, cv, v))  # (N, kv, L*g, d)
     o = o.reshape(N, kv, L, g, d)
     kn, vn = (x.reshape(b, s, L, kv, d).permute(0, 3, 1, 2, 4) for x in (k, v))      # (b, kv, s, L, d)
-    return o.permute(0, 2, 1, 3, 4).reshape(N, L, H * d), kn, vn
+    return o.permute(0, 2, 1, 3, 4).reshape(N * L, H * d), kn, vn
 
 
 def attend_fused(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, softcap: float | None = None):
@@ -371,7 +370,7 @@ def attend_fused(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Di
     past_k, past_v = (torch.cat(_slot_levels(x, p, c, biases, dims), dim=2) for x, p, c in ((xk, pk, ck), (xv, pv, cv)))
     o = _attention(q, k, v, biases.gathered, past_k, past_v, H, kv, scale)      # past: (N, kv, C+T+U, d)
     kn, vn = (x.reshape(b, s, L, kv, d).permute(0, 3, 1, 2, 4) for x in (k, v))      # (b, kv, s, L, d)
-    return o, kn, vn
+    return o.reshape(N * L, H * d), kn, vn
 
 
 def _slot_levels(x, p, c, biases, dims: Dims) -> list:
@@ -522,7 +521,7 @@ class Biases(NamedTuple):
     context_beams: object
     beam_slot: object
     slot_row: object = None     # (N,) the computed row each attention slot takes (None: slot r = row r)
-    row_slot: object = None     # (n,) the slot each computed row's attention output comes from
+    row_token: object = None    # (n * L,) the slot token each computed row token's attention output comes from
     window: object = None       # the biases of the layers that slide a window (`window_biases`), or None
     # the gathered attention (`attend_gathered`): each slot's context (N,) and beam (N,), and the
     # additive bias (N, 1, L*g, C+T+U+L) of its queries over its keys; None: the split attention
@@ -532,6 +531,7 @@ class Biases(NamedTuple):
     fused: bool = False         # the gathered attention as one Attention node (`attend_fused`)
     any_context: object = None  # () bool: some context column is a token (the split attention's context level runs)
     no_context: object = None   # what a skipped context level gives (`no_context`); None: the level always runs
+    joint: object = None        # the split attention's bias over the beam's joined softmax (`joint_bias`)
 
 
 def level_sizes(biases):
@@ -564,6 +564,37 @@ def split_last(x, sizes):
     return SplitLast.apply(x, sizes)
 
 
+def sum_of(*xs):
+    """xs[0] + xs[1] + ..., broadcast, as one ONNX Sum node (ORT adds the inputs in order, so the
+    result is the chain of Adds' to the bit)."""
+    import torch
+
+    class SumOf(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            out = args[0]
+            for a in args[1:]:
+                out = out + a
+            return out
+
+        @staticmethod
+        def symbolic(g, *args):
+            return g.op("Sum", *args)
+
+    return SumOf.apply(*xs)
+
+
+def joint_bias(biases):
+    """`biases` with the split attention's one bias over the beam's softmax (b, 1, s*L*g, T+U+L+1):
+    the prefix's (broadcast over the query rows), the row's chunk and new tokens', and 0 for the
+    context's column, built once per step and added once a layer to the joined scores."""
+    import torch
+
+    rows = biases.chunk[..., :1]                                                      # (b, 1, s*L*g, 1)
+    prefix = biases.prefix + rows * 0                                                 # (b, 1, s*L*g, T)
+    return biases._replace(joint=torch.cat([prefix, biases.chunk, biases.new, rows * 0], dim=-1))
+
+
 def layer_biases(biases, layer=None):
     """The biases of a layer: its window's where its attention slides one (`attention_type`
     "sliding_attention", or every layer of a model with a window and no layer types)."""
@@ -580,10 +611,19 @@ def to_slots(x, biases):
 
 
 def to_rows(x, biases):
-    """Per attention slot (N, ...) -> per computed row (n, ...)."""
+    """Per attention slot's tokens (N * L, F), as `attend` returns them, -> per computed row's tokens
+    (n * L, F), the output projection's input: one Gather (`Biases.row_token`)."""
     import torch
 
-    return x if biases.row_slot is None else torch.index_select(x, 0, biases.row_slot)
+    return x if biases.row_token is None else torch.index_select(x, 0, biases.row_token)
+
+
+def row_tokens(row_slot, L):
+    """(n * L,) the slot token (slot * L + token) each computed row's token reads its attention
+    output from, for the slots' (N * L, F) layout."""
+    import torch
+
+    return (row_slot[:, None] * L + torch.arange(L)[None, :]).reshape(-1)
 
 
 def mask_bias(mask):
@@ -613,8 +653,9 @@ def _decoder(model, attention: str = "split"):
             dims = Dims(slot_row.shape[0], input_ids.shape[1], prefix_mask.shape[0], kv[4].shape[3],
                         prefix_mask.shape[1], chunk_mask.shape[1], *context_beams.shape, context_mask.shape[1], *heads,
                         input_ids.shape[0])
+            row_token = row_tokens(row_slot, input_ids.shape[1])
             if attention != "split":
-                biases = Biases(None, None, None, None, context_beams, beam_slot, slot_row, row_slot)
+                biases = Biases(None, None, None, None, context_beams, beam_slot, slot_row, row_token)
                 levels = (seen, position_ids, context_mask, prefix_mask, chunk_mask, dims)
                 fused = attention == "fused"
                 if window:
@@ -622,12 +663,12 @@ def _decoder(model, attention: str = "split"):
                 return LAYERS[fam](self.model, input_ids, position_ids, gathered_biases(biases, *levels, fused=fused),
                                    kv, dims)
             chunk, new = block_biases(chunk_mask, seen, dims)
-            biases = Biases(mask_bias(context_mask)[:, None, None, :], mask_bias(prefix_mask)[:, None, None, :],
-                            chunk, new, context_beams, beam_slot, slot_row, row_slot,
-                            any_context=context_mask.max() > 0, no_context=no_context(chunk, dims.kv))
+            biases = joint_bias(Biases(mask_bias(context_mask)[:, None, None, :], mask_bias(prefix_mask)[:, None, None, :],
+                                       chunk, new, context_beams, beam_slot, slot_row, row_token,
+                                       any_context=context_mask.max() > 0, no_context=no_context(chunk, dims.kv)))
             if window:
-                biases = biases._replace(window=window_biases(biases, seen, position_ids, context_mask, prefix_mask,
-                                                              chunk_mask, dims, window))
+                biases = biases._replace(window=joint_bias(window_biases(biases, seen, position_ids, context_mask,
+                                                                         prefix_mask, chunk_mask, dims, window)))
             return LAYERS[fam](self.model, input_ids, position_ids, biases, kv, dims)
 
     return PrefixDecoder().eval()
@@ -656,7 +697,7 @@ def _llama(model, ids, pos, biases, kv, dims):
         k = turn(_head_norm(a, "k_norm", k, KV, d), KV)                # (N, L, KV * d)
         o, kn, vn = attend(q, k, v, *kv[6 * i:6 * i + 6], layer_biases(biases, layer),
                            a.scaling, dims)
-        x, h = skip_norm(layer.post_attention_layernorm, a.o_proj(to_rows(o, biases).reshape(-1, H * d)), h)
+        x, h = skip_norm(layer.post_attention_layernorm, a.o_proj(to_rows(o, biases)), h)
         after = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
         x, h = skip_norm(after, _mlp(layer.mlp, x), h)                 # the next layer's input, or the head's
         new += [kn, vn]                                                # (b, KV, s, L, d)
@@ -867,7 +908,7 @@ def _gpt2(model, ids, pos, biases, kv, dims):
     for i, block in enumerate(t.h):
         q, k, v = (to_slots(y.reshape(n, L, H, d), biases) for y in conv(block.attn.c_attn, x).split(D, dim=1))
         o, kn, vn = attend(q, k, v, *kv[6 * i:6 * i + 6], biases, 1.0 / math.sqrt(d), dims)
-        x, h = skip_norm(block.ln_2, conv(block.attn.c_proj, to_rows(o, biases).reshape(-1, D)), h)
+        x, h = skip_norm(block.ln_2, conv(block.attn.c_proj, to_rows(o, biases)), h)
         mlp = block.mlp
         x, h = skip_norm(t.h[i + 1].ln_1 if i + 1 < len(t.h) else t.ln_f, conv(mlp.c_proj, mlp.act(conv(mlp.c_fc, x))), h)
         new += [kn, vn]                                                # (b, H, s, L, d)
@@ -887,7 +928,7 @@ def _opt(model, ids, pos, biases, kv, dims):
         a, x = layer.self_attn, layer.self_attn_layer_norm(h)
         q, k, v = (to_slots(p(x).reshape(n, L, H, d), biases) for p in (a.q_proj, a.k_proj, a.v_proj))
         o, kn, vn = attend(q, k, v, *kv[6 * i:6 * i + 6], biases, a.scaling, dims)
-        h = h + a.out_proj(to_rows(o, biases).reshape(-1, H * d))
+        h = h + a.out_proj(to_rows(o, biases))
         h = h + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(h))))
         new += [kn, vn]
     if m.final_layer_norm is not None:
@@ -922,7 +963,7 @@ def _gemma(model, ids, pos, biases, kv, dims):
         o, kn, vn = attend(q, k, v, *kv[6 * i:6 * i + 6],
                            layer_biases(biases, layer), a.scaling, dims,
                            softcap=getattr(cfg, "attn_logit_softcapping", None))
-        o = norm(layer.post_attention_layernorm, a.o_proj(to_rows(o, biases).reshape(-1, H * d)))
+        o = norm(layer.post_attention_layernorm, a.o_proj(to_rows(o, biases)))
         x, h = skip_norm(layer.pre_feedforward_layernorm, o, h)
         after = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
         x, h = skip_norm(after, norm(layer.post_feedforward_layernorm, _mlp(layer.mlp, x)), h)
@@ -946,7 +987,7 @@ def _neox(model, ids, pos, biases, kv, dims):
         q, k = (rope(t.reshape(n, L, H * d), H) for t in (q, k))      # (n, L, H * d) or (n, L, H, d)
         o, kn, vn = attend(*(to_slots(x, biases) for x in (q, k, v.reshape(n, L, H, d))), *kv[6 * i:6 * i + 6],
                            biases, a.scaling, dims)
-        o = a.dense(to_rows(o, biases).reshape(-1, H * d))
+        o = a.dense(to_rows(o, biases))
         if layer.use_parallel_residual:
             h = h + o + layer.mlp(layer.post_attention_layernorm(h))
         else:
