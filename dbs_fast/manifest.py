@@ -14,7 +14,7 @@ EXPORT_FORMAT_VERSION = 4
 # bumped whenever the decode graph an export writes changes but an older one still runs (the same
 # inputs and outputs: a leaner step): an embedded model's export of an older graph is written
 # again, once, instead of running the slower step without a word
-DECODE_GRAPH_REVISION = 6
+DECODE_GRAPH_REVISION = 7
 
 
 def current_export(model_dir: Path) -> bool:

@@ -12,13 +12,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("optimum.exporters.onnx")
 
 
-def _beam_major(x, b):
-    """(N, kv, L, d) rows -> (b, kv, s, L, d), the layout of the decode graph's new K/V."""
-    return np.ascontiguousarray(x.reshape(b, -1, *x.shape[1:]).transpose(0, 2, 1, 3, 4))
-
-
 def _slot_major(x, b):
-    """(N, kv, K, d) rows -> (K, b, kv, s, d), the chunk layout of the decode graph."""
+    """(N, kv, K, d) rows -> (K, b, kv, s, d), the chunk layout of the decode graph (and of its
+    new K/V, K = L)."""
     return np.ascontiguousarray(x.reshape(b, -1, *x.shape[1:]).transpose(3, 0, 2, 1, 4))
 
 
@@ -49,8 +45,8 @@ def _attend(q, k, v, xk, xv, pk, pv, ck, cv, xmask, beam_context, pmask, cmask, 
                                    *block_biases(t(cmask.astype(np.int64)), t(seen), dims), t(beams), t(slot)))
     o, kn, vn = attend(t(q), t(k), t(v), t(xk), t(xv), t(pk), t(pv), t(_slot_major(ck, b)), t(_slot_major(cv, b)),
                        biases, scale, dims)
-    for new, x in ((kn, k), (vn, v)):         # the new K/V come back beam-major, (b, kv, s, L, d)
-        np.testing.assert_array_equal(new.numpy(), _beam_major(x.transpose(0, 2, 1, 3), b))
+    for new, x in ((kn, k), (vn, v)):         # the new K/V come back slot-major, (L, b, kv, s, d)
+        np.testing.assert_array_equal(new.numpy(), _slot_major(x.transpose(0, 2, 1, 3), b))
     return o.numpy().reshape(len(q), q.shape[1], -1)     # (N * L, H * d) -> (N, L, H * d)
 
 
@@ -427,7 +423,7 @@ def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers(
         new = [rng.standard_normal((b * s, kv, 1, d)).astype(np.float32) for _ in range(2 * layers)]
         for _ in range(k):                                          # a step writes in place, then counts
             for slot, x in zip(pc.next_slot(), new):
-                slot[...] = _beam_major(x, b)
+                slot[...] = _slot_major(x, b)
             pc.advance()
         rows = rng.integers(0, b * s, b)                            # repeats allowed
         pc.keep(rows)
@@ -458,24 +454,24 @@ def test_a_step_writes_its_new_kv_into_the_next_chunk_slot_in_place():
     pc = PrefixCache.start(past, np.ones((b, T), np.int64), s, k)
     for j in range(2):
         slot = pc.next_slot()
-        assert slot[0].shape == (b, kv, s, 1, d) and np.shares_memory(slot[0], pc.chunk[0][j])
+        assert slot[0].shape == (1, b, kv, s, d) and np.shares_memory(slot[0], pc.chunk[0][j])
         new = rng.standard_normal(slot[1].shape).astype(np.float32)
         slot[1][...] = new
         pc.advance()
-        np.testing.assert_array_equal(pc.chunk[1][j], new[:, :, :, 0])
+        np.testing.assert_array_equal(pc.chunk[1][j], new[0])
     assert pc.used == 2 and pc.chunk_mask[:, :2].all() and not pc.chunk_mask[:, 2:].any()
     assert not pc.chunk[0][2:].any()
     chunks, mask = pc.slots()
     assert chunks[0].shape == (k, b, kv, s, d) and chunks[0].flags.c_contiguous and mask.shape == (b * s, k)
     assert mask[:, :2].all() and not mask[:, 2:].any()
     # a step's new K/V of every tensor in one copy (one array), or tensor by tensor (a list)
-    stack = rng.standard_normal((len(pc.chunk), b, kv, s, 1, d)).astype(np.float32)
+    stack = rng.standard_normal((len(pc.chunk), 1, b, kv, s, d)).astype(np.float32)
     pc.put(stack)
     for c, x in zip(pc.chunk, stack):
-        np.testing.assert_array_equal(c[2], x[:, :, :, 0])
+        np.testing.assert_array_equal(c[2], x[0])
     pc.advance()
     pc.put(list(stack * 2))
-    np.testing.assert_array_equal(pc.chunk[1][3], 2 * stack[1][:, :, :, 0])
+    np.testing.assert_array_equal(pc.chunk[1][3], 2 * stack[1][0])
 
 
 def _on_device(dbs, model_dir):
@@ -565,7 +561,8 @@ def test_a_step_on_the_device_moves_only_ids_masks_and_logits(decoders):
 def test_device_ops_equal_their_numpy_references(dtype):
     """`DeviceOps` (the cache's operations as ORT graphs on a device; here the CPU provider) against
     NumPy and the host's Numba extension: extension of several tensors in one run, gather, concat,
-    left padding, trim, zeros, and the views (leading slots, one slot) bound by pointer; float32 and
+    left padding, trim, zeros, a prefill's new slots appended as columns, and the views (leading
+    slots, one slot) bound by pointer; float32 and
     an fp16 export's float16."""
     from dbs_fast.kv.device import DeviceOps
     from dbs_fast.kv.kv_copy import extend_prefix
@@ -593,7 +590,15 @@ def test_device_ops_equal_their_numpy_references(dtype):
     np.testing.assert_array_equal(ops.pad_cols(P[0], 2).numpy(), np.pad(p, [(0, 0), (0, 0), (2, 0), (0, 0)]))
     np.testing.assert_array_equal(ops.cols(P[0], 2).numpy(), p[:, :, 2:])
     np.testing.assert_array_equal(ops.zeros((2, 3)).numpy(), np.zeros((2, 3), dtype))
-    np.testing.assert_array_equal(ops.at(C[0], 1, (b, kv, s, 1, d)).numpy(), c[1][:, :, :, None])
+    np.testing.assert_array_equal(ops.at(C[0], 1, (1, b, kv, s, d)).numpy(), c[None, 1])
+    # a prefill's L new slots (L, Q, kv, 1, d) as the context's next columns, on the device and the host
+    from dbs_fast.kv.prefix_cache import HOST
+
+    slots = c[:3, :, :, :1]                                 # (3, b, kv, 1, d)
+    want = np.concatenate([p, slots[:, :, :, 0].transpose(1, 2, 0, 3)], axis=2)
+    assert want.shape == (b, kv, T + 3, d) and np.array_equal(want[:, :, T + 1], slots[1, :, :, 0])
+    np.testing.assert_array_equal(ops.append_slots(P[0], ops.upload(slots)).numpy(), want)
+    np.testing.assert_array_equal(HOST.append_slots(p, slots), want)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])

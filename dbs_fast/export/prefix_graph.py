@@ -22,8 +22,10 @@ every step. This graph takes three levels of cache:
                                                               undecoded ones masked
 
 and returns `logits` (n, vocab) of each computed row's last new token and only the new tokens'
-`new.L.key/value` (b, kv_heads, s, L, head_dim): with L = 1 that is one slot of the chunk buffer
-(the host copies it there, or, with the cache on a device, binds the slot as the output); the kept
+`new.L.key/value` (L, b, kv_heads, s, head_dim), slot-major as the chunk is: with L = 1 that is one
+slot of the chunk buffer (the host copies it there, or, with the cache on a device, binds the slot
+as the output), and the chunk's keys and values join them in one Concat each, which ORT's matmuls
+read as they lie, with no transpose of the new or the chunk's tensors; the kept
 rows' chunks are appended to the prefixes once per chunk (`dbs_fast.kv.prefix_cache.PrefixCache`).
 Nothing per step copies the context or the prefix, and a chunk's inputs are the same arrays at each
 of its steps, bound once (binding 60 tensors a step was a tenth of a one-row step on the default).
@@ -275,7 +277,7 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     q (N, L, H * d); k, v (N, L, kv * d) (or with the heads as an axis of their own): the new
     tokens'; xk, xv (R, kv, C, d): the contexts, one copy per request; pk, pv (b, kv, T, d): the
     beams' prefixes; ck, cv (U, b, kv, s, d): the chunks' U slots, slot-major; `biases` (`Biases`). Returns the output (N * L, H * d) and
-    the new keys and values (b, kv, s, L, d), one chunk slot's layout when L = 1.
+    the new keys and values (L, b, kv, s, d): L chunk slots, slot-major.
 
     Every query of a request (its beams x s candidates x L new tokens x g query heads per kv head)
     is a row of one batched matmul against the request's context, (M, R, kv, s*L*g, d) x (R, kv, d,
@@ -310,14 +312,14 @@ def attend(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Dims, so
     g = H // kv
     q6 = q.reshape(b, s, L, kv, g, d).permute(0, 3, 1, 2, 4, 5)                          # (b, kv, s, L, g, d)
     qg = q6.reshape(b, kv, -1, d)                                                        # (b, kv, s*L*g, d)
-    kn, vn = (x.reshape(b, s, L, kv, d).permute(0, 3, 1, 2, 4) for x in (k, v))          # (b, kv, s, L, d)
+    kn, vn = (x.reshape(b, s, L, kv, d).permute(2, 0, 3, 1, 4) for x in (k, v))          # (L, b, kv, s, d)
     ov, lse = _context_level(qg, xk, xv, biases, cap, scale, dims)              # (b, kv, s*L*g, d), (..., 1)
     # the beam: its prefix, each row's chunk and new tokens; the context joins the softmax as one
     # more key whose score is its log-sum-exp and whose value is its normalised output
     # the scale right after the MatMul (ORT folds it into one FusedMatMul); the levels' biases are
     # one tensor of the step's (`Biases.joint`), added once to the softmax's joined scores
     sp = cap(torch.matmul(qg, pk.transpose(2, 3)) * scale)                               # (b, kv, s*L*g, T)
-    kr, vr = (torch.cat([c.permute(1, 2, 3, 0, 4), x], dim=3) for c, x in ((ck, kn), (cv, vn)))  # (b, kv, s, U+L, d)
+    kr, vr = (torch.cat([c, x]).permute(1, 2, 3, 0, 4) for c, x in ((ck, kn), (cv, vn)))     # (b, kv, s, U+L, d)
     sr = cap(torch.matmul(q6.reshape(b, kv, s, L * g, d), kr.transpose(3, 4)) * scale)   # (b, kv, s, L*g, U+L)
     w = torch.softmax(torch.cat([sp, sr.reshape(b, kv, s * L * g, U + L), lse], dim=-1) + biases.joint, dim=-1)
     wp, wr, wx = split_last(w, level_sizes(biases))
@@ -350,7 +352,7 @@ def attend_gathered(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims:
         scores = torch.tanh(scores / softcap) * softcap
     o = torch.matmul(torch.softmax(scores + biases.gathered, dim=-1), keys(xv, pv, cv, v))  # (N, kv, L*g, d)
     o = o.reshape(N, kv, L, g, d)
-    kn, vn = (x.reshape(b, s, L, kv, d).permute(0, 3, 1, 2, 4) for x in (k, v))      # (b, kv, s, L, d)
+    kn, vn = (x.reshape(b, s, L, kv, d).permute(2, 0, 3, 1, 4) for x in (k, v))      # (L, b, kv, s, d)
     return o.permute(0, 2, 1, 3, 4).reshape(N * L, H * d), kn, vn
 
 
@@ -369,7 +371,7 @@ def attend_fused(q, k, v, xk, xv, pk, pv, ck, cv, biases, scale: float, dims: Di
 
     past_k, past_v = (torch.cat(_slot_levels(x, p, c, biases, dims), dim=2) for x, p, c in ((xk, pk, ck), (xv, pv, cv)))
     o = _attention(q, k, v, biases.gathered, past_k, past_v, H, kv, scale)      # past: (N, kv, C+T+U, d)
-    kn, vn = (x.reshape(b, s, L, kv, d).permute(0, 3, 1, 2, 4) for x in (k, v))      # (b, kv, s, L, d)
+    kn, vn = (x.reshape(b, s, L, kv, d).permute(2, 0, 3, 1, 4) for x in (k, v))      # (L, b, kv, s, d)
     return o.reshape(N * L, H * d), kn, vn
 
 
@@ -1158,7 +1160,7 @@ def export_prefix_decoder(model, path: Path, opset: int = 17, attention: str = "
         axes.update({**{f"context.{i}.{t}": {0: "contexts", 2: "context"} for t in ("key", "value")},
                      f"prefix.{i}.key": {0: "beams", 2: "prefix"}, f"prefix.{i}.value": {0: "beams", 2: "prefix"},
                      **{f"chunk.{i}.{t}": {0: "chunk", 1: "beams", 3: "candidates"} for t in ("key", "value")},
-                     **{f"new.{i}.{t}": {0: "beams", 2: "candidates", 3: "new"} for t in ("key", "value")}})
+                     **{f"new.{i}.{t}": {0: "new", 1: "beams", 3: "candidates"} for t in ("key", "value")}})
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         torch.onnx.export(dec, tuple(args), str(path), input_names=ins, output_names=outs, dynamic_axes=axes,

@@ -181,12 +181,12 @@ class PrefixDecoder:
 
     def _buffers(self, cache: PrefixCache, L: int, new: bool = True, n: int | None = None) -> list[np.ndarray]:
         """Logits (n, vocab) (n: the rows computed, default every slot) and, with `new`, the new
-        K/V (b, kv, s, L, d) per tensor, reused while the shapes are the same. The logits are the
+        K/V (L, b, kv, s, d) per tensor, reused while the shapes are the same. The logits are the
         first n rows of a buffer for every slot, so that a step computing fewer distinct rows
         than the last allocates nothing."""
         N = cache.chunk_mask.shape[0]
         _, b, kv, s, d = cache.chunk[0].shape
-        shape = (N, len(cache.chunk) if new else 0, b, kv, s, L, d)
+        shape = (N, len(cache.chunk) if new else 0, L, b, kv, s, d)
         if shape != self._out_shape:
             # the new K/V of every tensor are entries of one array, so that `PrefixCache.put` copies once
             self._new = np.empty(shape[1:], self.dtype)
@@ -276,8 +276,8 @@ class PrefixDecoder:
         for t in range(start, T, PREFILL_SLICE):
             cols = slice(t, min(t + PREFILL_SLICE, T))
             logits, new = self.run(ids[:, cols], pc, positions=pos[:, cols], new_mask=mask[:, cols])
-            # new (Q, kv, 1, L, d): one row per context, so dropping the s axis is a reshape
-            pc.context = [ops.concat(p, x.reshape(x.shape[:2] + x.shape[3:]), 2) for p, x in zip(pc.context, new)]
+            # new (L, Q, kv, 1, d): L slots of one row per context, the context's next L columns
+            pc.context = [ops.append_slots(p, x) for p, x in zip(pc.context, new)]
             pc.context_mask = np.concatenate([pc.context_mask, mask[:, cols]], axis=1)
         return logits.copy(), [ops.cols(p, 1) for p in pc.context]
 
@@ -342,7 +342,7 @@ class PrefixDecoder:
     def run(self, input_ids: np.ndarray, cache: PrefixCache, positions: np.ndarray | None = None,
             new_mask: np.ndarray | None = None, in_place: bool = False,
             rows: tuple | None = None) -> tuple[np.ndarray, list | None]:
-        """One call of the graph: logits (n, vocab) and the new K/V (b, kv, s, L, d) per tensor, both
+        """One call of the graph: logits (n, vocab) and the new K/V (L, b, kv, s, d) per tensor, both
         buffers of this decoder; the cache is not changed. `in_place` (one new token per row): the
         new K/V are written into the cache's next chunk slot instead, and None comes back for them
         (`PrefixCache.advance` counts them). `rows`: (slot_row, row_slot), the distinct rows to

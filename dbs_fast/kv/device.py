@@ -121,6 +121,9 @@ def _graphs(dtype=F32) -> dict:
         # columns z.. of (b, kv, T, d)
         "cols": model([n("Slice", ["x", "z", "end", "axis"], ["y"])],
                       [("x", "f"), ("z", "i"), ("end", "i"), ("axis", "i")]),
+        # p (Q, kv, T, d) ++ the L slots x (L, Q, kv, 1, d) as columns -> (Q, kv, T + L, d)
+        "append_slots": model([n("Squeeze", ["x", "three"], ["x4"]), n("Transpose", ["x4"], ["xt"], perm=[1, 2, 0, 3]),
+                               n("Concat", ["p", "xt"], ["y"], axis=2)], [("p", "f"), ("x", "f"), ("three", "i")]),
         # zeros of shape `shape`
         "zeros": model([n("ConstantOfShape", ["shape"], ["y"], value=numpy_helper.from_array(np.zeros(1, dtype)))],
                        [("shape", "i")]),
@@ -194,3 +197,7 @@ class DeviceOps:
     @staticmethod
     def at(x: DeviceArray, i: int, shape) -> DeviceArray:
         return x.at(i, shape)
+
+    def append_slots(self, p: DeviceArray, x: DeviceArray) -> DeviceArray:
+        """p (Q, kv, T, d) and the L slots x (L, Q, kv, 1, d) as its next columns: (Q, kv, T + L, d)."""
+        return self._run("append_slots", p=p, x=x, three=np.array([3], np.int64))

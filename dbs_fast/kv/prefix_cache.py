@@ -98,6 +98,11 @@ class HostOps:
     def at(x: np.ndarray, i: int, shape) -> np.ndarray:
         return x[i].reshape(shape)
 
+    @staticmethod
+    def append_slots(p: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """p (Q, kv, T, d) and the L slots x (L, Q, kv, 1, d) as its next columns: (Q, kv, T + L, d)."""
+        return np.concatenate([p, x[:, :, :, 0].transpose(1, 2, 0, 3)], axis=2)
+
 
 HOST = HostOps()
 
@@ -196,22 +201,22 @@ class PrefixCache:
         return self.chunk, self.chunk_mask
 
     def next_slot(self) -> list[np.ndarray]:
-        """Where a decode step's new K/V go: the chunk's slot `used`, (b, kv, s, 1, d) per tensor (a
+        """Where a decode step's new K/V go: the chunk's slot `used`, (1, b, kv, s, d) per tensor (a
         view a decode graph writes in place; `advance` then counts it)."""
         self._room(1)
-        return [self.ops.at(c, self.used, c.shape[1:4] + (1,) + c.shape[4:]) for c in self.chunk]
+        return [self.ops.at(c, self.used, (1,) + c.shape[1:]) for c in self.chunk]
 
     def put(self, new) -> None:
-        """A decode step's new K/V (host arrays), (tensors, b, kv, s, 1, d) as one array or a list
-        of (b, kv, s, 1, d), copied into the chunk's slot `used` (`advance` then counts it): one
+        """A decode step's new K/V (host arrays), (tensors, 1, b, kv, s, d) as one array or a list
+        of (1, b, kv, s, d), copied into the chunk's slot `used` (`advance` then counts it): one
         copy where both are one array (60 small copies took ~0.2 ms of a one-row step)."""
         self._room(1)
         u = self.used
         if self._chunk_base is not None and isinstance(new, np.ndarray):
-            self._chunk_base[:, u] = new[..., 0, :]
+            self._chunk_base[:, u] = new[:, 0]
             return
         for c, x in zip(self.chunk, new):
-            c[u] = x[..., 0, :]
+            c[u] = x[0]
 
     def advance(self, L: int = 1) -> None:
         """Count L new tokens written at slots `used`.. of the chunk."""
