@@ -702,7 +702,7 @@ def _llama(model, ids, pos, biases, kv, dims):
         x, h = skip_norm(layer.post_attention_layernorm, a.o_proj(to_rows(o, biases)), h)
         after = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
         x, h = skip_norm(after, _mlp(layer.mlp, x), h)                 # the next layer's input, or the head's
-        new += [kn, vn]                                                # (b, KV, s, L, d)
+        new += [kn, vn]                                                # (L, b, KV, s, d)
     return (_logits(model, x, dims), *new)
 
 
@@ -913,7 +913,7 @@ def _gpt2(model, ids, pos, biases, kv, dims):
         x, h = skip_norm(block.ln_2, conv(block.attn.c_proj, to_rows(o, biases)), h)
         mlp = block.mlp
         x, h = skip_norm(t.h[i + 1].ln_1 if i + 1 < len(t.h) else t.ln_f, conv(mlp.c_proj, mlp.act(conv(mlp.c_fc, x))), h)
-        new += [kn, vn]                                                # (b, H, s, L, d)
+        new += [kn, vn]                                                # (L, b, H, s, d)
     return (_logits(model, x, dims), *new)
 
 

@@ -6,7 +6,8 @@ chunk slots it reads to the GPU and the new K/V back, and every chunk the whole 
 `DeviceArray` is a tensor in ORT's memory on a device (an `OrtValue` and an offset into it, so
 that one chunk slot is a view and not a copy), bound to the
 decode graph by pointer. `DeviceOps` does the cache's few tensor operations (gather of beams,
-prefix extension by kept chunks, concatenation, left padding, column trim, zeros) as small ONNX
+prefix extension by kept chunks, concatenation, a prefill's new slots as columns, left padding,
+column trim, zeros) as small ONNX
 graphs run by the same provider on the same device, so that at a step only the token ids,
 positions and masks go up and the logits come down (the logits kernel runs on the host).
 
@@ -115,7 +116,6 @@ def _graphs(dtype=F32) -> dict:
         "take": model([n("Gather", ["x", "i"], ["y"], axis=0)], [("x", "f"), ("i", "i")]),
         "concat0": model([n("Concat", ["a", "b"], ["y"], axis=0)], [("a", "f"), ("b", "f")]),
         "concat1": model([n("Concat", ["a", "b"], ["y"], axis=1)], [("a", "f"), ("b", "f")]),
-        "concat2": model([n("Concat", ["a", "b"], ["y"], axis=2)], [("a", "f"), ("b", "f")]),
         # (b, kv, T, d) with n zero columns in front: pads (8,) = [0, 0, n, 0, 0, 0, 0, 0]
         "pad": model([n("Pad", ["x", "pads"], ["y"])], [("x", "f"), ("pads", "i")]),
         # columns z.. of (b, kv, T, d)
