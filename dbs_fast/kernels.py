@@ -217,6 +217,12 @@ def _ban(s, h, start, end, lo, hi, seq_ptr, seq_tok, banned):
     return n
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _mass_change(x, e, inv_temp, top, t):
+    """What token t's unguided weight, exp(raw scaled logit - top), differs from its shaped one e[t]."""
+    return np.exp(np.float64(x[t] * inv_temp) - top) - np.float64(e[t])
+
+
 @njit(cache=True, nogil=True)
 def _unguided_mass_delta(x, e, inv_temp, top, hs, bs, boost_ids, lo, hi):
     """sum over the distinct modified tokens (the ascending `hs` and `bs`, the history with the
@@ -242,7 +248,7 @@ def _unguided_mass_delta(x, e, inv_temp, top, hs, bs, boost_ids, lo, hi):
             j += 1
         while k < hi and boost_ids[k] == t:
             k += 1
-        delta += np.exp(np.float64(x[t] * inv_temp) - top) - np.float64(e[t])
+        delta += _mass_change(x, e, inv_temp, top, t)
     return delta
 
 
@@ -260,7 +266,7 @@ def _unguided_mass_delta_dense(x, e, inv_temp, top, hs, bs, boost_ids, lo, hi):
     delta = 0.0
     for t in range(x.shape[0]):
         if mark[t]:
-            delta += np.exp(np.float64(x[t] * inv_temp) - top) - np.float64(e[t])
+            delta += _mass_change(x, e, inv_temp, top, t)
     return delta
 
 

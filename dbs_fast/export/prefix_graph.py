@@ -592,9 +592,8 @@ def joint_bias(biases):
     context's column, built once per step and added once a layer to the joined scores."""
     import torch
 
-    rows = biases.chunk[..., :1]                                                      # (b, 1, s*L*g, 1)
-    prefix = biases.prefix + rows * 0                                                 # (b, 1, s*L*g, T)
-    return biases._replace(joint=torch.cat([prefix, biases.chunk, biases.new, rows * 0], dim=-1))
+    zero = biases.chunk[..., :1] * 0                                                  # (b, 1, s*L*g, 1)
+    return biases._replace(joint=torch.cat([biases.prefix + zero, biases.chunk, biases.new, zero], dim=-1))
 
 
 def layer_biases(biases, layer=None):

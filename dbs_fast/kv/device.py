@@ -122,8 +122,9 @@ def _graphs(dtype=F32) -> dict:
         "cols": model([n("Slice", ["x", "z", "end", "axis"], ["y"])],
                       [("x", "f"), ("z", "i"), ("end", "i"), ("axis", "i")]),
         # p (Q, kv, T, d) ++ the L slots x (L, Q, kv, 1, d) as columns -> (Q, kv, T + L, d)
-        "append_slots": model([n("Squeeze", ["x", "three"], ["x4"]), n("Transpose", ["x4"], ["xt"], perm=[1, 2, 0, 3]),
-                               n("Concat", ["p", "xt"], ["y"], axis=2)], [("p", "f"), ("x", "f"), ("three", "i")]),
+        "append_slots": model([n("Constant", [], ["three"], value=numpy_helper.from_array(np.array([3], np.int64))),
+                               n("Squeeze", ["x", "three"], ["x4"]), n("Transpose", ["x4"], ["xt"], perm=[1, 2, 0, 3]),
+                               n("Concat", ["p", "xt"], ["y"], axis=2)], [("p", "f"), ("x", "f")]),
         # zeros of shape `shape`
         "zeros": model([n("ConstantOfShape", ["shape"], ["y"], value=numpy_helper.from_array(np.zeros(1, dtype)))],
                        [("shape", "i")]),
@@ -200,4 +201,4 @@ class DeviceOps:
 
     def append_slots(self, p: DeviceArray, x: DeviceArray) -> DeviceArray:
         """p (Q, kv, T, d) and the L slots x (L, Q, kv, 1, d) as its next columns: (Q, kv, T + L, d)."""
-        return self._run("append_slots", p=p, x=x, three=np.array([3], np.int64))
+        return self._run("append_slots", p=p, x=x)
