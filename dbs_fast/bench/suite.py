@@ -14,6 +14,8 @@ Contenders, each in its own process (peak memory and cold start are its own):
               export, PyTorch in float16, and the same under torch.compile(mode="reduce-overhead")
   onnx-fp16-fused   the fp16 export with the fused attention (`--attention fused`: one ONNX
               Attention node a layer), against onnx-fp16's gathered attention in plain operators
+  onnx-fp16-graph   onnx-fp16's export with its decode steps at bucket shapes, one CUDA graph per
+              bucket and chunk slot (`cuda_graph=True`, `dbs_fast/kv/buckets.py`)
   reference   the authors' way as the paper describes it: one candidate at a time, batch 1,
               the whole sequence re-run for every token, no KV cache (PyTorch). Measured on
               one chunk of one beam at the middle of a generation, extrapolated (see JSON).
@@ -62,13 +64,13 @@ KEYWORD_SETS = [["enemy", "speed", "meet", "colony", "mouth"],
                 ["garden", "winter", "doctor", "song", "river"],
                 ["market", "storm", "letter", "horse", "silver"]]
 CONTENDERS = ("onnx-fp32", "onnx-int8", "onnx-fp32-rows", "onnx-int8-rows", "onnx-fp32-plain", "torch-fp32", "reference",
-              "onnx-fp16", "onnx-fp16-fused", "torch-fp16", "torch-fp16-compile")
+              "onnx-fp16", "onnx-fp16-fused", "onnx-fp16-graph", "torch-fp16", "torch-fp16-compile")
 ENGINES = tuple(c for c in CONTENDERS if c != "reference")
 # the GPU's: the fp16 exports (gathered and fused attention) and PyTorch in fp16, eager and compiled; not
 # run by default
-GPU_CONTENDERS = ("onnx-fp16", "onnx-fp16-fused", "torch-fp16", "torch-fp16-compile")
+GPU_CONTENDERS = ("onnx-fp16", "onnx-fp16-fused", "onnx-fp16-graph", "torch-fp16", "torch-fp16-compile")
 # the fp16 contenders' attention (`export --attention`)
-FP16_FORMS = {"onnx-fp16": "gathered", "onnx-fp16-fused": "fused"}
+FP16_FORMS = {"onnx-fp16": "gathered", "onnx-fp16-fused": "fused", "onnx-fp16-graph": "gathered"}
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in GPU_CONTENDERS)
 TORCH = tuple(c for c in CONTENDERS if c.startswith("torch"))
 # seconds per step by stage (the search's `timed` labels): the model call as graph = inside the
@@ -203,7 +205,8 @@ def worker_engine(spec: dict, order=None) -> dict:
     provider = spec.get("provider", "cpu")
     # no context store: every generation prefills its context, as the PyTorch baseline does
     dbs = DirectedBeamSearch(spec["model_dir"], config=cfg, backend=backend, threads=spec.get("threads"),
-                             kv_layout=layout, provider=provider, context_cache_mb=0, schedule=schedule)
+                             kv_layout=layout, provider=provider, context_cache_mb=0, schedule=schedule,
+                             cuda_graph=spec["contender"].endswith("-graph"))
     if backend == "torch" and "fp16" in spec["contender"]:
         dbs.backend.set_dtype("float16")
     if spec["contender"].endswith("-compile"):

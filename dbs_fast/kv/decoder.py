@@ -123,7 +123,7 @@ class PrefixDecoder:
     place, outputs into buffers kept from step to step (no allocation, no copy out of ORT)."""
 
     def __init__(self, path: str | Path, provider: str = "cpu", threads: int | None = None,
-                 kv_device: str | None = "auto"):
+                 kv_device: str | None = "auto", buckets=None, cuda_graph: bool = False):
         self.session = make_session(Path(path), provider, threads)
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.vocab = self.session.get_outputs()[0].shape[-1]
@@ -167,6 +167,16 @@ class PrefixDecoder:
         self.host_bytes_total, self.calls = 0, 0                    # ... and over all calls
         self.graph_seconds = 0.0  # inside ORT's run, over all calls (the rest of a call is the host's work)
         self.store: ContextStore | None = None      # prefilled contexts kept across requests (host cache only)
+        # decode steps at bucket shapes, inputs and outputs at fixed addresses (`dbs_fast.kv.buckets`):
+        # on CUDA with `cuda_graph`, one captured graph per bucket and chunk slot
+        self.static = None
+        if buckets is not None or cuda_graph:
+            from ..errors import DBSError
+            from .buckets import Buckets, StaticStep
+
+            if self.ops is HOST:
+                raise DBSError("bucketed decode steps need the cache on a device (`kv_device` cuda or cpu)")
+            self.static = StaticStep(Path(path), self.ops, buckets or Buckets(), threads, cuda_graph)
 
     def _identity(self, n: int) -> np.ndarray:
         if len(self._arange) < n:
@@ -372,6 +382,12 @@ class PrefixDecoder:
             feeds["slot_row"], feeds["row_slot"] = rows if rows is not None else (self._identity(N),) * 2
         elif rows is not None:
             raise ValueError("this decode graph computes every slot (re-export the model for distinct rows)")
+        if self.static is not None and in_place:     # a bucket's fixed buffers, its own bindings
+            t0 = time.perf_counter()
+            logits = self.static.step(feeds, cache)
+            self.graph_seconds += time.perf_counter() - t0
+            self._moved(self.static.moved)
+            return logits, None
         for name, arr in feeds.items():
             self._bind(name, np.ascontiguousarray(arr) if isinstance(arr, np.ndarray) else arr)
         self._bind_cache(cache, chunk)

@@ -103,6 +103,16 @@ def extend_graph(tensors: int, dtype=F32):
     return _model(nodes, inputs, [f"y.{i}" for i in range(tensors)], dtype)
 
 
+def pad_graph(tensors: int, dtype=F32):
+    """`tensors` arrays of one shape each padded at the end of their axes by `pads` (zeros): the
+    step's fixed buffers filled from the cache's arrays in one run (`dbs_fast.kv.buckets`)."""
+    from onnx import helper
+
+    nodes = [helper.make_node("Pad", [f"x.{i}", "pads"], [f"y.{i}"]) for i in range(tensors)]
+    inputs = [(f"x.{i}", "f") for i in range(tensors)] + [("pads", "i")]
+    return _model(nodes, inputs, [f"y.{i}" for i in range(tensors)], dtype)
+
+
 def _graphs(dtype=F32) -> dict:
     """The cache's other operations as ONNX models (`dtype` tensors, int64 indices, all sizes dynamic)."""
     from onnx import helper, numpy_helper
@@ -182,6 +192,22 @@ class DeviceOps:
         feeds = {f"prefix.{i}": p for i, p in enumerate(prefixes)} | {f"chunk.{i}": c for i, c in enumerate(chunks)}
         return self._run_all(self._sessions[key], **feeds, src=np.asarray(src, np.int64), s=np.array([s], np.int64),
                              j=np.array([j], np.int64), zero=np.zeros(1, np.int64), minus1=np.full(1, -1, np.int64))
+
+    def pad_into(self, xs: list[DeviceArray], outs: list[DeviceArray]) -> None:
+        """Each x (one shape) into its out (one larger shape), zeros after it on every axis, in one
+        run whose outputs are `outs`' memory."""
+        key = f"pad{len(xs)}"
+        if key not in self._sessions:
+            self._sessions[key] = self._session(pad_graph(len(xs), self.dtype))
+        sess = self._sessions[key]
+        shape, target = xs[0].shape, outs[0].shape
+        pads = np.array([0] * len(shape) + [t - s for s, t in zip(shape, target)], np.int64)
+        io = sess.io_binding()
+        for i, (x, y) in enumerate(zip(xs, outs)):
+            io.bind_input(f"x.{i}", self.device, self.device_id, self.dtype.type, list(x.shape), x.ptr)
+            io.bind_output(f"y.{i}", self.device, self.device_id, self.dtype.type, list(y.shape), y.ptr)
+        io.bind_cpu_input("pads", pads)
+        sess.run_with_iobinding(io)
 
     def concat(self, a: DeviceArray, b: DeviceArray, axis: int) -> DeviceArray:
         return self._run(f"concat{axis}", a=a, b=b)
