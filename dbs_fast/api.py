@@ -61,7 +61,7 @@ class DirectedBeamSearch:
                  config: DBSConfig | None = None, scorer: str = "self", backend: str = "onnx",
                  provider: str = "cpu", threads: int | None = None, subword_fallback: bool = False,
                  quiet: bool = True, kv_layout: str = "auto", context_cache_mb: int = 256,
-                 schedule: str = "distinct", cuda_graph: bool = False):
+                 schedule: str = "distinct", cuda_graph: bool = False, buckets=None):
         if schedule not in SCHEDULES:
             raise DBSError.about("schedule", f"must be one of {SCHEDULES}", schedule)
         if cuda_graph and (provider != "cuda" or backend != "onnx" or kv_layout == "rows"):
@@ -72,7 +72,7 @@ class DirectedBeamSearch:
         set_threads(threads, sleep_when_idle=backend != "torch")
         self.decoder = None
         if backend == "onnx":
-            self.decoder = self._decoder(self.model_dir, kv_layout, provider, threads, cuda_graph)
+            self.decoder = self._decoder(self.model_dir, kv_layout, provider, threads, cuda_graph, buckets)
             if self.decoder is not None and context_cache_mb:      # prefilled contexts kept across requests
                 self.decoder.store = ContextStore(context_cache_mb * 2**20)
             self.backend = OnnxBackend(OnnxModel(self.model_dir, provider, threads, lazy=self.decoder is not None))
@@ -116,9 +116,11 @@ class DirectedBeamSearch:
         return self.builder.request(context, keywords, ban, seed, config or self.config)
 
     @staticmethod
-    def _decoder(model_dir: Path, kv_layout: str, provider, threads, cuda_graph: bool = False):
+    def _decoder(model_dir: Path, kv_layout: str, provider, threads, cuda_graph: bool = False, buckets=None):
         """The decode graph (decode.onnx, `export/prefix_graph.py`), or None for the row layout;
-        `cuda_graph`: its decode steps at bucket shapes, one CUDA graph each (`dbs_fast.kv.buckets`)."""
+        `buckets` (`dbs_fast.kv.buckets.Buckets`): its decode steps at bucket shapes, each replayed
+        as one CUDA graph where `cuda_graph` (on the CPU, where the cache is on a device as an fp16
+        export's is, the same path without capture)."""
         if kv_layout not in KV_LAYOUTS:
             raise DBSError(f"`kv_layout` must be one of {KV_LAYOUTS}, got {kv_layout!r}")
         path = model_dir / DECODE_GRAPH
@@ -127,7 +129,7 @@ class DirectedBeamSearch:
         if not path.is_file():
             raise DBSError(f"kv_layout 'prefix' needs {path} (re-export the model with this version)")
 
-        return PrefixDecoder(path, provider, threads, cuda_graph=cuda_graph)
+        return PrefixDecoder(path, provider, threads, buckets=buckets, cuda_graph=cuda_graph)
 
     def _make_scorer(self, scorer: str, provider, threads, kv_layout: str):
         """`self`, or a second exported LM whose cache takes the same layout rule as the generator's."""

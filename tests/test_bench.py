@@ -179,15 +179,16 @@ def test_in_generation_probe_repeats_each_call_without_changing_the_text(exporte
 def test_the_gpu_contenders_run_on_a_tiny_model(checkpoints, tmp_path):
     """The GPU's contenders, here on the CPU: the engine on the two fp16 exports (made from the fp32
     one: its decode graph float16 with the gathered and with the fused attention, model.onnx
-    shared) on the prefix cache, PyTorch in float16, taking turns; the ratios in the same dtype."""
-    from dbs_fast.bench.suite import run_bench
+    shared) on the prefix cache, the gathered one also at bucket shapes (the CUDA-graph path,
+    uncaptured: the same texts), PyTorch in float16, taking turns; the ratios in the same dtype."""
+    from dbs_fast.bench.suite import markdown, run_bench
 
-    contenders = ["onnx-fp16", "onnx-fp16-fused", "torch-fp16"]
+    contenders = ["onnx-fp16", "onnx-fp16-fused", "onnx-fp16-graph", "torch-fp16"]
     rep = run_bench(tmp_path / "out", tmp_path / "work", max_new_tokens=4, repeats=1, checkpoint=checkpoints["gpt2"],
                     with_default=False, sweep=[], kernel_repeats=1, contenders=contenders)
     point = rep["points"]["gpt2"]
     assert point["in_turns"] == contenders
-    for c, form in (("onnx-fp16", "gathered"), ("onnx-fp16-fused", "fused")):
+    for c, form in (("onnx-fp16", "gathered"), ("onnx-fp16-fused", "fused"), ("onnx-fp16-graph", "gathered")):
         fp16 = point["contenders"][c]
         assert "error" not in fp16 and fp16["kv_layout"] == "prefix" and all(fp16["texts"])
         assert point["ratios"][f"{c}_vs_torch-fp16"] > 0
@@ -196,6 +197,10 @@ def test_the_gpu_contenders_run_on_a_tiny_model(checkpoints, tmp_path):
         same = Path(point["models"]["onnx-fp32"]) / "model.onnx"
         assert (Path(point["models"][c]) / "model.onnx").stat().st_size == same.stat().st_size
     assert "error" not in point["contenders"]["torch-fp16"]
+    graph = point["contenders"]["onnx-fp16-graph"]
+    assert graph["texts"] == point["contenders"]["onnx-fp16"]["texts"]
+    assert graph["buckets"]["slot_graphs"] >= 1 and not graph["buckets"]["cuda_graph"]
+    assert "onnx-fp16-graph: " in markdown(rep) and "bucket sessions" in markdown(rep)
 
 
 def test_profile_counts_the_warm_runs_only(exported, tmp_path):

@@ -125,6 +125,9 @@ def test_buffers_never_move_and_a_bucket_binds_once_per_slot(exported):
     assert st.created == made and {k: v.ptr for k, v in st._pool.items()} == ptrs
     assert all(b.ios[j] is ios[key][j] for key, b in st._sessions.items() for j in ios[key])
     assert st.setup_seconds > 0
+    stats = st.stats()
+    assert stats["sessions_created"] == made and stats["slot_graphs"] == st.captured and not stats["cuda_graph"]
+    assert stats["buffer_bytes"] == sum(a.nbytes for a in st._pool.values()) > 0 and stats["shared_weight_bytes"] > 0
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])

@@ -15,7 +15,8 @@ Contenders, each in its own process (peak memory and cold start are its own):
   onnx-fp16-fused   the fp16 export with the fused attention (`--attention fused`: one ONNX
               Attention node a layer), against onnx-fp16's gathered attention in plain operators
   onnx-fp16-graph   onnx-fp16's export with its decode steps at bucket shapes, one CUDA graph per
-              bucket and chunk slot (`cuda_graph=True`, `dbs_fast/kv/buckets.py`)
+              bucket and chunk slot (`cuda_graph=True`, `dbs_fast/kv/buckets.py`; on the CPU the
+              same bucketed steps without capture)
   reference   the authors' way as the paper describes it: one candidate at a time, batch 1,
               the whole sequence re-run for every token, no KV cache (PyTorch). Measured on
               one chunk of one beam at the middle of a generation, extrapolated (see JSON).
@@ -54,6 +55,7 @@ from dbs_fast import DirectedBeamSearch
 from dbs_fast.bench.machine import machine
 from dbs_fast.config import DBSConfig
 from dbs_fast.errors import DBSError
+from dbs_fast.kv.buckets import Buckets
 from dbs_fast.kv.prefix_cache import DECODE_GRAPH
 from dbs_fast.manifest import current_export
 from dbs_fast.runtime import cuda_fallback_ops, session_options
@@ -164,6 +166,17 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _gpu_mib() -> int | None:
+    """This process's GPU memory in MiB (nvidia-smi), or None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    mine = [int(f[1]) for f in (line.split(",") for line in out.splitlines()) if len(f) == 2 and f[0].strip() == str(os.getpid())]
+    return sum(mine) if mine else None
+
+
 def _matmul_step_in_child(model_dir: str, rows: int, int8: bool, threads: int | None) -> float:
     """`matmul_step_seconds` in a child process: its graphs (up to 256 MB of weights each) must
     not count in the contender's peak RSS, and a process cannot lower its own high-water mark
@@ -203,15 +216,17 @@ def worker_engine(spec: dict, order=None) -> dict:
     layout = "rows" if spec["contender"].endswith("-rows") else "auto"
     schedule = "plain" if spec["contender"].endswith("-plain") else "distinct"
     provider = spec.get("provider", "cpu")
+    graph = spec["contender"].endswith("-graph")        # on the CPU: the same bucketed steps, no capture
     # no context store: every generation prefills its context, as the PyTorch baseline does
     dbs = DirectedBeamSearch(spec["model_dir"], config=cfg, backend=backend, threads=spec.get("threads"),
                              kv_layout=layout, provider=provider, context_cache_mb=0, schedule=schedule,
-                             cuda_graph=spec["contender"].endswith("-graph"))
+                             cuda_graph=graph and provider == "cuda", buckets=Buckets() if graph else None)
     if backend == "torch" and "fp16" in spec["contender"]:
         dbs.backend.set_dtype("float16")
     if spec["contender"].endswith("-compile"):
         dbs.backend.compile()
     init = time.perf_counter() - t0
+    gpu_loaded = _gpu_mib() if provider == "cuda" else None
     sets = spec["keyword_sets"]
     context = spec.get("context", CONTEXT)
     first = dbs.generate(context, sets[0], seed=0)
@@ -267,6 +282,10 @@ def worker_engine(spec: dict, order=None) -> dict:
     }
     if spec["contender"].endswith("-compile"):   # after the cold generation (compiled and recorded there) and the timed ones
         out["torch_compile"] = dbs.backend.compile_stats()
+    if dbs.decoder is not None and dbs.decoder.static is not None:
+        out["buckets"] = dbs.decoder.static.stats()
+    if provider == "cuda":                        # after loading, and after the generations (arenas, graphs)
+        out["gpu_memory_mib"] = {"loaded": gpu_loaded, "after": _gpu_mib()}
     sweep = []
     for b, s in spec.get("sweep", []):
         r = dbs.generate(context, sets[0], seed=0, config=replace(cfg, beams=b, candidates=s))
@@ -695,6 +714,14 @@ def markdown(report: dict) -> str:
                       f"({res['memory_budget_bytes'][c] / 1e9:.2f}) | "
                       f"{r['cold_start_seconds']:.1f} |")
         lines += ["", "Ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()), ""]
+        for c, r in res["contenders"].items():
+            if "buckets" in r:
+                bk, mem = r["buckets"], r.get("gpu_memory_mib") or {}
+                lines += [f"{c}: {bk['sessions_created']} bucket sessions ({bk['session_seconds']:.1f} s to make), "
+                          f"{bk['slot_graphs']} slot graphs{' captured' if bk['cuda_graph'] else ''}, fixed buffers "
+                          f"{bk['buffer_bytes'] / 1e6:.1f} MB, shared weights {bk['shared_weight_bytes'] / 1e6:.0f} MB"
+                          + (f"; GPU memory {mem['loaded']} MiB loaded, {mem['after']} MiB after the generations"
+                             if mem.get("loaded") is not None else "") + ".", ""]
     return "\n".join(lines) + "\n"
 
 

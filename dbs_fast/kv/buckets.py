@@ -122,10 +122,11 @@ class StaticStep:
             raise DBSError(f"{path}: a CUDA graph cannot hold control flow ({flow} nodes: the split attention's "
                            f"context level); export with `--dtype fp16` or `--attention gathered`")
         # the weights once on the device, given to every bucket's session
-        self.weights = {}
+        self.weights, self.weight_bytes = {}, 0
         for init in model.graph.initializer:
             a = numpy_helper.to_array(init)
             if a.nbytes >= SHARED_BYTES:
+                self.weight_bytes += a.nbytes
                 self.weights[init.name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), ops.device,
                                                                           ops.device_id)
         del model
@@ -272,6 +273,16 @@ class StaticStep:
     @property
     def sessions(self) -> int:
         return len(self._sessions)
+
+    def stats(self) -> dict:
+        """Buckets made and kept, slot graphs bound (each captured once on CUDA), the seconds their
+        sessions took to make (a graph's capture is in its first steps), the buffers' bytes, and
+        each bucket's sizes."""
+        return {"sessions_created": self.created, "sessions_kept": self.sessions, "slot_graphs": self.captured,
+                "cuda_graph": self.cuda_graph, "session_seconds": round(self.setup_seconds, 3),
+                "buffer_bytes": sum(a.nbytes for a in self._pool.values()),
+                "shared_weight_bytes": self.weight_bytes,
+                "buckets": [b.dims for b in self._sessions.values()]}
 
 
 def _every_slot(feeds: dict) -> dict:
