@@ -20,6 +20,7 @@ it to the dynamic step's logits and texts.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +137,7 @@ class StaticStep:
         self._copied: dict[tuple, list] = {}            # pooled K/V buffer's key -> the arrays copied into it
         self.created = self.captured = 0                # sessions made, slot graphs bound (captured on CUDA)
         self.moved = 0                                  # bytes between host and device in the last step
+        self.capture_refused: str | None = None         # why ORT would not capture, if it would not
         self.setup_seconds = 0.0
 
     # -- buffers and sessions ---------------------------------------------------------------
@@ -161,8 +163,14 @@ class StaticStep:
         try:
             return self._ort.InferenceSession(str(self.path), so, providers=providers)
         except Exception as e:  # ORT raises its own types; a CUDA graph refuses nodes left to the CPU
-            raise DBSError(f"cannot make the bucket session of {self.path} at {dims}: {str(e).splitlines()[0][:300]}") \
-                from None
+            why = str(e).splitlines()[0][:300]
+            if not self.cuda_graph:
+                raise DBSError(f"cannot make the bucket session of {self.path} at {dims}: {why}") from None
+        # ORT would not capture this graph (a node it leaves to the CPU): the buckets run uncaptured
+        warnings.warn(f"CUDA graphs refused for {self.path} ({why}); its bucketed steps run without them",
+                      RuntimeWarning, stacklevel=3)
+        self.cuda_graph, self.capture_refused = False, why
+        return self._session(dims)
 
     def bucket(self, dims: dict) -> _Bucket:
         key = tuple(dims.values())
@@ -279,7 +287,7 @@ class StaticStep:
         sessions took to make (a graph's capture is in its first steps), the buffers' bytes, and
         each bucket's sizes."""
         return {"sessions_created": self.created, "sessions_kept": self.sessions, "slot_graphs": self.captured,
-                "cuda_graph": self.cuda_graph, "session_seconds": round(self.setup_seconds, 3),
+                "cuda_graph": self.cuda_graph, "capture_refused": self.capture_refused, "session_seconds": round(self.setup_seconds, 3),
                 "buffer_bytes": sum(a.nbytes for a in self._pool.values()),
                 "shared_weight_bytes": self.weight_bytes,
                 "buckets": [b.dims for b in self._sessions.values()]}
