@@ -126,11 +126,14 @@ def attention_ref(q, keys, values, mask):
     return np.concatenate(out)
 
 
-def extend_prefix_ref(prefix, chunk, src, s, j):
-    """The chunk boundary's copy: new beam i = prefix of beam src[i] // s, then the first j chunk
-    tokens of row src[i] (chunk slot-major (K, b, kv, s, d))."""
+def extend_prefix_ref(prefix, chunk, src, s, j, lead=0, first=0):
+    """The chunk boundary's copy: new beam i = `lead` zero columns, the prefix of beam src[i] // s
+    from its column `first`, then the first j chunk tokens of row src[i] (chunk slot-major (K, b,
+    kv, s, d))."""
     src = np.asarray(src)
-    return np.concatenate([prefix[src // s], chunk[:j, src // s, :, src % s].transpose(0, 2, 1, 3)], axis=2)
+    p = prefix[src // s][:, :, first:]
+    zeros = np.zeros(p.shape[:2] + (lead, p.shape[3]), p.dtype)
+    return np.concatenate([zeros, p, chunk[:j, src // s, :, src % s].transpose(0, 2, 1, 3)], axis=2)
 
 
 def distinct_rows_ref(group, ids, need):

@@ -99,7 +99,8 @@ def test_a_request_leaving_while_another_is_forced_mid_keyword_changes_nothing(d
 def test_the_cache_keeps_only_columns_some_row_needs(dbs):
     """Once the long-context request leaves, the padding it forced on the others is cut away."""
     batch = dbs.batch(CFG)
-    short, long_ = (dbs.request(c, k, b, s, CFG) for c, k, b, s in (JOBS[0], JOBS[1]))
+    longer = (JOBS[1][0] + ", and the cat sleeps under the old oak tree all day",) + JOBS[1][1:]
+    short, long_ = (dbs.request(c, k, b, s, CFG) for c, k, b, s in (JOBS[0], longer))
     batch.admit([long_])
     batch.decode_chunk()
     batch.admit([short])
@@ -108,10 +109,13 @@ def test_the_cache_keeps_only_columns_some_row_needs(dbs):
     assert batch.search.cache.length < width
     lay = batch.search.cache
     if hasattr(lay, "cache"):
-        # the prefix cache: the first column of each level is used by some row, the context level's
-        # where it has a token (short contexts are in the beams' prefixes, one masked column left)
-        assert lay.cache.mask.any(axis=0)[0]
-        assert lay.cache.context_mask.shape[1] == 1 or lay.cache.context_mask.any(axis=0)[0]
+        # the prefix cache: fewer than ALIGN leading columns of each level are padding in every row
+        # (its widths are multiples of ALIGN), the context level's where it has a token (short
+        # contexts are in the beams' prefixes, one masked column left)
+        from dbs_fast.kv.prefix_cache import ALIGN, padding_columns
+
+        assert padding_columns(lay.cache.mask) < ALIGN and lay.cache.mask.shape[1] % ALIGN == 0
+        assert lay.cache.context_mask.shape[1] == 1 or padding_columns(lay.cache.context_mask) < ALIGN
     else:                                                    # the rows' cache: its first column is used
         assert lay.mask.any(axis=0)[0]
     rest = []

@@ -56,3 +56,31 @@ def test_no_word_glued_onto_the_context_on_the_default(default_dir):
         start = len(r.context.rsplit(" ", 1)[0]) if " " in r.context else 0
         word = re.match(r"\s*([A-Za-z]+?)(?:n't)?\b", r.text[start:]).group(1)
         assert word.lower() in glove, (r.context, r.text)
+
+
+LONG = ("The old man walked slowly down the long dusty road to the village market, where the traders had already "
+        "set out their fruit, their bread and their cloth for the morning crowd to see")
+
+
+def test_a_request_writes_the_same_text_in_a_batch_as_alone_on_the_default(default_dir):
+    """On the 4-bit default (its matmuls quantize their activations to int8, so that a last-bit
+    difference in the attention becomes another token), requests with short contexts (in their
+    beams' prefixes) and a long one (a level of its own), batched together and joining a running
+    batch, each write what they write alone: a batchmate's padding moves a row's columns by
+    whole multiples of the kernels' lanes (`prefix_cache.ALIGN`)."""
+    from dbs_fast import DBSConfig, DirectedBeamSearch
+
+    cfg = DBSConfig(max_new_tokens=20)
+    dbs = DirectedBeamSearch(default_dir, config=cfg)
+    jobs = [("It is", "enemy,speed,meet"), ("A quiet morning", "river,bread"), (LONG, "colony,mouth")]
+    alone = [dbs.generate(c, k, seed=i).generated for i, (c, k) in enumerate(jobs)]
+    assert [r.generated for r in dbs.generate_batch(jobs, seeds=[0, 1, 2])] == alone
+    batch = dbs.batch(cfg)
+    reqs = [dbs.request(*jobs[i], None, i, cfg) for i in (0, 2)]
+    batch.admit([reqs[0]])
+    done = batch.decode_chunk()
+    batch.admit([reqs[1]])                                  # joins after a chunk: a merge, padded
+    while batch.requests:
+        done += batch.decode_chunk()
+    got = {id(r): res.generated for r, res in done}
+    assert [got[id(reqs[0])], got[id(reqs[1])]] == [alone[0], alone[2]]

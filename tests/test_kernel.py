@@ -556,7 +556,8 @@ def test_dense_boost_tables_match_reference_exactly(scale, boost_first):
 def test_extend_prefix_equals_numpy_gather(parallel_from, monkeypatch):
     """`extend_prefix` (the chunk boundary: each new beam's parent prefix plus its row's first j
     chunk tokens) against its NumPy reference, with repeated and reordered sources, on the
-    parallel kernel and on the one-thread one (small copies)."""
+    parallel kernel and on the one-thread one (small copies); with leading zero columns and the
+    parent's first columns dropped (the width kept aligned)."""
     from naive import extend_prefix_ref
 
     from dbs_fast.kv import kv_copy
@@ -569,10 +570,11 @@ def test_extend_prefix_equals_numpy_gather(parallel_from, monkeypatch):
     prefix = rng.standard_normal((b, kv, T, d)).astype(np.float32)
     chunk = rng.standard_normal((K, b, kv, s, d)).astype(np.float32)      # slot-major
     src = np.array([9, 0, 9, 5, 11])                       # rows: beam = row // s, candidate = row % s
-    want = extend_prefix_ref(prefix, chunk, src, s, j)
-    got = np.full((len(src), kv, T + j, d), np.nan, np.float32)
-    extend_prefix(got, prefix, chunk, src, s, j)
-    np.testing.assert_array_equal(got, want)
+    for lead, first in ((0, 0), (4, 0), (0, 5), (2, 3)):
+        want = extend_prefix_ref(prefix, chunk, src, s, j, lead, first)
+        got = np.full((len(src), kv, lead + T - first + j, d), np.nan, np.float32)
+        extend_prefix(got, prefix, chunk, src, s, j, lead, first)
+        np.testing.assert_array_equal(got, want)
 
 
 def test_the_packages_ban_rule_equals_the_reference():

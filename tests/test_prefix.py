@@ -155,7 +155,7 @@ def test_prefix_decode_equals_full_recompute(kind, fold, decoders, exported):
     logits equal the full model run over each row's whole sequence, with the contexts as their
     own level and with them starting the beams' prefixes (the graph then skips the level)."""
     from dbs_fast.kv.decoder import PrefixDecoder
-    from dbs_fast.kv.prefix_cache import PrefixCache
+    from dbs_fast.kv.prefix_cache import ALIGN, PrefixCache
     from dbs_fast.model import OnnxModel
 
     full = OnnxModel(exported[kind])
@@ -181,14 +181,17 @@ def test_prefix_decode_equals_full_recompute(kind, fold, decoders, exported):
         seqs = [list(seqs[keep[r // s]]) for r in range(len(keep) * s)]
     np.testing.assert_array_equal(cache.beam_context, [0, 0])
     assert cache.used == 0 and not cache.chunk_mask.any()
-    if fold:       # each beam's prefix is its context (padded as it was), then what it generated
+    if fold:       # each beam's prefix is its context's tokens, then what it generated, at the right
         assert cache.context_mask.shape == (1, 1) and not cache.context_mask.any()
-        assert cache.mask.shape == (2, 5 + 3 * k) and cache.mask[:, :5].sum() == 4
+        assert cache.mask.shape == (2, ALIGN) and cache.mask[:, -3 * k:].all()
+        assert [list(m[m.argmax():]) for m in cache.mask] == [[1] * (len(q) - 0) for q in seqs[::s]]
         return
     # both beams descend from the second context now: the first is gone, the second is trimmed
-    # to its two tokens, held once; each beam's prefix is one masked column, then what it generated
-    assert cache.context_mask.shape == (1, 2) and cache.context[0].shape[0] == 1
-    assert cache.mask.shape == (2, 1 + 3 * k)
+    # to a width of ALIGN, its two tokens at the right, held once; each beam's prefix is what it
+    # generated, at the right of ALIGN columns
+    assert cache.context_mask.shape == (1, ALIGN) and cache.context[0].shape[0] == 1
+    assert cache.context_mask[0, -2:].all() and not cache.context_mask[0, :-2].any()
+    assert cache.mask.shape == (2, ALIGN) and cache.mask.sum(axis=1).tolist() == [3 * k] * 2
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
@@ -213,16 +216,19 @@ def test_one_call_prefill_equals_column_by_column_and_the_full_model(kind, decod
     b = per.prefill(ctx, mask, full.kv_heads, full.head_dim, s=2, k=3)
     np.testing.assert_allclose(a[0], ref[:, -1], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(a[0], b[0], rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(a[1].context_mask, mask)
+    assert a[1].context_mask.shape == (3, prefix_cache.ALIGN) and not a[1].context_mask[:, :-6].any()
+    np.testing.assert_array_equal(a[1].context_mask[:, -6:], mask)     # the tokens at the right of aligned columns
     for x, y in zip(a[1].context, b[1].context):
-        np.testing.assert_allclose(x * mask[:, None, :, None], y * mask[:, None, :, None], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(x * a[1].context_mask[:, None, :, None], y * a[1].context_mask[:, None, :, None],
+                                   rtol=1e-4, atol=1e-5)
     tok = np.arange(6) + 7
     np.testing.assert_allclose(one.step(tok, a[1]), per.step(tok, b[1]), rtol=1e-4, atol=1e-4)
     monkeypatch.setattr(prefix, "PREFILL_SLICE", 4)    # a long context in slices: 4 columns, then 2
     c = one.prefill(ctx, mask, full.kv_heads, full.head_dim, s=2, k=3)
     np.testing.assert_allclose(c[0], ref[:, -1], rtol=1e-4, atol=1e-4)
     for x, y in zip(c[1].context, b[1].context):
-        np.testing.assert_allclose(x * mask[:, None, :, None], y * mask[:, None, :, None], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(x * a[1].context_mask[:, None, :, None], y * a[1].context_mask[:, None, :, None],
+                                   rtol=1e-4, atol=1e-5)
 
 
 def _dbs(model_dir, layout):
@@ -334,7 +340,8 @@ def test_prefix_layout_generates_the_same_text(kind, exported):
         # the cache it reports: s copies of each beam's prefix on the rows; on the prefix cache two buffers per
         # beam sized for the whole generation (the boundary writes one while reading the other)
         # plus the k-token chunks, so less from s = 4 on
-        assert 0 < b[0].kv_cache_bytes and (b[0].kv_cache_bytes < a[0].kv_cache_bytes or cfg.candidates < 4)
+        # (within the ALIGN columns a beam's aligned prefix may hold beyond its tokens)
+        assert 0 < b[0].kv_cache_bytes and (b[0].kv_cache_bytes < 1.05 * a[0].kv_cache_bytes or cfg.candidates < 4)
         for dbs in (rows, prefix):                      # staggered: a request joins after two chunks
             batch = dbs.batch(cfg)
             batch.admit([dbs.request(*reqs[0], None, 1, cfg)])
@@ -390,9 +397,9 @@ def test_a_long_context_leaving_takes_its_columns_from_a_folded_one():
     long_, short = past(40), past(3)
     a = PrefixCache.start(long_, np.ones((1, 40), np.int64), s, k, fold=32)
     b = PrefixCache.start(short, np.ones((1, 3), np.int64), s, k, fold=32)
-    assert a.context_mask.shape == (1, 40) and b.context_mask.shape == (1, 1) and b.mask.shape == (1, 3)
+    assert a.context_mask.shape == (1, 48) and b.context_mask.shape == (1, 1) and b.mask.shape == (1, 16)
     both = PrefixCache.merge(a, b)
-    assert both.context_mask.shape == (2, 40) and not both.context_mask[1].any()
+    assert both.context_mask.shape == (2, 48) and not both.context_mask[1].any()
     both.keep([s])                                       # the short request's beam only
     assert both.context_mask.shape == (1, 1) and not both.context_mask.any()
     for t in range(4):
@@ -404,7 +411,7 @@ def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers(
     trim and a regroup before any token in between: every beam's prefix is its parent's plus the
     kept row's chunk, as a plain list of token vectors says, and its context is its first
     ancestor's, held once (contexts no beam descends from any more are dropped)."""
-    from dbs_fast.kv.prefix_cache import PrefixCache
+    from dbs_fast.kv.prefix_cache import ALIGN, PrefixCache
 
     rng = np.random.default_rng(3)
     b, s, kv, d, k, layers = 3, 4, 2, 3, 2, 2
@@ -413,7 +420,7 @@ def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers(
     mask = np.ones((b, T), np.int64)
     mask[1, 0] = 0                                                  # left padding survives
     pc = PrefixCache.start(past, mask, s, k, fold=0)                # the contexts as their own level
-    seq = [[np.zeros((kv, 1, d), np.float32) for _ in past] for i in range(b)]  # per beam: (kv, T, d) per tensor
+    seq = [[np.zeros((kv, 0, d), np.float32) for _ in past] for i in range(b)]  # per beam: (kv, T, d) per tensor
     ctx = np.arange(b)                                              # per beam: the context it descends from
     bufs = set()
     for boundary in range(8):
@@ -431,11 +438,14 @@ def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers(
                for r in rows]
         ctx = ctx[rows // s]
         bufs.update(id(o) for o in pc._own)
+        W, C = pc.mask.shape[1], pc.context_mask.shape[1]
+        assert W % ALIGN == 0 and C % ALIGN == 0 and W - ALIGN < seq[0][0].shape[1] <= W   # aligned, no more
         for i in range(b):
+            n = seq[i][0].shape[1]
+            assert not pc.mask[i, :W - n].any() and pc.mask[i, W - n:].all()
             for t in range(2 * layers):
-                np.testing.assert_array_equal(pc.prefix[t][i], seq[i][t])
-                C = pc.context_mask.shape[1]
-                np.testing.assert_array_equal(pc.context[t][pc.beam_context[i]], past[t][ctx[i]][:, T - C:])
+                np.testing.assert_array_equal(pc.prefix[t][i][:, W - n:], seq[i][t])    # the tokens at the right
+                np.testing.assert_array_equal(pc.context[t][pc.beam_context[i]][:, C - T:], past[t][ctx[i]])
         assert len(pc.context[0]) == len(set(ctx)) == pc.context_mask.shape[0]
         assert pc.mask.shape == (b, pc.prefix[0].shape[2]) and not pc.chunk_mask.any()
     assert len(bufs) < 8 * 2 * layers                               # buffers were reused, not reallocated
@@ -547,10 +557,11 @@ def test_a_step_on_the_device_moves_only_ids_masks_and_logits(decoders):
         cache.keep([0, 4])
         dec.step(np.full(2 * s, 7), cache)
         moved[where], caches[where] = steps + [dec.host_bytes], cache
-    N, T = 2 * s, ids.shape[1] + k
-    C = ids.shape[1]
-    small = 8 * (N + N + 2 * T + N * k + 2 * (C + s + 1))  # ids, positions, masks, context blocks at most
-    assert all(logits.nbytes <= m <= logits.nbytes + small for m in moved["cpu"])
+    N, T = 2 * s, caches["cpu"].mask.shape[1]           # (aligned widths)
+    C = max(caches["cpu"].context_mask.shape[1], ids.shape[1])
+    # ids, positions, new mask, slot_row, row_slot; the prefix and chunk masks; context blocks at most
+    small = 8 * (5 * N + 2 * T + N * k + 2 * (C + s + 1))
+    assert all(logits.nbytes <= m <= logits.nbytes + small for m in moved["cpu"]), (moved["cpu"], logits.nbytes, small)
     slot = 2 * dec.layers * 2 * kv * s * d * 4           # one chunk slot of every tensor (2 beams)
     assert moved[None][1] >= logits.nbytes + slot         # the NumPy cache: the new K/V
     prefixes = sum(p.nbytes for p in caches[None].prefix)
@@ -575,13 +586,15 @@ def test_device_ops_equal_their_numpy_references(dtype):
     P, C = [ops.upload(p) for p in ps], [ops.upload(c) for c in cs]
     assert all(x.dtype == dtype and x.nbytes == x.size * np.dtype(dtype).itemsize for x in P)
     src, j = np.array([5, 0, 3, 3]), 3                     # rows; a repeat; more beams than before
-    for p, c, got in zip(ps, cs, ops.extend(P, C, src, s, j)):
-        want = np.empty((len(src), kv, T + j, d), dtype)
-        if dtype == np.float32:                            # the host's kernel
-            extend_prefix(want, p, c, src, s, j)
-        else:
-            want[:] = [np.concatenate([p[r // s], c[:j, r // s, :, r % s].transpose(1, 0, 2)], 1) for r in src]
-        np.testing.assert_array_equal(got.numpy(), want)
+    for lead, first in ((0, 0), (3, 0), (0, 2)):           # zero columns in front, the parent's first dropped
+        for p, c, got in zip(ps, cs, ops.extend(P, C, src, s, j, lead, first)):
+            want = np.empty((len(src), kv, lead + T - first + j, d), dtype)
+            if dtype == np.float32:                        # the host's kernel
+                extend_prefix(want, p, c, src, s, j, lead, first)
+            else:
+                want[:] = [np.concatenate([np.zeros((kv, lead, d), dtype), p[r // s][:, first:],
+                                           c[:j, r // s, :, r % s].transpose(1, 0, 2)], 1) for r in src]
+            np.testing.assert_array_equal(got.numpy(), want)
     p, c = ps[0], cs[0]
     np.testing.assert_array_equal(ops.take(P[0], [2, 2, 0]).numpy(), p[[2, 2, 0]])
     np.testing.assert_array_equal(ops.concat(P[0], P[1], 0).numpy(), np.concatenate([p, ps[1]], 0))

@@ -82,15 +82,18 @@ def _model(nodes, inputs, outputs=("y",), dtype=F32):
 
 def extend_graph(tensors: int, dtype=F32):
     """The chunk boundary's prefix extension of all `tensors` cache tensors in one graph (one run,
-    not one per tensor): new beam i := prefix[src[i] // s] ++ the first j chunk tokens of row
-    src[i]; prefix.t (b, kv, T, d), chunk.t slot-major (K, b, kv, s, d), src (n,), s and j (1,)
-    -> y.t (n, kv, T + j, d). j >= 1 (j = 0 is a gather: `take`)."""
+    not one per tensor): new beam i := `lead` zero columns ++ prefix[src[i] // s] from column
+    `first` ++ the first j chunk tokens of row src[i]; prefix.t (b, kv, T, d), chunk.t slot-major
+    (K, b, kv, s, d), src (n,), s, j and first (1,), pads (8,) = [0, 0, lead, 0, 0, 0, 0, 0] ->
+    y.t (n, kv, lead + T - first + j, d). j >= 1 (j = 0 is a gather: `take`)."""
     from onnx import helper
 
     n = helper.make_node
     nodes = [n("Div", ["src", "s"], ["beam"])]
     for i in range(tensors):
-        nodes += [n("Gather", [f"prefix.{i}", "beam"], [f"p{i}"], axis=0),
+        nodes += [n("Gather", [f"prefix.{i}", "beam"], [f"g{i}"], axis=0),
+                  n("Slice", [f"g{i}", "first", "end", "two"], [f"gs{i}"]),
+                  n("Pad", [f"gs{i}", "pads"], [f"p{i}"]),
                   n("Slice", [f"chunk.{i}", "zero", "j", "zero"], [f"c{i}"]),          # (j, b, kv, s, d)
                   n("Transpose", [f"c{i}"], [f"ct{i}"], perm=[1, 3, 2, 0, 4]),           # (b, s, kv, j, d)
                   n("Shape", [f"ct{i}"], [f"tail{i}"], start=2),
@@ -99,7 +102,8 @@ def extend_graph(tensors: int, dtype=F32):
                   n("Gather", [f"rows{i}", "src"], [f"own{i}"], axis=0),
                   n("Concat", [f"p{i}", f"own{i}"], [f"y.{i}"], axis=2)]
     inputs = ([(f"prefix.{i}", "f") for i in range(tensors)] + [(f"chunk.{i}", "f") for i in range(tensors)]
-              + [("src", "i"), ("s", "i"), ("j", "i"), ("zero", "i"), ("minus1", "i")])
+              + [("src", "i"), ("s", "i"), ("j", "i"), ("zero", "i"), ("minus1", "i"), ("first", "i"), ("end", "i"),
+                 ("two", "i"), ("pads", "i")])
     return _model(nodes, inputs, [f"y.{i}" for i in range(tensors)], dtype)
 
 
@@ -184,14 +188,17 @@ class DeviceOps:
     def take(self, x: DeviceArray, idx) -> DeviceArray:
         return self._run("take", x=x, i=np.asarray(idx, np.int64))
 
-    def extend(self, prefixes: list[DeviceArray], chunks: list[DeviceArray], src, s: int, j: int) -> list[DeviceArray]:
+    def extend(self, prefixes: list[DeviceArray], chunks: list[DeviceArray], src, s: int, j: int, lead: int = 0,
+               first: int = 0) -> list[DeviceArray]:
         """Every tensor's next prefixes (`extend_graph`), in one run."""
         key = f"extend{len(prefixes)}"
         if key not in self._sessions:
             self._sessions[key] = self._session(extend_graph(len(prefixes), self.dtype))
         feeds = {f"prefix.{i}": p for i, p in enumerate(prefixes)} | {f"chunk.{i}": c for i, c in enumerate(chunks)}
         return self._run_all(self._sessions[key], **feeds, src=np.asarray(src, np.int64), s=np.array([s], np.int64),
-                             j=np.array([j], np.int64), zero=np.zeros(1, np.int64), minus1=np.full(1, -1, np.int64))
+                             j=np.array([j], np.int64), zero=np.zeros(1, np.int64), minus1=np.full(1, -1, np.int64),
+                             first=np.array([first], np.int64), end=np.array([prefixes[0].shape[2]], np.int64),
+                             two=np.array([2], np.int64), pads=np.array([0, 0, lead, 0, 0, 0, 0, 0], np.int64))
 
     def pad_into(self, xs: list[DeviceArray], outs: list[DeviceArray]) -> None:
         """Each x (one shape) into its out (one larger shape), zeros after it on every axis, in one

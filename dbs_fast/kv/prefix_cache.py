@@ -34,6 +34,11 @@ DECODE_GRAPH = "decode.onnx"      # beside model.onnx in an exported model dir
 # own: a step then skips the context level's nodes (16 a layer on the default), and each beam reads
 # and, at each boundary, copies its own copy of these few columns (at 64 tokens the two were even)
 FOLD_CONTEXT = 32
+# a level's width (prefix and context columns) is a multiple of this: a batchmate's padding then moves
+# a row's columns by a multiple of the vector kernels' lanes and blocks (16 float32 lanes), so that
+# its softmax and matmul sums are the same to the bit as alone (and so is its text, where the
+# 4-bit graph's int8 activations turn a last-bit difference into a different token)
+ALIGN = 16
 # auto: this layout where the export has its decode graph, else rows (one cache row per candidate:
 # an export without a decode graph, the PyTorch baseline)
 KV_LAYOUTS = ("auto", "rows", "prefix")
@@ -55,6 +60,11 @@ def context_blocks(beam_context: np.ndarray, R: int) -> tuple[np.ndarray, np.nda
     return beams, bc * M + rank
 
 
+def aligned(columns: int) -> int:
+    """`columns` rounded up to a multiple of ALIGN."""
+    return -(-columns // ALIGN) * ALIGN
+
+
 def in_prefixes(columns: int, fold: int | None = None) -> bool:
     """Whether a context of `columns` tokens starts its beams' prefixes rather than being a level of
     its own: `fold` (default `FOLD_CONTEXT`) or fewer."""
@@ -66,6 +76,17 @@ def padding_columns(mask: np.ndarray) -> int:
     where every column is (a graph input is never empty)."""
     used = mask.any(axis=0)
     return int(np.argmax(used)) if used.any() else mask.shape[1] - 1
+
+
+def _last_columns(ops, tensors: list, mask: np.ndarray, width: int) -> tuple[list, np.ndarray]:
+    """The last `width` columns of each (n, kv, T, d) tensor and of `mask` (n, T), zero columns
+    in front where width > T."""
+    T = mask.shape[1]
+    if width > T:
+        return [ops.pad_cols(t, width - T) for t in tensors], np.pad(mask, [(0, 0), (width - T, 0)])
+    if width < T:
+        return [ops.cols(t, T - width) for t in tensors], mask[:, T - width:].copy()
+    return list(tensors), mask
 
 
 class HostOps:
@@ -147,21 +168,30 @@ class PrefixCache:
         """From a prefill's present K/V (one row per context, taken as it is) with one beam per
         context, s candidates per beam, room for k tokens per chunk and `reserve` prefix columns
         (max_new_tokens) in its buffers. Contexts of more than `fold` columns become the context
-        level, and the beams' prefixes start as one masked column (a graph input is never empty);
-        shorter ones start the beams' prefixes instead, and the context level is one masked column,
-        which the decode graph skips (`export/prefix_graph.py`, `context_ifs`). `fold`: default
-        `FOLD_CONTEXT`."""
-        b = mask.shape[0]
+        level, and their beams' prefixes start as ALIGN masked columns; shorter ones start the
+        beams' prefixes instead, with their rows of the context level masked (each context by its
+        own length, so that a request's levels are the same in a batch as alone). Where no context
+        is a level, the level is one masked column, which the decode graph skips
+        (`export/prefix_graph.py`, `context_ifs`). Both levels' widths are multiples of ALIGN, the
+        tokens at the right. `fold`: default `FOLD_CONTEXT`."""
+        b, T = mask.shape
         chunk, base = chunk_buffers(ops, [(k, b, t.shape[1], s, t.shape[3]) for t in past])
         past = [np.ascontiguousarray(t) for t in past] if ops is HOST else past
-        empty = [ops.zeros((b, t.shape[1], 1, t.shape[3])) for t in past]
-        mask, none = np.asarray(mask, np.int64), np.zeros((b, 1), np.int64)
-        if in_prefixes(mask.shape[1], fold):
-            context, context_mask, prefix, prefix_mask = empty, none, past, mask
+        mask = np.asarray(mask, np.int64)
+        folded = np.array([in_prefixes(int(n), fold) for n in mask.sum(axis=1)])
+        tokens = int(mask[folded].sum(axis=1).max(initial=0))     # the folded contexts' longest
+        if tokens:
+            prefix, prefix_mask = _last_columns(ops, past, mask * folded[:, None], aligned(tokens))
         else:
-            context, context_mask, prefix, prefix_mask = past, mask, empty, none
+            prefix = [ops.zeros((b, t.shape[1], ALIGN, t.shape[3])) for t in past]
+            prefix_mask = np.zeros((b, ALIGN), np.int64)
+        if folded.all():
+            context = [ops.zeros((b, t.shape[1], 1, t.shape[3])) for t in past]
+            context_mask = np.zeros((b, 1), np.int64)
+        else:
+            context, context_mask = _last_columns(ops, past, mask * ~folded[:, None], aligned(T))
         return cls(context, context_mask, np.arange(b), prefix, prefix_mask, chunk, np.zeros((b * s, k), np.int64), s,
-                   capacity=prefix_mask.shape[1] + reserve, ops=ops, group=np.repeat(np.arange(b), s),
+                   capacity=aligned(tokens + reserve), ops=ops, group=np.repeat(np.arange(b), s),
                    _chunk_base=base)
 
     def groups(self) -> np.ndarray:
@@ -261,8 +291,7 @@ class PrefixCache:
         old = self.groups()[idx]
         same = np.where(old >= 0, old, len(self.chunk_mask) + idx) if j else key   # copies of one history
         if j:
-            self._extend(src, j)
-            self.mask = np.concatenate([self.mask[parent], np.ones((len(src), j), np.int64)], axis=1)
+            self.mask = self._extend(src, j)
         else:
             self._release([self.ops.take(p, src) for p in self.prefix])
             self.mask = self.mask[src]
@@ -279,27 +308,37 @@ class PrefixCache:
         self.group, self.used = group, 0
         return beam * s + slot % s
 
-    def _extend(self, src: np.ndarray, j: int) -> None:
+    def _extend(self, src: np.ndarray, j: int) -> np.ndarray:
         """Prefix of new beam i := prefix of beam src[i] // s + the first j chunk tokens of row src[i],
+        its width the least multiple of ALIGN that holds every new beam's tokens (its parent's
+        columns from `first` on, after `lead` zero columns); returns the new mask. On the host,
         written into the spare buffers. Those are allocated when too small, for `capacity` columns
         or 4 more chunks: a fresh allocation costs page faults, up to 5x the copy itself."""
+        pm = self.mask[src // self.s]
+        T, k = pm.shape[1], self.chunk_mask.shape[1]
+        used = pm.any(axis=0)
+        width = aligned((T - int(np.argmax(used)) if used.any() else 0) + j)
+        c = min(T, width - j)
+        lead, first = width - j - c, T - c
+        mask = np.concatenate([np.zeros((len(src), lead), np.int64), pm[:, first:], np.ones((len(src), j), np.int64)],
+                              axis=1)
         if self.ops is not HOST:                       # on the device: one ORT graph for all tensors
-            self.prefix = self.ops.extend(self.prefix, self.chunk, src, self.s, j)
-            return
-        T, k = self.mask.shape[1], self.chunk_mask.shape[1]
+            self.prefix = self.ops.extend(self.prefix, self.chunk, src, self.s, j, lead, first)
+            return mask
         spare, own = self._spare or [None] * len(self.prefix), []
         for i, (p, c) in enumerate(zip(self.prefix, self.chunk)):
-            shape = (len(src), p.shape[1], T + j, p.shape[3])
+            shape = (len(src), p.shape[1], width, p.shape[3])
             n = int(np.prod(shape))
             buf = spare[i]
             if buf is None or buf.size < n:
-                cols = self.capacity if self.capacity >= T + j else T + j + 4 * k
+                cols = self.capacity if self.capacity >= width else width + 4 * k
                 buf = np.empty(len(src) * p.shape[1] * cols * p.shape[3], p.dtype)
             new = buf[:n].reshape(shape)
-            extend_prefix(new, p, c, src, self.s, j)
+            extend_prefix(new, p, c, src, self.s, j, lead, first)
             self.prefix[i] = new
             own.append(buf)
         self._spare, self._own = self._own, own
+        return mask
 
     def _contexts(self, beam_context: np.ndarray) -> None:
         """The beams now belong to `beam_context`: contexts no beam uses any more (their requests
@@ -311,6 +350,7 @@ class PrefixCache:
             self.context_mask = self.context_mask[used]
             beam_context = np.searchsorted(used, beam_context)
             z = padding_columns(self.context_mask)    # all but one: every context left is in its prefixes
+            z -= z % ALIGN if self.context_mask.any() else 0
             if z:
                 self.context = [self.ops.cols(x, z) for x in self.context]
                 self.context_mask = self.context_mask[:, z:].copy()
@@ -347,8 +387,9 @@ class PrefixCache:
                            ops=ops)
 
     def trim(self) -> None:
-        """Drop the leading prefix columns that are padding in every beam (keeping one)."""
+        """Drop the leading prefix columns that are padding in every beam, a multiple of ALIGN."""
         z = padding_columns(self.mask)
+        z -= z % ALIGN
         if z:
             self._release([self.ops.cols(p, z) for p in self.prefix])
             self.mask = self.mask[:, z:].copy()
