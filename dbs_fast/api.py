@@ -65,7 +65,8 @@ class DirectedBeamSearch:
         if schedule not in SCHEDULES:
             raise DBSError.about("schedule", f"must be one of {SCHEDULES}", schedule)
         if cuda_graph and (provider != "cuda" or backend != "onnx" or kv_layout == "rows"):
-            raise DBSError("cuda_graph needs provider cuda, the onnx backend and the prefix cache (its decode graph)")
+            raise DBSError("{field} needs the CUDA provider, the onnx backend and the prefix cache (its decode graph)",
+                           "cuda_graph", cuda_graph)
         self.config, self.schedule = config or DBSConfig(), schedule
         self.model_dir = resolve_model_dir(model, quiet, row_layout=kv_layout == "rows")
         self.manifest = read_manifest(self.model_dir)

@@ -24,6 +24,8 @@ from .export.prefix_graph import ATTENTIONS
 
 FLAG = {name: flag for name, flag, *_ in OPTIONS}            # DBSConfig field -> CLI flag
 PROVIDER_HELP = "execution provider: cuda needs onnxruntime-gpu (see the GPU guide); falls back to cpu with a warning"
+CUDA_GRAPH_HELP = ("with --provider cuda: each decode step one captured CUDA graph, at bucket shapes (an fp16 or "
+                   "--attention gathered export; see the GPU guide)")
 THREADS_HELP = "threads for ONNX Runtime and the kernel (default: all cores)"
 
 
@@ -180,6 +182,7 @@ def _add_generate(sub):
                    help="onnx: the engine; torch: the PyTorch baseline (needs the export extra)")
     _add_kv_layout(p)
     p.add_argument("--provider", default="cpu", choices=["cpu", "cuda"], help=PROVIDER_HELP)
+    p.add_argument("--cuda-graph", action="store_true", help=CUDA_GRAPH_HELP)
     p.add_argument("--threads", type=threads, default=None, help=THREADS_HELP)
     p.add_argument("--format", default=None, choices=["text", "json", "markdown"],
                    help="text (keywords in colour on a terminal), json (one object) or markdown (keywords in "
@@ -243,7 +246,7 @@ def _run_generate(a) -> int:
               kv_layout=a.kv_layout)
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, backend=a.backend,
                              provider=a.provider, threads=a.threads, subword_fallback=a.subword_fallback,
-                             quiet=fmt == "json", kv_layout=a.kv_layout, schedule=a.schedule)
+                             quiet=fmt == "json", kv_layout=a.kv_layout, schedule=a.schedule, cuda_graph=a.cuda_graph)
     progress = None if fmt == "json" else Progress("generating")
     try:
         r = dbs.generate(a.context, a.keywords, seed=a.seed, progress=progress, ban=a.ban)
@@ -545,6 +548,7 @@ def _add_serve(sub):
     p.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests beyond this get 429")
     p.add_argument("--threads", type=threads, default=None, help=THREADS_HELP)
     p.add_argument("--provider", default=d.provider, choices=["cpu", "cuda"], help=PROVIDER_HELP)
+    p.add_argument("--cuda-graph", action="store_true", help=CUDA_GRAPH_HELP)
     _add_kv_layout(p)
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds per request (at most)")
     p.add_argument("--grace", type=float, default=d.grace, help="seconds to finish running requests at shutdown")
@@ -639,7 +643,7 @@ def _run_serve(a) -> int:
     opts = ServiceOptions(model=a.model, embeddings=a.embeddings, max_rows=a.max_rows, max_queue=a.max_queue,
                           threads=a.threads, provider=a.provider, timeout=a.timeout, grace=a.grace,
                           kv_layout=a.kv_layout, schedule=a.schedule, admit_wait=a.admit_wait, chunked_prefill=a.chunked_prefill, api_key=key, auth_health=a.auth_health,
-                          max_body_bytes=a.max_body_bytes, cors_origins=tuple(a.cors_origin))
+                          max_body_bytes=a.max_body_bytes, cors_origins=tuple(a.cors_origin), cuda_graph=a.cuda_graph)
     if not 0 < a.port < 65536:
         raise DBSError(f"`--port` must be in 1..65535, got {a.port}")
     if a.model not in EMBEDDED_DIRS:          # a wrong directory fails here, not in the background

@@ -39,7 +39,7 @@ def test_sizes_round_up_to_their_bucket():
             Buckets(**bad)
 
 
-def test_the_cuda_graph_is_asked_of_the_provider_and_refused_where_it_cannot_run(exported):
+def test_the_cuda_graph_is_asked_of_the_provider_and_refused_where_it_cannot_run(exported, capsys):
     import onnx
 
     from dbs_fast.kv.buckets import StaticStep
@@ -52,10 +52,17 @@ def test_the_cuda_graph_is_asked_of_the_provider_and_refused_where_it_cannot_run
     assert control_flow(onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []))) == {}
     with pytest.raises(DBSError, match="CUDA graphs need the CUDA provider"):
         StaticStep(Path(exported["llama"]) / "decode.onnx", DeviceOps("cpu"), Buckets(), cuda_graph=True)
-    with pytest.raises(DBSError, match="needs provider cuda"):
+    with pytest.raises(DBSError, match="needs the CUDA provider"):
         from dbs_fast import DirectedBeamSearch
 
         DirectedBeamSearch(exported["llama"], cuda_graph=True)
+    from dbs_fast.cli import main as cli
+    from dbs_fast.serving.service import ServiceOptions
+
+    assert cli(["generate", "--model", str(exported["llama"]), "--keywords", "river", "--cuda-graph"]) == 2
+    assert "--cuda-graph needs the CUDA provider" in capsys.readouterr().err        # the door's word for it
+    with pytest.raises(DBSError, match="--cuda-graph. needs --provider cuda"):
+        ServiceOptions(cuda_graph=True)
     with pytest.raises(DBSError, match="need the cache on a device"):
         from dbs_fast.kv.decoder import PrefixDecoder
 

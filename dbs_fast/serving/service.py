@@ -50,6 +50,7 @@ class ServiceOptions:
     max_queue: int = 64            # requests waiting beyond that are refused (429)
     threads: Optional[int] = None
     provider: str = "cpu"
+    cuda_graph: bool = False       # with provider cuda: each decode step one captured CUDA graph (docs/guides/gpu.md)
     kv_layout: str = "auto"        # the prefix cache where the export has it (see DirectedBeamSearch)
     schedule: str = "distinct"     # distinct candidate histories computed once (see DirectedBeamSearch)
     timeout: float = 300.0         # per request, seconds (a request may ask for less)
@@ -75,6 +76,8 @@ class ServiceOptions:
         if not 0 <= self.admit_wait <= 1:
             raise DBSError(f"`--admit-wait` must be in 0..1 seconds, got {self.admit_wait}")
 
+        if self.cuda_graph and self.provider != "cuda":
+            raise DBSError("`--cuda-graph` needs --provider cuda")
         if self.kv_layout not in KV_LAYOUTS:
             raise DBSError(f"`--kv-layout` must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if self.schedule not in SCHEDULES:
@@ -202,7 +205,8 @@ class Service:
         try:
             dbs = self._preloaded or DirectedBeamSearch(self.opts.model, self.opts.embeddings, threads=self.opts.threads,
                                                         provider=self.opts.provider, quiet=True,
-                                                        kv_layout=self.opts.kv_layout, schedule=self.opts.schedule)
+                                                        kv_layout=self.opts.kv_layout, schedule=self.opts.schedule,
+                                                        cuda_graph=self.opts.cuda_graph)
             dbs.word_piece, dbs.sentence_end                           # built once, before the first request
             dbs.generate(DEFAULT_CONTEXT, "day", config=DBSConfig(beams=1, candidates=1, max_new_tokens=8, stop="max"))  # warm-up
             self.metrics.store = dbs.decoder.store if dbs.decoder is not None else None
