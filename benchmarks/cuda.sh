@@ -9,8 +9,10 @@
 #      turns: the engine on the fp16 export with a CUDA graph per bucket and chunk slot (onnx-fp16-graph)
 #      and without (the gathered attention in plain operators; onnx-fp16-fused: one Attention node a
 #      layer), on the fp32 one, PyTorch eager in fp16 and fp32;
-#   2. each decode graph as ORT runs it on the GPU (benchmarks/profile.py --provider cuda: nodes per
-#      layer, host<->GPU copies, time per node);
+#   2. each fp16 decode graph's step replayed as one CUDA graph at fixed shapes (benchmarks/profile.py
+#      --cuda-graph: its milliseconds against the dynamic step's, its nodes per layer), then each decode
+#      graph as ORT runs it on the GPU (benchmarks/profile.py --provider cuda: nodes per layer,
+#      host<->GPU copies, time per node);
 #   3. fp16 against fp32 on the GPU (benchmarks/precision.py: max logit difference, KL, top-1 agreement);
 #   4. with COMPILE=1, PyTorch fp16 under torch.compile(mode="reduce-overhead") against the fp16
 #      engine, last and under a time limit (its compile and recording can take minutes).
@@ -38,6 +40,10 @@ python3 -m dbs_fast.cli bench --provider cuda $no_default --contenders "$CONTEND
   --shape "$SHAPE" --max-new-tokens "$TOKENS" --repeats "$REPEATS" --tokenizer /tmp/gpu/gpt2-tokenizer \
   --workdir /tmp/bench_work --out "$RES/bench" & bench=$!
 while kill -0 $bench 2>/dev/null; do sleep 20; [ -f "$RES/bench/bench.json" ] && keep; done; wait $bench; keep
+for graph in /tmp/bench_work/onnx/*-fp16-gathered; do   # the step as one captured CUDA graph, at fixed shapes
+  python3 -m benchmarks.profile --model "$graph" --provider cuda --cuda-graph --repeats 20 \
+    --out "$RES/profile-cuda-graph-$(basename "$graph").json"; keep
+done
 graphs=$(ls -d /tmp/bench_work/onnx/*-fp16-* /tmp/bench_work/onnx/*-fp32 2>/dev/null)
 for graph in $graphs; do
   name=$(basename "$graph")

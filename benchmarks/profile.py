@@ -37,13 +37,18 @@ from dbs_fast.export.timing import feeds, median_run, median_seconds
 
 
 def _session(model, threads: int | None, prof_dir: str | None = None, optimize: bool = True,
-             provider: str = "cpu", optimized: Path | None = None):
+             provider: str = "cpu", optimized: Path | None = None, dims: dict | None = None,
+             cuda_graph: bool = False):
     """An ORT session of `model` (a path or serialized bytes) on `provider`, profiling into `prof_dir`
     if given and writing the graph as ORT optimized it to `optimized` if given; `optimize=False` keeps
-    the graph as it is (ORT's default options otherwise, which spin)."""
+    the graph as it is (ORT's default options otherwise, which spin). `dims`: the graph's named
+    dimensions fixed (free-dimension overrides: ORT folds the shape arithmetic); `cuda_graph`: ORT
+    captures the run as one CUDA graph (`enable_cuda_graph`)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    for name, value in (dims or {}).items():
+        so.add_free_dimension_override_by_name(name, int(value))
     if not optimize:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads:
@@ -61,13 +66,15 @@ def _session(model, threads: int | None, prof_dir: str | None = None, optimize: 
             raise SystemExit(f"--provider cuda: this onnxruntime ({ort.__version__}) has no CUDA provider")
         if hasattr(ort, "preload_dlls"):
             ort.preload_dlls()
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"}) if cuda_graph else "CUDAExecutionProvider",
+                     "CPUExecutionProvider"]
     return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so, providers=providers)
 
 
-def _runner(sess, x: dict, provider: str):
+def _runner(sess, x: dict, provider: str, outputs: list | None = None):
     """One run of `sess` on `x`: on the CUDA provider with inputs and outputs bound on the GPU (copied
-    up once), so a run times the graph and not the transfers."""
+    up once), so a run times the graph and not the transfers. `outputs` (the outputs' arrays of a
+    run): each output bound to a buffer of that shape allocated once, as a captured CUDA graph needs."""
     if provider != "cuda":
         return lambda: sess.run(None, x)
     import onnxruntime as ort
@@ -75,30 +82,48 @@ def _runner(sess, x: dict, provider: str):
     binding = sess.io_binding()
     for name, v in x.items():
         binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0))
-    for o in sess.get_outputs():
-        binding.bind_output(o.name, "cuda", 0)
-    return lambda: sess.run_with_iobinding(binding)
+    for o, like in zip(sess.get_outputs(), outputs or [None] * len(sess.get_outputs())):
+        if like is None:
+            binding.bind_output(o.name, "cuda", 0)
+        else:
+            binding.bind_ortvalue_output(o.name, ort.OrtValue.ortvalue_from_numpy(like, "cuda", 0))
+    if outputs is None:
+        return lambda: sess.run_with_iobinding(binding)
+    ro = ort.RunOptions()
+    ro.add_run_config_entry("gpu_graph_id", "1")
+    return lambda: sess.run_with_iobinding(binding, ro)
+
+
+def fixed_dims(sess, x: dict) -> dict:
+    """The graph's named dimensions at the sizes of the feeds `x`."""
+    dims = {}
+    for i in sess.get_inputs():
+        for d, n in zip(i.shape, x[i.name].shape):
+            if isinstance(d, str):
+                dims[d] = int(n)
+    return dims
 
 
 def _profiled_events(model, x: dict, repeats: int, threads: int | None, optimize: bool = True,
-                     provider: str = "cpu") -> list[dict]:
+                     provider: str = "cpu", dims: dict | None = None) -> list[dict]:
     """The profiler's events of 1 + `repeats` runs of `model` on `x` (the first is cold)."""
     with tempfile.TemporaryDirectory() as d:
-        sess = _session(model, threads, d, optimize, provider)
+        sess = _session(model, threads, d, optimize, provider, dims=dims)
         run = _runner(sess, x, provider)
         for _ in range(1 + repeats):
             run()
         return json.loads(Path(sess.end_profiling()).read_text())
 
 
-def placement(graph: Path, threads: int | None, provider: str) -> dict:
-    """The graph as ORT runs it on `provider`: its nodes by operator, and the host<->device copies ORT
-    inserted around nodes left to the CPU (the optimized graph, written out and read back)."""
+def placement(graph: Path, threads: int | None, provider: str, dims: dict | None = None) -> dict:
+    """The graph as ORT runs it on `provider` (with `dims` fixed, if given): its nodes by operator, and
+    the host<->device copies ORT inserted around nodes left to the CPU (the optimized graph, written
+    out and read back)."""
     import onnx
 
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "optimized.onnx"
-        _session(graph, threads, provider=provider, optimized=out)
+        _session(graph, threads, provider=provider, optimized=out, dims=dims)
         ops = collections.Counter(op for op in _ops(onnx.load(str(out), load_external_data=False).graph))
     raw = onnx.load(str(graph), load_external_data=False).graph
     layers = sum(i.name.startswith("prefix.") for i in raw.input) // 2
@@ -118,15 +143,36 @@ def _ops(graph):
 
 
 def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | None, provider: str = "cpu",
-            context: int | None = None, context_level: bool = False) -> dict:
+            context: int | None = None, context_level: bool = False, fixed: bool = False,
+            cuda_graph: bool = False) -> dict:
     """`context`: that many context columns before the T prefix tokens (default: export/timing's few);
-    `context_level`: the context as a level of its own however short (else as the engine keeps it)."""
+    `context_level`: the context as a level of its own however short (else as the engine keeps it);
+    `fixed`: the graph's dimensions fixed at the step's sizes, as a bucket's session has them
+    (`dbs_fast.kv.buckets`); `cuda_graph` (CUDA, fixed): the step replayed as one captured CUDA graph."""
     plain = _session(graph, threads, provider=provider)
     fold = 0 if context_level else None
     x = feeds(plain, b, s, T, fold=fold) if context is None else feeds(plain, b, s, context + T, C=context, fold=fold)
-    step = median_seconds(_runner(plain, x, provider), repeats)
+    dims = fixed_dims(plain, x) if fixed or cuda_graph else None
+    step_dynamic = None
+    if dims is not None:                           # the same step at fixed shapes, beside the dynamic one
+        step_dynamic = median_seconds(_runner(plain, x, provider), repeats)
+        outputs = plain.run(None, x) if cuda_graph else None
+        del plain
+        plain = _session(graph, threads, provider=provider, dims=dims, cuda_graph=cuda_graph)
+        run = _runner(plain, x, provider, outputs)
+        for _ in range(3):                         # a graph is captured at its first runs
+            run()
+        step = median_seconds(run, repeats)
+    else:
+        step = median_seconds(_runner(plain, x, provider), repeats)
     del plain
-    events = _profiled_events(graph, x, repeats, threads, provider=provider)
+    if cuda_graph:                                 # a replayed graph has no nodes for the profiler to record
+        r = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "graph": str(graph),
+             "provider": provider, "beams": b, "candidates": s, "prefix": T, "context": context, "dims": dims,
+             "cuda_graph": True, "step_ms_median": 1e3 * step, "step_ms_dynamic": 1e3 * step_dynamic, "ops": []}
+        r["placement"] = placement(graph, threads, provider, dims)
+        return r
+    events = _profiled_events(graph, x, repeats, threads, provider=provider, dims=dims)
     dur, count = by_operator(events, skip=1)
     total = sum(dur.values())
     over = profiler_overhead_us(threads) if provider == "cpu" else 0.0
@@ -138,7 +184,9 @@ def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | No
          "profiled_ms_per_step": total / repeats / 1e3, "profiler_overhead_us": over,
          "ms_less_overhead_per_step": sum(o["ms_less_overhead"] for o in ops), "ops": ops}
     r["nodes_run_per_step"] = sum(o["nodes_per_step"] for o in ops)     # an If's branch not taken runs none
-    r["placement"] = placement(graph, threads, provider)
+    r["placement"] = placement(graph, threads, provider, dims)
+    if dims is not None:
+        r["dims"], r["step_ms_dynamic"] = dims, 1e3 * step_dynamic
     r["step_us_per_node"] = 1e3 * r["step_ms_median"] / max(1, r["placement"]["nodes"])
     if provider == "cuda":
         nodes = collections.Counter(e["args"].get("provider", "?") for e in _warm_nodes(events, skip=1))
@@ -196,12 +244,32 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: ORT's CUDA provider, inputs and outputs bound on the GPU (onnxruntime-gpu)")
+    ap.add_argument("--fixed-shapes", action="store_true",
+                    help="the graph's dimensions fixed at the step's sizes, as a bucket's session has them (ORT folds "
+                         "the shape arithmetic); the dynamic step's time beside it")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="with --provider cuda: fixed shapes, the step replayed as one captured CUDA graph (its time "
+                         "and the graph's nodes; no per-node profile)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     a = ap.parse_args(argv)
     graph = Path(a.model) / "decode.onnx"
     if not graph.is_file():
         ap.error(f"{graph} not found: export the model with this version (`dbs-fast export`)")
-    r = profile(graph, a.beams, a.candidates, a.prefix, a.repeats, a.threads, a.provider, a.context, a.context_level)
+    if a.cuda_graph and a.provider != "cuda":
+        ap.error("--cuda-graph needs --provider cuda")
+    r = profile(graph, a.beams, a.candidates, a.prefix, a.repeats, a.threads, a.provider, a.context, a.context_level,
+                a.fixed_shapes, a.cuda_graph)
+    if a.cuda_graph:
+        pl = r["placement"]
+        print(f"{graph}: {r['step_ms_median']:.2f} ms per step replayed as one CUDA graph, against "
+              f"{r['step_ms_dynamic']:.2f} ms dynamic; {pl['nodes']} nodes at fixed shapes, "
+              f"{pl['nodes_per_layer']:.1f} per layer, {pl['memcpy_nodes']} host<->GPU copies")
+        if a.out:
+            Path(a.out).write_text(json.dumps(r, indent=2))
+        return 0
+    if "dims" in r:
+        print(f"fixed shapes {r['dims']}: {r['step_ms_median']:.1f} ms per step against {r['step_ms_dynamic']:.1f} "
+              f"ms with the dimensions dynamic")
     print(f"{graph}: {r['step_ms_median']:.1f} ms per step (median, no profiler); by operator: profiled "
           f"{r['profiled_ms_per_step']:.1f} ms, less the profiler's {r['profiler_overhead_us']:.1f} us per node "
           f"{r['ms_less_overhead_per_step']:.1f} ms")

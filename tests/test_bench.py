@@ -227,6 +227,14 @@ def test_profile_counts_the_warm_runs_only(exported, tmp_path):
     for o in r["ops"]:
         assert o["ms_less_overhead"] == pytest.approx(max(0.0, o["ms_per_step"] - over * o["nodes_per_step"] / 1e3))
     assert r["ms_less_overhead_per_step"] == pytest.approx(sum(o["ms_less_overhead"] for o in r["ops"]))
+    # the dimensions fixed at the step's sizes (a bucket's session): ORT folds the shape arithmetic
+    assert probe(["--model", str(exported["gpt2"]), "--beams", "2", "--candidates", "3", "--prefix", "5",
+                  "--repeats", "2", "--fixed-shapes", "--out", str(out)]) == 0
+    fixed = json.loads(out.read_text())
+    assert fixed["dims"]["rows"] == 6 and fixed["dims"]["prefix"] == 5 and fixed["step_ms_dynamic"] > 0
+    assert fixed["placement"]["nodes"] < r["placement"]["nodes"]
+    with pytest.raises(SystemExit):                         # a CUDA graph needs the CUDA provider
+        probe(["--model", str(exported["gpt2"]), "--cuda-graph"])
 
 
 @pytest.mark.parametrize("int8", [False, True])
