@@ -97,7 +97,9 @@ def _preload_cuda_libraries(ort) -> None:
         warnings.warn(f"onnxruntime.preload_dlls() failed: {e}", RuntimeWarning, stacklevel=3)
 
 
-def make_session(path: Path, provider: str = "cpu", threads: int | None = None):
+def make_session(path: Path, provider: str = "cpu", threads: int | None = None, initializers: dict | None = None):
+    """`initializers`: {name: OrtValue} the session takes instead of the file's (weights shared with
+    other sessions)."""
     import onnxruntime as ort
 
     if provider not in PROVIDERS:
@@ -112,8 +114,11 @@ def make_session(path: Path, provider: str = "cpu", threads: int | None = None):
             warnings.warn(f"{wanted} is not available in this onnxruntime build ({ort.__version__}); falling back "
                           f"to CPU. {GPU_INSTALL_HINT if _both_onnxruntimes() else 'For CUDA: ' + GPU_SWAP}",
                           RuntimeWarning, stacklevel=2)
+    so = session_options(threads)
+    for name, value in (initializers or {}).items():
+        so.add_initializer(name, value)
     try:
-        session = ort.InferenceSession(str(path), sess_options=session_options(threads), providers=providers)
+        session = ort.InferenceSession(str(path), sess_options=so, providers=providers)
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types
         raise DBSError(f"cannot load {path}: {str(e).splitlines()[0][:300]}") from None
     if providers[0] != "CPUExecutionProvider" and session.get_providers()[0] != providers[0]:

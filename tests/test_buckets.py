@@ -163,3 +163,19 @@ def test_bucketed_steps_generate_the_same_text(kind, exported):
             assert dbs.decoder.static.created >= 2
     first = texts.pop(None)
     assert all(t == first for t in texts.values())
+
+
+def test_sessions_given_the_shared_weights_compute_what_the_file_does(exported):
+    """`shared_weights` (one copy of the weights, given to every bucket's session and on the GPU to the
+    decoder's own) in place of the file's: the same outputs."""
+    from dbs_fast.export.timing import feeds
+    from dbs_fast.kv.buckets import shared_weights
+    from dbs_fast.runtime import make_session
+
+    path = Path(exported["llama"]) / "decode.onnx"
+    weights = shared_weights(path, "cpu")
+    assert weights and all(v.device_name() == "cpu" for v in weights.values())
+    plain, shared = make_session(path), make_session(path, initializers=weights)
+    x = feeds(plain, 2, 3, 5)
+    for a, b in zip(plain.run(None, x), shared.run(None, x)):
+        np.testing.assert_array_equal(a, b)

@@ -67,6 +67,31 @@ class Buckets:
                 "chunk": chunk_mask.shape[1], "candidates": s}
 
 
+def shared_weights(path: Path, device: str, device_id: int = 0) -> dict:
+    """{name: OrtValue on `device`} of the graph's initializers of SHARED_BYTES or more: one copy of
+    the weights for every session given them (`SessionOptions.add_initializer`; ORT uses one where
+    it plans it on that device)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    out = {}
+    for init in onnx.load(str(path)).graph.initializer:
+        a = numpy_helper.to_array(init)
+        if a.nbytes >= SHARED_BYTES:
+            out[init.name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), device, device_id)
+    return out
+
+
+ITEM_BYTES = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(bfloat16)": 2, "tensor(uint8)": 1, "tensor(int8)": 1,
+              "tensor(int32)": 4, "tensor(int64)": 8}
+
+
+def _nbytes(v) -> int:
+    """Bytes of the tensor OrtValue `v` (on any device)."""
+    return int(np.prod(v.shape())) * ITEM_BYTES.get(v.data_type(), 4)
+
+
 def control_flow(model) -> dict:
     """{If, Loop, Scan: count} of an ONNX model's top-level nodes: what a CUDA graph cannot capture."""
     found: dict[str, int] = {}
@@ -108,29 +133,21 @@ class StaticStep:
     """Decode steps at bucket shapes (`Buckets`) on `ops`'s device, with CUDA graphs where `cuda_graph`."""
 
     def __init__(self, path: Path, ops: DeviceOps, buckets: Buckets, threads: int | None = None,
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, weights: dict | None = None):
         import onnx
         import onnxruntime as ort
-        from onnx import numpy_helper
 
         if ops.device == "cpu" and cuda_graph:
             raise DBSError("CUDA graphs need the CUDA provider (`provider` cuda)")
         self.path, self.ops, self.buckets, self.threads, self.cuda_graph = Path(path), ops, buckets, threads, cuda_graph
         self._ort = ort
-        model = onnx.load(str(path))
-        flow = control_flow(model)
+        flow = control_flow(onnx.load(str(path), load_external_data=False))
         if flow and cuda_graph:
             raise DBSError(f"{path}: a CUDA graph cannot hold control flow ({flow} nodes: the split attention's "
                            f"context level); export with `--dtype fp16` or `--attention gathered`")
-        # the weights once on the device, given to every bucket's session
-        self.weights, self.weight_bytes = {}, 0
-        for init in model.graph.initializer:
-            a = numpy_helper.to_array(init)
-            if a.nbytes >= SHARED_BYTES:
-                self.weight_bytes += a.nbytes
-                self.weights[init.name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), ops.device,
-                                                                          ops.device_id)
-        del model
+        # the weights once on the device, given to every bucket's session (and the decoder's own)
+        self.weights = weights if weights is not None else shared_weights(self.path, ops.device, ops.device_id)
+        self.weight_bytes = sum(_nbytes(v) for v in self.weights.values())
         self.vocab = int(read_manifest(self.path.parent)["vocab_size"])
         self._pool: dict[tuple, DeviceArray] = {}       # (role, shape) -> its buffer, allocated once
         self._sessions: OrderedDict[tuple, _Bucket] = OrderedDict()

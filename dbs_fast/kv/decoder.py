@@ -124,7 +124,16 @@ class PrefixDecoder:
 
     def __init__(self, path: str | Path, provider: str = "cpu", threads: int | None = None,
                  kv_device: str | None = "auto", buckets=None, cuda_graph: bool = False):
-        self.session = make_session(Path(path), provider, threads)
+        # bucketed steps on the GPU: the weights loaded once there, for this session and every bucket's
+        weights = None
+        if (buckets is not None or cuda_graph) and provider == "cuda":
+            from .buckets import shared_weights
+
+            try:
+                weights = shared_weights(Path(path), "cuda")
+            except Exception:  # noqa: BLE001 - no GPU for ORT: the session falls back and says why
+                weights = None
+        self.session = make_session(Path(path), provider, threads, initializers=weights)
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.vocab = self.session.get_outputs()[0].shape[-1]
         names = [i.name for i in self.session.get_inputs()]
@@ -176,7 +185,8 @@ class PrefixDecoder:
 
             if self.ops is HOST:
                 raise DBSError("bucketed decode steps need the cache on a device (`kv_device` cuda or cpu)")
-            self.static = StaticStep(Path(path), self.ops, buckets or Buckets(), threads, cuda_graph)
+            self.static = StaticStep(Path(path), self.ops, buckets or Buckets(), threads, cuda_graph,
+                                     weights if self.ops.device == "cuda" else None)
 
     def _identity(self, n: int) -> np.ndarray:
         if len(self._arange) < n:
