@@ -318,8 +318,8 @@ class PrefixCache:
         T, k = pm.shape[1], self.chunk_mask.shape[1]
         used = pm.any(axis=0)
         width = aligned((T - int(np.argmax(used)) if used.any() else 0) + j)
-        c = min(T, width - j)
-        lead, first = width - j - c, T - c
+        kept = min(T, width - j)                       # the parent's columns that hold its tokens
+        lead, first = width - j - kept, T - kept
         mask = np.concatenate([np.zeros((len(src), lead), np.int64), pm[:, first:], np.ones((len(src), j), np.int64)],
                               axis=1)
         if self.ops is not HOST:                       # on the device: one ORT graph for all tensors
