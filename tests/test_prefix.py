@@ -453,6 +453,31 @@ def test_boundaries_extend_each_beam_from_its_parent_through_the_reused_buffers(
     assert pc.prefix[0].shape[2] == pc.mask.shape[1]
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_padding_by_whole_aligns_leaves_a_steps_logits_to_the_bit(kind, decoders):
+    """A beam's prefix left-padded by any multiple of ALIGN masked columns (what a longer batchmate
+    does to it) gives the same logits to the bit, step after step: the padding moves its columns by
+    whole vector lanes (why the cache keeps each level's width a multiple of ALIGN)."""
+    from dbs_fast.kv.decoder import PrefixDecoder
+    from dbs_fast.kv.prefix_cache import ALIGN
+
+    dec = PrefixDecoder(decoders[kind])
+    kv, d = next(i.shape for i in dec.session.get_inputs() if i.name == "prefix.0.key")[1::2]
+    ids = np.array([[11, 12, 13, 14, 15]])
+
+    def steps(extra):
+        _, cache = dec.prefill(ids, np.ones_like(ids), kv, d, 3, 3)
+        assert cache.mask.shape[1] == ALIGN
+        cache.prefix = [np.ascontiguousarray(np.pad(p, [(0, 0), (0, 0), (extra, 0), (0, 0)])) for p in cache.prefix]
+        cache.mask = np.pad(cache.mask, [(0, 0), (extra, 0)])
+        return [dec.step(np.full(3, 7 + t), cache).copy() for t in range(3)]
+
+    base = steps(0)
+    for extra in (ALIGN, 2 * ALIGN, 4 * ALIGN, 32 * ALIGN):
+        for a, b in zip(base, steps(extra)):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_a_step_writes_its_new_kv_into_the_next_chunk_slot_in_place():
     """`next_slot` is a view of slot `used` of every chunk tensor (where an in-place step binds its
     new K/V); `advance` counts it; `slots` hands a step the decoded slots, contiguous."""
