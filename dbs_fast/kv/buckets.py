@@ -22,23 +22,21 @@ from __future__ import annotations
 import time
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import DBSError
 from ..manifest import read_manifest
+from ..runtime import session_options
 from .device import DTYPES, DeviceArray, DeviceOps
+from .prefix_cache import round_up
 
 # int64 inputs whose padded rows hold something other than 0: a padded row reads one real token
 # (an all-masked row would divide by zero)
 ROW_FILL = {"new_mask": 1}
 SHARED_BYTES = 1024          # initializers of at least this many bytes are shared between the sessions
-
-
-def round_up(x: int, granule: int) -> int:
-    return -(-x // granule) * granule if granule > 0 else x
 
 
 @dataclass(frozen=True)
@@ -106,11 +104,16 @@ def cuda_graph_providers(device_id: int = 0) -> list:
     return [("CUDAExecutionProvider", {"device_id": str(device_id), "enable_cuda_graph": "1"}), "CPUExecutionProvider"]
 
 
-def padded(arr: np.ndarray, shape: tuple, fill: int = 0) -> np.ndarray:
-    """`arr` in the top-left corner of an array of `shape` filled with `fill`."""
-    out = np.full(shape, fill, arr.dtype)
+def fill_padded(out: np.ndarray, arr: np.ndarray, fill: int = 0) -> np.ndarray:
+    """`out` := `arr` in its top-left corner, `fill` elsewhere (in place)."""
+    out.fill(fill)
     out[tuple(slice(0, d) for d in arr.shape)] = arr
     return out
+
+
+def padded(arr: np.ndarray, shape: tuple, fill: int = 0) -> np.ndarray:
+    """`arr` in the top-left corner of an array of `shape` filled with `fill`."""
+    return fill_padded(np.empty(shape, arr.dtype), arr, fill)
 
 
 @dataclass
@@ -125,8 +128,15 @@ class _Bucket:
     regions: dict                        # int64 input -> (offset, shape)
     kv: dict                             # input name -> its DeviceArray (context.*, prefix.*, chunk.*)
     logits: DeviceArray
-    ios: dict                            # chunk slot -> IO binding
+    ios: dict                            # chunk slot -> (IO binding, run options)
     seconds: float = 0.0                 # its session's creation
+    views: dict = field(default_factory=dict)    # int64 input -> its view of `staging`, shaped
+    levels: dict = field(default_factory=dict)   # level -> its buffers in the cache's order [k0, v0, ...]
+
+    def __post_init__(self):
+        self.views = {n: self.staging[off:off + int(np.prod(sh))].reshape(sh) for n, (off, sh) in self.regions.items()}
+        self.levels = {lv: [self.kv[f"{lv}.{i}.{t}"] for i in range(len(self.kv) // 6) for t in ("key", "value")]
+                       for lv in ("context", "prefix", "chunk")}
 
 
 class StaticStep:
@@ -169,7 +179,7 @@ class StaticStep:
         return self._pool[key]
 
     def _session(self, dims: dict):
-        so = _options(self.threads)
+        so = session_options(self.threads)
         for name, value in dims.items():
             so.add_free_dimension_override_by_name(name, int(value))
         for name, value in self.weights.items():
@@ -217,11 +227,10 @@ class StaticStep:
         return b
 
     def _io(self, b: _Bucket, slot: int):
-        """The bucket's IO binding for a step writing chunk slot `slot`: every input and output bound
-        to its fixed buffer, once."""
-        io = b.ios.get(slot)
-        if io is not None:
-            return io
+        """The bucket's IO binding and run options for a step writing chunk slot `slot`: every input
+        and output bound to its fixed buffer, once."""
+        if slot in b.ios:
+            return b.ios[slot]
         io = b.session.io_binding()
         dev, did = self.ops.device, self.ops.device_id
         for name, (off, shape) in b.regions.items():
@@ -234,20 +243,19 @@ class StaticStep:
             c = b.kv["chunk" + o.name[len("new"):]]
             at = c.at(slot, (1,) + c.shape[1:])
             io.bind_output(o.name, dev, did, at.dtype.type, list(at.shape), at.ptr)
-        b.ios[slot] = io
+        ro = self._ort.RunOptions()
+        if self.cuda_graph:                             # the slot's own captured graph
+            ro.add_run_config_entry("gpu_graph_id", str(slot))
+        b.ios[slot] = (io, ro)
         self.captured += 1
-        return io
+        return b.ios[slot]
 
     # -- a step ----------------------------------------------------------------------------
-
-    def _level(self, b: _Bucket, level: str) -> list[DeviceArray]:
-        """The bucket's buffers of `level` in the cache's order [k0, v0, k1, v1, ...]."""
-        return [b.kv[f"{level}.{i}.{t}"] for i in range(len(b.kv) // 6) for t in ("key", "value")]
 
     def _copy_in(self, b: _Bucket, level: str, arrays: list) -> None:
         """The cache's K/V of `level` into the bucket's buffers (padded with zero columns), unless
         they are the arrays copied there last (held, so that their memory is not reused)."""
-        targets = self._level(b, level)
+        targets = b.levels[level]
         key = (level, targets[0].ptr)
         last = self._copied.get(key)
         if last is not None and len(last) == len(arrays) and all(x is y for x, y in zip(last, arrays)):
@@ -270,25 +278,18 @@ class StaticStep:
         self._adopt_chunk(b, cache)
         self._copy_in(b, "context", cache.context)
         self._copy_in(b, "prefix", cache.prefix)
-        for name, (off, shape) in b.regions.items():
-            size = int(np.prod(shape))
-            b.staging[off:off + size] = padded(np.asarray(feeds[name], np.int64), shape,
-                                               ROW_FILL.get(name, 0)).ravel()
+        for name, view in b.views.items():           # each int64 input padded in place in the staging
+            fill_padded(view, np.asarray(feeds[name], np.int64), ROW_FILL.get(name, 0))
         b.ints.buf.update_inplace(b.staging)
-        io = self._io(b, cache.used)
-        if self.cuda_graph:
-            ro = self._ort.RunOptions()
-            ro.add_run_config_entry("gpu_graph_id", str(cache.used))
-            b.session.run_with_iobinding(io, ro)
-        else:
-            b.session.run_with_iobinding(io)
+        io, ro = self._io(b, cache.used)
+        b.session.run_with_iobinding(io, ro)
         logits = b.logits.buf.numpy()
         self.moved = b.staging.nbytes + logits.nbytes
         return logits[back] if back is not None else logits[:n]
 
     def _adopt_chunk(self, b: _Bucket, cache) -> None:
         """The cache's chunk becomes the bucket's buffers (the slots decoded so far copied over)."""
-        chunk = self._level(b, "chunk")
+        chunk = b.levels["chunk"]
         if len(cache.chunk) == len(chunk) and all(x is y for x, y in zip(cache.chunk, chunk)):
             return
         if cache.used:
@@ -319,8 +320,3 @@ def _every_slot(feeds: dict) -> dict:
     out["slot_row"] = out["row_slot"] = np.arange(len(slot_row), dtype=np.int64)
     return out
 
-
-def _options(threads):
-    from ..runtime import session_options
-
-    return session_options(threads)

@@ -60,9 +60,14 @@ def context_blocks(beam_context: np.ndarray, R: int) -> tuple[np.ndarray, np.nda
     return beams, bc * M + rank
 
 
+def round_up(x: int, granule: int) -> int:
+    """`x` rounded up to a multiple of `granule` (0: as it is)."""
+    return -(-x // granule) * granule if granule > 0 else x
+
+
 def aligned(columns: int) -> int:
     """`columns` rounded up to a multiple of ALIGN."""
-    return -(-columns // ALIGN) * ALIGN
+    return round_up(columns, ALIGN)
 
 
 def in_prefixes(columns: int, fold: int | None = None) -> bool:
