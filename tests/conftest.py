@@ -17,6 +17,8 @@ GPT2_VOCAB = pytest.mark.skipif(not (GPT2_TOKENIZER / "vocab.json").is_file(),
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/naive.py
 os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".numba_cache"))
+# No test reads the model hub: offline, a hub id fails at once instead of after 20 s of retries.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _gpt2_tokenizer(tmp: Path):

@@ -23,6 +23,15 @@ def test_default_export_manifest(default_dir):
     assert m["source"] == "default" and m["architecture"] == "LlamaForCausalLM"
     assert m["parity"]["passed"] and m["parity"]["max_abs_logit_diff"] < 1e-2
     assert m["vocab_size"] == 49152 and m["num_layers"] == 30
+    # the GGUF file's blocks kept in the decode graph (`--weights gguf`, a GGUF file's default, at
+    # accuracy level 4): the Q4_1 projections, the Q8_0 head and the embeddings on the head's blocks
+    assert m["gguf_quantization"].startswith("MOSTLY_Q") and m["gguf_file"].endswith(".gguf")
+    assert (default_dir / "decode.onnx").is_file() and (default_dir / "tokenizer.json").is_file()
+    pd = m["prefix_decode"]
+    assert pd["weights"]["stored_as_run"] == {"Q4_1 -> MatMulNBits 4-bit + min term": 210,
+                                              "Q8_0 -> MatMulNBits 8-bit": 1, "Q8_0 -> GatherBlockQuantized 8-bit": 1}
+    assert pd["weights"]["tensors"]["model.layers.0.self_attn.q_proj"]["gguf"] == "blk.0.attn_q"
+    assert pd["mean_kl"] < 0.1 and pd["shared_bytes"] > 0
 
 
 def test_guidance_beats_unguided_on_the_default(default_dir):
