@@ -377,7 +377,7 @@ def test_no_input_is_a_server_error(server, path):
     valid.update({"/v1/completions": {"prompt": "It is"}, "/v1/generate": {"context": "It is"},
                   "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}]}}[path])
     if path == "/v1/generate":
-        valid = {k: v for k, v in valid.items() if k not in ("model", "max_tokens")}
+        valid = {**{k: v for k, v in valid.items() if k not in ("model", "max_tokens")}, "max_new_tokens": 4}
     with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
         for i in range(1000):
             one = None
