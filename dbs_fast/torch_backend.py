@@ -93,23 +93,32 @@ class TorchBackend:
         self._dense = None
         self._dense_key = None
         self._mask = None
+        self.static: StaticSteps | None = None     # decode steps on a static cache (`compile`)
 
     def set_dtype(self, dtype: str) -> None:
         """The model's weights and activations in `dtype` ("float16", "bfloat16" or "float32"), the
         logits still handed to the sampler in float32: the baseline in the engine's dtype."""
         self.model.to(getattr(self.torch, dtype))
 
-    def compile(self) -> None:
-        """The model's forward through `torch.compile(mode="reduce-overhead")` (CUDA graphs), sizes
-        dynamic so that a growing cache does not recompile at every step; the first generation
-        compiles and records (run it outside the timing), `compile_stats` counts what it did."""
-        self.model.forward = self.torch.compile(self.model.forward, mode="reduce-overhead", dynamic=True)
+    def compile(self, mode: str = "reduce-overhead", backend: str = "inductor") -> None:
+        """Decode steps through `torch.compile(mode="reduce-overhead")` (CUDA graphs on a GPU) on a
+        static cache (`StaticSteps`): each step's shapes are its bucket's, so a generation compiles
+        once per bucket and never falls back to recompiling as the cache grows. The prefill stays
+        eager. The first generation compiles and records (run it outside the timing);
+        `compile_stats` counts what it did. `backend` "eager": dynamo's capture alone (tests)."""
+        self.static = StaticSteps(self.model, self.device)
+        self.static.forward = self.torch.compile(self.model.forward, mode=None if backend == "eager" else mode,
+                                                 backend=backend, dynamic=False)
 
     def compile_stats(self) -> dict:
-        """torch.compile's counters (graphs compiled, recompiles, graph breaks) since start."""
+        """torch.compile's counters (graphs compiled, recompiles, graph breaks) since start, and the
+        static cache's buckets (rows x cache length) the steps ran at."""
         from torch._dynamo.utils import counters
 
-        return {group: dict(c) for group, c in counters.items() if group in ("stats", "recompiles", "graph_break")}
+        out = {group: dict(c) for group, c in counters.items() if group in ("stats", "recompiles", "graph_break")}
+        if self.static is not None:
+            out["buckets"] = sorted(self.static.shapes)
+        return out
 
     def prefill(self, contexts):
         ids, mask = left_pad(contexts, self.pad_id)
@@ -124,6 +133,14 @@ class TorchBackend:
     def step(self, tokens, cache, need=None):
         """The plain schedule: every row, whatever `need` says (the reference the others are measured by)."""
         t = self.torch
+        if isinstance(cache, StaticState):
+            with t.inference_mode():
+                t0 = time.perf_counter()
+                logits = self.static.step(cache, tokens)
+                if self.device.type == "cuda":
+                    t.cuda.synchronize()
+                self.graph_seconds += time.perf_counter() - t0
+            return logits, cache
         self._mask = t.cat([self._mask, t.ones((self._mask.shape[0], 1), dtype=self._mask.dtype, device=self.device)], 1)
         with t.inference_mode():
             pos = self._mask.sum(1, keepdim=True) - 1
@@ -138,6 +155,11 @@ class TorchBackend:
 
     def select(self, cache, idx):
         idx = self.torch.as_tensor(idx, dtype=self.torch.long, device=self.device)
+        if self.static is not None:             # the prefill's cache moves into the static one here
+            with self.torch.inference_mode():
+                if isinstance(cache, StaticState):
+                    return self.static.select(cache, idx)
+                return self.static.start(cache, self._mask, idx)
         cache.reorder_cache(idx)
         self._mask = self._mask[idx]
         return cache
@@ -243,3 +265,117 @@ class TorchBackend:
 
     def decode_one(self, i):
         return self.tokenizer.decode([i], skip_special_tokens=False)
+
+
+ROWS_GRANULE = 8            # a static cache's rows round up to this
+LENGTH_GRANULE = 64         # and its length, as the engine's CUDA-graph buckets round a context (`kv.buckets`)
+
+
+class StaticState:
+    """A batch's static cache: transformers' `StaticCache` of `rows` x `length` (the bucket), the
+    attention mask at the same shape, `live` rows in use (the rest repeat row 0 and are dropped),
+    and `at`, the next column to write."""
+
+    def __init__(self, cache, mask, live: int, at: int):
+        self.cache, self.mask, self.live, self.at = cache, mask, live, at
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.mask.shape)
+
+
+class StaticSteps:
+    """Decode steps at fixed shapes, as `torch.compile(mode="reduce-overhead")` needs them to compile
+    once and replay: the cache is a `StaticCache` whose rows and length round up to a bucket
+    (ROWS_GRANULE, LENGTH_GRANULE), written in place at `cache_position`; the mask is a tensor of
+    the same shape updated in place; beams are reordered in place. A cache that fills moves into
+    the next length bucket (a new shape: one more compilation). Models whose cache has sliding
+    layers keep the dynamic cache (`DBSError` names them)."""
+
+    def __init__(self, model, device):
+        from transformers import StaticCache
+
+        self.model, self.device, self.forward = model, device, model.forward
+        self._StaticCache = StaticCache
+        self.shapes: set[tuple[int, int]] = set()
+        kinds = {type(layer).__name__ for layer in StaticCache(config=model.config, max_cache_len=8).layers}
+        if kinds != {"StaticLayer"}:
+            raise DBSError(f"a static cache for {model.config.model_type!r}: its sliding attention layers keep "
+                           "transformers' dynamic cache (use the eager baseline)")
+
+    @staticmethod
+    def _round(n: int, granule: int) -> int:
+        return -(-n // granule) * granule
+
+    def _alloc(self, rows: int, length: int, template) -> StaticState:
+        import torch
+
+        cache = self._StaticCache(config=self.model.config, max_cache_len=length)
+        for layer in cache.layers:
+            layer.lazy_initialization(template.new_zeros((rows, template.shape[1], 1, template.shape[3])))
+        mask = torch.zeros((rows, length), dtype=torch.long, device=self.device)
+        return StaticState(cache, mask, 0, 0)
+
+    def start(self, dynamic, mask, idx) -> StaticState:
+        """The prefill's dynamic cache and mask, rows `idx`, into a new static cache."""
+        n, T = len(idx), mask.shape[1]
+        keys = dynamic.layers[0].keys
+        st = self._alloc(self._round(n, ROWS_GRANULE), self._round(T + 1, LENGTH_GRANULE), keys)
+        full = self._padded(idx, st.mask.shape[0])
+        for src, dst in zip(dynamic.layers, st.cache.layers):
+            dst.keys[:, :, :T] = src.keys[full]
+            dst.values[:, :, :T] = src.values[full]
+        st.mask[:, :T] = mask[full]
+        st.live, st.at = n, T
+        return st
+
+    @staticmethod
+    def _padded(idx, rows: int):
+        import torch
+
+        return torch.cat([idx, idx[:1].expand(rows - len(idx))]) if rows > len(idx) else idx
+
+    def select(self, st: StaticState, idx) -> StaticState:
+        """Rows `idx` of the batch, in place where they fit its rows; else a larger bucket."""
+        if len(idx) > st.mask.shape[0]:
+            return self._grow(st, idx, st.mask.shape[1])
+        full = self._padded(idx, st.mask.shape[0])
+        for layer in st.cache.layers:
+            layer.keys.copy_(layer.keys[full])
+            layer.values.copy_(layer.values[full])
+        st.mask.copy_(st.mask[full])
+        st.live = len(idx)
+        return st
+
+    def _grow(self, st: StaticState, idx, length: int) -> StaticState:
+        """The rows `idx` of `st` in a new static cache of `length` columns (and enough rows)."""
+        new = self._alloc(self._round(len(idx), ROWS_GRANULE), length, st.cache.layers[0].keys)
+        full = self._padded(idx, new.mask.shape[0])
+        T = st.at
+        for src, dst in zip(st.cache.layers, new.cache.layers):
+            dst.keys[:, :, :T] = src.keys[full, :, :T]
+            dst.values[:, :, :T] = src.values[full, :, :T]
+        new.mask[:, :T] = st.mask[full, :T]
+        new.live, new.at = len(idx), T
+        return new
+
+    def step(self, st: StaticState, tokens):
+        """One decode step of the live rows' `tokens`: (live, V) float32 logits."""
+        import torch
+
+        if st.at == st.mask.shape[1]:                     # full: the next length bucket
+            grown = self._grow(st, torch.arange(st.mask.shape[0], device=self.device),
+                               st.mask.shape[1] + LENGTH_GRANULE)
+            st.cache, st.mask = grown.cache, grown.mask
+        rows = st.mask.shape[0]
+        ids = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
+        ids[:st.live, 0] = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        ids[st.live:, 0] = ids[0, 0]
+        st.mask[:, st.at] = 1
+        pos = st.mask.sum(1, keepdim=True) - 1
+        self.shapes.add(st.shape)
+        out = self.forward(input_ids=ids, attention_mask=st.mask, position_ids=pos, past_key_values=st.cache,
+                           cache_position=torch.tensor([st.at], device=self.device), use_cache=True)
+        st.at += 1
+        # a copy: a replayed CUDA graph writes its next logits over this step's
+        return out.logits[:st.live, -1].to(torch.float32, copy=True)

@@ -129,6 +129,46 @@ def test_torch_backend_matches_onnx_for_the_same_seed(exported, dbs):
         assert tb.generate("It is", KW, seed=seed, config=cfg).text == dbs.generate("It is", KW, seed=seed, config=cfg).text
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_pytorch_baseline_on_a_static_cache_writes_the_dynamic_caches_texts(exported, kind, monkeypatch):
+    """The compiled baseline's static cache (`StaticSteps`): steps at bucket shapes, beams reordered
+    in place, a full cache moved into the next length bucket. It writes the texts of transformers'
+    dynamic cache through torch.compile (dynamo's capture, `backend="eager"`), which
+    captures one graph per bucket: a generation past one bucket's length compiles once more, and
+    the next generation at those buckets compiles nothing."""
+    pytest.importorskip("torch")
+    from torch._dynamo.utils import counters
+
+    from dbs_fast import torch_backend
+
+    monkeypatch.setattr(torch_backend, "LENGTH_GRANULE", 16)           # buckets of 16 columns: fewer steps
+    cfg = replace(SMALL, beams=2, candidates=2, max_new_tokens=16 + 3, stop="max",   # past one bucket
+                  no_repeat_word_window=0, no_repeat_ngram_size=0, repetition_penalty=1.0)
+    dynamic, compiled = (DirectedBeamSearch(exported[kind], config=cfg, backend="torch") for _ in range(2))
+    compiled.backend.compile(backend="eager")
+    graphs = []
+    for seed in (0, 1):
+        assert compiled.generate("It is", KW, seed=seed).text == dynamic.generate("It is", KW, seed=seed).text
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert compiled.backend.compile_stats()["buckets"] == [(torch_backend.ROWS_GRANULE, 16),
+                                                           (torch_backend.ROWS_GRANULE, 32)]
+    assert graphs[1] == graphs[0]                     # the second generation: no new graph
+
+
+def test_the_static_cache_refuses_sliding_layers(tmp_path):
+    """A model whose cache has sliding-window layers keeps the dynamic cache, and says so."""
+    pytest.importorskip("torch")
+    from conftest import make_checkpoint
+
+    from dbs_fast.errors import DBSError
+    from dbs_fast.export.source import load_torch_model, resolve
+    from dbs_fast.torch_backend import StaticSteps
+
+    model, _ = load_torch_model(resolve(str(make_checkpoint("gemma3", tmp_path / "gemma3"))))
+    with pytest.raises(DBSError, match="sliding attention layers keep transformers' dynamic cache"):
+        StaticSteps(model, model.device)
+
+
 def test_torch_backend_on_cuda_without_a_gpu_says_so(exported, capsys):
     """`--provider cuda` puts the PyTorch baseline on the GPU; a torch that sees none gets a clear
     message and exit code 2, not a traceback (CI has no GPU: the CUDA path is not run here)."""

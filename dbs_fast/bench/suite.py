@@ -12,6 +12,7 @@ Contenders, each in its own process (peak memory and cold start are its own):
   torch-fp32  the same scheduler over transformers with its KV cache and a torch sampler
   onnx-fp16, torch-fp16, torch-fp16-compile   the GPU's (not run unless named): the `--dtype fp16`
               export, PyTorch in float16, and the same under torch.compile(mode="reduce-overhead")
+              on a static cache at bucket shapes (`torch_backend.StaticSteps`)
   onnx-fp16-fused   the fp16 export with the fused attention (`--attention fused`: one ONNX
               Attention node a layer), against onnx-fp16's gathered attention in plain operators
   onnx-fp16-graph   onnx-fp16's export with its decode steps at bucket shapes, one CUDA graph per
