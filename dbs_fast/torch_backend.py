@@ -337,6 +337,9 @@ class StaticSteps:
 
     def select(self, st: StaticState, idx) -> StaticState:
         """Rows `idx` of the batch, in place where they fit its rows; else a larger bucket."""
+        if len(idx) == 0:                               # every row done: nothing to keep
+            st.live = 0
+            return st
         if len(idx) > st.mask.shape[0]:
             return self._grow(st, idx, st.mask.shape[1])
         full = self._padded(idx, st.mask.shape[0])
