@@ -16,6 +16,7 @@ from . import kernels
 from .backend import left_pad
 from .errors import DBSError
 from .kernels import StepRules
+from .kv.prefix_cache import round_up
 from .manifest import read_manifest
 from .model import load_tokenizer
 from .text.constraints import banned_tokens
@@ -303,10 +304,6 @@ class StaticSteps:
             raise DBSError(f"a static cache for {model.config.model_type!r}: its sliding attention layers keep "
                            "transformers' dynamic cache (use the eager baseline)")
 
-    @staticmethod
-    def _round(n: int, granule: int) -> int:
-        return -(-n // granule) * granule
-
     def _alloc(self, rows: int, length: int, template) -> StaticState:
         import torch
 
@@ -320,7 +317,7 @@ class StaticSteps:
         """The prefill's dynamic cache and mask, rows `idx`, into a new static cache."""
         n, T = len(idx), mask.shape[1]
         keys = dynamic.layers[0].keys
-        st = self._alloc(self._round(n, ROWS_GRANULE), self._round(T + 1, LENGTH_GRANULE), keys)
+        st = self._alloc(round_up(n, ROWS_GRANULE), round_up(T + 1, LENGTH_GRANULE), keys)
         full = self._padded(idx, st.mask.shape[0])
         for src, dst in zip(dynamic.layers, st.cache.layers):
             dst.keys[:, :, :T] = src.keys[full]
@@ -352,7 +349,7 @@ class StaticSteps:
 
     def _grow(self, st: StaticState, idx, length: int) -> StaticState:
         """The rows `idx` of `st` in a new static cache of `length` columns (and enough rows)."""
-        new = self._alloc(self._round(len(idx), ROWS_GRANULE), length, st.cache.layers[0].keys)
+        new = self._alloc(round_up(len(idx), ROWS_GRANULE), length, st.cache.layers[0].keys)
         full = self._padded(idx, new.mask.shape[0])
         T = st.at
         for src, dst in zip(st.cache.layers, new.cache.layers):
