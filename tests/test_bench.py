@@ -141,7 +141,6 @@ def test_attention_probe_arms_compute_the_same_attention(tmp_path):
     assert arms["dmmha"]["kv_bytes"] > arms["prefix"]["kv_bytes"]
 
 
-
 def test_attention_probe_times_only_the_arms_asked_for(tmp_path, capsys):
     """`--arms prefix` (how a change to `attend` is timed at two commits) builds and times the prefix arm
     alone; an unknown arm is a usage error (exit 2), not a traceback."""
@@ -156,9 +155,6 @@ def test_attention_probe_times_only_the_arms_asked_for(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         probe(toy + ["--arms", "prefix,flash"])
     assert e.value.code == 2 and "--arms" in capsys.readouterr().err
-
-
-
 
 
 def test_in_generation_probe_repeats_each_call_without_changing_the_text(exported, tmp_path):
@@ -270,12 +266,6 @@ def test_kernel_against_another_version_times_both_and_compares_draws(tmp_path):
     for kind in ("plain", "flat", "anti_repetition"):
         assert r[kind]["same_ids"] and r[kind]["max_logp_diff"] == 0.0
         assert r[kind]["ms_median"]["this"] > 0 and r[kind]["ms_median"]["against"] > 0
-
-
-
-
-
-
 
 
 @pytest.mark.integration

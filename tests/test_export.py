@@ -206,7 +206,7 @@ def test_fused_attention_equals_exported_graph(checkpoints, exported, tmp_path):
 
     from dbs_fast.export.convert import _onnx_export
 
-    _onnx_export(str(checkpoints["gpt2"]), tmp_path / "raw", large=False)
+    _onnx_export(str(checkpoints["gpt2"]), tmp_path / "raw", post_process=True)
     raw = ort.InferenceSession(str(tmp_path / "raw" / "model.onnx"))
     fused_path = exported["gpt2"] / "model.onnx"
     ops = [n.op_type for n in onnx.load(str(fused_path)).graph.node]
@@ -316,7 +316,7 @@ def test_export_errors(capsys, tmp_path, checkpoints):
 def test_no_space_mid_export_leaves_nothing(monkeypatch, tmp_path, checkpoints, capsys):
     from dbs_fast.export import convert
 
-    def full_disk(checkpoint, out, large):
+    def full_disk(checkpoint, out, post_process):
         Path(out).mkdir(parents=True)
         (Path(out) / "model.onnx").write_bytes(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -534,10 +534,13 @@ def _tiny_llama_gguf(path, qtype: str | None = None, tied: bool = False):
     return model
 
 
-def test_a_gguf_file_written_by_the_gguf_writer_exports_and_generates(tmp_path):
+def test_a_gguf_file_written_by_the_gguf_writer_exports_and_generates(tmp_path, monkeypatch):
     """A tiny Llama written to GGUF as llama.cpp writes one: `export --model FILE.gguf` reads its
     weights, its hyper-parameters and its tokenizer from the file, passes parity, writes the
-    decode graph, and generates; the model it reads is the model written (q and k un-permuted)."""
+    decode graph, and generates; the model it reads is the model written (q and k un-permuted).
+    The export parses the file once (transformers and the export share one reader), and gguf's own
+    reader is back after it."""
+    import gguf
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -546,7 +549,16 @@ def test_a_gguf_file_written_by_the_gguf_writer_exports_and_generates(tmp_path):
     path = tmp_path / "tiny.gguf"
     written = _tiny_llama_gguf(path)
     out = tmp_path / "tiny"
+    parses, parse = [], gguf.GGUFReader
+
+    def counted(p, mode="r"):
+        parses.append(p)
+        return parse(p, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
     assert cli(["export", "--model", str(path), "--out", str(out), "--quiet"]) == 0
+    assert len(parses) == 1 and gguf.GGUFReader is counted
+    assert (out / "export.log").stat().st_mode & 0o044 == 0o044           # readable as the export's other files
     m = json.loads((out / MANIFEST).read_text())
     assert m["gguf_file"] == "tiny.gguf" and m["gguf_quantization"] == "ALL_F32" and m["parity"]["passed"]
     assert m["prefix_decode"]["written"] and m["num_layers"] == 2 and m["num_kv_heads"] == 2

@@ -37,6 +37,7 @@ from .source import (
     Source,
     check_supported,
     gguf_file_type,
+    gguf_read_once,
     load_config,
     load_torch_model,
     resolve,
@@ -75,12 +76,13 @@ def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _onnx_export(checkpoint: str, out: Path, large: bool) -> None:
+def _onnx_export(checkpoint: str, out: Path, post_process: bool) -> None:
     from optimum.exporters.onnx import main_export
 
     # Post-processing (decoder merge / tied-weight dedup) hits protobuf's 2 GB limit on big
-    # models (GPT-2 large fp32): skip it there; the tied LM head is then stored twice.
-    main_export(checkpoint, str(out), task=TASK, do_validation=False, no_post_process=large,
+    # models (GPT-2 large fp32), and is wasted on a graph that only checks the decode graph and goes
+    # (on a GGUF file's blocks): skipped there; the tied LM head is then stored twice.
+    main_export(checkpoint, str(out), task=TASK, do_validation=False, no_post_process=not post_process,
                 local_files_only=True)
 
 
@@ -170,7 +172,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
         tok.save_pretrained(checkpoint)
     raw = work / "_onnx"
     _log(f"exporting to ONNX ({TASK}{', external data' if large else ''})", quiet)
-    _onnx_export(checkpoint, raw, large)
+    _onnx_export(checkpoint, raw, not large and not (weights == "gguf" and not row_layout))   # post-processed?
     onnx_path, steps = raw / "model.onnx", ["export"]
     from .fuse import fuse_attention
 
@@ -445,7 +447,7 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
     fd, log = tempfile.mkstemp(prefix="dbs-fast-export-", suffix=".log")
     os.close(fd)
     try:
-        with _stderr_to(Path(log)):
+        with _stderr_to(Path(log)), gguf_read_once():
             if quantize == AUTO:
                 manifest = _export_auto(src, out, optimize, quiet)
             else:
@@ -457,6 +459,7 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
         raise
     lines = len(Path(log).read_text(errors="replace").splitlines())
     shutil.move(log, out / EXPORT_LOG)
+    (out / EXPORT_LOG).chmod(0o644)      # mkstemp makes it private; the export's files are ordinary ones
     _log(f"wrote {out} ({sum(manifest['files'].values()) / 1e6:.1f} MB); the exporters' {lines} lines of "
          f"warnings and logs are in {out / EXPORT_LOG}", quiet)
     return manifest

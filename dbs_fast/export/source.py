@@ -1,7 +1,9 @@
 """Resolve what the user asked to export: `default`, a local checkpoint, or a hub id."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +72,35 @@ def resolve(name: str) -> Source:
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise DBSError(f"model path not found: {name}")
     return Source(name, name)  # a hub id; checked when its config is loaded
+
+
+@contextlib.contextmanager
+def gguf_read_once():
+    """Within it, a GGUF file is parsed once, and gguf-py's map of tensor names built once per
+    architecture. An export reads a GGUF file in eight places: transformers for the config (twice),
+    the model and the tokenizer (twice), and the export for its file type, its vocabulary and its
+    blocks; gguf-py parses a 49k-token vocabulary field by field, about 3 s each time on a 2-core
+    Xeon. And transformers builds the name map for each of the model's modules (398 times for
+    SmolLM2). A reader only reads (its tensors are views of a read-only memmap), and the map is only
+    looked up, so the callers share them."""
+    import functools
+
+    import gguf
+
+    real = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers = {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real[0](path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(real[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real
 
 
 def gguf_file_type(src: Source) -> str | None:
