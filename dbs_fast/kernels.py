@@ -678,6 +678,13 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, rules: StepRules,
     return out_ids, out_logp
 
 
+def warm_up() -> None:
+    """One draw on a tiny input, which compiles the sampler into Numba's cache or loads it from
+    there: `sample` passes the kernel the same types whatever the rules, so this is the compilation
+    that a first generation would do (`numba_runtime.compiled_meanwhile`)."""
+    sample(np.zeros((2, 4), np.float32), np.full(2, 0.5), StepRules.given())
+
+
 def row_groups(table_row, guide, history, row_ban, row_min_p) -> tuple[np.ndarray, np.ndarray]:
     """The rows that draw from one distribution, as CSR groups (group_ptr, members): the same
     logits row under the same rules (guide word, boost order, min_p, ban group, and the history

@@ -3,7 +3,9 @@ how many there are. The kernels (`kernels`, `kv_copy`) import `njit`/`prange` fr
 cache directory is set before Numba loads."""
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import sys
 
 from .home import home
@@ -55,3 +57,26 @@ def set_threads(n: int | None, sleep_when_idle: bool = True) -> None:
     start_threads(sleep_when_idle)
     n = n or int(os.environ.get("DBS_FAST_THREADS", 0)) or numba.config.NUMBA_NUM_THREADS
     numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+
+
+# what `compiled_meanwhile`'s process runs: every kernel the engine calls from the host
+WARM_UP = "from dbs_fast import kernels; from dbs_fast.kv import kv_copy; kernels.warm_up(); kv_copy.warm_up()"
+
+
+@contextlib.contextmanager
+def compiled_meanwhile():
+    """The kernels compiled into Numba's cache by a process of their own while the block runs (the
+    embedded model's export: a minute, mostly on one core), so that the first generation after it
+    loads them instead of compiling them (24 s of a 30 s first generation on a 2-core Xeon). The
+    process shares this one's cache directory; it is waited for at the end of the block and stopped
+    if the block fails. Its own failure is not an error: the generation then compiles, as it would
+    without it. Yields the process."""
+    proc = subprocess.Popen([sys.executable, "-c", WARM_UP], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield proc
+    except BaseException:
+        proc.kill()
+        raise
+    finally:
+        proc.wait()

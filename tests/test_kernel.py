@@ -640,3 +640,33 @@ def test_rows_sharing_a_logits_row_draw_as_from_their_own_copies(boost_first, pe
     assert (0, 1, 2) in together and (4,) in together           # forced row 1 with 0 and 2; row 4's word apart
     assert (12,) in together and (21,) in together
     assert ((9,) if penalty != 1.0 else (8, 9)) in together     # a history counts only where a rule reads it
+
+
+def test_the_warm_up_compiles_what_a_generation_runs(exported):
+    """`kernels.warm_up` and `kv_copy.warm_up` compile the specialisations that a generation calls,
+    which a first generation would otherwise compile: a generation after them adds none."""
+    from dbs_fast import DBSConfig, DirectedBeamSearch
+    from dbs_fast.kv import kv_copy
+
+    kernels.warm_up()
+    kv_copy.warm_up()
+    compiled = (kernels._sample_rows, kv_copy._extend_prefix_serial, kv_copy._extend_prefix)
+    before = [set(f.signatures) for f in compiled]
+    assert all(before)
+    r = DirectedBeamSearch(exported["gpt2"]).generate("the cat", "cat,river",
+                                                      config=DBSConfig(beams=3, candidates=4, max_new_tokens=12))
+    assert r.new_tokens > 0 and [set(f.signatures) for f in compiled] == before
+
+
+def test_the_kernels_compile_in_a_process_of_their_own_while_a_block_runs():
+    """`compiled_meanwhile`: the warm-up runs in a process of its own to its end (exit 0), and is
+    stopped when the block fails, the failure passed on."""
+    from dbs_fast.numba_runtime import compiled_meanwhile
+
+    with compiled_meanwhile() as proc:
+        pass
+    assert proc.returncode == 0
+    with pytest.raises(KeyboardInterrupt), compiled_meanwhile() as proc:
+        raise KeyboardInterrupt
+    assert proc.returncode != 0
+

@@ -583,7 +583,10 @@ def ensure_embedded(name: str = "default", quiet: bool = False, row_layout: bool
              quiet)
     else:
         return d
-    export_model(name, d, force=d.exists(), quiet=quiet, row_layout=row_layout)
+    from ..numba_runtime import compiled_meanwhile
+
+    with compiled_meanwhile():          # the first generation's kernels, on the other core
+        export_model(name, d, force=d.exists(), quiet=quiet, row_layout=row_layout)
     return d
 
 

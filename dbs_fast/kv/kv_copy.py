@@ -45,3 +45,11 @@ def extend_prefix(new: np.ndarray, prefix: np.ndarray, chunk: np.ndarray, src: n
         return
     start_threads()
     _extend_prefix(*args)
+
+
+def warm_up() -> None:
+    """Both copies (one thread and parallel) compiled into Numba's cache or loaded from there, on
+    tiny inputs of the types the prefix cache passes (`numba_runtime.compiled_meanwhile`)."""
+    for n in (1, PARALLEL_FROM):
+        prefix = np.zeros((1, 1, n, 1), np.float32)
+        extend_prefix(np.empty_like(prefix), prefix, np.zeros((1, 1, 1, 1, 1), np.float32), np.zeros(1, np.int64), 1, 0)
