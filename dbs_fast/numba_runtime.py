@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from .home import home
 
@@ -68,11 +69,13 @@ def compiled_meanwhile():
     """The kernels compiled into Numba's cache by a process of their own while the block runs (the
     embedded model's export: a minute, mostly on one core), so that the first generation after it
     loads them instead of compiling them (24 s of a 30 s first generation on a 2-core Xeon). The
-    process shares this one's cache directory; it is waited for at the end of the block and stopped
+    process shares this one's cache directory and imports this one's dbs_fast; it is waited for at the end of the block and stopped
     if the block fails. Its own failure is not an error: the generation then compiles, as it would
     without it. Yields the process."""
-    proc = subprocess.Popen([sys.executable, "-c", WARM_UP], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # this dbs_fast first on the path, not one in the working directory: Numba's cache is per source file
+    root = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); {WARM_UP}"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         yield proc
     except BaseException:

@@ -658,11 +658,15 @@ def test_the_warm_up_compiles_what_a_generation_runs(exported):
     assert r.new_tokens > 0 and [set(f.signatures) for f in compiled] == before
 
 
-def test_the_kernels_compile_in_a_process_of_their_own_while_a_block_runs():
-    """`compiled_meanwhile`: the warm-up runs in a process of its own to its end (exit 0), and is
-    stopped when the block fails, the failure passed on."""
+def test_the_kernels_compile_in_a_process_of_their_own_while_a_block_runs(tmp_path, monkeypatch):
+    """`compiled_meanwhile`: the warm-up runs in a process of its own to its end (exit 0), on this
+    process's dbs_fast (whose source files key Numba's cache) even where the working directory holds
+    another, and is stopped when the block fails, the failure passed on."""
     from dbs_fast.numba_runtime import compiled_meanwhile
 
+    (tmp_path / "dbs_fast").mkdir()
+    (tmp_path / "dbs_fast" / "__init__.py").write_text("raise ImportError('another dbs_fast')\n")
+    monkeypatch.chdir(tmp_path)
     with compiled_meanwhile() as proc:
         pass
     assert proc.returncode == 0
