@@ -69,13 +69,18 @@ def compiled_meanwhile():
     """The kernels compiled into Numba's cache by a process of their own while the block runs (the
     embedded model's export: a minute, mostly on one core), so that the first generation after it
     loads them instead of compiling them (24 s of a 30 s first generation on a 2-core Xeon). The
-    process shares this one's cache directory and imports this one's dbs_fast; it is waited for at the end of the block and stopped
-    if the block fails. Its own failure is not an error: the generation then compiles, as it would
-    without it. Yields the process."""
+    process shares this one's cache directory and imports this one's dbs_fast; it is waited for at
+    the end of the block and stopped if the block fails. Neither its failure nor a process that
+    cannot start is an error: the generation then compiles, as it would without it. Yields the
+    process (None where none started)."""
     # this dbs_fast first on the path, not one in the working directory: Numba's cache is per source file
     root = str(Path(__file__).resolve().parents[1])
-    proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); {WARM_UP}"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); {WARM_UP}"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError:                     # no process to be had: the generation compiles
+        yield None
+        return
     try:
         yield proc
     except BaseException:

@@ -1,4 +1,6 @@
 """The Numba logits kernel against the NumPy reference (tests/naive.py) and transformers."""
+import sys
+
 import numpy as np
 import pytest
 from naive import (
@@ -673,4 +675,8 @@ def test_the_kernels_compile_in_a_process_of_their_own_while_a_block_runs(tmp_pa
     with pytest.raises(KeyboardInterrupt), compiled_meanwhile() as proc:
         raise KeyboardInterrupt
     assert proc.returncode != 0
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))     # none can start: the block runs
+    with compiled_meanwhile() as proc:
+        ran = proc is None
+    assert ran
 
