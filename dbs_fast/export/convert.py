@@ -81,7 +81,7 @@ def _onnx_export(checkpoint: str, out: Path, post_process: bool) -> None:
 
     # Post-processing (decoder merge / tied-weight dedup) hits protobuf's 2 GB limit on big
     # models (GPT-2 large fp32), and is wasted on a graph that only checks the decode graph and goes
-    # (on a GGUF file's blocks): skipped there; the tied LM head is then stored twice.
+    # (`_row_layout_goes`): skipped there; the tied LM head is then stored twice.
     main_export(checkpoint, str(out), task=TASK, do_validation=False, no_post_process=not post_process,
                 local_files_only=True)
 
@@ -176,7 +176,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
         tok.save_pretrained(checkpoint)
     raw = work / "_onnx"
     _log(f"exporting to ONNX ({TASK}{', external data' if large else ''})", quiet)
-    _onnx_export(checkpoint, raw, not large and not (weights == "gguf" and not row_layout))   # post-processed?
+    _onnx_export(checkpoint, raw, not large and not _row_layout_goes(config, weights, row_layout))
     onnx_path, steps = raw / "model.onnx", ["export"]
     from .fuse import fuse_attention
 
@@ -222,6 +222,19 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     manifest["files"] = _files(work)
     (work / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def _row_layout_goes(config, weights: str, row_layout: bool) -> bool:
+    """Whether model.onnx only checks the decode graph and then goes: a decode graph on a GGUF
+    file's blocks, of a family that has one, and no `row_layout` asked for. Optimum's
+    post-processing of it is then skipped (the tied head stays stored twice, for the check)."""
+    from . import prefix_graph
+
+    try:
+        prefix_graph.family(config)
+    except ValueError:
+        return False
+    return weights == "gguf" and not row_layout
 
 
 def _dtype(quantize: str | None) -> str:
