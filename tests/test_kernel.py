@@ -679,4 +679,3 @@ def test_the_kernels_compile_in_a_process_of_their_own_while_a_block_runs(tmp_pa
     with compiled_meanwhile() as proc:
         ran = proc is None
     assert ran
-

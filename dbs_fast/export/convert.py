@@ -216,7 +216,7 @@ def _build(src: Source, work: Path, optimize: bool, quantize: str | None, quiet:
     manifest["prefix_decode"] = _prefix_decode(model, work, quantize, quiet, dtype=dtype,
                                                gguf=Path(src.path) / src.gguf_file if weights == "gguf" else None,
                                                accuracy=accuracy, attention=attention)
-    if weights == "gguf" and manifest["prefix_decode"]["written"] and not row_layout:
+    if manifest["prefix_decode"]["written"] and _row_layout_goes(config, weights, row_layout):
         (work / "model.onnx").unlink()
         manifest["onnx"] = None
     manifest["files"] = _files(work)
@@ -230,11 +230,13 @@ def _row_layout_goes(config, weights: str, row_layout: bool) -> bool:
     post-processing of it is then skipped (the tied head stays stored twice, for the check)."""
     from . import prefix_graph
 
+    if weights != "gguf" or row_layout:
+        return False
     try:
         prefix_graph.family(config)
     except ValueError:
         return False
-    return weights == "gguf" and not row_layout
+    return True
 
 
 def _dtype(quantize: str | None) -> str:
