@@ -411,6 +411,45 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
     assert calls == ["default"] * 4 and json.loads((d / MANIFEST).read_text())["onnx"] == "model.onnx"
 
 
+def test_two_processes_on_a_fresh_home_export_the_embedded_model_once(tmp_path, monkeypatch, capsys):
+    """Two engines started together on a fresh DBS_FAST_HOME (a Ray job's workers, two servers):
+    the second waits for the first's export, says so, and uses it; neither exports it again."""
+    import threading
+    import time
+
+    from dbs_fast.api import resolve_model_dir
+    from dbs_fast.export import convert
+    from dbs_fast.manifest import EXPORT_FORMAT_VERSION
+
+    monkeypatch.setenv("DBS_FAST_HOME", str(tmp_path))
+    calls, started, finish = [], threading.Event(), threading.Event()
+
+    def slow_export(name, out, force=False, quiet=False, row_layout=False):
+        calls.append(name)
+        started.set()
+        assert finish.wait(60)
+        Path(out).mkdir(parents=True, exist_ok=force)
+        (Path(out) / MANIFEST).write_text(json.dumps({"format_version": EXPORT_FORMAT_VERSION, "onnx": None}))
+
+    monkeypatch.setattr(convert, "export_model", slow_export)
+    got = []
+    first = threading.Thread(target=lambda: got.append(resolve_model_dir("default", quiet=False)))
+    second = threading.Thread(target=lambda: got.append(resolve_model_dir("default", quiet=False)))
+    first.start()
+    assert started.wait(60)
+    second.start()
+    seen, deadline = "", time.monotonic() + 60
+    while "waiting for it" not in seen and time.monotonic() < deadline:
+        seen += capsys.readouterr().out
+        time.sleep(0.05)
+    finish.set()
+    first.join(60)
+    second.join(60)
+    assert "another process is exporting the embedded model 'default'" in seen
+    assert calls == ["default"] and len(got) == 2 and got[0] == got[1]
+    assert (got[0].parent / f".{got[0].name}.lock").is_file()          # beside the export
+
+
 def test_a_gguf_file_given_by_path_is_exported_as_the_default_is(tmp_path, monkeypatch):
     """`export --model FILE.gguf` on the embedded default's own file: the same source as `default`
     (folder and file), so the same export; what that export holds is checked on the default itself

@@ -587,23 +587,52 @@ def _disk_full_is_clear(out: Path):
 
 def ensure_embedded(name: str = "default", quiet: bool = False, row_layout: bool = False) -> Path:
     """An embedded model (`default`, `gemma3-270m`) exported once under DBS_FAST_HOME and reused
-    after; `row_layout`: with model.onnx (the judge's; the generator's decode graph needs none)."""
+    after; `row_layout`: with model.onnx (the judge's; the generator's decode graph needs none).
+    One process exports at a time (a file lock beside the export): the others, such as a Ray
+    job's workers or a second server started on a fresh home, wait for it and use its export."""
     d = embedded_model_dir(name)
-    if not (d / MANIFEST).is_file():
-        _log(f"first use: exporting the embedded model {name!r} to {d} (once)", quiet)
-    elif not current_export(d):
-        _log(f"the export of {name!r} in {d} is of another format version than this dbs-fast reads "
-             f"({EXPORT_FORMAT_VERSION}): exporting it again (once)", quiet)
-    elif why := _decode_graph_due(d, row_layout):
-        _log(f"the export of {name!r} in {d} is not what this version writes ({why}): exporting it again (once)",
-             quiet)
-    else:
+    if _export_due(d, name, row_layout) is None:
         return d
-    from ..numba_runtime import compiled_meanwhile
+    with _one_export_at_a_time(d, name, quiet):
+        why = _export_due(d, name, row_layout)         # written meanwhile by the process we waited for
+        if why is None:
+            return d
+        _log(why, quiet)
+        from ..numba_runtime import compiled_meanwhile
 
-    with compiled_meanwhile():          # the first generation's kernels, on the other core
-        export_model(name, d, force=d.exists(), quiet=quiet, row_layout=row_layout)
+        with compiled_meanwhile():          # the first generation's kernels, on the other core
+            export_model(name, d, force=d.exists(), quiet=quiet, row_layout=row_layout)
     return d
+
+
+def _export_due(d: Path, name: str, row_layout: bool) -> str | None:
+    """Why the embedded model `name` is to be exported into `d` (a line for the log), or None."""
+    if not (d / MANIFEST).is_file():
+        return f"first use: exporting the embedded model {name!r} to {d} (once)"
+    if not current_export(d):
+        return (f"the export of {name!r} in {d} is of another format version than this dbs-fast reads "
+                f"({EXPORT_FORMAT_VERSION}): exporting it again (once)")
+    if why := _decode_graph_due(d, row_layout):
+        return f"the export of {name!r} in {d} is not what this version writes ({why}): exporting it again (once)"
+    return None
+
+
+@contextlib.contextmanager
+def _one_export_at_a_time(d: Path, name: str, quiet: bool):
+    """Hold `d`'s export lock (`.<dir>.lock` beside it), saying so when another process holds it."""
+    from filelock import FileLock, Timeout
+
+    d.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(d.parent / f".{d.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        _log(f"another process is exporting the embedded model {name!r} to {d}: waiting for it", quiet)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _decode_graph_due(d: Path, row_layout: bool = False) -> str | None:
