@@ -178,17 +178,51 @@ def _gpu_mib() -> int | None:
     return sum(mine) if mine else None
 
 
-def _matmul_step_in_child(model_dir: str, rows: int, int8: bool, threads: int | None) -> float:
-    """`matmul_step_seconds` in a child process: its graphs (up to 256 MB of weights each) must
-    not count in the contender's peak RSS, and a process cannot lower its own high-water mark
-    reliably (clear_refs resets it to the present RSS, which freed-but-kept memory still holds)."""
-    code = ("import sys; from pathlib import Path; from dbs_fast.bench.suite import matmul_step_seconds; "
-            f"print(matmul_step_seconds(Path(sys.argv[1]), {int(rows)}, {bool(int8)}, {threads!r}))")
-    proc = subprocess.run([sys.executable, "-c", code, str(model_dir)], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"the same-load roofline failed: {proc.stderr.strip().splitlines()[-1:]}")
-    return float(proc.stdout.strip().splitlines()[-1])
+class SameLoadTimer:
+    """`matmul_step_seconds` in a child process that lives as long as the contender's run and times
+    the step's matmuls whenever asked (`seconds`): its graphs (up to 256 MB of weights each) must not
+    count in the contender's peak RSS, and a process cannot lower its own high-water mark reliably
+    (clear_refs resets it to the present RSS, which freed-but-kept memory still holds). One child
+    for the run: the interpreter and its imports start once, not after every generation."""
+
+    CODE = ("import sys; from pathlib import Path; from dbs_fast.bench.suite import matmul_step_seconds\n"
+            "a = sys.argv\n"
+            "print('ready', flush=True)\n"
+            "for _ in sys.stdin:\n"
+            "    print(matmul_step_seconds(Path(a[1]), int(a[2]), a[3] == '1', int(a[4]) if a[4] else None), flush=True)")
+
+    def __init__(self, model_dir: str, rows: int, int8: bool, threads: int | None):
+        self.err = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", self.CODE, str(model_dir), str(int(rows)),
+                                      "1" if int8 else "0", "" if threads is None else str(int(threads))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
+                                     env={**os.environ, "PYTHONSAFEPATH": "1"})
+        self._line()            # imported: from here on it is idle until asked, never beside a generation
+
+    def _line(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line.strip():
+            self.proc.wait()
+            self.err.seek(0)
+            raise RuntimeError(f"the same-load roofline failed: {self.err.read().strip().splitlines()[-1:]}")
+        return line
+
+    def seconds(self) -> float:
+        try:
+            self.proc.stdin.write("\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass                # it ended: _line says why
+        return float(self._line())
+
+    def close(self) -> None:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        self.proc.wait()
+        self.err.close()
 
 
 def _stage_ms(r, steps: int) -> dict:
@@ -238,12 +272,17 @@ def worker_engine(spec: dict, order=None) -> dict:
     runs, matmul_s, started = [], [], []
     if dbs.decoder is not None:
         dbs.decoder.host_bytes_total = dbs.decoder.calls = 0
-    for i in (range(spec["repeats"]) if order is None else order):
-        started.append(time.time())
-        runs.append(dbs.generate(context, sets[i % len(sets)], seed=i))
-        if same_load:
-            matmul_s.append(_matmul_step_in_child(spec["model_dir"], cfg.beams * cfg.candidates,
-                                                  "int8" in spec["contender"], spec.get("threads")))
+    timer = SameLoadTimer(spec["model_dir"], cfg.beams * cfg.candidates, "int8" in spec["contender"],
+                          spec.get("threads")) if same_load else None
+    try:
+        for i in (range(spec["repeats"]) if order is None else order):
+            started.append(time.time())
+            runs.append(dbs.generate(context, sets[i % len(sets)], seed=i))
+            if timer is not None:
+                matmul_s.append(timer.seconds())
+    finally:
+        if timer is not None:
+            timer.close()
     secs = [r.seconds for r in runs]
     steps = cfg.max_new_tokens
     stages = {s: statistics.median(_stage_ms(r, steps)[s] for r in runs) for s in (*STAGES, "prefill_total")}
