@@ -11,12 +11,22 @@ pytest.importorskip("optimum.exporters.onnx")
 pytest.importorskip("matplotlib")
 
 
+def _work_with_fp32_export(tmp_path, exported) -> Path:
+    """The bench's work folder holding the fp32 export it makes of the tiny GPT-2 (the same
+    `export_model` on the same checkpoint), copied from the session's rather than made again."""
+    import shutil
+
+    work = tmp_path / "work"
+    shutil.copytree(exported["gpt2"], work / "onnx" / "gpt2-fp32")
+    return work
+
+
 @pytest.mark.integration
-def test_bench_on_a_tiny_model(checkpoints, tmp_path):
+def test_bench_on_a_tiny_model(checkpoints, exported, tmp_path):
     from dbs_fast.bench.suite import DEFAULT_CONTENDERS, STAGES, run_bench
 
     out = tmp_path / "out"
-    rep = run_bench(out, tmp_path / "work", max_new_tokens=5, repeats=2, checkpoint=checkpoints["gpt2"],
+    rep = run_bench(out, _work_with_fp32_export(tmp_path, exported), max_new_tokens=5, repeats=2, checkpoint=checkpoints["gpt2"],
                     with_default=False, sweep=[(1, 2)], reference_candidates=1, kernel_repeats=1)
     on_disk = json.loads((out / "bench.json").read_text())
     assert on_disk["points"].keys() == rep["points"].keys() == {"gpt2"}
@@ -172,7 +182,7 @@ def test_in_generation_probe_repeats_each_call_without_changing_the_text(exporte
 
 
 @pytest.mark.integration
-def test_the_gpu_contenders_run_on_a_tiny_model(checkpoints, tmp_path):
+def test_the_gpu_contenders_run_on_a_tiny_model(checkpoints, exported, tmp_path):
     """The GPU's contenders, here on the CPU: the engine on the two fp16 exports (made from the fp32
     one: its decode graph float16 with the gathered and with the fused attention, model.onnx
     shared) on the prefix cache, the gathered one also at bucket shapes (the CUDA-graph path,
@@ -180,7 +190,7 @@ def test_the_gpu_contenders_run_on_a_tiny_model(checkpoints, tmp_path):
     from dbs_fast.bench.suite import markdown, run_bench
 
     contenders = ["onnx-fp16", "onnx-fp16-fused", "onnx-fp16-graph", "torch-fp16"]
-    rep = run_bench(tmp_path / "out", tmp_path / "work", max_new_tokens=4, repeats=1, checkpoint=checkpoints["gpt2"],
+    rep = run_bench(tmp_path / "out", _work_with_fp32_export(tmp_path, exported), max_new_tokens=4, repeats=1, checkpoint=checkpoints["gpt2"],
                     with_default=False, sweep=[], kernel_repeats=1, contenders=contenders)
     point = rep["points"]["gpt2"]
     assert point["in_turns"] == contenders
