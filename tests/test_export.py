@@ -450,6 +450,19 @@ def test_two_processes_on_a_fresh_home_export_the_embedded_model_once(tmp_path, 
     assert (got[0].parent / f".{got[0].name}.lock").is_file()          # beside the export
 
 
+def test_a_home_that_cannot_be_written_is_named_with_exit_code_2(tmp_path, monkeypatch, capsys):
+    """DBS_FAST_HOME under a file (or any folder that cannot be written) on first use: a clear
+    message naming DBS_FAST_HOME and exit code 2, no traceback and no export started."""
+    from dbs_fast.export import convert
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("DBS_FAST_HOME", str(tmp_path / "file" / "home"))
+    monkeypatch.setattr(convert, "export_model", lambda *a, **k: pytest.fail("an export started"))
+    assert cli(["generate", "--keywords", "river"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be written" in err and "DBS_FAST_HOME" in err and "Traceback" not in err
+
+
 def test_a_gguf_file_given_by_path_is_exported_as_the_default_is(tmp_path, monkeypatch):
     """`export --model FILE.gguf` on the embedded default's own file: the same source as `default`
     (folder and file), so the same export; what that export holds is checked on the default itself

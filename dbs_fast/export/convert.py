@@ -622,13 +622,16 @@ def _one_export_at_a_time(d: Path, name: str, quiet: bool):
     """Hold `d`'s export lock (`.<dir>.lock` beside it), saying so when another process holds it."""
     from filelock import FileLock, Timeout
 
-    d.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(d.parent / f".{d.name}.lock"))
     try:
+        d.parent.mkdir(parents=True, exist_ok=True)
         lock.acquire(timeout=0)
     except Timeout:
         _log(f"another process is exporting the embedded model {name!r} to {d}: waiting for it", quiet)
         lock.acquire()
+    except OSError as e:
+        raise DBSError(f"the embedded model {name!r} is exported on first use into {d.parent}, which cannot be "
+                       f"written ({e.strerror}): point DBS_FAST_HOME at a writable folder") from None
     try:
         yield
     finally:
