@@ -463,6 +463,31 @@ def test_a_home_that_cannot_be_written_is_named_with_exit_code_2(tmp_path, monke
     assert "cannot be written" in err and "DBS_FAST_HOME" in err and "Traceback" not in err
 
 
+def test_a_failed_export_leaves_its_log_only_where_it_holds_something(checkpoints, tmp_path, monkeypatch, capsys):
+    """An export that fails keeps what the exporters wrote in its temporary log and says where; a
+    failure before they wrote anything leaves no empty log behind in the temp folder."""
+    import os
+    import tempfile
+
+    from dbs_fast.export import convert
+
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+
+    for words in (b"", b"a warning from the exporter\n"):
+        def fails(*args, words=words):
+            os.write(2, words)                    # what an exporter writes to stderr, then it fails
+            raise DBSError("the export failed")
+
+        monkeypatch.setattr(convert, "_export_once", fails)
+        with pytest.raises(DBSError, match="the export failed"):
+            convert.export_model(str(checkpoints["gpt2"]), tmp_path / "out", quiet=True)
+    logs = list(temp.glob("dbs-fast-export-*.log"))
+    assert len(logs) == 1 and logs[0].read_text() == "a warning from the exporter\n"
+    assert f"what the exporters wrote is in {logs[0]}" in capsys.readouterr().err
+
+
 def test_a_gguf_file_given_by_path_is_exported_as_the_default_is(tmp_path, monkeypatch):
     """`export --model FILE.gguf` on the embedded default's own file: the same source as `default`
     (folder and file), so the same export; what that export holds is checked on the default itself

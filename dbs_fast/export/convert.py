@@ -472,6 +472,8 @@ def export_model(model: str, out: str | os.PathLike, optimize: bool = False, qua
     except BaseException:
         if Path(log).stat().st_size:
             print(f"[export] what the exporters wrote is in {log}", file=sys.stderr, flush=True)
+        else:
+            Path(log).unlink()           # nothing to read: not left behind in the temp folder
         raise
     lines = len(Path(log).read_text(errors="replace").splitlines())
     shutil.move(log, out / EXPORT_LOG)
