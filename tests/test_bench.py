@@ -181,6 +181,24 @@ def test_in_generation_probe_repeats_each_call_without_changing_the_text(exporte
     assert r["text"] == plain.generate(CONTEXT, KEYWORD_SETS[1], seed=1).generated
 
 
+def test_the_same_load_timer_answers_each_request_and_names_why_it_failed(exported, tmp_path):
+    """The bench's same-load roofline child: one process answers every request with the step's
+    matmul seconds; a child that cannot time (no export there) fails with its own error."""
+    from dbs_fast.bench.suite import SameLoadTimer
+
+    timer = SameLoadTimer(str(exported["gpt2"]), 6, False, 1)
+    try:
+        pid = timer.proc.pid
+        assert timer.seconds() > 0 and timer.seconds() > 0 and timer.proc.pid == pid
+    finally:
+        timer.close()
+    assert timer.proc.returncode == 0
+    broken = SameLoadTimer(str(tmp_path / "nothing"), 6, False, 1)
+    with pytest.raises(RuntimeError, match="same-load roofline failed.*config.json"):
+        broken.seconds()
+    broken.close()
+
+
 @pytest.mark.integration
 def test_the_gpu_contenders_run_on_a_tiny_model(checkpoints, exported, tmp_path):
     """The GPU's contenders, here on the CPU: the engine on the two fp16 exports (made from the fp32

@@ -185,11 +185,13 @@ class SameLoadTimer:
     (clear_refs resets it to the present RSS, which freed-but-kept memory still holds). One child
     for the run: the interpreter and its imports start once, not after every generation."""
 
+    MARK = "@@same-load"        # its answers' lines: whatever else a library prints is passed over
     CODE = ("import sys; from pathlib import Path; from dbs_fast.bench.suite import matmul_step_seconds\n"
             "a = sys.argv\n"
-            "print('ready', flush=True)\n"
+            f"print('{MARK} ready', flush=True)\n"
             "for _ in sys.stdin:\n"
-            "    print(matmul_step_seconds(Path(a[1]), int(a[2]), a[3] == '1', int(a[4]) if a[4] else None), flush=True)")
+            "    s = matmul_step_seconds(Path(a[1]), int(a[2]), a[3] == '1', int(a[4]) if a[4] else None)\n"
+            f"    print('{MARK}', s, flush=True)")
 
     def __init__(self, model_dir: str, rows: int, int8: bool, threads: int | None):
         self.err = tempfile.TemporaryFile("w+")
@@ -200,12 +202,13 @@ class SameLoadTimer:
         self._line()            # imported: from here on it is idle until asked, never beside a generation
 
     def _line(self) -> str:
-        line = self.proc.stdout.readline()
-        if not line.strip():
-            self.proc.wait()
-            self.err.seek(0)
-            raise RuntimeError(f"the same-load roofline failed: {self.err.read().strip().splitlines()[-1:]}")
-        return line
+        """Its next answer (what follows MARK on a line of its output)."""
+        for line in self.proc.stdout:
+            if line.startswith(self.MARK):
+                return line[len(self.MARK):].strip()
+        self.proc.wait()
+        self.err.seek(0)
+        raise RuntimeError(f"the same-load roofline failed: {self.err.read().strip().splitlines()[-1:]}")
 
     def seconds(self) -> float:
         try:
