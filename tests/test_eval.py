@@ -61,8 +61,10 @@ def test_builtin_sets_are_the_papers():
 def test_eval_bad_runs_and_sets(exported, tmp_path, capsys):
     base = ["eval", "--model", str(exported["gpt2"]), "--out", str(tmp_path / "x"), "--judge", "none"]
     assert cli(base + ["--runs", "dbs,foo"]) == 2
-    assert cli(base + ["--sets", "nosuch"]) == 2
     assert "--runs" in capsys.readouterr().err
+    assert cli(base + ["--sets", "nosuch"]) == 2
+    err = capsys.readouterr().err                   # every set --sets takes, chat among them
+    assert all(f"'{name}'" in err for name in ("chat", "commongen-dev", "paper", "roc")), err
 
 
 def test_keyword_misses_by_position():

@@ -70,7 +70,8 @@ def _data(name: str) -> str:
 
 def builtin_sets(name: str) -> list[list[str]]:
     if name not in BUILTIN_SETS:
-        raise DBSError(f"--sets must be one of {sorted(BUILTIN_SETS)} or a number of sets to sample, got {name!r}")
+        raise DBSError(f"--sets must be one of {sorted([*BUILTIN_SETS, 'chat'])} or a number of sets to sample, "
+                       f"got {name!r}")     # chat: its own run (`evaluation.chat`), not keyword sets
     return read_sets(_data(BUILTIN_SETS[name]))
 
 
