@@ -413,7 +413,8 @@ def test_embedded_model_is_exported_once_then_reused(tmp_path, monkeypatch):
 
 def test_two_processes_on_a_fresh_home_export_the_embedded_model_once(tmp_path, monkeypatch, capsys):
     """Two engines started together on a fresh DBS_FAST_HOME (a Ray job's workers, two servers):
-    the second waits for the first's export, says so, and uses it; neither exports it again."""
+    the second waits for the first's export, says so, and uses it; neither exports it again. What
+    a process killed while exporting leaves goes with the next export."""
     import threading
     import time
 
@@ -448,6 +449,13 @@ def test_two_processes_on_a_fresh_home_export_the_embedded_model_once(tmp_path, 
     assert "another process is exporting the embedded model 'default'" in seen
     assert calls == ["default"] and len(got) == 2 and got[0] == got[1]
     assert (got[0].parent / f".{got[0].name}.lock").is_file()          # beside the export
+    # a process killed while exporting leaves its work folder: the next export, holding the lock, clears it
+    left = got[0].parent / f".{got[0].name}.tmp-killed"
+    (left / "decode.onnx").parent.mkdir()
+    (left / "decode.onnx").write_bytes(b"half")
+    (got[0] / MANIFEST).unlink()
+    finish.set()
+    assert resolve_model_dir("default") == got[0] and calls == ["default"] * 2 and not left.exists()
 
 
 def test_a_home_that_cannot_be_written_is_named_with_exit_code_2(tmp_path, monkeypatch, capsys):

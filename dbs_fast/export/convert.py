@@ -600,6 +600,8 @@ def ensure_embedded(name: str = "default", quiet: bool = False, row_layout: bool
         if why is None:
             return d
         _log(why, quiet)
+        for left in [*d.parent.glob(f".{d.name}.tmp-*"), *d.parent.glob(f".{d.name}.old-*")]:
+            shutil.rmtree(left, ignore_errors=True)    # a process that died exporting it left these
         from ..numba_runtime import compiled_meanwhile
 
         with compiled_meanwhile():          # the first generation's kernels, on the other core
