@@ -554,7 +554,7 @@ def _derive_once(fp32: Path, out: Path, method: str, model, quiet: bool) -> dict
 def _whole(out: Path, write) -> dict:
     """`write(work)` into a temporary directory beside `out`, then moved into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    work = Path(tempfile.mkdtemp(prefix=_aside(out, "tmp"), dir=out.parent))
     work.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary directory
     try:
         with _disk_full_is_clear(out):
@@ -565,10 +565,18 @@ def _whole(out: Path, write) -> dict:
     return manifest
 
 
+ASIDE = ("tmp", "old")      # the folders beside an export while it is written, and while one is swapped out
+
+
+def _aside(out: Path, kind: str) -> str:
+    """The name prefix of `out`'s folder of `kind` (ASIDE) beside it."""
+    return f".{out.name}.{kind}-"
+
+
 def _place(work: Path, out: Path) -> None:
     """Move a whole export into place; with --force an existing `out` is swapped, then dropped."""
     if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        old = Path(tempfile.mkdtemp(prefix=_aside(out, "old"), dir=out.parent))
         os.replace(out, old / "x")
         os.replace(work, out)
         shutil.rmtree(old, ignore_errors=True)
@@ -600,7 +608,7 @@ def ensure_embedded(name: str = "default", quiet: bool = False, row_layout: bool
         if why is None:
             return d
         _log(why, quiet)
-        for left in [*d.parent.glob(f".{d.name}.tmp-*"), *d.parent.glob(f".{d.name}.old-*")]:
+        for left in [p for kind in ASIDE for p in d.parent.glob(_aside(d, kind) + "*")]:
             shutil.rmtree(left, ignore_errors=True)    # a process that died exporting it left these
         from ..numba_runtime import compiled_meanwhile
 
