@@ -121,7 +121,8 @@ class DBSConfig:
     stop: str = option("sentence", str, "sentence: end at the first sentence end after the last "
                        "keyword; eos: end where the model ends its text (EOS) after the last keyword; max: always "
                        "max-new-tokens (the paper). sentence and eos cut a text the budget ends back to its last "
-                       "sentence end", STOPS)
+                       "sentence end after the keywords, from another beam or candidate where the best has none",
+                       STOPS)
     finished: int = option(1, int, "stop=sentence or eos: the finished candidates (every keyword, then "
                            "its end) a request gathers before it ends; each is set aside and the "
                            "other beams go on (1: the first chunk with one ends the request); --pick chooses "
@@ -238,6 +239,16 @@ class DBSConfig:
         without a landing it ended mid-sentence (29 of 100 streamed chat answers at a lag of 0.8).
         0: no landing."""
         return self.max_new_tokens // 3 if self.stop == "eos" and self.stream_lag else 0
+
+    @property
+    def fallback_tokens(self) -> int:
+        """A text that stops at EOS and is not streamed keeps, within this many tokens of the
+        budget (`reserve_per_keyword`, at most its last third), a copy of each candidate at a
+        sentence end after its last keyword, and the candidate goes on: where the budget then
+        ends every beam inside the sentence of its last keyword, with no sentence end after it to
+        cut back to, a copy is returned instead (a keyword placed late left 3 of 100 chat answers
+        open at the budget). The search is the same with or without them. 0: none."""
+        return min(self.reserve_per_keyword, self.max_new_tokens // 3) if self.stop == "eos" and not self.stream_lag else 0
 
     @property
     def lag_tokens(self) -> int:

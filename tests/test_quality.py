@@ -149,6 +149,93 @@ def test_stop_eos_goes_on_past_sentence_ends_to_the_models_own_end(dbs):
         dbs._sentence_end = None
 
 
+@GPT2_VOCAB
+def test_a_text_the_budget_ends_is_a_beam_that_can_be_cut_back_to_a_sentence_end_after_its_keywords(dbs):
+    """At the budget, where the beam the pick prefers placed its last keyword in a sentence the
+    budget cut off, a beam that placed as many keywords before a sentence end is returned, cut back
+    to it; where none did, the preferred beam is returned as it is."""
+    from dataclasses import replace
+
+    from dbs_fast.search.beam import Finished
+    from dbs_fast.search.result import build_result
+    from dbs_fast.search.rows import Rows
+
+    be = dbs.backend
+    kws = [parse_keyword(k) for k in KW]
+
+    def rows_of(texts, logps):
+        toks = [be.encode(t) for t in texts]
+        rows = Rows.new(np.zeros(len(toks), np.int64), max(map(len, toks)), be.pad_id, col0=np.zeros(len(toks), np.int64))
+        for i, (t, lp) in enumerate(zip(toks, logps)):
+            rows.tokens[i, :len(t)], rows.logp[i, :len(t)], rows.n_tok[i] = t, lp, len(t)
+        rows.cum[:] = [2.0 - i for i in range(len(toks))]
+        return rows
+
+    def result(texts, logps, cfg, landings=()):
+        fin = Finished(Request(be.encode("It is"), kws, 0, context="It is"), rows_of(texts, logps), 1.0, 1,
+                       landings=rows_of(landings, [-3.0] * len(landings)) if landings else None)
+        return build_result(fin, cfg, be.decode_batch, be.eos_ids, dbs.sentence_end, {})
+
+    cfg = replace(dbs.config, stop="eos", pick="likelihood")
+    open_end = " a colony. The enemy was a dog that the cat"            # the likelier: its last keyword's sentence is open
+    closed = " a colony. The enemy sat down by the river. It was"      # can be cut back after "river."
+    r = result([open_end, closed], [-1.0, -2.0], cfg)
+    assert r.generated == " a colony. The enemy sat down by the river." and r.stopped == "trimmed"
+    assert r.success_rate == 1.0 and r.beams[0]["text"] == closed
+    short = " a colony. It sat down by the river. It was"               # a sentence end, but one keyword fewer
+    r = result([open_end, short], [-1.0, -2.0], cfg)
+    assert r.generated == open_end and r.stopped == "max" and r.success_rate == 1.0
+    r = result([open_end, closed], [-1.0, -2.0], replace(cfg, stop="max"))     # no stop: the pick as it is
+    assert r.generated == open_end and r.stopped == "max"
+    # no beam can be cut back: a copy kept at a sentence end near the budget is returned, where it
+    # placed as many keywords; a beam that can be cut back comes first
+    kept = [" a colony. The enemy sat down.", " a colony. It sat down."]
+    r = result([open_end, short], [-1.0, -2.0], cfg, landings=kept)
+    assert r.generated == kept[0] and r.stopped == "sentence" and r.success_rate == 1.0
+    assert {b["text"] for b in r.beams} == {open_end, short, *kept}
+    r = result([open_end, short], [-1.0, -2.0], cfg, landings=kept[1:])
+    assert r.generated == open_end and r.stopped == "max"
+    r = result([open_end, closed], [-1.0, -2.0], cfg, landings=kept)
+    assert r.generated == " a colony. The enemy sat down by the river." and len(r.beams) == 2
+
+
+@GPT2_VOCAB
+def test_stop_eos_keeps_copies_at_sentence_ends_near_the_budget_and_searches_the_same(dbs, monkeypatch):
+    """stop="eos", not streamed: a candidate at a sentence end after every keyword within
+    `fallback_tokens` of the budget leaves a copy with its request and goes on; the search's rows
+    are the same as with no copies kept."""
+    from dataclasses import replace
+
+    from dbs_fast.search import beam
+
+    V = dbs.backend.vocab_size
+    ends = (np.random.default_rng(1).random(V) < 0.15) | dbs.sentence_end   # many tokens in the table
+    cfg = replace(dbs.config, stop="eos", max_new_tokens=60, lam=40.0)
+    assert cfg.fallback_tokens == min(cfg.reserve_per_keyword, 20) > 0
+    assert replace(cfg, stream_lag=0.8).fallback_tokens == replace(cfg, stop="sentence").fallback_tokens == 0
+    be, kept = dbs.backend, 0
+
+    def run(seed):
+        boosts = [dbs.table.sparse(k, cfg.lam, cfg.boost_cutoff) for k in KW]
+        search = BeamSearch(be, dbs.scorer, cfg, [Request(be.encode("It is"), [parse_keyword(k) for k in KW], seed,
+                                                          boosts, context="It is")], sentence_end=ends)
+        return search.run()[0]
+
+    for seed in range(6):
+        fin = run(seed)
+        if fin.landings is not None:
+            for i in range(len(fin.landings.req)):
+                toks = fin.landings.tokens[i, :fin.landings.n_tok[i]]
+                real_end, all_in = _sentence_ends(dbs, toks, ends)
+                assert real_end(len(toks)) and all_in is not None and len(toks) > 60 - cfg.fallback_tokens
+                kept += 1
+        monkeypatch.setattr(beam, "LANDINGS", 0)
+        plain = run(seed)
+        monkeypatch.undo()
+        assert plain.landings is None and np.array_equal(plain.rows.tokens, fin.rows.tokens)
+    assert kept
+
+
 def test_paper_preset_is_the_papers_protocol():
     p = DBSConfig.paper()
     assert (p.lam, p.beams, p.candidates, p.chunk, p.top_p, p.max_new_tokens) == (20.0, 7, 10, 5, 0.9, 90)

@@ -25,6 +25,8 @@ from .commit import commit
 from .rows import Rows
 from .tables import BatchTables
 
+LANDINGS = 64     # the copies at a sentence end near the budget a request keeps (`Slot.landings`)
+
 
 @dataclass(eq=False)
 class Request:
@@ -116,20 +118,18 @@ class Slot:
     #                                            request 0, tokens from column 0), each text once
     pooled: set = field(default_factory=set)   # ... their token sequences
     committed: int = 0        # stream_lag: its tokens that every row and candidate starts with (`commit`)
+    landings: list = field(default_factory=list)  # stop="eos", not streamed: copies of its candidates at a
+    #                                               sentence end after every keyword near the budget
+    #                                               (`DBSConfig.fallback_tokens`), as `pool` holds them
+    landed: set = field(default_factory=set)   # ... their token sequences
 
     def set_aside(self, rows: Rows) -> None:
         """Keep the finished candidates `rows` of this request (copies) that are new."""
-        rows.drop_columns(int(rows.col0[0]))
-        new = []
-        for i in range(len(rows.req)):
-            key = rows.generated(i).tobytes()
-            if key not in self.pooled:
-                self.pooled.add(key)
-                new.append(i)
-        if new:
-            part = rows.take(np.array(new))
-            part.req[:] = 0
-            self.pool.append(part)
+        _keep_new(rows, self.pool, self.pooled)
+
+    def keep_landing(self, rows: Rows) -> None:
+        """Keep copies of the candidates `rows` at a sentence end near the budget that are new."""
+        _keep_new(rows, self.landings, self.landed)
 
     def drop_pooled(self, drop) -> None:
         """Leave out the set-aside candidates for which `drop(part, i)` holds."""
@@ -140,6 +140,22 @@ class Slot:
             if not gone.all():
                 kept.append(part.take(np.flatnonzero(~gone)))
         self.pool = kept
+
+
+def _keep_new(rows: Rows, pool: list, keys: set) -> None:
+    """Append to `pool` the rows (copies, request 0, tokens from column 0) whose token sequences
+    are not yet among `keys`."""
+    rows.drop_columns(int(rows.col0[0]))
+    new = []
+    for i in range(len(rows.req)):
+        key = rows.generated(i).tobytes()
+        if key not in keys:
+            keys.add(key)
+            new.append(i)
+    if new:
+        part = rows.take(np.array(new))
+        part.req[:] = 0
+        pool.append(part)
 
 
 def certain_text(search: "BeamSearch", q: int) -> str:
@@ -188,6 +204,7 @@ class Finished:
     plain_rows: int = 0                 # ... and those the plain schedule computes
     pooled: bool = False                # rows are the finished candidates it gathered (from any chunk)
     committed: int = 0                  # tokens every row starts with, streamed already (`commit`)
+    landings: Rows | None = None        # its kept copies at a sentence end near the budget (`Slot.landings`)
 
     @property
     def candidate_tokens_per_second(self) -> float:
@@ -207,7 +224,7 @@ class Finished:
                 r.drop_columns(int(r.col0[0]))
                 r.req[:] = 0
             out.append(Finished(s.request, r, now - s.t0, candidate_tokens - s.cand0, s.model_rows, s.plain_rows,
-                                bool(s.pool), s.committed))
+                                bool(s.pool), s.committed, Rows.stack(s.landings, pad) if s.landings else None))
         return out
 
 
@@ -457,6 +474,14 @@ class BeamSearch:
                 texts = self._generated_texts(rows, end)
                 rows.ended[end] |= [occurrence.ends_generated_sentence(self.slots[rows.req[i]].request.context, t)
                                     for i, t in zip(end, texts)]
+        fallback = self.cfg.fallback_tokens     # near the budget: copies of the rows at a sentence end
+        if fallback:
+            end = np.flatnonzero(live & (rows.n_tok >= self.cfg.max_new_tokens - fallback)
+                                 & (guidance.remaining(self.tables, rows, seen) == 0) & self.sentence_end[d.ids])
+            for i, t in zip(end, self._generated_texts(rows, end) if len(end) else []):
+                slot = self.slots[rows.req[i]]
+                if len(slot.landed) < LANDINGS and occurrence.ends_generated_sentence(slot.request.context, t):
+                    slot.keep_landing(rows.take(np.array([i])))
         return seen
 
     @timed("model")

@@ -14,6 +14,7 @@ from ..text import occurrence
 from ..text.constraints import Keyword
 from ..text.words import word_loop, words
 from .beam import Finished
+from .rows import Rows
 
 
 @dataclass
@@ -26,12 +27,14 @@ class GenerationResult:
     #                               tokens until it is complete} or None
     success_rate: float
     success_length: int           # generated tokens until every keyword occurred (all if never)
-    stopped: str                  # "sentence" / "eos": ended naturally; "trimmed": cut back to the last
-    #                               sentence end after the keywords at max_new_tokens; "max": budget
+    stopped: str                  # "sentence" / "eos": ended naturally (or a copy kept at a sentence end near
+    #                               the budget); "trimmed": cut back to the last sentence end after the keywords
+    #                               at max_new_tokens; "max": budget
     perplexity: float             # exp(-mean scorer log-prob) of the generated tokens
     new_tokens: int
     beams: list[dict]             # every different final beam (with stop="sentence", every different finished
-    #                               candidate if there was one), the returned one first, then by score: text, score
+    #                               candidate if there was one; with a copy kept near the budget returned, those
+    #                               copies too), the returned one first, then by score: text, score
     #                               (Q summed over its chunks; ranked per chunk among candidates of several chunks),
     #                               finished (every keyword, then a sentence end or EOS), logprob (mean per token)
     seconds: float
@@ -123,39 +126,76 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
     def decode(seqs):
         return [t[tail:] for t in decode_batch(seqs)]
 
-    rank = rows.cum
-    if fin.pooled:          # candidates that finished in different chunks: Q per chunk, not Q summed
-        rank = rows.cum / np.maximum(1, np.ceil(rows.n_tok / cfg.chunk))
-    order = np.argsort(-rank, kind="stable")
-    every = (1 << len(kws)) - 1
-    finished = rows.ended & np.isfinite(rows.cum) & ((rows.found & every) == every)   # all keywords, then an end
     beams, seen = [], set()                 # every different final beam (copies once), by score
-    for i, t in zip(order, decode([rows.tokens[i, : rows.n_tok[i]] for i in order])):
-        if t not in seen:
-            seen.add(t)
-            n = int(rows.n_tok[i])
-            beams.append({"text": t, "score": float(rows.cum[i]), "rank": len(beams),
-                          "finished": bool(finished[i]),
-                          "logprob": float(rows.logp[i, :n].mean()) if n else float("nan"), "row": int(i)})
+
+    def add_beams(first: int = 0) -> None:
+        """`beams` gains rows[first:], each text once, by score."""
+        rank = rows.cum
+        if fin.pooled or first:     # candidates of different chunks: Q per chunk, not Q summed
+            rank = rows.cum / np.maximum(1, np.ceil(rows.n_tok / cfg.chunk))
+        order = first + np.argsort(-rank[first:], kind="stable")
+        every = (1 << len(kws)) - 1
+        finished = rows.ended & np.isfinite(rows.cum) & ((rows.found & every) == every)   # all keywords, then an end
+        for i, t in zip(order, decode([rows.tokens[i, : rows.n_tok[i]] for i in order])):
+            if t not in seen:
+                seen.add(t)
+                n = int(rows.n_tok[i])
+                beams.append({"text": t, "score": float(rows.cum[i]), "rank": len(beams),
+                              "finished": bool(finished[i]),
+                              "logprob": float(rows.logp[i, :n].mean()) if n else float("nan"), "row": int(i)})
+
+    add_beams()
+    ends = {}
+
+    def ending(i: int):
+        """Row i's token prefixes' texts, its keywords' occurrences and, where the budget ran out
+        (it did not end), the last sentence end after them that it can be cut back to (None: none)."""
+        if i not in ends:
+            n_gen = int(rows.n_tok[i])
+            toks = rows.tokens[i, :n_gen]
+            texts = decode([toks[:n] for n in range(1, n_gen + 1)]) or [""]
+            found = found_at(texts, kws, cfg.match)
+            need = max([f["token"] for f in found.values() if f is not None] + [fin.committed], default=0)
+            cut = None
+            if cfg.finishes and not rows.ended[i]:
+                cut = next((n for n in range(n_gen, max(need, 1) - 1, -1) if sentence_end[toks[n - 1]]
+                            and occurrence.ends_generated_sentence(context, texts[n - 1])), None)
+            ends[i] = texts, found, cut
+        return ends[i]
+
+    def placed(j: int) -> int:
+        return sum(f is not None for f in ending(beams[j]["row"])[1].values())
+
+    def landing(chosen: int) -> list[int]:
+        """The beams that can be cut back to a sentence end after as many keywords as `chosen`."""
+        return [j for j in range(len(beams)) if not rows.ended[beams[j]["row"]]
+                and ending(beams[j]["row"])[2] is not None and placed(j) >= placed(chosen)]
+
     chosen = pick(cfg.pick, beams)
+    if cfg.finishes and not rows.ended[beams[chosen]["row"]] and ending(beams[chosen]["row"])[2] is None:
+        # the budget ran out in the sentence of the chosen beam's last keyword: another beam that
+        # can be cut back to a sentence end after as many keywords is returned instead, where one
+        # can, else a copy kept at such an end near the budget (`Finished.landings`)
+        ends_at = landing(chosen)
+        if not ends_at and fin.landings is not None:
+            first, rows = len(rows.req), Rows.stack([rows, fin.landings], eos_ids[0] if eos_ids else 0)
+            add_beams(first)
+            ends_at = [j for j in landing(chosen) if beams[j]["row"] >= first]
+        if ends_at:
+            chosen = ends_at[pick(cfg.pick, [beams[j] for j in ends_at])]
     beams.insert(0, beams.pop(chosen))
     best = beams[0]["row"]
     for b in beams:
         del b["row"]
+    texts, found, cut = ending(best)
     n_gen = int(rows.n_tok[best])
     toks = rows.tokens[best, :n_gen]
-    texts = decode([toks[:n] for n in range(1, len(toks) + 1)]) or [""]
-    found = found_at(texts, kws, cfg.match)
     stopped = "max"
     if rows.ended[best]:
         stopped = "eos" if n_gen and toks[-1] in eos_ids else "sentence"
-    elif cfg.finishes:   # budget ran out: cut back to the last sentence end after the keywords
-        need = max([f["token"] for f in found.values() if f is not None] + [fin.committed], default=0)
-        ends = [n for n in range(max(need, 1), n_gen + 1)
-                if sentence_end[toks[n - 1]] and occurrence.ends_generated_sentence(context, texts[n - 1])]
-        if ends:
-            n_gen, stopped = ends[-1], ("trimmed" if ends[-1] < n_gen else "sentence")
-            toks, texts = toks[:n_gen], texts[:n_gen]
+    elif cut is not None:   # budget ran out: cut back to the last sentence end after the keywords
+        n_gen, stopped = cut, ("trimmed" if cut < n_gen else "sentence")
+        toks, texts = toks[:n_gen], texts[:n_gen]
     generated = texts[-1] if texts else ""
     hits = [found[k.text]["token"] for k in kws if found[k.text] is not None]   # a keyword listed twice counts twice
     success_length = max(hits, default=0) if len(hits) == len(kws) else cfg.max_new_tokens
