@@ -467,22 +467,29 @@ class BeamSearch:
         guidance.advance_forcing(self.tables, rows, d.force, seen, col + 1, self.word_piece)
         landing = self.cfg.landing_tokens     # a streamed eos text near its budget ends as stop="sentence"'s
         if self.cfg.stop == "sentence" or landing:   # all keywords in (before or in this chunk) + sentence end
-            near = rows.n_tok >= self.cfg.max_new_tokens - landing if landing else True
-            end = np.flatnonzero(live & near & (guidance.remaining(self.tables, rows, seen) == 0)
-                                 & self.sentence_end[d.ids])
-            if len(end):                  # not at an abbreviation or an initial ("Dr.", "J.")
-                texts = self._generated_texts(rows, end)
-                rows.ended[end] |= [occurrence.ends_generated_sentence(self.slots[rows.req[i]].request.context, t)
-                                    for i, t in zip(end, texts)]
+            end = self._sentence_ends(rows, d, live, seen, landing or None)
+            rows.ended[end] = True
         fallback = self.cfg.fallback_tokens     # near the budget: copies of the rows at a sentence end
         if fallback:
-            end = np.flatnonzero(live & (rows.n_tok >= self.cfg.max_new_tokens - fallback)
-                                 & (guidance.remaining(self.tables, rows, seen) == 0) & self.sentence_end[d.ids])
-            for i, t in zip(end, self._generated_texts(rows, end) if len(end) else []):
+            for i in self._sentence_ends(rows, d, live, seen, fallback):
                 slot = self.slots[rows.req[i]]
-                if len(slot.landed) < LANDINGS and occurrence.ends_generated_sentence(slot.request.context, t):
+                if len(slot.landed) < LANDINGS:
                     slot.keep_landing(rows.take(np.array([i])))
         return seen
+
+    def _sentence_ends(self, rows: Rows, d: Draw, live: np.ndarray, seen: np.ndarray, within: int | None) -> np.ndarray:
+        """The live rows whose new token ends a sentence after every keyword (placed before or in
+        this chunk), not at an abbreviation or an initial ("Dr.", "J."); with `within`, only rows
+        within that many tokens of the budget."""
+        near = live & self.sentence_end[d.ids]
+        if within is not None:
+            near &= rows.n_tok >= self.cfg.max_new_tokens - within
+        end = np.flatnonzero(near & (guidance.remaining(self.tables, rows, seen) == 0))
+        if not len(end):
+            return end
+        texts = self._generated_texts(rows, end)
+        return end[[occurrence.ends_generated_sentence(self.slots[rows.req[i]].request.context, t)
+                    for i, t in zip(end, texts)]]
 
     @timed("model")
     def _next_logits(self, rows: Rows, ids: np.ndarray, need: np.ndarray) -> None:

@@ -168,8 +168,8 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
 
     def landing(chosen: int) -> list[int]:
         """The beams that can be cut back to a sentence end after as many keywords as `chosen`."""
-        return [j for j in range(len(beams)) if not rows.ended[beams[j]["row"]]
-                and ending(beams[j]["row"])[2] is not None and placed(j) >= placed(chosen)]
+        least = placed(chosen)
+        return [j for j in range(len(beams)) if ending(beams[j]["row"])[2] is not None and placed(j) >= least]
 
     chosen = pick(cfg.pick, beams)
     if cfg.finishes and not rows.ended[beams[chosen]["row"]] and ending(beams[chosen]["row"])[2] is None:
