@@ -57,7 +57,9 @@ class DBSConfig:
     candidates: int = option(10, int, "s: candidates per beam, all b*s decoded as one batch")
     chunk: int = option(5, int, "k: tokens per chunk; sets keyword density")
     top_p: float = option(0.9, float, "nucleus sampling mass")
-    temperature: float = option(1.0, float, "sampling temperature")
+    temperature: float = option(1.0, float, "sampling temperature; 0 draws the likeliest token of what "
+                                "temperature 1 would sample from (its nucleus, boosted): deterministic, "
+                                "greedy decoding where there are no keywords")
     min_p: float = option(0.0, float, "keep only tokens at least this times as likely as the top "
                           "one, by the model's own probabilities before boosts (0 = off)")
     min_p_named: float | None = option(
@@ -173,8 +175,8 @@ class DBSConfig:
             v = getattr(self, name)
             if v is not None and not (0.0 <= v <= 80.0):
                 bad(name, "must be in [0, 80] (exp(lambda) must fit float32)")
-        if not self.temperature > 0.0:
-            bad("temperature", "must be > 0")
+        if not self.temperature >= 0.0:
+            bad("temperature", "must be >= 0 (0 = the likeliest token)")
         for name in ("alpha", "c_star", "alpha_fluent"):
             v = getattr(self, name)
             if v is not None and v < 0:

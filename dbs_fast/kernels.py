@@ -396,6 +396,19 @@ def _walk(s, e, cut, bs, u):
     return chosen
 
 
+@njit(cache=True, nogil=True)
+def _mode(s, e, cut):
+    """The kept token (s >= cut, e > 0) of the largest weight, the first in id order among equals:
+    a greedy draw (temperature 0)."""
+    chosen = -1
+    best = np.float32(0.0)
+    for i in range(s.shape[0]):
+        if s[i] >= cut and e[i] > best:
+            best = e[i]
+            chosen = i
+    return chosen
+
+
 @njit(cache=True, nogil=True, fastmath={"reassoc", "nsz", "contract"})
 def _boost_kept(s, e, cut, f):
     """e[i] *= f[i] for the kept tokens (s[i] >= cut), f = exp(the row's boost) per token (1.0
@@ -503,11 +516,12 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
     The rule groups are tuples (`sample` packs them from a StepRules):
     guide = (row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force),
     history = (tokens, start), bans = (row_ban, group_ptr, seq_ptr, seq_tok),
-    words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p (R,), penalty, ngram, window, shaped)."""
+    words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p (R,), penalty, ngram, window, shaped,
+    greedy); a greedy draw (temperature 0, 1/T then 1) takes the kept token of the largest weight (`_mode`)."""
     row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force = guide
     hseq, hstart = history
     row_ban = bans[0]
-    inv_temp, top_p, row_min_p, penalty, ngram, window, shaped = knobs
+    inv_temp, top_p, row_min_p, penalty, ngram, window, shaped, greedy = knobs
     V = logits.shape[1]
     hend = hseq.shape[1]
     for g in prange(group_ptr.shape[0] - 1):
@@ -571,7 +585,7 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
         for j in range(group_ptr[g], group_ptr[g + 1]):
             m = members[j]
             if force[m] < 0:
-                chosen = _walk(s, e, cut, bs, uniforms[m] * mass)
+                chosen = _mode(s, e, cut) if greedy else _walk(s, e, cut, bs, uniforms[m] * mass)
                 out_ids[m] = chosen
                 out_logp[m] = x[chosen] * inv_temp - logz
 
@@ -667,8 +681,9 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, rules: StepRules,
     else:
         bans = (np.asarray(rules.row_ban, np.int64), *(np.asarray(a, t) for a, t in zip(rules.bans, (np.int64, np.int64,
                                                                                                       np.int32))))
-    knobs = (np.float32(1.0 / cfg.temperature), float(cfg.top_p), rules.min_ps(R), np.float32(cfg.repetition_penalty),
-             int(cfg.no_repeat_ngram_size), int(cfg.no_repeat_word_window), bool(cfg.shapes_logits))
+    knobs = (np.float32(1.0 / cfg.temperature if cfg.temperature > 0 else 1.0), float(cfg.top_p), rules.min_ps(R), np.float32(cfg.repetition_penalty),
+             int(cfg.no_repeat_ngram_size), int(cfg.no_repeat_word_window), bool(cfg.shapes_logits),
+             cfg.temperature == 0)
     group_ptr, members = row_groups(table_row, guide, history, bans[0], knobs[2])
     start_threads()
     out_ids = np.empty(R, np.int64)

@@ -25,11 +25,12 @@ from .text.occurrence import WordTable, word_table
 
 def torch_sample(logits, uniforms, row_word, dense_boosts, cfg, boost_first, min_p=None):
     """logits (R, V) torch float32 (shaped and banned); dense_boosts (W, V) torch or None; `cfg`'s
-    temperature and top_p; `min_p` (R,) each row's (None: `cfg`'s). Returns ids, unguided logp."""
+    temperature (0: the kept token of the largest weight, at temperature 1) and top_p; `min_p` (R,)
+    each row's (None: `cfg`'s). Returns ids, unguided logp."""
     import torch
 
     top_p = cfg.top_p
-    s = logits.float() / cfg.temperature
+    s = logits.float() / (cfg.temperature or 1.0)
     dev = s.device
     logp = torch.log_softmax(s, dim=-1)
     guided = torch.as_tensor(row_word >= 0, device=dev)
@@ -56,6 +57,9 @@ def torch_sample(logits, uniforms, row_word, dense_boosts, cfg, boost_first, min
         kept = plausible
     final = torch.where(bf, key, s + torch.where(kept, boost, torch.zeros_like(boost)))
     w = torch.where(kept, torch.exp((final - s.max(-1, keepdim=True).values).double()), torch.zeros_like(final, dtype=torch.float64))
+    if cfg.temperature == 0:
+        ids = w.argmax(-1, keepdim=True)
+        return ids[:, 0], logp.gather(1, ids)[:, 0]
     c = w.cumsum(-1)
     u = torch.as_tensor(uniforms, dtype=torch.float64, device=dev)[:, None] * c[:, -1:]
     ids = torch.searchsorted(c, u, right=True).clamp(max=s.shape[1] - 1)
@@ -255,7 +259,7 @@ class TorchBackend:
                 f = self.torch.as_tensor(rules.force, device=self.device)
                 tok = self.torch.where(f >= 0, f, tok)
             if cfg.shapes_logits or rules.bans is not None or rules.force is not None:   # the model's own log-prob
-                lp = self.torch.log_softmax(raw.float() / cfg.temperature, -1).gather(1, tok[:, None])[:, 0]
+                lp = self.torch.log_softmax(raw.float() / (cfg.temperature or 1.0), -1).gather(1, tok[:, None])[:, 0]
         return tok.cpu().numpy().astype(np.int64), lp.float().cpu().numpy()
 
     def encode(self, text):

@@ -71,11 +71,12 @@ def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, 
     """dense_boosts: list per row of a (V,) boost vector or None; histories: list per row of token ids;
     bans: list per row of banned token sequences; force: per row a token id or -1; min_p (one, or one
     per row): keep only tokens whose own probability (shaped, before boosts) is at least min_p times
-    the top one's, then top-p of those."""
+    the top one's, then top-p of those; temperature 0 takes the kept token of the largest weight at
+    temperature 1."""
     R, V = logits.shape
     ids = np.empty(R, np.int64)
     logp = np.empty(R, np.float64)
-    inv_t = np.float32(1.0 / temperature)
+    inv_t = np.float32(1.0 / temperature if temperature > 0 else 1.0)
     for r in range(R):
         raw = (logits[r].astype(np.float32) * inv_t)
         logz = float(raw.max()) + np.log(np.exp((raw - raw.max()).astype(np.float64)).sum())
@@ -107,6 +108,10 @@ def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, 
             final = final + np.where(kept, b, 0.0)
         w = np.where(kept, np.exp(final - float(m)), 0.0)
         c = np.cumsum(w)
+        if temperature == 0:
+            ids[r] = int(np.argmax(w))
+            logp[r] = float(raw[ids[r]]) - logz
+            continue
         ids[r] = min(int(np.searchsorted(c, uniforms[r] * c[-1], side="right")), V - 1)
         logp[r] = float(raw[ids[r]]) - logz
     return ids, logp

@@ -25,6 +25,8 @@ def test_a_known_template_renders_as_transformers_renders_it(tmp_path):
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     with_system = t.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert with_system == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    # OpenAI's developer messages are the system's instructions, as the template knows them
+    assert t.render([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]) == with_system
 
 
 def test_what_the_messages_say_is_the_context_less_the_templates_own_text(tmp_path):

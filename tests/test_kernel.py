@@ -679,3 +679,34 @@ def test_the_kernels_compile_in_a_process_of_their_own_while_a_block_runs(tmp_pa
     with compiled_meanwhile() as proc:
         ran = proc is None
     assert ran
+
+
+@pytest.mark.parametrize("boost_first", [False, True])
+@pytest.mark.parametrize("top_p,min_p", [(0.9, 0.0), (1.0, 0.0), (0.9, 0.1)])
+def test_temperature_zero_takes_the_likeliest_kept_token(boost_first, top_p, min_p):
+    """Temperature 0: the kernel, the reference and the PyTorch sampler take the kept token of the
+    largest (boosted) weight at temperature 1, whatever the uniforms; an unguided row takes the
+    argmax of its logits (greedy decoding); a guided row takes a boosted word where the boost lifts
+    it above the top token; the log-prob returned is the model's own at temperature 1."""
+    rng, logits, boosts, row_word, dense = _case(31, scale=2.0)
+    ptr, ids, vals = csr_boosts(boosts)
+    rules = dict(temperature=0.0, top_p=top_p, min_p=min_p, row_word=row_word, boosts=(ptr, ids, vals),
+                 boost_first=boost_first)
+    got, glp = sample(logits, rng.random(len(logits)), **rules)
+    again, _ = sample(logits, rng.random(len(logits)), **rules)
+    want, wlp = sample_ref(logits, np.zeros(len(logits)), 0.0, top_p, dense, boost_first, min_p=min_p)
+    assert np.array_equal(got, want) and np.array_equal(got, again)
+    np.testing.assert_allclose(glp, wlp, atol=1e-4)
+    plain = row_word < 0
+    assert np.array_equal(got[plain], logits[plain].argmax(1))
+    assert (got[~plain] != logits[~plain].argmax(1)).any()           # a boost changed the pick
+    logz = np.log(np.exp(logits.astype(np.float64) - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    np.testing.assert_allclose(glp, logits[np.arange(len(got)), got] - logz, atol=1e-4)
+    torch = pytest.importorskip("torch")
+    from dbs_fast.config import DBSConfig
+    from dbs_fast.torch_backend import torch_sample
+
+    table = torch.as_tensor(kernels.dense_boosts(ptr, ids, vals, logits.shape[1], exp=False))
+    tgot, _ = torch_sample(torch.as_tensor(logits), rng.random(len(logits)), row_word, table,
+                           DBSConfig(temperature=0.0, top_p=top_p, min_p=min_p), boost_first)
+    assert np.array_equal(tgot.numpy(), want)

@@ -271,7 +271,9 @@ def test_an_unknown_method_or_path_under_v1_is_openais_error_shape(server):
         assert r.status_code == status and r.json()["error"]["type"] == kind, r.text
 
 
-@pytest.mark.parametrize("kw,field", [({"logprobs": 2}, "logprobs"), ({"temperature": 0.0}, "temperature"),
+@pytest.mark.parametrize("kw,field", [({"logprobs": 2}, "logprobs"), ({"temperature": -0.5}, "temperature"),
+                                      ({"extra_body": {"keywords": "x", "store": True}}, "store"),
+                                      ({"extra_body": {"keywords": "x", "service_tier": "flex"}}, "service_tier"),
                                       ({"presence_penalty": 0.5}, "presence_penalty"),
                                       ({"n": 9}, "n"),
                                       ({"extra_body": {"keywords": "x", "task": "poetry"}}, "task")])
@@ -280,6 +282,23 @@ def test_what_cannot_be_honoured_is_400_naming_it(client, kw, field):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=_name(client), prompt="It is", max_tokens=8, **kw)
     assert e.value.body["param"] == field
+
+
+def test_temperature_zero_and_fields_that_ask_nothing_are_answered(client):
+    """What applications send unchanged: temperature 0 (the likeliest token at each draw: the same
+    text whatever the seed), a developer message (the system's instructions), and fields that ask
+    for nothing the engine does (`store` false, `metadata`, `parallel_tool_calls`, `service_tier`)."""
+    kw = dict(model=_name(client), max_tokens=16, extra_body={"keywords": "river", **SMALL})
+    texts = {client.completions.create(prompt="It is", temperature=0, seed=seed, **kw).choices[0].text
+             for seed in range(3)}
+    assert len(texts) == 1
+    sampled = {client.completions.create(prompt="It is", seed=seed, **kw).choices[0].text for seed in range(3)}
+    assert len(sampled) > 1
+    msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Tell me"}]
+    got = client.chat.completions.create(messages=msgs, seed=1, store=False, metadata={"app": "test"},
+                                         parallel_tool_calls=False, service_tier="auto", **kw)
+    same = client.chat.completions.create(messages=[{**msgs[0], "role": "system"}, msgs[1]], seed=1, **kw)
+    assert got.choices[0].message.content == same.choices[0].message.content
 
 
 def test_unknown_model_is_404(client):
@@ -417,8 +436,9 @@ def test_a_rule_reads_the_same_at_every_door_in_that_doors_words(server):
     assert generate["message"] == f"`stop` {rule}" and generate["param"] == "stop"
     assert completion["message"] == f"`stop_at` {rule}" and completion["param"] == "stop_at"
     for path, extra in (("/v1/generate", {}), ("/v1/completions", {"model": "gpt2", "prompt": "It is"})):
-        e = error(path, {"keywords": "colony", "temperature": 0.0, **extra, **SMALL})
-        assert e["message"] == "`temperature` must be > 0, got 0.0" and e["param"] == "temperature", e
+        e = error(path, {"keywords": "colony", "temperature": -1.0, **extra, **SMALL})
+        assert e["message"] == "`temperature` must be >= 0 (0 = the likeliest token), got -1.0", e
+        assert e["param"] == "temperature", e
     # a message that names another option names it as the door does: the budget is `max_tokens` there
     long = error("/v1/completions", {"model": "gpt2", "prompt": "It is", "keywords": "colony", "max_tokens": 10**6})
     assert "`max_tokens` (1000000)" in long["message"] and "max_new_tokens" not in long["message"], long

@@ -36,7 +36,8 @@ EXTRA = tuple(name for name in JSON_NAMES if name not in ("max_new_tokens", "tem
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-               "function_call": (None, "none"), "response_format": (None, {"type": "text"})}
+               "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "store": (None, False),
+               "parallel_tool_calls": (None, True, False), "service_tier": (None, "auto", "default")}
 _TOOLS = ("tool and function calling are not supported: Directed Beam Search writes free text around the "
           "keywords")
 _PENALTIES = ("are not supported: use the extra fields `repetition_penalty` or `no_repeat_ngram_size`")
@@ -53,6 +54,9 @@ WHY_UNSUPPORTED = {
     "suffix": "`suffix` (insertion) is not supported: the text continues the prompt",
     "tools": _TOOLS, "tool_choice": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS,
     "response_format": "only `{\"type\": \"text\"}` is supported: the answer is free text, not JSON",
+    "store": "completions are not stored here: `store` must be false",
+    "parallel_tool_calls": _TOOLS,
+    "service_tier": "one service tier is served: `service_tier` \"auto\" or \"default\"",
 }
 
 
@@ -63,7 +67,8 @@ def _common_fields(max_n: int) -> dict:
         "model": (str, Field(..., description="the served model (GET /v1/models)")),
         "max_tokens": (Optional[int], Field(None, description="new tokens at most (max_new_tokens), >= 1")),
         "max_completion_tokens": (Optional[int], Field(None, description="the same as max_tokens")),
-        "temperature": (Optional[float], Field(None, description="> 0 (DBS samples)")),
+        "temperature": (Optional[float], Field(None, description=">= 0; 0 takes the likeliest token at each draw "
+                                                                   "(deterministic)")),
         "top_p": (Optional[float], Field(None, description="nucleus mass, in (0, 1]")),
         "n": (int, Field(1, ge=1, le=max_n, description="distinct beams returned, at most the beams searched")),
         "stream": (bool, False),
@@ -72,6 +77,7 @@ def _common_fields(max_n: int) -> dict:
                                                                            "same text")),
         "stop": (Optional[Union[str, list[str]]], Field(None, description="up to 4 stop sequences")),
         "user": (Optional[str], None),
+        "metadata": (Optional[dict[str, str]], Field(None, description="read and not kept (nothing is stored)")),
         "keywords": (Optional[Union[str, list[str]]], Field(None, description='the words the text must contain: '
                                                                              '"enemy,speed" or a list')),
         "ban": (Optional[Union[str, list[str]]], Field(None, description="words that must not appear")),

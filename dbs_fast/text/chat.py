@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..errors import DBSError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
+AS_ROLE = {"developer": "system"}      # OpenAI's developer messages are the system's instructions
 SENTINEL = "\x00"      # a message text no template writes itself
 
 
@@ -50,7 +51,7 @@ class ChatTemplate:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES:
                 raise DBSError(f"messages[{i}] must have a role in {ROLES}", "messages", m)
-            plain.append({**m, "content": text_content(m.get("content"), i)})
+            plain.append({**m, "role": AS_ROLE.get(m["role"], m["role"]), "content": text_content(m.get("content"), i)})
         try:
             return self.template.render(messages=plain, add_generation_prompt=True, **self.special)
         except TemplateError as e:
