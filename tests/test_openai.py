@@ -192,7 +192,7 @@ def test_n_asks_the_search_for_n_finished_answers(model_dir):
     beams = [{"text": t, "finished": f} for t, f in ((" a.", True), (" b.", True), (" c", False))]
     result = SimpleNamespace(generated=" a.", beams=beams, stopped="sentence", prompt_tokens=2, new_tokens=2,
                              keywords=["river"], found={}, success_rate=1.0, seconds=0.1, candidate_tokens=9)
-    choices = Reply(False, "m", [], 3).final(result)["choices"]
+    choices = Reply(False, "m", [], 3).final([result])["choices"]
     assert [(c["text"], c["finish_reason"]) for c in choices] == [(" a.", "stop"), (" b.", "stop"), (" c", "length")]
 
 
@@ -282,6 +282,27 @@ def test_what_cannot_be_honoured_is_400_naming_it(client, kw, field):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=_name(client), prompt="It is", max_tokens=8, **kw)
     assert e.value.body["param"] == field
+
+
+def test_a_list_of_prompts_is_answered_as_each_prompt_alone(client):
+    """OpenAI's list of prompts: a job each, in one answer; prompt i's choices come from index
+    i * n, each the answer to that prompt sent alone with the same seed, the usage summed and `dbs`
+    one object per prompt. A list is not streamed, and no longer than the server's queue."""
+    kw = dict(model=_name(client), max_tokens=12, seed=4, n=2, extra_body={"keywords": "river", **SMALL})
+    prompts = ["It is", "The doctor said", "Once"]
+    both = client.completions.create(prompt=prompts, **kw)
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    for i, one in enumerate(alone):
+        assert [(c.index, c.text) for c in both.choices if c.index // 2 == i] == \
+            [(2 * i + c.index, c.text) for c in one.choices]
+    assert both.usage.total_tokens == sum(one.usage.total_tokens for one in alone)
+    assert [d["found"] for d in both.model_extra["dbs"]] == [one.model_extra["dbs"]["found"] for one in alone]
+    with pytest.raises(openai.BadRequestError) as e:
+        list(client.completions.create(prompt=prompts[:2], stream=True, **{**kw, "n": 1}))
+    assert e.value.body["param"] == "stream"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt=["It is"] * 1000, **kw)
+    assert e.value.body["param"] == "prompt" and "1 to" in e.value.body["message"]
 
 
 def test_temperature_zero_and_fields_that_ask_nothing_are_answered(client):

@@ -204,7 +204,7 @@ class BatchJob:
                 args = oa.job_arguments(body, svc.opts.model, svc.dbs.config.beams,
                                         svc.dbs.chat_template if chat else None, chat)
                 reply = oa.Reply(chat, body.model, args.pop("stops"), body.n)
-                job = svc.make_job(**args)
+                job = svc.make_job(context=args.pop("contexts")[0], **args)
         except oa.Refused as e:
             return e.body()["error"]
         except DBSError as e:
@@ -227,7 +227,7 @@ class BatchJob:
             return False
         reply = self.in_flight.pop(cid)
         if kind == "result":
-            body = reply.final(payload) if reply is not None else payload.to_json()
+            body = reply.final([payload]) if reply is not None else payload.to_json()
             sink(cid, {"status_code": 200, "request_id": _request_id(cid), "body": body}, None)
         else:
             status, detail = payload

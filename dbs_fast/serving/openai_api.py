@@ -1,8 +1,8 @@
 """OpenAI-compatible endpoints over the service: /v1/models, /v1/completions, /v1/chat/completions.
 
 The standard fields map onto the engine's: `prompt` (or `messages`, through the model's chat
-template) is the context, `max_tokens` is `max_new_tokens`, `temperature`, `top_p` and `seed`
-are the engine's, `stop` cuts the text at the first stop sequence, `n` returns that many
+template) is the context (a list of prompts: a job each, their choices in one answer),
+`max_tokens` is `max_new_tokens`, `temperature`, `top_p` and `seed` are the engine's, `stop` cuts the text at the first stop sequence, `n` returns that many
 distinct beams (with the engine's `stop_at: sentence` or `eos`, n finished answers: `finished` is
 raised to n). The constraints and every DBS option are extra body fields (the SDK's `extra_body`), named
 as in /v1/generate: `keywords`, `ban`, `order`, `guarantee`, `beams`, `lambda`, ...; `task`
@@ -94,7 +94,8 @@ def completion_model(max_n: int = 64):
     from pydantic import Field, create_model
 
     return create_model("CompletionRequest", __config__=body_config(populate_by_name=True),
-                        prompt=(Union[str, list[str]], Field(..., description="the text to continue")),
+                        prompt=(Union[str, list[str]], Field(..., description="the text to continue, or a list of "
+                                                                                   "texts: an answer each, unstreamed")),
                         **_common_fields(max_n))
 
 
@@ -136,8 +137,11 @@ def models_list(model: str) -> dict:
                                         "owned_by": "dbs-fast"}]}
 
 
-def job_arguments(body, model: str, beams_default: int, template: ChatTemplate | None, chat: bool) -> dict:
-    """What `Service.make_job` takes, from a completion or chat body; Refused for what cannot be honoured."""
+def job_arguments(body, model: str, beams_default: int, template: ChatTemplate | None, chat: bool,
+                  max_prompts: int = 1) -> dict:
+    """What `Service.make_job` takes, from a completion or chat body, but `contexts` (a list: one
+    job each, a completion's `prompt` list of up to `max_prompts`) for its `context`; Refused for
+    what cannot be honoured."""
     if body.model not in (served_name(model), model):
         raise Refused("model", f"model {body.model!r} is not served here; GET /v1/models lists "
                                f"{served_name(model)!r}", 404)
@@ -159,13 +163,14 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
             raise Refused("messages", "this model has no chat template: use /v1/completions")
         if not body.messages:
             raise Refused("messages", "`messages` must hold at least one message")
-        context = template.render(body.messages)
-    elif isinstance(body.prompt, list):
-        if len(body.prompt) != 1:
-            raise Refused("prompt", "one prompt per request (a list of one string)")
-        context = body.prompt[0]
+        contexts = [template.render(body.messages)]
     else:
-        context = body.prompt
+        contexts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+        if not contexts or len(contexts) > max_prompts:
+            raise Refused("prompt", f"`prompt` takes a string or a list of 1 to {max_prompts} strings" if max_prompts > 1
+                          else "`prompt` takes one string here (or a list of one)")
+        if body.stream and len(contexts) > 1:
+            raise Refused("stream", "`stream` takes one prompt; send a list of prompts unstreamed")
     given = given_options(body, "openai", EXTRA)
     given.update(temperature=body.temperature, top_p=body.top_p,
                  max_new_tokens=body.max_tokens if body.max_tokens is not None else body.max_completion_tokens)
@@ -174,7 +179,7 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
         raise Refused("n", f"`n` ({body.n}) is more than the beams searched ({beams})")
     if body.n > (given.get("finished") or base.finished):
         given["finished"] = body.n                   # n finished answers to return, not beams cut mid-sentence
-    return {"context": context, "keywords": body.keywords, "ban": body.ban,
+    return {"contexts": contexts, "keywords": body.keywords, "ban": body.ban,
             "seed": 0 if body.seed is None else body.seed, "given": given, "base": base, "timeout": body.timeout,
             "stream": body.stream, "door": "openai", "context_field": "messages" if chat else "prompt",
             "stops": stops}
@@ -219,7 +224,20 @@ class Reply:
                 "success_rate": result.success_rate, "stopped": result.stopped, "seconds": result.seconds,
                 "candidate_tokens": result.candidate_tokens}
 
-    def final(self, result: GenerationResult) -> dict:
+    def final(self, results: list[GenerationResult]) -> dict:
+        """The answer to one request: prompt i's choices are indexed from i * n (OpenAI's order for a
+        list of prompts), the usage summed, `dbs` one object (a list of them for several prompts)."""
+        choices = []
+        for i, result in enumerate(results):
+            choices += [{**c, "index": i * self.n + c["index"]} for c in self._choices(result)]
+        usage = [self.usage(r) for r in results]
+        dbs = [self.dbs(r) for r in results]
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": {k: sum(u[k] for u in usage) for k in usage[0]}, "dbs": dbs if len(dbs) > 1 else dbs[0]}
+
+    def _choices(self, result: GenerationResult) -> list[dict]:
+        """Up to n distinct choices of one result: the winner, then the other beams."""
         texts = [result.generated] + [b["text"] for b in result.beams[1:]]
         seen, choices = set(), []
         for i, t in enumerate(texts):
@@ -233,9 +251,7 @@ class Reply:
                             **({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})})
             if len(choices) == self.n:
                 break
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices,
-                "usage": self.usage(result), "dbs": self.dbs(result)}
+        return choices
 
     def _chunk(self, delta: str | None, finish: str | None = None, role: bool = False) -> str:
         if self.chat:

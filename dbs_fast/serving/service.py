@@ -379,28 +379,37 @@ class Endpoints:
             return self.openai_error(503, "error", svc.error or "the model is loading", retry=5)
         try:
             template = svc.dbs.chat_template if chat else None
-            args = oa.job_arguments(body, self.opts.model, svc.dbs.config.beams, template, chat)
+            args = oa.job_arguments(body, self.opts.model, svc.dbs.config.beams, template, chat, self.opts.max_queue)
             stops = args.pop("stops")
-            job = svc.make_job(**args)
+            jobs = [svc.make_job(context=c, **args) for c in args.pop("contexts")]
         except oa.Refused as e:
             return self.refuse(e.status, "invalid", e.body())
         except DBSError as e:
             return self.openai_error(INVALID, "invalid", str(e), e.field)
         reply = oa.Reply(chat, body.model, stops, body.n)
-        events = self.submit(job)
-        if events is None:
-            msg, retry = self.queue_full()
-            return self.openai_error(429, "refused", msg, retry=retry)
+        queued = []
+        for job in jobs:                 # a list of prompts: one job each, all queued or none
+            events = self.submit(job)
+            if events is None:
+                for j, _ in queued:
+                    svc.batcher.cancel(j, "refused")
+                msg, retry = self.queue_full()
+                return self.openai_error(429, "refused", msg, retry=retry)
+            queued.append((job, events))
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
+            job, events = queued[0]
             return StreamingResponse(self.openai_events(job, events, reply, usage), media_type="text/event-stream")
-        got = await self.outcome(job, events, request)
-        if not isinstance(got, tuple):
-            return got
-        kind, payload = got
-        if kind == "error":
-            return JSONResponse(oa.error_body(payload[0], payload[1]), payload[0])
-        return JSONResponse(reply.final(payload))
+        results = []
+        for k, (job, events) in enumerate(queued):
+            got = await self.outcome(job, events, request)
+            if not isinstance(got, tuple) or got[0] == "error":
+                for j, _ in queued[k + 1:]:
+                    svc.batcher.cancel(j, "refused")
+                return got if not isinstance(got, tuple) else \
+                    JSONResponse(oa.error_body(got[1][0], got[1][1]), got[1][0])
+            results.append(got[1])
+        return JSONResponse(reply.final(results))
 
     async def openai_events(self, job, events, reply, usage: bool):
         """An OpenAI stream: certain text as deltas, then the rest, the usage if asked, [DONE]."""
