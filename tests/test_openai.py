@@ -325,6 +325,10 @@ def test_temperature_zero_and_fields_that_ask_nothing_are_answered(client):
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="It is", extra_body={"keywords": "colony"})
+    assert client.models.retrieve(_name(client)).id == _name(client)        # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body["param"] == "model" and "gpt-4" in e.value.body["message"]
 
 
 def test_a_body_over_the_limit_is_413(exported):

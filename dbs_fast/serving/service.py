@@ -503,6 +503,17 @@ def _operations_routes(app, ep: Endpoints) -> None:
         """The served model, in OpenAI's shape."""
         return oa.models_list(ep.opts.model)
 
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        """The served model by its name (OpenAI's retrieve), or a 404 naming it."""
+        for m in oa.models_list(ep.opts.model)["data"]:
+            if model in (m["id"], ep.opts.model):
+                return m
+        from starlette.responses import JSONResponse
+
+        return JSONResponse(oa.error_body(404, f"model {model!r} is not served here; GET /v1/models lists "
+                                               f"{oa.served_name(ep.opts.model)!r}", "model"), 404)
+
 
 def _generation_routes(app, ep: Endpoints) -> None:
     """POST /v1/generate, /v1/completions and /v1/chat/completions; their bodies' models are the
