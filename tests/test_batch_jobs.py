@@ -68,12 +68,14 @@ def test_every_line_is_answered_once_and_bad_lines_become_error_lines(dbs, model
         json.dumps({"keywords": "colony,enemy", "context": "The city", "id": "p1", "max_new_tokens": 6, **SMALL}),
         json.dumps({"keywords": "colony,qzxvbnmw", "id": "p2"}),
         "not json",
+        _openai("e", "/v1/completions", {"model": "gpt2", "prompt": ["It is", "x"], "keywords": "colony"}),
     ]) + "\n")
     counts = run_batch(inp, out, ServiceOptions(model=str(model_dir), max_rows=24, max_queue=2), dbs=dbs)
     got = _lines(out)
-    assert set(got) == {"a", "b", "c", "d", "a (line 5)", "p1", "p2", "line-8"}
-    assert counts["ok"] == 3 and counts["failed"] == 5 and counts["skipped"] == 0
-    for cid, param in (("c", "beams"), ("d", "url"), ("a (line 5)", "custom_id"), ("p2", "keywords")):
+    assert set(got) == {"a", "b", "c", "d", "a (line 5)", "p1", "p2", "line-8", "e"}
+    assert counts["ok"] == 3 and counts["failed"] == 6 and counts["skipped"] == 0
+    assert "a line for each prompt" in got["e"]["error"]["message"]         # a line takes one prompt
+    for cid, param in (("c", "beams"), ("d", "url"), ("a (line 5)", "custom_id"), ("p2", "keywords"), ("e", "prompt")):
         assert got[cid]["response"] is None and got[cid]["error"]["param"] == param, got[cid]
     assert got["line-8"]["error"]["message"].startswith("line 8 is not JSON")
     # the answers are the service's bodies, with the seed the line gives, else one from its custom_id

@@ -140,8 +140,8 @@ def models_list(model: str) -> dict:
 def job_arguments(body, model: str, beams_default: int, template: ChatTemplate | None, chat: bool,
                   max_prompts: int = 1) -> dict:
     """What `Service.make_job` takes, from a completion or chat body, but `contexts` (a list: one
-    job each, a completion's `prompt` list of up to `max_prompts`) for its `context`; Refused for
-    what cannot be honoured."""
+    job each, a completion's `prompt` list of up to `max_prompts`; 1 in a batch file) for its
+    `context`; Refused for what cannot be honoured."""
     if body.model not in (served_name(model), model):
         raise Refused("model", f"model {body.model!r} is not served here; GET /v1/models lists "
                                f"{served_name(model)!r}", 404)
@@ -168,7 +168,7 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
         contexts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
         if not contexts or len(contexts) > max_prompts:
             raise Refused("prompt", f"`prompt` takes a string or a list of 1 to {max_prompts} strings" if max_prompts > 1
-                          else "`prompt` takes one string here (or a list of one)")
+                          else "`prompt` takes one string in a batch file (or a list of one): a line for each prompt")
         if body.stream and len(contexts) > 1:
             raise Refused("stream", "`stream` takes one prompt; send a list of prompts unstreamed")
     given = given_options(body, "openai", EXTRA)
