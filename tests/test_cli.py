@@ -11,7 +11,7 @@ from dbs_fast.config import OPTIONS
 BAD_OPTION = {
     "lam": ("-1", "--lambda"), "beams": ("0", "--beams"), "candidates": ("0", "--candidates"),
     "chunk": ("0", "--chunk"), "top_p": ("1.5", "--top-p"), "min_p": ("1", "--min-p"),
-    "temperature": ("0", "--temperature"),
+    "temperature": ("-1", "--temperature"),
     "alpha": ("-1", "--alpha"), "alpha_fluent": ("-1", "--alpha-fluent"),
     "late_boost_first": ("maybe", "--late-boost-first"), "reserve_per_keyword": ("-1", "--reserve-per-keyword"),
     "c_star": ("-1", "--c-star"), "max_new_tokens": ("0", "--max-new-tokens"),
