@@ -681,9 +681,10 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, rules: StepRules,
     else:
         bans = (np.asarray(rules.row_ban, np.int64), *(np.asarray(a, t) for a, t in zip(rules.bans, (np.int64, np.int64,
                                                                                                       np.int32))))
-    knobs = (np.float32(1.0 / cfg.temperature if cfg.temperature > 0 else 1.0), float(cfg.top_p), rules.min_ps(R), np.float32(cfg.repetition_penalty),
-             int(cfg.no_repeat_ngram_size), int(cfg.no_repeat_word_window), bool(cfg.shapes_logits),
-             cfg.temperature == 0)
+    greedy = cfg.temperature == 0            # the mode of what temperature 1 samples
+    knobs = (np.float32(1.0 if greedy else 1.0 / cfg.temperature), float(cfg.top_p), rules.min_ps(R),
+             np.float32(cfg.repetition_penalty), int(cfg.no_repeat_ngram_size), int(cfg.no_repeat_word_window),
+             bool(cfg.shapes_logits), greedy)
     group_ptr, members = row_groups(table_row, guide, history, bans[0], knobs[2])
     start_threads()
     out_ids = np.empty(R, np.int64)
