@@ -22,6 +22,8 @@ from .errors import DBSError
 
 BOOST_ORDERS = ("filter_then_boost", "boost_then_filter")
 STOPS = ("max", "sentence", "eos")
+MIN_TEMPERATURE = 0.01       # a lower positive temperature draws at this one (as vLLM does): float32 logits
+                             # over it overflow; 0 is the greedy draw
 PICKS = ("q", "likelihood", "consensus", "blend")      # dbs_fast.search.result.pick
 ORDERS = ("next", "any")
 MATCHES = ("stem", "lemma")
@@ -57,9 +59,9 @@ class DBSConfig:
     candidates: int = option(10, int, "s: candidates per beam, all b*s decoded as one batch")
     chunk: int = option(5, int, "k: tokens per chunk; sets keyword density")
     top_p: float = option(0.9, float, "nucleus sampling mass")
-    temperature: float = option(1.0, float, "sampling temperature; 0 draws the likeliest token of what "
-                                "temperature 1 would sample from (its nucleus, boosted): deterministic, "
-                                "greedy decoding where there are no keywords")
+    temperature: float = option(1.0, float, "sampling temperature (at least 0.01: lower draws at 0.01); 0 "
+                                "draws the likeliest token of what temperature 1 would sample from (its "
+                                "nucleus, boosted): deterministic, greedy decoding where there are no keywords")
     min_p: float = option(0.0, float, "keep only tokens at least this times as likely as the top "
                           "one, by the model's own probabilities before boosts (0 = off)")
     min_p_named: float | None = option(
@@ -256,6 +258,12 @@ class DBSConfig:
     def lag_tokens(self) -> int:
         """`stream_lag` in tokens: the tokens a commit holds back (a part of a chunk rounds up)."""
         return math.ceil(self.stream_lag * self.chunk - 1e-9) if self.stream_lag else 0
+
+    @property
+    def inv_temperature(self) -> float:
+        """1 / the temperature the draws scale the logits by: 1 for a greedy draw (temperature 0,
+        the mode at temperature 1), and a positive temperature no lower than MIN_TEMPERATURE."""
+        return 1.0 / max(self.temperature, MIN_TEMPERATURE) if self.temperature > 0 else 1.0
 
     @property
     def shapes_logits(self) -> bool:

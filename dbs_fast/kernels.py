@@ -438,6 +438,15 @@ def _unboosted_mass(e, f):
     return acc
 
 
+@njit(cache=True, nogil=True)
+def _top(s):
+    """The largest of `s` (-inf where everything is banned)."""
+    m = np.float32(-np.inf)
+    for i in range(s.shape[0]):
+        m = max(m, s[i])
+    return m
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _scale(x, inv_temp, s):
     """s = x / T; returns the row's max."""
@@ -559,6 +568,12 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
         elif bf and w >= 0:                  # each weight divided by its exp(boost): no cancellation
             unguided = _unboosted_mass(e, boost_exp[row_dense[r]])
         logz = top + np.log(unguided)
+        if shaped or len(banned) > 0 or len(loops) > 0:
+            allowed = _top(s)                # below a banned or penalised top by more than half the
+            if allowed > -np.inf and allowed < top - np.float32(SPAN_NATS // 2):     # span: weigh from it
+                top = allowed                # (at a low temperature every allowed weight underflowed)
+                _exp_below(s, top, e, np.empty(V, np.int32), bk)
+                total = _mass_histogram(bk, e, hist)
         free = 0
         for j in range(group_ptr[g], group_ptr[g + 1]):
             m = members[j]
@@ -681,10 +696,9 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, rules: StepRules,
     else:
         bans = (np.asarray(rules.row_ban, np.int64), *(np.asarray(a, t) for a, t in zip(rules.bans, (np.int64, np.int64,
                                                                                                       np.int32))))
-    greedy = cfg.temperature == 0            # the mode of what temperature 1 samples
-    knobs = (np.float32(1.0 if greedy else 1.0 / cfg.temperature), float(cfg.top_p), rules.min_ps(R),
+    knobs = (np.float32(cfg.inv_temperature), float(cfg.top_p), rules.min_ps(R),
              np.float32(cfg.repetition_penalty), int(cfg.no_repeat_ngram_size), int(cfg.no_repeat_word_window),
-             bool(cfg.shapes_logits), greedy)
+             bool(cfg.shapes_logits), cfg.temperature == 0)
     group_ptr, members = row_groups(table_row, guide, history, bans[0], knobs[2])
     start_threads()
     out_ids = np.empty(R, np.int64)

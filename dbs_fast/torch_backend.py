@@ -30,7 +30,7 @@ def torch_sample(logits, uniforms, row_word, dense_boosts, cfg, boost_first, min
     import torch
 
     top_p = cfg.top_p
-    s = logits.float() / (cfg.temperature or 1.0)
+    s = logits.float() * cfg.inv_temperature
     dev = s.device
     logp = torch.log_softmax(s, dim=-1)
     guided = torch.as_tensor(row_word >= 0, device=dev)
@@ -259,7 +259,7 @@ class TorchBackend:
                 f = self.torch.as_tensor(rules.force, device=self.device)
                 tok = self.torch.where(f >= 0, f, tok)
             if cfg.shapes_logits or rules.bans is not None or rules.force is not None:   # the model's own log-prob
-                lp = self.torch.log_softmax(raw.float() / (cfg.temperature or 1.0), -1).gather(1, tok[:, None])[:, 0]
+                lp = self.torch.log_softmax(raw.float() * cfg.inv_temperature, -1).gather(1, tok[:, None])[:, 0]
         return tok.cpu().numpy().astype(np.int64), lp.float().cpu().numpy()
 
     def encode(self, text):

@@ -710,3 +710,44 @@ def test_temperature_zero_takes_the_likeliest_kept_token(boost_first, top_p, min
     tgot, _ = torch_sample(torch.as_tensor(logits), rng.random(len(logits)), row_word, table,
                            DBSConfig(temperature=0.0, top_p=top_p, min_p=min_p), boost_first)
     assert np.array_equal(tgot.numpy(), want)
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.01, 0.0])
+@pytest.mark.parametrize("boost_first", [False, True])
+def test_a_low_temperature_draws_an_allowed_token_when_the_top_one_is_banned(temperature, boost_first):
+    """At a low temperature every allowed token's weight underflows below a banned top token's
+    (30 nats at T 0.1 is a logit gap of 3): the kernel weighs from the best allowed token instead,
+    so it draws the reference's tokens, never a banned one, never none."""
+    rng, logits, boosts, row_word, dense = _case(41, scale=3.0)
+    R = len(logits)
+    ptr, ids, vals = csr_boosts(boosts)
+    top = logits.argmax(1)
+    seq_tok = top.astype(np.int32)                     # each row bans its own top token
+    bans = (np.arange(R + 1, dtype=np.int64), np.arange(R + 1, dtype=np.int64), seq_tok)
+    for _ in range(3):
+        u = rng.random(R)
+        got, glp = sample(logits, u, temperature=temperature, top_p=0.9, row_word=row_word, boosts=(ptr, ids, vals),
+                          boost_first=boost_first, bans=bans, row_ban=np.arange(R))
+        want, wlp = sample_ref(logits, u, temperature, 0.9, dense, boost_first, bans=[[[t]] for t in top])
+        assert (got >= 0).all() and not (got == top).any()
+        assert np.array_equal(got, want)
+        np.testing.assert_allclose(glp, wlp, atol=1e-3)
+
+
+def test_a_temperature_below_the_floor_draws_at_the_floor_and_perplexities_stay_finite():
+    """A positive temperature under MIN_TEMPERATURE draws as at MIN_TEMPERATURE (1/T would overflow
+    float32 logits), and the perplexity of tokens thousands of nats unlikely saturates instead of
+    overflowing (a forced token at such a temperature)."""
+    from dbs_fast.config import MIN_TEMPERATURE, DBSConfig
+    from dbs_fast.search.quality import MAX_NATS, perplexity
+
+    rng, logits, boosts, row_word, _ = _case(43)
+    rules = dict(top_p=0.9, row_word=row_word, boosts=csr_boosts(boosts))
+    u = rng.random(len(logits))
+    tiny, tiny_lp = sample(logits, u, temperature=1e-30, **rules)
+    floor, floor_lp = sample(logits, u, temperature=MIN_TEMPERATURE, **rules)
+    assert np.array_equal(tiny, floor) and np.array_equal(tiny_lp, floor_lp) and np.isfinite(tiny_lp).all()
+    assert DBSConfig(temperature=1e-30).inv_temperature == 1 / MIN_TEMPERATURE
+    assert DBSConfig(temperature=0).inv_temperature == DBSConfig().inv_temperature == 1.0
+    assert perplexity(np.array([-5000.0, -3.0], np.float32)) == np.exp(MAX_NATS)
+    assert perplexity([-1.0, -3.0]) == pytest.approx(np.exp(2.0))

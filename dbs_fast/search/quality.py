@@ -88,6 +88,15 @@ def chunk_quality(cfg: DBSConfig, keyword_credit: float, placed: int, perplexity
     return (keyword_credit if placed else math.exp(-cfg.c_star)) * math.exp(-alpha * perplexity)
 
 
+MAX_NATS = 700.0        # exp of more overflows float64
+
+
+def perplexity(logps) -> float:
+    """exp(-mean log-prob), at most exp(MAX_NATS): at a low temperature a forced token's log-prob
+    can be thousands of nats below zero (a saturated perplexity scores as nothing does)."""
+    return math.exp(min(-float(np.mean(logps)), MAX_NATS))
+
+
 def chunk_scores(cfg: DBSConfig, keywords: list, remaining: np.ndarray, texts_before: list[str], texts: list[str],
                  logps: list, alpha: np.ndarray, final: np.ndarray, unfinished: np.ndarray, open_end: bool):
     """(Q of each row's chunk, the bits of the keywords it places), n rows given per row: its
@@ -97,7 +106,7 @@ def chunk_scores(cfg: DBSConfig, keywords: list, remaining: np.ndarray, texts_be
     q, placed = np.zeros(len(texts)), np.zeros(len(texts), np.int64)
     for j, (kws, rem, text_before, text, lp) in enumerate(zip(keywords, remaining, texts_before, texts, logps)):
         c, placed[j] = credit(cfg, kws, int(rem), text_before, text, open_end, final[j], unfinished[j])
-        q[j] = chunk_quality(cfg, c, placed[j], math.exp(-float(lp.mean())), alpha[j])
+        q[j] = chunk_quality(cfg, c, placed[j], perplexity(lp), alpha[j])
     return q, placed
 
 

@@ -14,6 +14,7 @@ from ..text import occurrence
 from ..text.constraints import Keyword
 from ..text.words import word_loop, words
 from .beam import Finished
+from .quality import perplexity
 from .rows import Rows
 
 
@@ -203,7 +204,7 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
     return GenerationResult(
         text=context + generated, context=context, generated=generated, keywords=[k.text for k in kws],
         found=found, success_rate=len(hits) / len(kws) if kws else 1.0, success_length=int(success_length), stopped=stopped,
-        perplexity=float(np.exp(-lp.mean())) if n_gen else float("nan"), new_tokens=n_gen,
+        perplexity=perplexity(lp) if n_gen else float("nan"), new_tokens=n_gen,
         beams=beams, seconds=seconds, tokens_per_second=n_gen / seconds,
         candidate_tokens_per_second=fin.candidate_tokens_per_second, candidate_tokens=fin.candidate_tokens,
         timings={**timings, "model_rows": fin.model_rows, "plain_row_steps": fin.plain_rows},
