@@ -262,7 +262,8 @@ def _run_generate(a) -> int:
         lead = len(r.generated) - len(r.generated.lstrip())
         print(highlight(r.generated.strip(), r.found, text_style(fmt), offset=-lead))
     grader = "the generator grading itself" if a.scorer == "self" else f"scorer {a.scorer}"
-    print(f"\nfound {sum(v is not None for v in r.found.values())}/{len(r.keywords)} "
+    found = sum(r.found.get(k) is not None for k in r.keywords)    # per listed word, as the success rate counts
+    print(f"\nfound {found}/{len(r.keywords)} "
           f"(success rate {r.success_rate:.2f}, success length {r.success_length}), stopped: {r.stopped}, "
           f"perplexity {r.perplexity:.2f} [{grader}], {r.seconds:.1f} s, {r.tokens_per_second:.1f} tokens/s "
           f"({r.candidate_tokens_per_second:.0f} candidate tokens/s, backend {a.backend})")

@@ -101,6 +101,13 @@ def test_format_marks_keywords_only_where_asked(exported, capsys, fmt):
     assert ("**" in out) == (fmt == "markdown") and "\033[" not in out
 
 
+def test_the_found_count_is_the_success_rates(exported, capsys):
+    """A word listed twice is found twice where it appears: the count agrees with the success rate."""
+    assert cli(["generate", "--model", str(exported["gpt2"]), "--keywords", "colony,colony", "--max-new-tokens", "6",
+                "--beams", "2", "--candidates", "2", "--guarantee"]) == 0
+    assert "found 2/2 (success rate 1.00" in capsys.readouterr().out
+
+
 def test_task_commongen_applies_the_eval_preset(exported, capsys):
     """`generate --task commongen` runs what `eval --sets commongen-dev` runs: the task's context
     and settings, flags given overriding them."""
