@@ -58,9 +58,9 @@ from dbs_fast.serving.service import ServiceOptions
 SMALL = {"beams": 2, "candidates": 2, "order": "any", "max_new_tokens": 32, "context": "A"}
 PAPER = {"paper": True, "beams": 7, "candidates": 10, "chunk": 5, "max_new_tokens": 90, "context": "It is"}
 MALFORMED = [{"keywords": "run|"}, {"keywords": "dog", "beams": 0}, {"keywords": "dog", "top_p": 2},
-             {"keywords": "dog", "ban": "dogs"}, {"context": "A"}, {"keywords": "dog", "beams": "x"},
+             {"keywords": "dog", "ban": "dogs"}, {"keywords": "dog", "context": 5}, {"keywords": "dog", "beams": "x"},
              {"keywords": "dog", "order": "sideways"}, {"keywords": "dog", "unknown": 1},
-             {"keywords": "dog", "seed": -1}, {"keywords": "dog", "temperature": 0}]
+             {"keywords": "dog", "seed": -1}, {"keywords": "dog", "temperature": -1}]
 API_KEY = "load-test-key"
 
 
