@@ -53,6 +53,8 @@ DRAW_BLOCK = 256      # tokens per block of the draw's kept-mass sums (`_block_m
 
 LOG2E = np.float32(1.4426950408889634)
 LN2_HI, LN2_LO = np.float32(0.693145751953125), np.float32(1.428606765330187e-06)   # Cody-Waite split of ln 2
+FAR_BELOW = float(np.exp(-SPAN_NATS / 2))     # a row's total weight under this: its top token is gone and the
+#                                                 rest lie more than half the span below it (`_sample_rows`)
 EXP_FLOOR = np.float32(-87.0)      # exp below this is under float32's smallest normal: taken as 0
 
 
@@ -568,10 +570,10 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
         elif bf and w >= 0:                  # each weight divided by its exp(boost): no cancellation
             unguided = _unboosted_mass(e, boost_exp[row_dense[r]])
         logz = top + np.log(unguided)
-        if shaped or len(banned) > 0 or len(loops) > 0:
-            allowed = _top(s)                # below a banned or penalised top by more than half the
-            if allowed > -np.inf and allowed < top - np.float32(SPAN_NATS // 2):     # span: weigh from it
-                top = allowed                # (at a low temperature every allowed weight underflowed)
+        if total < FAR_BELOW:                # every allowed token more than half the span below a banned
+            allowed = _top(s)                # or penalised top (at a low temperature their weights
+            if allowed > -np.inf:            # underflow): weigh from the best allowed one
+                top = allowed
                 _exp_below(s, top, e, np.empty(V, np.int32), bk)
                 total = _mass_histogram(bk, e, hist)
         free = 0
@@ -595,8 +597,9 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
             cut, mass = np.float32(-np.inf), total
         if not bf and w >= 0:                # kept tokens' weights times exp(boost)
             mass += _boost_kept(s, e, cut, boost_exp[row_dense[r]])
-        bs = np.empty((V + DRAW_BLOCK - 1) // DRAW_BLOCK, np.float64)
-        _block_masses(s, e, cut, bs)         # once for the group's draws
+        bs = np.empty((V + DRAW_BLOCK - 1) // DRAW_BLOCK if not greedy else 0, np.float64)
+        if not greedy:                       # the walk's block sums, once for the group's draws
+            _block_masses(s, e, cut, bs)
         for j in range(group_ptr[g], group_ptr[g + 1]):
             m = members[j]
             if force[m] < 0:
