@@ -399,16 +399,29 @@ def _walk(s, e, cut, bs, u):
 
 
 @njit(cache=True, nogil=True)
-def _mode(s, e, cut):
-    """The kept token (s >= cut, e > 0) of the largest weight, the first in id order among equals:
-    a greedy draw (temperature 0)."""
-    chosen = -1
-    best = np.float32(0.0)
+def _mode(s, e, cut, rank):
+    """The kept token (s >= cut, e > 0) of the `rank`-th largest weight (0: the largest; the first
+    in id order among equals), counted round the kept tokens where there are fewer: a greedy draw
+    (temperature 0)."""
+    K = rank + 1
+    best_w = np.zeros(K, np.float32)         # the K largest weights so far, descending
+    best_i = np.full(K, -1, np.int64)
+    n = 0                                    # kept tokens so far
     for i in range(s.shape[0]):
-        if s[i] >= cut and e[i] > best:
-            best = e[i]
-            chosen = i
-    return chosen
+        if s[i] >= cut and e[i] > 0.0:
+            n += 1
+            w = e[i]
+            if n <= K or w > best_w[K - 1]:
+                j = min(n, K) - 1
+                while j > 0 and best_w[j - 1] < w:
+                    best_w[j] = best_w[j - 1]
+                    best_i[j] = best_i[j - 1]
+                    j -= 1
+                best_w[j] = w
+                best_i[j] = i
+    if n == 0:
+        return -1
+    return best_i[rank % n] if n < K else best_i[rank]
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "nsz", "contract"})
@@ -525,11 +538,12 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
     group members[group_ptr[g]:group_ptr[g + 1]], `row_groups`) are shaped, weighed and filtered
     once, by the group's first row, and each draws with its own uniform (or takes its forced token).
     The rule groups are tuples (`sample` packs them from a StepRules):
-    guide = (row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force),
+    guide = (row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force, rank),
     history = (tokens, start), bans = (row_ban, group_ptr, seq_ptr, seq_tok),
     words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p (R,), penalty, ngram, window, shaped,
-    greedy); a greedy draw (temperature 0, 1/T then 1) takes the kept token of the largest weight (`_mode`)."""
-    row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force = guide
+    greedy); a greedy draw (temperature 0, 1/T then 1) takes the kept token of the row's `rank`-th
+    largest weight (`_mode`; 0: the largest)."""
+    row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force, rank = guide
     hseq, hstart = history
     row_ban = bans[0]
     inv_temp, top_p, row_min_p, penalty, ngram, window, shaped, greedy = knobs
@@ -603,7 +617,7 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
         for j in range(group_ptr[g], group_ptr[g + 1]):
             m = members[j]
             if force[m] < 0:
-                chosen = _mode(s, e, cut) if greedy else _walk(s, e, cut, bs, uniforms[m] * mass)
+                chosen = _mode(s, e, cut, rank[m]) if greedy else _walk(s, e, cut, bs, uniforms[m] * mass)
                 out_ids[m] = chosen
                 out_logp[m] = x[chosen] * inv_temp - logz
 
@@ -629,7 +643,11 @@ class StepRules:
       the row's group or -1. A banned one-token sequence is never drawn; a longer one's last token
       is never drawn when the history ends with the rest;
     - `words`: the vocabulary's words (`occurrence.WordTable`), for the word-loop rule;
-    - `row_min_p` (R,): each row's min_p, its request's (`request.min_p_of`); None: the config's.
+    - `row_min_p` (R,): each row's min_p, its request's (`request.min_p_of`); None: the config's;
+    - `rank` (R,): at temperature 0, row r takes the rank[r]-th likeliest kept token (0: the
+      likeliest; counted round the kept tokens where there are fewer), so that rows that would
+      draw from one distribution take its likeliest tokens in turn (`search.beam.greedy_ranks`);
+      None: all 0.
     A new rule is a config field (or a field here) and a helper in the kernel; no signature changes."""
 
     config: DBSConfig
@@ -644,6 +662,7 @@ class StepRules:
     row_ban: np.ndarray | None = None
     words: tuple | None = None
     row_min_p: np.ndarray | None = None
+    rank: np.ndarray | None = None
 
     @classmethod
     def given(cls, config: DBSConfig | None = None, **rules) -> "StepRules":
@@ -659,6 +678,10 @@ class StepRules:
         """(R,) bool: the rows that boost before filtering."""
         bf = self.config.boost_order == "boost_then_filter" if self.boost_first is None else self.boost_first
         return np.broadcast_to(np.asarray(bf, bool), (R,)).copy()
+
+    def ranks(self, R: int) -> np.ndarray:
+        """(R,) int64: each row's rank at temperature 0 (0: the likeliest kept token)."""
+        return np.zeros(R, np.int64) if self.rank is None else np.ascontiguousarray(self.rank, np.int64)
 
     def min_ps(self, R: int) -> np.ndarray:
         """(R,) float64: each row's min_p."""
@@ -739,7 +762,8 @@ def row_groups(table_row, guide, history, row_ban, row_min_p) -> tuple[np.ndarra
 
 
 def _guide(rules: StepRules, R: int, V: int) -> tuple:
-    """The kernel's guidance group: (row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force)."""
+    """The kernel's guidance group: (row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force,
+    rank)."""
     if rules.row_word is None:
         row_word = np.full(R, -1, np.int32)
         ptr, ids, vals = np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
@@ -755,7 +779,7 @@ def _guide(rules: StepRules, R: int, V: int) -> tuple:
     else:
         boost_exp, row_dense = rules.boost_exp, row_word
     force = np.full(R, -1, np.int64) if rules.force is None else np.asarray(rules.force, np.int64)
-    return row_word, ptr, ids, vals, boost_exp, row_dense, rules.boost_firsts(R), force
+    return row_word, ptr, ids, vals, boost_exp, row_dense, rules.boost_firsts(R), force, rules.ranks(R)
 
 
 def _history(rules: StepRules, R: int) -> tuple:

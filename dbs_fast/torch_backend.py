@@ -23,10 +23,11 @@ from .text.constraints import banned_tokens
 from .text.occurrence import WordTable, word_table
 
 
-def torch_sample(logits, uniforms, row_word, dense_boosts, cfg, boost_first, min_p=None):
+def torch_sample(logits, uniforms, row_word, dense_boosts, cfg, boost_first, min_p=None, rank=None):
     """logits (R, V) torch float32 (shaped and banned); dense_boosts (W, V) torch or None; `cfg`'s
-    temperature (0: the kept token of the largest weight, at temperature 1) and top_p; `min_p` (R,)
-    each row's (None: `cfg`'s). Returns ids, unguided logp."""
+    temperature (0: the kept token of the rank[r]-th largest weight at temperature 1, `rank` (R,)
+    as `kernels.StepRules` has it, None: the largest) and top_p; `min_p` (R,) each row's (None:
+    `cfg`'s). Returns ids, unguided logp."""
     import torch
 
     top_p = cfg.top_p
@@ -58,7 +59,10 @@ def torch_sample(logits, uniforms, row_word, dense_boosts, cfg, boost_first, min
     final = torch.where(bf, key, s + torch.where(kept, boost, torch.zeros_like(boost)))
     w = torch.where(kept, torch.exp((final - s.max(-1, keepdim=True).values).double()), torch.zeros_like(final, dtype=torch.float64))
     if cfg.temperature == 0:
-        ids = w.argmax(-1, keepdim=True)
+        order = torch.sort(w, dim=-1, descending=True, stable=True).indices     # equal weights: the lower id first
+        n = (w > 0).sum(-1, keepdim=True).clamp(min=1)
+        r = torch.zeros_like(n) if rank is None else torch.as_tensor(np.asarray(rank), device=dev).reshape(-1, 1)
+        ids = order.gather(1, r % n)
         return ids[:, 0], logp.gather(1, ids)[:, 0]
     c = w.cumsum(-1)
     u = torch.as_tensor(uniforms, dtype=torch.float64, device=dev)[:, None] * c[:, -1:]
@@ -254,7 +258,8 @@ class TorchBackend:
             dense = kernels.dense_boosts(*rules.boosts, self.vocab_size, exp=False)
             self._dense, self._dense_key = self.torch.as_tensor(dense, device=self.device), rules.boosts
         with self.torch.inference_mode():
-            tok, lp = torch_sample(logits, uniforms, row_word, self._dense, cfg, rules.boost_firsts(R), rules.min_ps(R))
+            tok, lp = torch_sample(logits, uniforms, row_word, self._dense, cfg, rules.boost_firsts(R), rules.min_ps(R),
+                                   rules.ranks(R))
             if rules.force is not None:
                 f = self.torch.as_tensor(rules.force, device=self.device)
                 tok = self.torch.where(f >= 0, f, tok)

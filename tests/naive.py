@@ -67,12 +67,13 @@ def shape_logits(x, history, penalty=1.0, ngram=0, words=None, window=0):
 
 
 def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, boost_first=False,
-               histories=None, penalty=1.0, ngram=0, bans=None, force=None, words=None, window=0, min_p=0.0):
+               histories=None, penalty=1.0, ngram=0, bans=None, force=None, words=None, window=0, min_p=0.0,
+               rank=None):
     """dense_boosts: list per row of a (V,) boost vector or None; histories: list per row of token ids;
     bans: list per row of banned token sequences; force: per row a token id or -1; min_p (one, or one
     per row): keep only tokens whose own probability (shaped, before boosts) is at least min_p times
-    the top one's, then top-p of those; temperature 0 takes the kept token of the largest weight at
-    temperature 1."""
+    the top one's, then top-p of those; temperature 0 takes the kept token of the rank[r]-th largest
+    weight at temperature 1 (rank None: the largest; counted round the kept tokens)."""
     R, V = logits.shape
     ids = np.empty(R, np.int64)
     logp = np.empty(R, np.float64)
@@ -109,7 +110,8 @@ def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, 
         w = np.where(kept, np.exp(final - float(m)), 0.0)
         c = np.cumsum(w)
         if temperature == 0:
-            ids[r] = int(np.argmax(w))
+            order = np.argsort(-w, kind="stable")
+            ids[r] = int(order[(0 if rank is None else rank[r]) % max(int((w > 0).sum()), 1)])
             logp[r] = float(raw[ids[r]]) - logz
             continue
         ids[r] = min(int(np.searchsorted(c, uniforms[r] * c[-1], side="right")), V - 1)

@@ -307,6 +307,29 @@ def test_a_results_beams_are_different_texts(dbs):
     assert [b["score"] for b in r.beams] == sorted((b["score"] for b in r.beams), reverse=True)
 
 
+def test_greedy_ranks_number_the_free_rows_of_one_history():
+    """Temperature 0's ranks: rows of one request with the same tokens so far are numbered in row
+    order; a forced row, another request's row and a row of another history start their own."""
+    from dbs_fast.search.beam import greedy_ranks
+    from dbs_fast.search.rows import Rows
+
+    tokens = np.array([[5, 1], [5, 1], [5, 2], [5, 1], [5, 1], [5, 1], [5, 1]])
+    rows = Rows.new(np.array([0, 0, 0, 0, 0, 1, 1]), 2, 0, tokens=tokens, col0=np.zeros(7, np.int64))
+    force = np.array([-1, -1, -1, 9, -1, -1, -1])
+    assert greedy_ranks(rows, 2, force).tolist() == [0, 1, 0, 0, 2, 0, 1]
+    assert greedy_ranks(rows, 1, force).tolist() == [0, 1, 2, 0, 3, 0, 1]
+
+
+def test_temperature_zero_searches_different_beams_whatever_the_seed(dbs):
+    """At temperature 0 a request's beams open with its likeliest tokens in turn and each beam's
+    candidates with theirs, so the result's beams are different texts; the seed changes nothing."""
+    cfg = replace(SMALL, temperature=0.0, stop="max")
+    a, b = (dbs.generate("It is", KW, seed=s, config=cfg) for s in (0, 5))
+    assert a.text == b.text and a.beams == b.beams
+    texts = [x["text"] for x in a.beams]
+    assert len(texts) == SMALL.beams and len(set(texts)) == len(texts)
+
+
 @pytest.mark.parametrize("context", ["The", "It is", "Yesterday I", "The teach", "It is "])
 def test_token_healing_first_token_rewrites_the_contexts_end(dbs, context):
     """The context's last token is taken back; every beam's first token re-writes its text (ONNX

@@ -712,6 +712,46 @@ def test_temperature_zero_takes_the_likeliest_kept_token(boost_first, top_p, min
     assert np.array_equal(tgot.numpy(), want)
 
 
+@pytest.mark.parametrize("boost_first", [False, True])
+@pytest.mark.parametrize("top_p", [0.9, 1.0])
+def test_temperature_zero_rows_of_one_distribution_take_its_likeliest_tokens_in_turn(boost_first, top_p):
+    """Temperature 0 with ranks: rows that read one logits row take its kept tokens in the order of
+    their weights, rank 0 the likeliest (as without ranks), counted round the kept tokens where
+    there are fewer (a nucleus of a few tokens); the kernel, the reference and the PyTorch sampler
+    agree, and a forced row takes its token whatever its rank."""
+    rng, logits, boosts, row_word, dense = _case(47, R=6, scale=2.0)
+    peaked = logits[1].copy()
+    peaked[:3] = [40.2, 40.1, 40.0]                      # a nucleus of three tokens
+    table = np.stack([logits[0], peaked, logits[2]])
+    rows = np.repeat(np.arange(3), 5)                    # 5 rows on each logits row
+    rank = np.tile(np.arange(5), 3)
+    word = np.where(rows == 2, row_word[2], -1).astype(np.int32)
+    force = np.full(len(rows), -1)
+    force[3] = 7
+    ptr, ids, vals = csr_boosts(boosts)
+    rules = StepRules.given(temperature=0.0, top_p=top_p, row_word=word, boosts=(ptr, ids, vals),
+                            boost_first=boost_first, force=force, rank=rank)
+    got, glp = kernels.sample(table, rng.random(len(rows)), rules, rows=rows)
+    assert got[3] == 7
+    free = force < 0
+    want, wlp = sample_ref(table[rows], np.zeros(len(rows)), 0.0, top_p, [dense[2] if w >= 0 else None for w in word],
+                           boost_first, rank=rank)
+    assert np.array_equal(got[free], want[free])
+    np.testing.assert_allclose(glp[free], wlp[free], atol=1e-4)
+    assert got[0] == table[0].argmax() and got[5] == 0                # rank 0, unguided: the argmax
+    assert len(set(got[:3])) == 3 and len(set(got[10:])) == 5          # different tokens in turn
+    if top_p < 1.0:                                      # three kept: ranks 3 and 4 take ranks 0 and 1's
+        assert np.array_equal(got[5:10], [0, 1, 2, 0, 1])
+    torch = pytest.importorskip("torch")
+    from dbs_fast.config import DBSConfig
+    from dbs_fast.torch_backend import torch_sample
+
+    dense_t = torch.as_tensor(kernels.dense_boosts(ptr, ids, vals, logits.shape[1], exp=False))
+    tgot, _ = torch_sample(torch.as_tensor(table[rows]), rng.random(len(rows)), word, dense_t,
+                           DBSConfig(temperature=0.0, top_p=top_p), boost_first, rank=rank)
+    assert np.array_equal(tgot.numpy()[free], want[free])
+
+
 @pytest.mark.parametrize("temperature", [0.05, 0.01, 0.0])
 @pytest.mark.parametrize("boost_first", [False, True])
 def test_a_low_temperature_draws_an_allowed_token_when_the_top_one_is_banned(temperature, boost_first):

@@ -182,6 +182,26 @@ def uniforms(slots: list, req: np.ndarray) -> np.ndarray:
     return np.concatenate([s.rng.random(n) for s, n in zip(slots, counts)])
 
 
+def greedy_ranks(rows: Rows, col: int, force: np.ndarray) -> np.ndarray:
+    """(R,) each row's rank at temperature 0 (`kernels.StepRules.rank`): among the rows of its
+    request with the same tokens before column `col` that draw freely, the number before it. Such
+    rows would draw from one distribution, so they take its likeliest tokens in turn: a request's b
+    beams open with b different tokens and a beam's s candidates with s, and the search has
+    different texts to choose from, as sampled candidates give it."""
+    rank = np.zeros(len(rows.req), np.int64)
+    free = np.flatnonzero(force < 0)
+    if len(free) < 2:
+        return rank
+    key = np.column_stack([rows.req[free], rows.tokens[free, :col]])
+    _, inverse = np.unique(key, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    order = np.argsort(inverse, kind="stable")                # each history's rows, in row order
+    starts = np.flatnonzero(np.r_[True, np.diff(inverse[order]) != 0])
+    within = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
+    rank[free[order]] = within
+    return rank
+
+
 def set_aside(slots: list[Slot], rows: Rows, done: np.ndarray, want: int) -> np.ndarray:
     """stop="sentence": the finished candidates `done` (every keyword, then a sentence end or EOS)
     join their requests' pools and leave the beams; returns the requests whose pool holds `want`
@@ -437,7 +457,8 @@ class BeamSearch:
         hist, hstart = guidance.history(cfg, tb, rows, col, healing)
         rules = StepRules(cfg, word, tb.boosts.csr, tb.boosts.dense_exp(self.pending.shape[1]), boost_first, force,
                           hist, hstart, tb.bans, guidance.ban_groups(cfg, tb, rows, rem, healing, n_done),
-                          self.be.words if cfg.no_repeat_word_window else None, tb.min_p[rows.req])
+                          self.be.words if cfg.no_repeat_word_window else None, tb.min_p[rows.req],
+                          greedy_ranks(rows, col, force) if cfg.temperature == 0 else None)
         ids, lp = self.be.sample(self.pending, uniforms(self.slots, rows.req), rules)
         return Draw(ids, lp, rem, cand, word, force, n_done)
 
