@@ -60,8 +60,8 @@ class DBSConfig:
     chunk: int = option(5, int, "k: tokens per chunk; sets keyword density")
     top_p: float = option(0.9, float, "nucleus sampling mass")
     temperature: float = option(1.0, float, "sampling temperature (at least 0.01: lower draws at 0.01); 0 "
-                                "draws the likeliest token of what temperature 1 would sample from (its "
-                                "nucleus, boosted): deterministic, greedy decoding where there are no keywords")
+                                "draws the likeliest tokens of what temperature 1 would sample from (its "
+                                "nucleus, boosted), rows of one history taking them in turn: deterministic")
     min_p: float = option(0.0, float, "keep only tokens at least this times as likely as the top "
                           "one, by the model's own probabilities before boosts (0 = off)")
     min_p_named: float | None = option(

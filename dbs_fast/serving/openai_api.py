@@ -67,8 +67,9 @@ def _common_fields(max_n: int) -> dict:
         "model": (str, Field(..., description="the served model (GET /v1/models)")),
         "max_tokens": (Optional[int], Field(None, description="new tokens at most (max_new_tokens), >= 1")),
         "max_completion_tokens": (Optional[int], Field(None, description="the same as max_tokens")),
-        "temperature": (Optional[float], Field(None, description=">= 0; 0 takes the likeliest token at each draw "
-                                                                   "(deterministic); under 0.01 draws at 0.01")),
+        "temperature": (Optional[float], Field(None, description=">= 0; 0 is deterministic: the likeliest tokens, "
+                                                                   "rows of one history taking them in turn; under "
+                                                                   "0.01 draws at 0.01")),
         "top_p": (Optional[float], Field(None, description="nucleus mass, in (0, 1]")),
         "n": (int, Field(1, ge=1, le=max_n, description="distinct beams returned, at most the beams searched")),
         "stream": (bool, False),
