@@ -305,6 +305,26 @@ def test_a_list_of_prompts_is_answered_as_each_prompt_alone(client):
     assert e.value.body["param"] == "prompt" and "1 to" in e.value.body["message"]
 
 
+def test_a_prompt_of_token_ids_is_read_as_the_text_they_decode_to(client, model_dir):
+    """OpenAI's token-id prompts (a list of ints, or a list of such lists, as evaluation harnesses
+    send them): each is answered as the text its ids decode to; an id outside the vocabulary is a
+    400 naming `prompt`."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    kw = dict(model=_name(client), max_tokens=12, seed=2, extra_body={"keywords": "river", **SMALL})
+    prompts = ["It is", "The doctor said"]
+    ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
+    as_text = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    assert client.completions.create(prompt=ids[0], **kw).choices[0].text == as_text[0]
+    both = client.completions.create(prompt=ids, **kw)
+    assert [c.text for c in both.choices] == as_text
+    for bad in ([tok.get_vocab_size(with_added_tokens=True)], [[]]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(prompt=bad, **kw)
+        assert e.value.body["param"] == "prompt" and "token ids" in e.value.body["message"]
+
+
 def test_temperature_zero_and_fields_that_ask_nothing_are_answered(client):
     """What applications send unchanged: temperature 0 (the likeliest token at each draw: the same
     text whatever the seed), a developer message (the system's instructions), and fields that ask

@@ -1,7 +1,8 @@
 """OpenAI-compatible endpoints over the service: /v1/models, /v1/completions, /v1/chat/completions.
 
 The standard fields map onto the engine's: `prompt` (or `messages`, through the model's chat
-template) is the context (a list of prompts: a job each, their choices in one answer),
+template) is the context (token ids: the text they decode to; a list of prompts: a job each, their
+choices in one answer),
 `max_tokens` is `max_new_tokens`, `temperature`, `top_p` and `seed` are the engine's, `stop` cuts the text at the first stop sequence, `n` returns that many
 distinct beams (with the engine's `stop_at: sentence` or `eos`, n finished answers: `finished` is
 raised to n). The constraints and every DBS option are extra body fields (the SDK's `extra_body`), named
@@ -95,8 +96,10 @@ def completion_model(max_n: int = 64):
     from pydantic import Field, create_model
 
     return create_model("CompletionRequest", __config__=body_config(populate_by_name=True),
-                        prompt=(Union[str, list[str]], Field(..., description="the text to continue, or a list of "
-                                                                                   "texts: an answer each, unstreamed")),
+                        prompt=(Union[str, list[str], list[int], list[list[int]]],
+                                Field(..., description="the text to continue, or its token ids (read as the text "
+                                                       "they decode to), or a list of either: an answer each, "
+                                                       "unstreamed")),
                         **_common_fields(max_n))
 
 
@@ -138,11 +141,32 @@ def models_list(model: str) -> dict:
                                         "owned_by": "dbs-fast"}]}
 
 
+def prompt_texts(prompt, tokenizer) -> list[str]:
+    """A completion's `prompt` as texts: a string, a list of strings, token ids (a list of ints)
+    or a list of token-id lists, the ids read as the text they decode to with `tokenizer` (the
+    model's), special tokens kept; Refused for an id outside its vocabulary."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    texts = []
+    for p in prompt:
+        if isinstance(p, str):
+            texts.append(p)
+            continue
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+        if not p or any(not 0 <= i < size for i in p):
+            raise Refused("prompt", f"`prompt` token ids must be 0..{size - 1}, at least one a prompt")
+        texts.append(tokenizer.decode(p, skip_special_tokens=False))
+    return texts
+
+
 def job_arguments(body, model: str, beams_default: int, template: ChatTemplate | None, chat: bool,
-                  max_prompts: int = 1) -> dict:
+                  max_prompts: int = 1, tokenizer=None) -> dict:
     """What `Service.make_job` takes, from a completion or chat body, but `contexts` (a list: one
     job each, a completion's `prompt` list of up to `max_prompts`; 1 in a batch file) for its
-    `context`; Refused for what cannot be honoured."""
+    `context`; `tokenizer`: the model's, which reads a prompt given as token ids; Refused for what
+    cannot be honoured."""
     if body.model not in (served_name(model), model):
         raise Refused("model", f"model {body.model!r} is not served here; GET /v1/models lists "
                                f"{served_name(model)!r}", 404)
@@ -166,9 +190,9 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
             raise Refused("messages", "`messages` must hold at least one message")
         contexts = [template.render(body.messages)]
     else:
-        contexts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+        contexts = prompt_texts(body.prompt, tokenizer)
         if not contexts or len(contexts) > max_prompts:
-            raise Refused("prompt", f"`prompt` takes a string or a list of 1 to {max_prompts} strings" if max_prompts > 1
+            raise Refused("prompt", f"`prompt` takes a string or a list of 1 to {max_prompts} prompts" if max_prompts > 1
                           else "`prompt` takes one string in a batch file (or a list of one): a line for each prompt")
         if body.stream and len(contexts) > 1:
             raise Refused("stream", "`stream` takes one prompt; send a list of prompts unstreamed")

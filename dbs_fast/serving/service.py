@@ -379,7 +379,8 @@ class Endpoints:
             return self.openai_error(503, "error", svc.error or "the model is loading", retry=5)
         try:
             template = svc.dbs.chat_template if chat else None
-            args = oa.job_arguments(body, self.opts.model, svc.dbs.config.beams, template, chat, self.opts.max_queue)
+            args = oa.job_arguments(body, self.opts.model, svc.dbs.config.beams, template, chat, self.opts.max_queue,
+                                    svc.dbs.backend.tokenizer)
             stops = args.pop("stops")
             jobs = [svc.make_job(context=c, **args) for c in args.pop("contexts")]
         except oa.Refused as e:
