@@ -192,8 +192,8 @@ def greedy_ranks(rows: Rows, col: int, force: np.ndarray) -> np.ndarray:
     free = np.flatnonzero(force < 0)
     if len(free) < 2:
         return rank
-    key = np.column_stack([rows.req[free], rows.tokens[free, :col]])
-    _, inverse = np.unique(key, axis=0, return_inverse=True)
+    key = np.ascontiguousarray(np.column_stack([rows.req[free], rows.tokens[free, :col]]), np.int64)
+    _, inverse = np.unique(key.view(np.dtype((np.void, 8 * key.shape[1]))).ravel(), return_inverse=True)  # by bytes
     inverse = inverse.reshape(-1)
     order = np.argsort(inverse, kind="stable")                # each history's rows, in row order
     starts = np.flatnonzero(np.r_[True, np.diff(inverse[order]) != 0])
