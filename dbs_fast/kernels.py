@@ -399,12 +399,10 @@ def _walk(s, e, cut, bs, u):
 
 
 @njit(cache=True, nogil=True)
-def _mode(s, e, cut, rank):
-    """The kept token (s >= cut, e > 0) of the `rank`-th largest weight (0: the largest; the first
-    in id order among equals), counted round the kept tokens where there are fewer: a greedy draw
-    (temperature 0)."""
-    K = rank + 1
-    best_w = np.zeros(K, np.float32)         # the K largest weights so far, descending
+def _likeliest(s, e, cut, K):
+    """The kept tokens (s >= cut, e > 0) of the K largest weights, descending (the first in id order
+    among equals), and how many tokens are kept: the greedy draws' choices (temperature 0)."""
+    best_w = np.zeros(K, np.float32)
     best_i = np.full(K, -1, np.int64)
     n = 0                                    # kept tokens so far
     for i in range(s.shape[0]):
@@ -419,9 +417,16 @@ def _mode(s, e, cut, rank):
                     j -= 1
                 best_w[j] = w
                 best_i[j] = i
+    return best_i, n
+
+
+@njit(cache=True, nogil=True)
+def _mode(best_i, n, rank):
+    """A greedy draw: the kept token of the `rank`-th largest weight (0: the largest), counted round
+    the `n` kept tokens where there are fewer; `best_i` from `_likeliest` with K > rank."""
     if n == 0:
         return -1
-    return best_i[rank % n] if n < K else best_i[rank]
+    return best_i[rank % n] if n < best_i.shape[0] else best_i[rank]
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "nsz", "contract"})
@@ -499,11 +504,7 @@ def _sequence_bans(s, h, start, end, g, bans):
 def _own_top(s, min_p):
     """The largest of the model's own (scaled, shaped, unboosted) logits, which min_p is relative
     to; -inf when min_p is off (nothing read)."""
-    m = np.float32(-np.inf)
-    if min_p > 0.0:
-        for i in range(s.shape[0]):
-            m = max(m, s[i])
-    return m
+    return _top(s) if min_p > 0.0 else np.float32(-np.inf)
 
 
 @njit(cache=True, nogil=True)
@@ -542,7 +543,7 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
     history = (tokens, start), bans = (row_ban, group_ptr, seq_ptr, seq_tok),
     words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p (R,), penalty, ngram, window, shaped,
     greedy); a greedy draw (temperature 0, 1/T then 1) takes the kept token of the row's `rank`-th
-    largest weight (`_mode`; 0: the largest)."""
+    largest weight (`_mode`; 0: the largest), from the group's likeliest (`_likeliest`, one pass)."""
     row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force, rank = guide
     hseq, hstart = history
     row_ban = bans[0]
@@ -611,13 +612,21 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
             cut, mass = np.float32(-np.inf), total
         if not bf and w >= 0:                # kept tokens' weights times exp(boost)
             mass += _boost_kept(s, e, cut, boost_exp[row_dense[r]])
-        bs = np.empty((V + DRAW_BLOCK - 1) // DRAW_BLOCK if not greedy else 0, np.float64)
-        if not greedy:                       # the walk's block sums, once for the group's draws
+        if greedy:                           # the group's likeliest kept tokens, once for its draws
+            K = 1
+            for j in range(group_ptr[g], group_ptr[g + 1]):
+                if force[members[j]] < 0:
+                    K = max(K, rank[members[j]] + 1)
+            best_i, n_kept = _likeliest(s, e, cut, K)
+            bs = np.empty(0, np.float64)
+        else:                                # the walk's block sums, once for the group's draws
+            best_i, n_kept = np.empty(0, np.int64), 0
+            bs = np.empty((V + DRAW_BLOCK - 1) // DRAW_BLOCK, np.float64)
             _block_masses(s, e, cut, bs)
         for j in range(group_ptr[g], group_ptr[g + 1]):
             m = members[j]
             if force[m] < 0:
-                chosen = _mode(s, e, cut, rank[m]) if greedy else _walk(s, e, cut, bs, uniforms[m] * mass)
+                chosen = _mode(best_i, n_kept, rank[m]) if greedy else _walk(s, e, cut, bs, uniforms[m] * mass)
                 out_ids[m] = chosen
                 out_logp[m] = x[chosen] * inv_temp - logz
 

@@ -149,14 +149,14 @@ def prompt_texts(prompt, tokenizer) -> list[str]:
         return [prompt]
     if prompt and all(isinstance(p, int) for p in prompt):
         prompt = [prompt]
+    if tokenizer is None and any(not isinstance(p, str) for p in prompt):
+        raise Refused("prompt", "`prompt` takes text here, not token ids")
+    size = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer is not None else 0
     texts = []
     for p in prompt:
         if isinstance(p, str):
             texts.append(p)
             continue
-        if tokenizer is None:
-            raise Refused("prompt", "`prompt` takes text here, not token ids")
-        size = tokenizer.get_vocab_size(with_added_tokens=True)
         if not p or any(not 0 <= i < size for i in p):
             raise Refused("prompt", f"`prompt`: token ids must be in 0..{size - 1}, at least one a prompt")
         texts.append(tokenizer.decode(p, skip_special_tokens=False))
