@@ -117,6 +117,10 @@ class DBSConfig:
                                "(0 = off); under --guarantee sentence ends then also wait for every keyword")
     repetition_penalty: float = option(1.0, float,
                                        "> 1 discourages tokens already used (1 = off)")
+    presence_penalty: float = option(0.0, float, "subtracted from the logit of every token the text has "
+                                     "generated so far, as OpenAI's (-2..2; 0 = off; > 0 discourages)")
+    frequency_penalty: float = option(0.0, float, "subtracted from a token's logit once for every time the "
+                                      "text has generated it, as OpenAI's (-2..2; 0 = off; > 0 discourages)")
     no_repeat_ngram_size: int = option(3, int,
                                        "ban repeating any n-gram of this size (0 = off)")
     no_repeat_word_window: int = option(5, int,
@@ -198,6 +202,10 @@ class DBSConfig:
             bad("boost_cutoff", "must be >= 0")
         if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0):
             bad("repetition_penalty", "must be > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and -2 <= v <= 2):
+                bad(name, "must be a number in -2..2 (0 = off)")
         if not (isinstance(self.stream_lag, (int, float)) and not isinstance(self.stream_lag, bool)
                 and 0 <= self.stream_lag <= self.max_new_tokens):
             bad("stream_lag", "must be a number of chunks >= 0 (0 = off), at most the token budget")
@@ -267,7 +275,8 @@ class DBSConfig:
 
     @property
     def shapes_logits(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0 or self.no_repeat_word_window > 0
+        return (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0 or self.no_repeat_word_window > 0
+                or self.presence_penalty != 0 or self.frequency_penalty != 0)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -173,9 +173,11 @@ def word_loop_tokens(h, start, end, word_class, key, key_ptr, key_tok, window):
 
 
 @njit(cache=True, nogil=True)
-def _penalise(x, s, inv_temp, h, start, end, penalty, ngram):
-    """Repetition penalty and n-gram bans of one row into `s` (scaled logits); returns the max
-    penalised value (penalty < 1 can raise a logit above the row's max)."""
+def _penalise(x, s, inv_temp, h, start, gen, end, penalty, presence, frequency, ngram):
+    """Repetition penalty (over the row's tokens from `start`), presence and frequency penalties
+    (over its generated ones, from `gen`: minus `presence` once and `frequency` per occurrence, on
+    the raw logit) and n-gram bans of one row into `s` (scaled logits); returns the max penalised
+    value (penalty < 1 or a negative presence can raise a logit above the row's max)."""
     top = np.float32(-np.inf)
     if penalty != 1.0:
         for i in range(start, end):
@@ -183,6 +185,18 @@ def _penalise(x, s, inv_temp, h, start, end, penalty, ngram):
             v = x[t] / penalty if x[t] > 0 else x[t] * penalty
             s[t] = v * inv_temp
             top = max(top, s[t])
+    if (presence != 0.0 or frequency != 0.0) and end > gen:
+        g = np.sort(h[gen:end])                       # each generated token once, with its count
+        a = 0
+        while a < g.shape[0]:
+            b = a + 1
+            while b < g.shape[0] and g[b] == g[a]:
+                b += 1
+            t = g[a]
+            v = x[t] if penalty == 1.0 else (x[t] / penalty if x[t] > 0 else x[t] * penalty)
+            s[t] = (v - presence - frequency * np.float32(b - a)) * inv_temp
+            top = max(top, s[t])
+            a = b
     if ngram > 0 and end - start + 1 >= ngram:
         for i in range(start, end - ngram + 1):        # window h[i : i+n-1] then h[i+n-1]
             same = True
@@ -540,14 +554,14 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
     once, by the group's first row, and each draws with its own uniform (or takes its forced token).
     The rule groups are tuples (`sample` packs them from a StepRules):
     guide = (row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force, rank),
-    history = (tokens, start), bans = (row_ban, group_ptr, seq_ptr, seq_tok),
-    words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p (R,), penalty, ngram, window, shaped,
-    greedy); a greedy draw (temperature 0, 1/T then 1) takes the kept token of the row's `rank`-th
+    history = (tokens, start, generated start), bans = (row_ban, group_ptr, seq_ptr, seq_tok),
+    words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p (R,), penalty, presence, frequency,
+    ngram, window, shaped, greedy); a greedy draw (temperature 0, 1/T then 1) takes the kept token of the row's `rank`-th
     largest weight (`_mode`; 0: the largest), from the group's likeliest (`_likeliest`, one pass)."""
     row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force, rank = guide
-    hseq, hstart = history
+    hseq, hstart, hgen = history
     row_ban = bans[0]
-    inv_temp, top_p, row_min_p, penalty, ngram, window, shaped, greedy = knobs
+    inv_temp, top_p, row_min_p, penalty, presence, frequency, ngram, window, shaped, greedy = knobs
     V = logits.shape[1]
     hend = hseq.shape[1]
     for g in prange(group_ptr.shape[0] - 1):
@@ -560,7 +574,8 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
         lo = boost_ptr[w] if w >= 0 else 0
         hi = boost_ptr[w + 1] if w >= 0 else 0
         if shaped:
-            top = max(top, _penalise(x, s, inv_temp, hseq[r], hstart[r], hend, penalty, ngram))
+            top = max(top, _penalise(x, s, inv_temp, hseq[r], hstart[r], hgen[r], hend, penalty, presence, frequency,
+                                          ngram))
         loops = _loop_bans(s, hseq[r], hstart[r], hend, words, window)
         banned = _sequence_bans(s, hseq[r], hstart[r], hend, row_ban[r], bans)
         min_p = row_min_p[r]
@@ -645,8 +660,9 @@ class StepRules:
       or one per row (None: the config's boost_order); `force[r]` >= 0 makes the row emit that
       token (its returned log-prob is still the model's own; its uniform is then unused);
     - history: `history` (R, H), each row's tokens so far (context + generated), its own from
-      `history_start[r]` (left padding before); needed only by the penalties and by bans of more
-      than one token;
+      `history_start[r]` (left padding before), the ones it generated from `generated_start[r]`
+      (None: its own; the presence and frequency penalties count only these); needed only by the
+      penalties and by bans of more than one token;
     - bans: `bans` = (group_ptr, seq_ptr, seq_tok): group g holds banned token sequences
       group_ptr[g]:group_ptr[g+1], sequence q is seq_tok[seq_ptr[q]:seq_ptr[q+1]]; `row_ban[r]` is
       the row's group or -1. A banned one-token sequence is never drawn; a longer one's last token
@@ -672,6 +688,7 @@ class StepRules:
     words: tuple | None = None
     row_min_p: np.ndarray | None = None
     rank: np.ndarray | None = None
+    generated_start: np.ndarray | None = None
 
     @classmethod
     def given(cls, config: DBSConfig | None = None, **rules) -> "StepRules":
@@ -687,6 +704,12 @@ class StepRules:
         """(R,) bool: the rows that boost before filtering."""
         bf = self.config.boost_order == "boost_then_filter" if self.boost_first is None else self.boost_first
         return np.broadcast_to(np.asarray(bf, bool), (R,)).copy()
+
+    def starts(self, R: int) -> tuple[np.ndarray, np.ndarray]:
+        """(R,) int32 each: where each row's own tokens start in `history`, and its generated ones."""
+        start = np.zeros(R, np.int32) if self.history_start is None else np.asarray(self.history_start, np.int32)
+        gen = start if self.generated_start is None else np.maximum(np.asarray(self.generated_start, np.int32), start)
+        return start, gen
 
     def ranks(self, R: int) -> np.ndarray:
         """(R,) int64: each row's rank at temperature 0 (0: the likeliest kept token)."""
@@ -732,7 +755,8 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, rules: StepRules,
         bans = (np.asarray(rules.row_ban, np.int64), *(np.asarray(a, t) for a, t in zip(rules.bans, (np.int64, np.int64,
                                                                                                       np.int32))))
     knobs = (np.float32(cfg.inv_temperature), float(cfg.top_p), rules.min_ps(R),
-             np.float32(cfg.repetition_penalty), int(cfg.no_repeat_ngram_size), int(cfg.no_repeat_word_window),
+             np.float32(cfg.repetition_penalty), np.float32(cfg.presence_penalty), np.float32(cfg.frequency_penalty),
+             int(cfg.no_repeat_ngram_size), int(cfg.no_repeat_word_window),
              bool(cfg.shapes_logits), cfg.temperature == 0)
     group_ptr, members = row_groups(table_row, guide, history, bans[0], knobs[2])
     start_threads()
@@ -759,9 +783,9 @@ def row_groups(table_row, guide, history, row_ban, row_min_p) -> tuple[np.ndarra
     if R < 2 or len(np.unique(table_row)) == R:        # no logits row shared: a group per row
         return np.arange(R + 1, dtype=np.int64), np.arange(R, dtype=np.int64)
     row_word, boost_first = guide[0], guide[6]
-    hseq, hstart = history
+    hseq, hstart, hgen = history
     key = np.column_stack([table_row, row_word, boost_first, np.ascontiguousarray(row_min_p, np.float64).view(np.int64),
-                           row_ban, hstart, hseq]).astype(np.int64, copy=False)
+                           row_ban, hstart, hgen, hseq]).astype(np.int64, copy=False)
     _, first, inverse = np.unique(key, axis=0, return_index=True, return_inverse=True)
     rank = np.empty(len(first), np.int64)
     rank[np.argsort(first, kind="stable")] = np.arange(len(first))     # groups by their first row
@@ -792,16 +816,17 @@ def _guide(rules: StepRules, R: int, V: int) -> tuple:
 
 
 def _history(rules: StepRules, R: int) -> tuple:
-    """The kernel's history group (tokens (R, H) int32, start (R,) int32): empty unless a rule reads it."""
+    """The kernel's history group (tokens (R, H) int32, start (R,) int32, generated start (R,)
+    int32): empty unless a rule reads it."""
     shaped, multi = rules.config.shapes_logits, rules.multi_token_bans
     if shaped and rules.history is None:
-        raise ValueError("repetition_penalty / no_repeat_ngram_size / no_repeat_word_window need the rows' token history")
+        raise ValueError("repetition_penalty / presence_penalty / frequency_penalty / no_repeat_ngram_size / "
+                         "no_repeat_word_window need the rows' token history")
     if multi and rules.history is None and (np.asarray(rules.row_ban) >= 0).any():
         raise ValueError("bans of more than one token need the rows' token history")
     if not (shaped or multi) or rules.history is None:
-        return np.zeros((R, 0), np.int32), np.zeros(R, np.int32)
-    start = np.zeros(R, np.int32) if rules.history_start is None else np.asarray(rules.history_start, np.int32)
-    return np.ascontiguousarray(rules.history, dtype=np.int32), start
+        return np.zeros((R, 0), np.int32), np.zeros(R, np.int32), np.zeros(R, np.int32)
+    return np.ascontiguousarray(rules.history, dtype=np.int32), *rules.starts(R)
 
 
 def dense_boosts(ptr, ids, vals, V: int, words=None, exp: bool = True) -> np.ndarray:

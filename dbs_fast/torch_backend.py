@@ -198,10 +198,11 @@ class TorchBackend:
     def trim(cache):
         return cache
 
-    def shape(self, logits, cfg, history, history_start, words):
+    def shape(self, logits, cfg, history, history_start, words, generated_start=None):
         """Repetition penalty and n-gram bans with transformers' own logits processors, per row
-        (rows have different left padding); word loops by the kernel's rule, which transformers
-        does not have."""
+        (rows have different left padding); presence and frequency penalties (OpenAI's, on the
+        generated tokens from `generated_start`) and word loops by the kernel's rules, which
+        transformers does not have."""
         from transformers import (
             NoRepeatNGramLogitsProcessor,
             RepetitionPenaltyLogitsProcessor,
@@ -217,6 +218,10 @@ class TorchBackend:
             row = out[r:r + 1]
             for p in procs:
                 row = p(ids, row)
+            if cfg.presence_penalty or cfg.frequency_penalty:      # after the repetition penalty, as the kernel
+                gen = t.as_tensor(history[r, generated_start[r]:], dtype=t.long, device=self.device)
+                count = t.bincount(gen, minlength=row.shape[1]).to(row.dtype)
+                row = row - cfg.frequency_penalty * count - cfg.presence_penalty * (count > 0).to(row.dtype)
             out[r] = row[0]
             if W:
                 banned = kernels.word_loop_tokens(history[r].astype(np.int64), int(history_start[r]), history.shape[1],
@@ -249,7 +254,8 @@ class TorchBackend:
         cfg = rules.config
         raw = logits
         if cfg.shapes_logits:
-            logits = self.shape(logits, cfg, rules.history, rules.history_start, rules.words)
+            start, gen = rules.starts(logits.shape[0])
+            logits = self.shape(logits, cfg, rules.history, start, rules.words, gen)
         if rules.bans is not None:
             logits = self.ban(logits, rules.history, rules.history_start, rules.bans, rules.row_ban)
         R = logits.shape[0]

@@ -50,17 +50,24 @@ def word_loop_tokens(history, words, window):
     return {t for t in range(len(cls)) if key[t] in banned and (cls[t] == 1 or (cls[t] == 2 and after_other))}
 
 
-def shape_logits(x, history, penalty=1.0, ngram=0, words=None, window=0):
-    """Repetition penalty (CTRL / transformers), n-gram and word-loop bans on raw logits (float32)."""
+def shape_logits(x, history, penalty=1.0, ngram=0, words=None, window=0, presence=0.0, frequency=0.0,
+                 generated=None):
+    """Repetition penalty (CTRL / transformers), then OpenAI's presence and frequency penalties
+    (over `generated`, the history's last tokens that the row generated; None: all of it),
+    n-gram and word-loop bans on raw logits (float32)."""
     x = x.astype(np.float32).copy()
     if history is None:
         return x
-    for t in word_loop_tokens(history, words, window):
-        x[t] = -np.inf
+    loops = word_loop_tokens(history, words, window)
     seen = np.unique(np.asarray(history, np.int64))
     if penalty != 1.0 and len(seen):
         v = x[seen]
         x[seen] = np.where(v > 0, v / np.float32(penalty), v * np.float32(penalty))
+    gen, count = np.unique(np.asarray(history if generated is None else generated, np.int64), return_counts=True)
+    if presence or frequency:
+        x[gen] = x[gen] - np.float32(presence) - np.float32(frequency) * count.astype(np.float32)
+    for t in loops:
+        x[t] = -np.inf
     for t in banned_ngram_tokens(history, ngram):
         x[t] = -np.inf
     return x
@@ -68,7 +75,7 @@ def shape_logits(x, history, penalty=1.0, ngram=0, words=None, window=0):
 
 def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, boost_first=False,
                histories=None, penalty=1.0, ngram=0, bans=None, force=None, words=None, window=0, min_p=0.0,
-               rank=None):
+               rank=None, presence=0.0, frequency=0.0, generated=None):
     """dense_boosts: list per row of a (V,) boost vector or None; histories: list per row of token ids;
     bans: list per row of banned token sequences; force: per row a token id or -1; min_p (one, or one
     per row): keep only tokens whose own probability (shaped, before boosts) is at least min_p times
@@ -82,7 +89,8 @@ def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, 
         raw = (logits[r].astype(np.float32) * inv_t)
         logz = float(raw.max()) + np.log(np.exp((raw - raw.max()).astype(np.float64)).sum())
         h = None if histories is None else histories[r]
-        s = shape_logits(logits[r], h, penalty, ngram, words, window) * inv_t
+        s = shape_logits(logits[r], h, penalty, ngram, words, window, presence, frequency,
+                         None if generated is None else generated[r]) * inv_t
         for t in banned_tokens(h, None if bans is None else bans[r]):
             s[t] = -np.inf
         if force is not None and force[r] >= 0:

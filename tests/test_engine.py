@@ -607,3 +607,25 @@ def test_an_empty_context_starts_a_text_as_a_document_starts(dbs):
         r = dbs.generate("", KW, seed=seed)
         first = r.generated[:1]
         assert first and (first.isupper() or first.isdigit() or first in "\"\u201c(["), repr(r.generated)
+
+
+def test_presence_and_frequency_penalties_read_only_the_tokens_a_row_generated(dbs, monkeypatch):
+    """The draw's rules mark where each row's generated tokens start in its history: after the
+    context (the same tokens for every row), one more at every column."""
+    from dbs_fast.backend import OnnxBackend
+
+    seen, sample = [], OnnxBackend.sample
+
+    def spy(self, logits, uniforms, rules):
+        seen.append((rules.history.copy(), *rules.starts(len(uniforms))))
+        return sample(self, logits, uniforms, rules)
+
+    monkeypatch.setattr(OnnxBackend, "sample", spy)
+    cfg = replace(SMALL, presence_penalty=1.5, frequency_penalty=0.5, no_repeat_ngram_size=0, no_repeat_word_window=0,
+                  stop="max")
+    result = dbs.generate("It is a", KW, seed=1, config=cfg)
+    assert len(seen) == cfg.max_new_tokens and result.new_tokens == cfg.max_new_tokens
+    contexts = {h[r, s:g].tobytes() for h, start, gen in seen for r, (s, g) in enumerate(zip(start, gen)) if s < g}
+    assert len(contexts) == 1
+    for col, (h, start, gen) in enumerate(seen):
+        assert (h.shape[1] - gen == col).all() and (gen >= start).all()

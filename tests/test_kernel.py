@@ -791,3 +791,53 @@ def test_a_temperature_below_the_floor_draws_at_the_floor_and_perplexities_stay_
     assert DBSConfig(temperature=0).inv_temperature == DBSConfig().inv_temperature == 1.0
     assert perplexity(np.array([-5000.0, -3.0], np.float32)) == np.exp(MAX_NATS)
     assert perplexity([-1.0, -3.0]) == pytest.approx(np.exp(2.0))
+
+
+@pytest.mark.parametrize("boost_first", [False, True])
+@pytest.mark.parametrize("presence,frequency,penalty", [(0.5, 0.0, 1.0), (0.0, 0.7, 1.0), (2.0, 1.0, 1.3),
+                                                        (-1.5, -0.5, 1.0), (1.0, -2.0, 0.8)])
+def test_presence_and_frequency_penalties_match_reference_exactly(boost_first, presence, frequency, penalty):
+    """OpenAI's penalties on the tokens a row generated (after `generated_start`), the context's
+    left alone: the kernel draws the reference's tokens with the model's own log-probs, beside the
+    repetition penalty and in both boost orders, and negative penalties raise a logit past the top."""
+    rng, logits, boosts, row_word, dense = _case(31)
+    R, V = logits.shape
+    hist, start, _ = _histories(rng, R, V)
+    gen = (start + rng.integers(0, hist.shape[1] - start)).astype(np.int32)    # the context before, anywhere
+    for r in range(R):
+        logits[r, hist[r, start[r]:]] += 4.0                       # repeated tokens likely: the penalties decide
+    ptr, ids, vals = csr_boosts(boosts)
+    own = [hist[r, start[r]:] for r in range(R)]
+    generated = [hist[r, gen[r]:] for r in range(R)]
+    for _ in range(5):
+        u = rng.random(R)
+        got, glp = sample(logits, u, top_p=0.9, row_word=row_word, boosts=(ptr, ids, vals), boost_first=boost_first,
+                          history=hist, history_start=start, generated_start=gen, repetition_penalty=penalty,
+                          presence_penalty=presence, frequency_penalty=frequency)
+        want, wlp = sample_ref(logits, u, 1.0, 0.9, dense, boost_first, own, penalty, presence=presence,
+                               frequency=frequency, generated=generated)
+        assert np.array_equal(got, want)
+        np.testing.assert_allclose(glp, wlp, atol=1e-4)            # the model's own log-prob, unshaped
+
+
+def test_presence_and_frequency_penalties_count_only_generated_tokens():
+    """The reference's rule, which the kernel and the PyTorch baseline follow: a token the context
+    holds is left alone, a generated one loses presence once and frequency per occurrence, after
+    the repetition penalty (vLLM's order); the baseline's shaping gives the same logits."""
+    from types import SimpleNamespace
+
+    torch = pytest.importorskip("torch")
+    from dbs_fast.config import DBSConfig
+    from dbs_fast.torch_backend import TorchBackend
+
+    x = np.array([2.0, -1.0, 3.0, 0.5, 1.0], np.float32)
+    history = np.array([0, 3, 1, 2, 1, 1])                        # context [0, 3], generated [1, 2, 1, 1]
+    got = shape_logits(x, history, 1.25, presence=0.5, frequency=0.25, generated=history[2:])
+    np.testing.assert_allclose(got, [2.0 / 1.25, -1.25 - 0.5 - 0.75, 3.0 / 1.25 - 0.5 - 0.25, 0.5 / 1.25, 1.0],
+                               rtol=1e-6)
+    cfg = DBSConfig(repetition_penalty=1.25, presence_penalty=0.5, frequency_penalty=0.25, no_repeat_ngram_size=0,
+                    no_repeat_word_window=0)
+    base = SimpleNamespace(torch=torch, device="cpu")
+    shaped = TorchBackend.shape(base, torch.from_numpy(x[None]), cfg, history[None], np.array([0]), None,
+                                np.array([2]))
+    np.testing.assert_allclose(shaped[0].numpy(), got, rtol=1e-6)

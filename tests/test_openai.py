@@ -274,7 +274,8 @@ def test_an_unknown_method_or_path_under_v1_is_openais_error_shape(server):
 @pytest.mark.parametrize("kw,field", [({"logprobs": 2}, "logprobs"), ({"temperature": -0.5}, "temperature"),
                                       ({"extra_body": {"keywords": "x", "store": True}}, "store"),
                                       ({"extra_body": {"keywords": "x", "service_tier": "flex"}}, "service_tier"),
-                                      ({"presence_penalty": 0.5}, "presence_penalty"),
+                                      ({"presence_penalty": 2.5}, "presence_penalty"),
+                                      ({"frequency_penalty": -3}, "frequency_penalty"),
                                       ({"n": 9}, "n"),
                                       ({"extra_body": {"keywords": "x", "task": "poetry"}}, "task")])
 def test_what_cannot_be_honoured_is_400_naming_it(client, kw, field):
@@ -282,6 +283,19 @@ def test_what_cannot_be_honoured_is_400_naming_it(client, kw, field):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=_name(client), prompt="It is", max_tokens=8, **kw)
     assert e.value.body["param"] == field
+
+
+def test_presence_and_frequency_penalties_are_honoured(client):
+    """OpenAI's penalties reach the draw: the same seeds give other texts with them, and the
+    chat door takes them too."""
+    kw = dict(model=_name(client), prompt="It is", max_tokens=12, extra_body={"keywords": "colony", **SMALL})
+    plain = [client.completions.create(seed=s, **kw).choices[0].text for s in range(3)]
+    penalised = [client.completions.create(seed=s, presence_penalty=2, frequency_penalty=2, **kw).choices[0].text
+                 for s in range(3)]
+    assert plain != penalised
+    r = client.chat.completions.create(model=_name(client), messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                                       presence_penalty=-0.5, frequency_penalty=0.5, extra_body=SMALL)
+    assert r.choices[0].message.content
 
 
 def test_a_list_of_prompts_is_answered_as_each_prompt_alone(client):
@@ -424,7 +438,7 @@ def _random_value(rng):
 FUZZ_FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream",
                "keywords", "ban", "beams", "candidates", "chunk", "lambda", "order", "guarantee", "stop_at", "task",
                "logprobs", "context", "max_new_tokens", "user", "stream_options", "tools", "response_format",
-               "paper", "repetition_penalty", "echo"]
+               "paper", "repetition_penalty", "presence_penalty", "frequency_penalty", "echo"]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/generate"])

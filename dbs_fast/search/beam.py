@@ -454,11 +454,11 @@ class BeamSearch:
         healing = (n_done == 0) & tb.heals[rows.req]        # the model alone writes the first token
         word = np.where(healing, -1, guidance.guide_words(cfg, tb, rows, cand, ahead)).astype(np.int32)
         force = guidance.forced(cfg, tb, rows, rem, n_done)
-        hist, hstart = guidance.history(cfg, tb, rows, col, healing)
+        hist, hstart, hgen = guidance.history(cfg, tb, rows, col, healing)
         rules = StepRules(cfg, word, tb.boosts.csr, tb.boosts.dense_exp(self.pending.shape[1]), boost_first, force,
                           hist, hstart, tb.bans, guidance.ban_groups(cfg, tb, rows, rem, healing, n_done),
                           self.be.words if cfg.no_repeat_word_window else None, tb.min_p[rows.req],
-                          greedy_ranks(rows, col, force) if cfg.temperature == 0 else None)
+                          greedy_ranks(rows, col, force) if cfg.temperature == 0 else None, hgen)
         ids, lp = self.be.sample(self.pending, uniforms(self.slots, rows.req), rules)
         return Draw(ids, lp, rem, cand, word, force, n_done)
 

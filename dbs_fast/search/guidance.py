@@ -102,12 +102,16 @@ def ban_groups(cfg: DBSConfig, tb: BatchTables, rows: Rows, rem: np.ndarray, hea
 
 def history(cfg: DBSConfig, tb: BatchTables, rows: Rows, col: int, healing: np.ndarray):
     """Each row's tokens so far (context + generated, left-padded) for the kernel's repetition
-    rules and multi-token bans, and where each row's own tokens start; none for a row
-    re-writing its context's end (the context's own tokens: no repetition of the model's)."""
+    rules and multi-token bans, where each row's own tokens start and where its generated ones
+    do; none for a row re-writing its context's end (the context's own tokens: no repetition of
+    the model's)."""
     if not (cfg.shapes_logits or tb.multi_bans):
-        return None, None
+        return None, None, None
     hist = np.concatenate([tb.ctx[rows.req], rows.tokens[:, :col]], axis=1)
+    W = tb.ctx.shape[1]
     if rows.col0.any():    # a row that joined at column c: its context moves right past c pads
-        W, c, j = tb.ctx.shape[1], rows.col0[:, None], np.arange(hist.shape[1])[None]
+        c, j = rows.col0[:, None], np.arange(hist.shape[1])[None]
         hist = np.take_along_axis(hist, np.where(j < W + c, (j - c) % (W + c), j), axis=1)
-    return hist, np.where(healing, hist.shape[1], tb.ctx_start[rows.req] + rows.col0).astype(np.int32)
+    end = hist.shape[1]
+    return (hist, np.where(healing, end, tb.ctx_start[rows.req] + rows.col0).astype(np.int32),
+            np.where(healing, end, W + rows.col0).astype(np.int32))
