@@ -354,7 +354,8 @@ COMMONGEN = {"order": "any", "match": "lemma", "max_new_tokens": 40, "lam": 1.0,
 # placed (0.980); a message naming every word opens as the model means to. Unordered words matched
 # by lemma, the likeliest of 7 finished answers returned (docs/results/chat.md).
 CHAT = {"order": "any", "match": "lemma", "lam_named": 1.0, "min_p_named": 0.1, "lam_ahead": 5.0,
-        "reserve_per_keyword": 20, "finished": 7, "pick": "likelihood", "stop": "eos", "openings": "subjects"}
+        "reserve_per_keyword": 20, "finished": 7, "pick": "likelihood", "stop": "eos", "openings": "subjects",
+        "chunk": 3}
 COMMONGEN_CONTEXT = "Here is one sentence describing an everyday scene:\n"
 DEFAULT_CONTEXT = "It is"           # the context when a request gives none (the paper's examples start so)
 SEED_MAX = 2**63 - 1                # numpy's generators take seeds in 0..2**63-1
