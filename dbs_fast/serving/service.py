@@ -89,8 +89,8 @@ FLAG_FIELDS = {name: door_name(name, "cli") for name in (*JSON_NAMES, "keywords"
                                                          "paper")}
 FLAG = re.compile(r"`?(--[a-z][a-z0-9-]*)`?")
 # a stream's fixed lag, in chunks, where the request names none (`stream_lag`; a request not streamed
-# has none, so that its text does not change): 4 of a 5-token chunk held back, so text commits after
-# the first chunk; benchmarks/streaming.py, docs/results/streaming.md
+# has none, so that its text does not change): 4 of a 5-token chunk held back (3 of the chat door's
+# 3), so text commits after the first chunk; benchmarks/streaming.py, docs/results/streaming.md
 STREAM_LAG = 0.8
 # every error of /v1/*, /v1/generate's too, is OpenAI's shape: {"error": {"message", "type", "param", "code"}};
 # bad input is a 400, as OpenAI answers an invalid request
