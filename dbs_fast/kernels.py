@@ -557,7 +557,8 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
     history = (tokens, start, generated start), bans = (row_ban, group_ptr, seq_ptr, seq_tok),
     words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p (R,), penalty, presence,
     frequency, ngram, window, shaped, greedy); a greedy draw (temperature 0, 1/T then 1) takes the
-    kept token of the row's `rank`-th largest weight (`_mode`; 0: the largest), from the group's likeliest (`_likeliest`, one pass)."""
+    kept token of the row's `rank`-th largest weight (`_mode`; 0: the largest), from the group's
+    likeliest (`_likeliest`, one pass)."""
     row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force, rank = guide
     hseq, hstart, hgen = history
     row_ban = bans[0]
