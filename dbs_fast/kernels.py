@@ -172,6 +172,12 @@ def word_loop_tokens(h, start, end, word_class, key, key_ptr, key_tok, window):
     return out[:m]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _repeated(v, penalty):
+    """A raw logit under the repetition penalty (CTRL / transformers: divided if positive, else multiplied)."""
+    return v / penalty if v > 0 else v * penalty
+
+
 @njit(cache=True, nogil=True)
 def _penalise(x, s, inv_temp, h, start, gen, end, penalty, presence, frequency, ngram):
     """Repetition penalty (over the row's tokens from `start`), presence and frequency penalties
@@ -182,8 +188,7 @@ def _penalise(x, s, inv_temp, h, start, gen, end, penalty, presence, frequency, 
     if penalty != 1.0:
         for i in range(start, end):
             t = h[i]
-            v = x[t] / penalty if x[t] > 0 else x[t] * penalty
-            s[t] = v * inv_temp
+            s[t] = _repeated(x[t], penalty) * inv_temp
             top = max(top, s[t])
     if (presence != 0.0 or frequency != 0.0) and end > gen:
         g = np.sort(h[gen:end])                       # each generated token once, with its count
@@ -193,8 +198,7 @@ def _penalise(x, s, inv_temp, h, start, gen, end, penalty, presence, frequency, 
             while b < g.shape[0] and g[b] == g[a]:
                 b += 1
             t = g[a]
-            v = x[t] if penalty == 1.0 else (x[t] / penalty if x[t] > 0 else x[t] * penalty)
-            s[t] = (v - presence - frequency * np.float32(b - a)) * inv_temp
+            s[t] = (_repeated(x[t], penalty) - presence - frequency * np.float32(b - a)) * inv_temp
             top = max(top, s[t])
             a = b
     if ngram > 0 and end - start + 1 >= ngram:

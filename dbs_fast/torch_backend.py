@@ -198,7 +198,7 @@ class TorchBackend:
     def trim(cache):
         return cache
 
-    def shape(self, logits, cfg, history, history_start, words, generated_start=None):
+    def shape(self, logits, cfg, history, history_start, words, generated_start):
         """Repetition penalty and n-gram bans with transformers' own logits processors, per row
         (rows have different left padding); presence and frequency penalties (OpenAI's, on the
         generated tokens from `generated_start`) and word loops by the kernel's rules, which

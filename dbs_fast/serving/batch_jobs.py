@@ -202,7 +202,8 @@ class BatchJob:
                 if body.stream:
                     raise oa.Refused("stream", "`stream` is not available in a batch file")
                 args = oa.job_arguments(body, svc.opts.model, svc.dbs.config.beams,
-                                        svc.dbs.chat_template if chat else None, chat, tokenizer=svc.dbs.backend.tokenizer)
+                                        svc.dbs.chat_template if chat else None, chat,
+                                        tokenizer=svc.dbs.backend.tokenizer)
                 reply = oa.Reply(chat, body.model, args.pop("stops"), body.n)
                 job = svc.make_job(context=args.pop("contexts")[0], **args)
         except oa.Refused as e:

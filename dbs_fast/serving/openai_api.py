@@ -36,8 +36,8 @@ EXTRA = tuple(name for name in JSON_NAMES if name not in ("max_new_tokens", "tem
 # standard fields the engine cannot honour, with the values that ask for nothing
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
-               "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "store": (None, False),
-               "parallel_tool_calls": (None, True, False), "service_tier": (None, "auto", "default")}
+               "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+               "store": (None, False), "parallel_tool_calls": (None, True, False), "service_tier": (None, "auto", "default")}
 _TOOLS = ("tool and function calling are not supported: Directed Beam Search writes free text around the "
           "keywords")
 # why each is refused, in the words a user can act on
