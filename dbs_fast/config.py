@@ -18,6 +18,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from keyword import iskeyword
 
+import numpy as np
+
 from .errors import DBSError
 
 BOOST_ORDERS = ("filter_then_boost", "boost_then_filter")
@@ -36,6 +38,46 @@ def parse_bool(v: str) -> bool:
     if v.lower() not in ("true", "false"):
         raise ValueError(v)                  # argparse: "invalid parse_bool value", exit 2
     return v.lower() == "true"
+
+
+def parse_logit_bias(v: str) -> dict:
+    """argparse type of --logit-bias: a JSON object of token ids and biases ('{"198": -100}')."""
+    import argparse
+    import json
+
+    try:
+        bias = json.loads(v)
+    except json.JSONDecodeError:
+        bias = None
+    if not isinstance(bias, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object of token ids and biases, as '{{\"198\": -100}}'; "
+                                         f"got {v!r}")
+    return bias
+
+
+LOGIT_BIAS_MAX = 100.0      # OpenAI's range for a logit bias: -100..100
+
+
+def logit_bias_pairs(value) -> tuple:
+    """A logit bias ({token id: bias}, as a JSON object's string keys or ints, or (id, bias)
+    pairs) as the config holds it: (id, bias) pairs by id. ValueError says what is wrong."""
+    items = value.items() if isinstance(value, dict) else value
+    pairs = {}
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ValueError("must be a JSON object of token ids and biases")
+        key, bias = item
+        if isinstance(key, str) and key.strip().isdigit():
+            key = int(key)
+        if not (isinstance(key, int) and not isinstance(key, bool) and key >= 0):
+            raise ValueError(f"must have token ids (integers >= 0) as its keys, not {key!r}")
+        if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias)
+                and abs(bias) <= LOGIT_BIAS_MAX):
+            raise ValueError(f"must have biases in -100..100, not {bias!r} for token {key}")
+        if key in pairs:
+            raise ValueError(f"gives token {key} twice")
+        pairs[key] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def option(default, typ, text: str, choices: tuple | None = None):
@@ -121,6 +163,10 @@ class DBSConfig:
                                      "generated so far, as OpenAI's (-2..2; 0 = off; > 0 discourages)")
     frequency_penalty: float = option(0.0, float, "subtracted from a token's logit once for every time the "
                                       "text has generated it, as OpenAI's (-2..2; 0 = off; > 0 discourages)")
+    logit_bias: tuple = option((), parse_logit_bias, "token id -> bias in -100..100, added to the model's "
+                               "logits before the penalties and the temperature, as OpenAI's: a JSON object, "
+                               "'{\"198\": -100}' (-100 bans the token, 100 all but forces it; the guide words' "
+                               "boosts and forcing act after it; the scorer reads the model's own log-probs)")
     no_repeat_ngram_size: int = option(3, int,
                                        "ban repeating any n-gram of this size (0 = off)")
     no_repeat_word_window: int = option(5, int,
@@ -209,6 +255,10 @@ class DBSConfig:
         if not (isinstance(self.stream_lag, (int, float)) and not isinstance(self.stream_lag, bool)
                 and 0 <= self.stream_lag <= self.max_new_tokens):
             bad("stream_lag", "must be a number of chunks >= 0 (0 = off), at most the token budget")
+        try:
+            object.__setattr__(self, "logit_bias", logit_bias_pairs(() if self.logit_bias is None else self.logit_bias))
+        except (TypeError, ValueError) as e:
+            bad("logit_bias", str(e) if isinstance(e, ValueError) else "must be a JSON object of token ids and biases")
         if not _is_int(self.no_repeat_ngram_size, 0):
             bad("no_repeat_ngram_size", "must be an integer >= 0 (0 = off)")
         if not _is_int(self.no_repeat_word_window, 0) or self.no_repeat_word_window == 1:
@@ -278,8 +328,15 @@ class DBSConfig:
         return (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0 or self.no_repeat_word_window > 0
                 or self.presence_penalty != 0 or self.frequency_penalty != 0)
 
+    @property
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The logit bias as the kernel reads it: token ids ascending (int32) and their biases (float32)."""
+        return (np.array([t for t, _ in self.logit_bias], np.int32),
+                np.array([b for _, b in self.logit_bias], np.float32))
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as JSON writes and reads them back (the logit bias as its object)."""
+        return {**asdict(self), "logit_bias": {str(t): b for t, b in self.logit_bias}}
 
 
 def _is_int(v, least: int) -> bool:

@@ -178,17 +178,40 @@ def _repeated(v, penalty):
     return v / penalty if v > 0 else v * penalty
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _raw(x, t, bias_ids, bias_vals):
+    """Token t's logit with its logit bias (`bias_ids` ascending; none: the model's own)."""
+    if bias_ids.shape[0] == 0:
+        return x[t]
+    j = np.searchsorted(bias_ids, t)
+    return x[t] + bias_vals[j] if j < bias_ids.shape[0] and bias_ids[j] == t else x[t]
+
+
 @njit(cache=True, nogil=True)
-def _penalise(x, s, inv_temp, h, start, gen, end, penalty, presence, frequency, ngram):
+def _bias(x, s, inv_temp, bias_ids, bias_vals, top):
+    """The logit bias into `s` (scaled logits, whose max is `top`), on the raw logits before the
+    penalties (OpenAI's `logit_bias`, in vLLM's order); returns the row's new max (a negative bias
+    can lower it)."""
+    if bias_ids.shape[0] == 0:
+        return top
+    for j in range(bias_ids.shape[0]):
+        t = bias_ids[j]
+        s[t] = (x[t] + bias_vals[j]) * inv_temp
+    return _top(s)
+
+
+@njit(cache=True, nogil=True)
+def _penalise(x, s, inv_temp, h, start, gen, end, penalty, presence, frequency, ngram, bias_ids, bias_vals):
     """Repetition penalty (over the row's tokens from `start`), presence and frequency penalties
     (over its generated ones, from `gen`: minus `presence` once and `frequency` per occurrence, on
-    the raw logit) and n-gram bans of one row into `s` (scaled logits); returns the max penalised
-    value (penalty < 1 or a negative presence can raise a logit above the row's max)."""
+    the raw logit, biased by `logit_bias`) and n-gram bans of one row into `s` (scaled logits);
+    returns the max penalised value (penalty < 1 or a negative presence can raise a logit above
+    the row's max)."""
     top = np.float32(-np.inf)
     if penalty != 1.0:
         for i in range(start, end):
             t = h[i]
-            s[t] = _repeated(x[t], penalty) * inv_temp
+            s[t] = _repeated(_raw(x, t, bias_ids, bias_vals), penalty) * inv_temp
             top = max(top, s[t])
     if (presence != 0.0 or frequency != 0.0) and end > gen:
         g = np.sort(h[gen:end])                       # each generated token once, with its count
@@ -198,7 +221,8 @@ def _penalise(x, s, inv_temp, h, start, gen, end, penalty, presence, frequency, 
             while b < g.shape[0] and g[b] == g[a]:
                 b += 1
             t = g[a]
-            s[t] = (_repeated(x[t], penalty) - presence - frequency * np.float32(b - a)) * inv_temp
+            s[t] = (_repeated(_raw(x, t, bias_ids, bias_vals), penalty) - presence
+                    - frequency * np.float32(b - a)) * inv_temp
             top = max(top, s[t])
             a = b
     if ngram > 0 and end - start + 1 >= ngram:
@@ -550,23 +574,23 @@ def _min_p_drop(e, f, boosted, floor):
 @njit(parallel=True, cache=True)
 def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history, bans, words, knobs, out_ids,
                  out_logp):
-    """One draw per row r of logits[table_row[r]], by named steps: scale, shape (penalties, word
-    loops, banned sequences), boost (boost-first rows), weigh, the model's own log-normaliser,
-    then (unless the token is forced) filter (min-p, then top-p of what it keeps), boost the kept
-    (filter-then-boost rows) and draw. Rows that read the same logits under the same rules (the
+    """One draw per row r of logits[table_row[r]], by named steps: scale, shape (logit bias,
+    penalties, word loops, banned sequences), boost (boost-first rows), weigh, the model's own
+    log-normaliser, then (unless the token is forced) filter (min-p, then top-p of what it keeps),
+    boost the kept (filter-then-boost rows) and draw. Rows that read the same logits under the same rules (the
     group members[group_ptr[g]:group_ptr[g + 1]], `row_groups`) are shaped, weighed and filtered
     once, by the group's first row, and each draws with its own uniform (or takes its forced token).
     The rule groups are tuples (`sample` packs them from a StepRules):
     guide = (row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force, rank),
     history = (tokens, start, generated start), bans = (row_ban, group_ptr, seq_ptr, seq_tok),
     words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p (R,), penalty, presence,
-    frequency, ngram, window, shaped, greedy); a greedy draw (temperature 0, 1/T then 1) takes the
-    kept token of the row's `rank`-th largest weight (`_mode`; 0: the largest), from the group's
-    likeliest (`_likeliest`, one pass)."""
+    frequency, ngram, window, shaped, greedy, logit-bias ids (ascending), their biases); a greedy
+    draw (temperature 0, 1/T then 1) takes the kept token of the row's `rank`-th largest weight
+    (`_mode`; 0: the largest), from the group's likeliest (`_likeliest`, one pass)."""
     row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force, rank = guide
     hseq, hstart, hgen = history
     row_ban = bans[0]
-    inv_temp, top_p, row_min_p, penalty, presence, frequency, ngram, window, shaped, greedy = knobs
+    inv_temp, top_p, row_min_p, penalty, presence, frequency, ngram, window, shaped, greedy, bias_ids, bias_vals = knobs
     V = logits.shape[1]
     hend = hseq.shape[1]
     for g in prange(group_ptr.shape[0] - 1):
@@ -574,13 +598,13 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
         x = logits[table_row[r]]
         s = np.empty(V, np.float32)          # scaled, shaped (and, boost-first, boosted) logits
         e = np.empty(V, np.float32)          # exp(s - top): unnormalised weights
-        top = _scale(x, inv_temp, s)
+        top = _bias(x, s, inv_temp, bias_ids, bias_vals, _scale(x, inv_temp, s))
         w = row_word[r]
         lo = boost_ptr[w] if w >= 0 else 0
         hi = boost_ptr[w + 1] if w >= 0 else 0
         if shaped:
             top = max(top, _penalise(x, s, inv_temp, hseq[r], hstart[r], hgen[r], hend, penalty, presence, frequency,
-                                          ngram))
+                                     ngram, bias_ids, bias_vals))
         loops = _loop_bans(s, hseq[r], hstart[r], hend, words, window)
         banned = _sequence_bans(s, hseq[r], hstart[r], hend, row_ban[r], bans)
         min_p = row_min_p[r]
@@ -593,8 +617,8 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
         _exp_below(s, top, e, np.empty(V, np.int32), bk)     # weights and buckets (vectorised),
         total = _mass_histogram(bk, e, hist)                 # their sum and histogram
         unguided = total                     # the log-prob returned is the unguided one:
-        if shaped or len(banned) > 0:        # undo the penalties, bans and (boost_first) boosts
-            hs = np.sort(np.concatenate((hseq[r, hstart[r]:hend] if shaped else hseq[r, 0:0], loops)))
+        if shaped or len(banned) > 0 or len(bias_ids) > 0:   # undo the bias, penalties, bans, boost-first boosts
+            hs = np.sort(np.concatenate((hseq[r, hstart[r]:hend] if shaped else hseq[r, 0:0], loops, bias_ids)))
             blo = lo if bf else hi           # a boost-first row's boosts changed its weights too
             ascending = _ascending(banned)
             if ascending or banned.shape[0] <= SHORT_BANS:
@@ -657,8 +681,9 @@ class StepRules:
     by every backend's sampler (`sample` here, `TorchBackend.sample`).
 
     `config`: the search's settings the draw reads (a `DBSConfig`): temperature, top_p, min_p,
-    repetition_penalty, no_repeat_ngram_size, no_repeat_word_window, boost_order; `shapes_logits`
-    says whether the penalties apply. Per row (R rows):
+    repetition_penalty, presence and frequency penalties, logit_bias, no_repeat_ngram_size,
+    no_repeat_word_window, boost_order; `shapes_logits` says whether the penalties apply. Per row
+    (R rows):
     - guidance: `row_word[r]` indexes the CSR boost table `boosts` = (ptr, ids ascending per word,
       vals), or is -1 for an unguided row; `boost_exp` is `dense_boosts` of the whole table if the
       caller keeps one (else built per call for the words the rows use); `boost_first`, one bool
@@ -762,7 +787,7 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, rules: StepRules,
     knobs = (np.float32(cfg.inv_temperature), float(cfg.top_p), rules.min_ps(R),
              np.float32(cfg.repetition_penalty), np.float32(cfg.presence_penalty), np.float32(cfg.frequency_penalty),
              int(cfg.no_repeat_ngram_size), int(cfg.no_repeat_word_window),
-             bool(cfg.shapes_logits), cfg.temperature == 0)
+             bool(cfg.shapes_logits), cfg.temperature == 0, *cfg.logit_bias_arrays)
     group_ptr, members = row_groups(table_row, guide, history, bans[0], knobs[2])
     start_threads()
     out_ids = np.empty(R, np.int64)

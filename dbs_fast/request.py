@@ -150,6 +150,10 @@ class RequestBuilder:
         is wrong (the service's and the CLI's validation)."""
         if not (isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) and 0 <= seed <= SEED_MAX):
             raise DBSError.about("seed", f"must be an integer in 0..{SEED_MAX}", seed)
+        vocab = self.backend.vocab_size
+        if cfg.logit_bias and cfg.logit_bias[-1][0] >= vocab:
+            raise DBSError.about("logit_bias", f"must have the model's token ids (0..{vocab - 1}) as its keys, not "
+                                 f"{cfg.logit_bias[-1][0]}", {str(t): b for t, b in cfg.logit_bias})
         kws, bans = parse_constraints(keywords, ban)
         ids, plain = self._prompted_ids(context, kws, cfg)
         check_size(cfg, len(ids), self.manifest, self.window)

@@ -253,6 +253,11 @@ class TorchBackend:
     def sample(self, logits, uniforms, rules: StepRules):
         cfg = rules.config
         raw = logits
+        if cfg.logit_bias:                      # on the raw logits, before the penalties (vLLM's order)
+            ids, vals = cfg.logit_bias_arrays
+            logits = logits.clone()
+            logits[:, self.torch.as_tensor(ids.astype(np.int64), device=self.device)] += \
+                self.torch.as_tensor(vals, device=self.device, dtype=logits.dtype)
         if cfg.shapes_logits:
             start, gen = rules.starts(logits.shape[0])
             logits = self.shape(logits, cfg, rules.history, start, rules.words, gen)
@@ -269,7 +274,8 @@ class TorchBackend:
             if rules.force is not None:
                 f = self.torch.as_tensor(rules.force, device=self.device)
                 tok = self.torch.where(f >= 0, f, tok)
-            if cfg.shapes_logits or rules.bans is not None or rules.force is not None:   # the model's own log-prob
+            if cfg.shapes_logits or cfg.logit_bias or rules.bans is not None or rules.force is not None:
+                # the model's own log-prob
                 lp = self.torch.log_softmax(raw.float() * cfg.inv_temperature, -1).gather(1, tok[:, None])[:, 0]
         return tok.cpu().numpy().astype(np.int64), lp.float().cpu().numpy()
 

@@ -51,11 +51,13 @@ def word_loop_tokens(history, words, window):
 
 
 def shape_logits(x, history, penalty=1.0, ngram=0, words=None, window=0, presence=0.0, frequency=0.0,
-                 generated=None):
-    """Repetition penalty (CTRL / transformers), then OpenAI's presence and frequency penalties
-    (over `generated`, the history's last tokens that the row generated; None: all of it),
-    n-gram and word-loop bans on raw logits (float32)."""
+                 generated=None, logit_bias=None):
+    """OpenAI's logit bias ({token: bias}), repetition penalty (CTRL / transformers), then OpenAI's
+    presence and frequency penalties (over `generated`, the history's last tokens that the row
+    generated; None: all of it), n-gram and word-loop bans on raw logits (float32)."""
     x = x.astype(np.float32).copy()
+    for t, b in (logit_bias or {}).items():
+        x[t] = x[t] + np.float32(b)
     if history is None:
         return x
     loops = word_loop_tokens(history, words, window)
@@ -75,7 +77,7 @@ def shape_logits(x, history, penalty=1.0, ngram=0, words=None, window=0, presenc
 
 def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, boost_first=False,
                histories=None, penalty=1.0, ngram=0, bans=None, force=None, words=None, window=0, min_p=0.0,
-               rank=None, presence=0.0, frequency=0.0, generated=None):
+               rank=None, presence=0.0, frequency=0.0, generated=None, logit_bias=None):
     """dense_boosts: list per row of a (V,) boost vector or None; histories: list per row of token ids;
     bans: list per row of banned token sequences; force: per row a token id or -1; min_p (one, or one
     per row): keep only tokens whose own probability (shaped, before boosts) is at least min_p times
@@ -90,7 +92,7 @@ def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, 
         logz = float(raw.max()) + np.log(np.exp((raw - raw.max()).astype(np.float64)).sum())
         h = None if histories is None else histories[r]
         s = shape_logits(logits[r], h, penalty, ngram, words, window, presence, frequency,
-                         None if generated is None else generated[r]) * inv_t
+                         None if generated is None else generated[r], logit_bias) * inv_t
         for t in banned_tokens(h, None if bans is None else bans[r]):
             s[t] = -np.inf
         if force is not None and force[r] >= 0:

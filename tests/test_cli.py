@@ -26,7 +26,7 @@ BAD_OPTION = {
     "sentence_deadline": ("-1", "--sentence-deadline"), "min_sentence": ("-1", "--min-sentence"),
     "stream_lag": ("-1", "--stream-lag"), "lam_named": ("81", "--lambda-named"),
     "min_p_named": ("1", "--min-p-named"), "lam_ahead": ("81", "--lambda-ahead"),
-    "boost_first_reserve": ("-1", "--boost-first-reserve"),
+    "boost_first_reserve": ("-1", "--boost-first-reserve"), "logit_bias": ('{"1": 500}', "--logit-bias"),
 }
 FLAG = {name: flag for name, flag, *_ in OPTIONS}
 
@@ -34,6 +34,8 @@ FLAG = {name: flag for name, flag, *_ in OPTIONS}
 BAD_OTHER = [
     (["--seed", "-1"], "--seed"),
     (["--seed", "x"], "--seed"),
+    (["--logit-bias", "198:-100"], "--logit-bias"),
+    (["--logit-bias", '{"99999999": -100}'], "--logit-bias"),
     (["--threads", "0"], "--threads"),
     (["--beams", "100000"], "GiB"),                                  # rows x vocabulary x 4 bytes + KV
     (["--candidates", "100000"], "GiB"),

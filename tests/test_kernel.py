@@ -820,6 +820,72 @@ def test_presence_and_frequency_penalties_match_reference_exactly(boost_first, p
         np.testing.assert_allclose(glp, wlp, atol=1e-4)            # the model's own log-prob, unshaped
 
 
+@pytest.mark.parametrize("boost_first", [False, True])
+@pytest.mark.parametrize("temperature,penalty,presence", [(1.0, 1.0, 0.0), (0.7, 1.3, 0.5), (1.0, 0.8, -1.0)])
+def test_logit_bias_matches_reference_exactly(boost_first, temperature, penalty, presence):
+    """OpenAI's logit bias on the raw logits, before the penalties and the temperature: the kernel
+    draws the reference's tokens, whose returned log-probs stay the model's own; biases that bury
+    each row's top tokens and lift others move the draws."""
+    rng, logits, boosts, row_word, dense = _case(41)
+    R, V = logits.shape
+    hist, start, _ = _histories(rng, R, V)
+    top = np.unique(np.argsort(-logits, axis=1)[:, :3])
+    lifted = rng.choice(np.setdiff1d(np.arange(V), top), 40, replace=False)
+    bias = {**{int(t): -100.0 for t in top}, **{int(t): float(rng.uniform(2, 8)) for t in lifted}}
+    ptr, ids, vals = csr_boosts(boosts)
+    own = [hist[r, start[r]:] for r in range(R)]
+    moved = 0
+    for _ in range(5):
+        u = rng.random(R)
+        rules = dict(top_p=0.9, temperature=temperature, row_word=row_word, boosts=(ptr, ids, vals),
+                     boost_first=boost_first, history=hist, history_start=start, repetition_penalty=penalty,
+                     presence_penalty=presence)
+        got, glp = sample(logits, u, logit_bias=bias, **rules)
+        want, wlp = sample_ref(logits, u, temperature, 0.9, dense, boost_first, own, penalty, presence=presence,
+                               logit_bias=bias)
+        assert np.array_equal(got, want)
+        np.testing.assert_allclose(glp, wlp, atol=1e-4)            # the model's own log-prob, unbiased
+        assert not np.isin(got, top).any()
+        moved += int((got != sample(logits, u, **rules)[0]).sum())
+    assert moved > 0
+
+
+def test_a_logit_bias_of_100_outweighs_the_guide_words_and_minus_100_bans():
+    """+100 makes a token the draw whatever the boosts (lambda 20) and the nucleus; -100 keeps the
+    likeliest token out; an unbiased row draws as before."""
+    rng, logits, boosts, row_word, dense = _case(43)
+    R, V = logits.shape
+    ptr, ids, vals = csr_boosts(boosts)
+    u = rng.random(R)
+    got, _ = sample(logits, u, top_p=0.9, row_word=row_word, boosts=(ptr, ids, vals), logit_bias={7: 100.0})
+    assert (got == 7).all()
+    best = int(np.argmax(logits[0]))
+    got, _ = sample(logits[:1], np.zeros(1), temperature=0, logit_bias={best: -100.0})
+    assert got[0] != best and got[0] == np.argsort(-logits[0])[1]
+
+
+def test_pytorch_baselines_logit_bias_draws_the_kernels_tokens():
+    """The PyTorch baseline adds the logit bias to the raw logits as the kernel does, and returns
+    the model's own log-probs."""
+    from types import SimpleNamespace
+
+    torch = pytest.importorskip("torch")
+    from dbs_fast.torch_backend import TorchBackend
+
+    rng, logits, boosts, row_word, _ = _case(44)
+    R, V = logits.shape
+    ptr, ids, vals = csr_boosts(boosts)
+    bias = {int(t): float(rng.uniform(-100, 10)) for t in rng.choice(V, 300, replace=False)}
+    base = SimpleNamespace(torch=torch, device="cpu", vocab_size=V, _dense_key=None, _dense=None)
+    for _ in range(3):
+        u = rng.random(R)
+        rules = StepRules.given(top_p=0.9, row_word=row_word, boosts=(ptr, ids, vals), logit_bias=bias)
+        want, wlp = kernels.sample(logits, u, rules)
+        got, glp = TorchBackend.sample(base, torch.as_tensor(logits), u, rules)
+        assert np.array_equal(got, want)
+        np.testing.assert_allclose(glp, wlp, atol=1e-4)
+
+
 def test_presence_and_frequency_penalties_count_only_generated_tokens():
     """The reference's rule, which the kernel and the PyTorch baseline follow: a token the context
     holds is left alone, a generated one loses presence once and frequency per occurrence, after

@@ -253,7 +253,8 @@ def test_every_bad_field_is_openais_error_shape_naming_it(server, path, extra, f
 @pytest.mark.parametrize("kw,field,words", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool and function calling"),
     ({"response_format": {"type": "json_object"}}, "response_format", "free text"),
-    ({"logit_bias": {"50256": -100}}, "logit_bias", "`ban`"),
+    ({"logit_bias": {"999999": -100}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"198": -101}}, "logit_bias", "-100..100"),
     ({"messages": []}, "messages", "at least one message"),
     ({"extra_body": {"keywords": "x", "task": "commongen", "paper": True}}, "paper", "two presets")])
 def test_chat_refusals_give_their_own_reason(client, kw, field, words):
@@ -438,7 +439,7 @@ def _random_value(rng):
 FUZZ_FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream",
                "keywords", "ban", "beams", "candidates", "chunk", "lambda", "order", "guarantee", "stop_at", "task",
                "logprobs", "context", "max_new_tokens", "user", "stream_options", "tools", "response_format",
-               "paper", "repetition_penalty", "presence_penalty", "frequency_penalty", "echo"]
+               "paper", "repetition_penalty", "presence_penalty", "frequency_penalty", "echo", "logit_bias"]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/generate"])
@@ -524,6 +525,26 @@ def test_a_request_without_keywords_is_answered_by_the_same_engine_unguided(clie
     assert engine.generated == plain["generated"]
     chat = client.chat.completions.create(model=_name(client), max_tokens=12, seed=4, extra_body=SMALL,
                                           messages=[{"role": "user", "content": "Tell me about rivers."}])
+    assert chat.choices[0].message.content
+
+
+def test_logit_bias_is_honoured_at_every_door(client, server, model_dir):
+    """OpenAI's logit_bias reaches the draw: -100 on the tokens of a plain answer gives another
+    answer to the same request, and /v1/generate, given the same field, the same text."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    kw = dict(model=_name(client), prompt="It is", max_tokens=12, seed=5, extra_body={"keywords": "river", **SMALL})
+    plain = client.completions.create(**kw).choices[0].text
+    bias = {str(t): -100 for t in tok.encode(plain, add_special_tokens=False).ids}
+    biased = client.completions.create(logit_bias=bias, **kw).choices[0].text
+    assert biased != plain
+    same = httpx.post(server.url + "/v1/generate", json={"context": "It is", "keywords": "river", "seed": 5,
+                                                         "max_new_tokens": 12, "logit_bias": bias, **SMALL},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()
+    assert same["generated"] == biased, same
+    chat = client.chat.completions.create(model=_name(client), max_tokens=8, logit_bias={"13": 5}, extra_body=SMALL,
+                                          messages=[{"role": "user", "content": "Hi"}])
     assert chat.choices[0].message.content
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..config import OPTIONS, body_attr, door_name, parse_bool
+from ..config import OPTIONS, body_attr, door_name, parse_bool, parse_logit_bias
 
-TYPES = {int: int, float: float, str: str, parse_bool: bool, "switch": bool}   # OPTIONS' types -> JSON's
+# OPTIONS' types -> JSON's
+TYPES = {int: int, float: float, str: str, parse_bool: bool, "switch": bool, parse_logit_bias: dict[str, float]}
 
 
 def body_config(**extra):

@@ -35,7 +35,7 @@ from .bodies import body_config, given_options, option_fields
 EXTRA = tuple(name for name in JSON_NAMES if name not in ("max_new_tokens", "temperature", "top_p"))
 # standard fields the engine cannot honour, with the values that ask for nothing
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-               "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+               "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
                "store": (None, False), "parallel_tool_calls": (None, True, False), "service_tier": (None, "auto", "default")}
 _TOOLS = ("tool and function calling are not supported: Directed Beam Search writes free text around the "
@@ -47,7 +47,6 @@ WHY_UNSUPPORTED = {
     "echo": "`echo` is not supported: the answer holds the generated text only",
     "best_of": "`best_of` is not supported: the search keeps `beams` (an extra field) and returns the best; "
                "`n` returns more than one",
-    "logit_bias": "`logit_bias` is not supported: the extra field `ban` keeps words out, `keywords` brings them in",
     "suffix": "`suffix` (insertion) is not supported: the text continues the prompt",
     "tools": _TOOLS, "tool_choice": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS,
     "response_format": "only `{\"type\": \"text\"}` is supported: the answer is free text, not JSON",
