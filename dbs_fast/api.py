@@ -222,7 +222,7 @@ class Batch:
         be = self.dbs.backend
         sentence_end = self.dbs.sentence_end if self.config.finishes else None
         return build_result(fin, self.config, be.decode_batch, be.eos_ids, sentence_end,
-                            dict(self.search.t.seconds), self.search.t.kv_bytes)
+                            dict(self.search.t.seconds), self.search.t.kv_bytes, be.decode_one)
 
     def run(self) -> list[GenerationResult]:
         """Every admitted request to its end; results in admission order."""

@@ -56,6 +56,7 @@ def parse_logit_bias(v: str) -> dict:
 
 
 LOGIT_BIAS_MAX = 100.0      # OpenAI's range for a logit bias: -100..100
+MAX_LOGPROBS = 20           # alternatives returned beside each token at most (OpenAI's top_logprobs)
 
 
 def logit_bias_pairs(value) -> tuple:
@@ -167,6 +168,10 @@ class DBSConfig:
                                "logits before the penalties and the temperature, as OpenAI's: a JSON object, "
                                "'{\"198\": -100}' (-100 bans the token, 100 all but forces it; the guide words' "
                                "boosts and forcing act after it; the scorer reads the model's own log-probs)")
+    logprobs: int | None = option(
+        None, int, "return each token's log-probability, the model's own at the sampling temperature (before "
+        "the penalties, the bias and the boosts, as the quality score reads it), with this many likeliest "
+        "alternatives at each place (0..20; default: none returned)")
     no_repeat_ngram_size: int = option(3, int,
                                        "ban repeating any n-gram of this size (0 = off)")
     no_repeat_word_window: int = option(5, int,
@@ -259,6 +264,8 @@ class DBSConfig:
             object.__setattr__(self, "logit_bias", logit_bias_pairs(() if self.logit_bias is None else self.logit_bias))
         except (TypeError, ValueError) as e:
             bad("logit_bias", str(e) if isinstance(e, ValueError) else "must be a JSON object of token ids and biases")
+        if self.logprobs is not None and not (_is_int(self.logprobs, 0) and self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in 0..{MAX_LOGPROBS} (the alternatives returned beside each token)")
         if not _is_int(self.no_repeat_ngram_size, 0):
             bad("no_repeat_ngram_size", "must be an integer >= 0 (0 = off)")
         if not _is_int(self.no_repeat_word_window, 0) or self.no_repeat_word_window == 1:

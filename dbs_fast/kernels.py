@@ -675,6 +675,40 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
                 out_logp[m] = x[chosen] * inv_temp - logz
 
 
+@njit(parallel=True, cache=True)
+def _top_tokens(logits, table_rows, K, out_ids, out_vals):
+    """The K largest logits of each row logits[table_rows[r]], largest first (ties: the lower
+    id first): one pass over the row with the K best kept in order (K is small)."""
+    V = logits.shape[1]
+    for r in prange(table_rows.shape[0]):
+        x = logits[table_rows[r]]
+        n = 0
+        for t in range(V):
+            v = x[t]
+            if n == K and not v > out_vals[r, K - 1]:
+                continue
+            j = min(n, K - 1)                    # insertion point, from the end
+            while j > 0 and v > out_vals[r, j - 1]:
+                out_vals[r, j] = out_vals[r, j - 1]
+                out_ids[r, j] = out_ids[r, j - 1]
+                j -= 1
+            out_vals[r, j] = v
+            out_ids[r, j] = t
+            n = min(n + 1, K)
+
+
+def top_tokens(logits: np.ndarray, K: int, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The K likeliest tokens of each row of `logits` (R, V) (with `rows`, of logits[rows[r]]):
+    ids (R, K) int64, largest logit first, and those logits (R, K) float32."""
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    table_rows = np.arange(len(logits)) if rows is None else np.asarray(rows, np.int64)
+    ids = np.zeros((len(table_rows), K), np.int64)
+    vals = np.full((len(table_rows), K), -np.inf, np.float32)
+    if K:
+        _top_tokens(logits, table_rows, K, ids, vals)
+    return ids, vals
+
+
 @dataclass(frozen=True)
 class StepRules:
     """What one step's draw obeys, built once per step by the search (`BeamSearch._draw`) and read

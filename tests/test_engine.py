@@ -73,6 +73,32 @@ def test_kv_reuse_gives_the_logprobs_of_a_full_recompute(dbs):
         assert all(p is not None for p in pos)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_are_the_models_own_with_its_likeliest_tokens(dbs, temperature):
+    """With `logprobs`, every token of the returned text (and of each beam) comes with the model's
+    own log-probability at the sampling temperature and its likeliest tokens there, as a forward
+    pass of the whole text computes them; the tokens' texts join into the text."""
+    cfg = replace(SMALL, logprobs=3, temperature=temperature)
+    result = dbs.generate("It is", KW, seed=5, config=cfg)
+    assert dbs.generate("It is", KW, seed=5).logprobs is None
+    request = dbs.request("It is", KW, None, 5, cfg)
+    be = dbs.backend
+    for tokens, text in [(result.logprobs, result.generated)] + [(b["logprobs"], None) for b in result.beams]:
+        ids = [e["id"] for e in tokens]
+        full = np.array([request.context_ids + ids])
+        logits, _ = be.model.forward(full, be.model.empty_cache(1))
+        scaled = logits[0, len(request.context_ids) - 1:-1] * np.float32(cfg.inv_temperature)
+        np.testing.assert_allclose([e["logprob"] for e in tokens], token_logprobs(scaled, np.array(ids)), atol=2e-4)
+        for e, row in zip(tokens, scaled):
+            want = np.argsort(-row, kind="stable")[:3]
+            assert [a["id"] for a in e["top"]] == list(want)
+            np.testing.assert_allclose([a["logprob"] for a in e["top"]], token_logprobs(row[None].repeat(3, 0), want),
+                                       atol=2e-4)
+            assert [a["token"] for a in e["top"]] == [be.decode_one(int(t)) for t in want]
+        if text is not None:
+            assert "".join(e["token"] for e in tokens) == text
+
+
 def test_select_best_keeps_top_cumulative_scores_per_request():
     cum = np.array([0.1, 0.9, 0.5, 0.7, 0.3, 0.2, 0.8, 0.7])
     req = np.array([0, 0, 0, 0, 1, 1, 1, 0])

@@ -886,6 +886,22 @@ def test_pytorch_baselines_logit_bias_draws_the_kernels_tokens():
         np.testing.assert_allclose(glp, wlp, atol=1e-4)
 
 
+@pytest.mark.parametrize("K", [1, 3, 20])
+def test_top_tokens_are_numpys_largest_logits(K):
+    """The `logprobs` alternatives: each row's K largest logits, largest first and ties by the
+    lower id (NumPy's stable sort), read through a row table as the decode step shares rows."""
+    rng, logits, *_ = _case(45)
+    logits[0, [5, 9, 2]] = 50.0                                      # ties at the top
+    logits[1, :] = -np.inf
+    logits[1, 7] = 0.0
+    rows = rng.integers(0, len(logits), 40)
+    ids, vals = kernels.top_tokens(logits, K, rows)
+    want = np.argsort(-logits[rows], axis=1, kind="stable")[:, :K]
+    assert np.array_equal(ids, want)
+    np.testing.assert_array_equal(vals, np.take_along_axis(logits[rows], want, 1))
+    assert kernels.top_tokens(logits, 0)[0].shape == (len(logits), 0)
+
+
 def test_presence_and_frequency_penalties_count_only_generated_tokens():
     """The reference's rule, which the kernel and the PyTorch baseline follow: a token the context
     holds is left alone, a generated one loses presence once and frequency per occurrence, after

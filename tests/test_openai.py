@@ -191,7 +191,8 @@ def test_n_asks_the_search_for_n_finished_answers(model_dir):
     assert given(n=2, finished=5)["finished"] == 5 and given().get("finished") is None
     beams = [{"text": t, "finished": f} for t, f in ((" a.", True), (" b.", True), (" c", False))]
     result = SimpleNamespace(generated=" a.", beams=beams, stopped="sentence", prompt_tokens=2, new_tokens=2,
-                             keywords=["river"], found={}, success_rate=1.0, seconds=0.1, candidate_tokens=9)
+                             keywords=["river"], found={}, success_rate=1.0, seconds=0.1, candidate_tokens=9,
+                             logprobs=None)
     choices = Reply(False, "m", [], 3).final([result])["choices"]
     assert [(c["text"], c["finish_reason"]) for c in choices] == [(" a.", "stop"), (" b.", "stop"), (" c", "length")]
 
@@ -272,7 +273,9 @@ def test_an_unknown_method_or_path_under_v1_is_openais_error_shape(server):
         assert r.status_code == status and r.json()["error"]["type"] == kind, r.text
 
 
-@pytest.mark.parametrize("kw,field", [({"logprobs": 2}, "logprobs"), ({"temperature": -0.5}, "temperature"),
+@pytest.mark.parametrize("kw,field", [({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
+                                      ({"logprobs": 1, "stream": True}, "logprobs"),
+                                      ({"temperature": -0.5}, "temperature"),
                                       ({"extra_body": {"keywords": "x", "store": True}}, "store"),
                                       ({"extra_body": {"keywords": "x", "service_tier": "flex"}}, "service_tier"),
                                       ({"presence_penalty": 2.5}, "presence_penalty"),
@@ -546,6 +549,34 @@ def test_logit_bias_is_honoured_at_every_door(client, server, model_dir):
     chat = client.chat.completions.create(model=_name(client), max_tokens=8, logit_bias={"13": 5}, extra_body=SMALL,
                                           messages=[{"role": "user", "content": "Hi"}])
     assert chat.choices[0].message.content
+
+
+def test_logprobs_come_in_openais_shapes(client, server):
+    """A completion's `logprobs` (the alternatives beside each token) and chat's `logprobs` with
+    `top_logprobs`: every choice's tokens join into its text, up to a stop sequence's cut, each
+    with its log-probability and that many likeliest tokens; /v1/generate returns the engine's own."""
+    kw = dict(model=_name(client), max_tokens=12, seed=6, extra_body={"keywords": "river", **SMALL})
+    r = client.completions.create(prompt="It is", logprobs=2, n=2, **kw)
+    for c in r.choices:
+        lp = c.logprobs
+        assert "".join(lp.tokens) == c.text and lp.text_offset[0] == 0 and len(lp.tokens) == len(lp.token_logprobs)
+        for tok, p, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert p <= 0 and len(top) in (2, 3) and top[tok] == p
+    cut = client.completions.create(prompt="It is", logprobs=0, stop=[r.choices[0].text[3:6]], **kw).choices[0]
+    assert "".join(cut.logprobs.tokens).startswith(cut.text)
+    assert len(cut.logprobs.tokens) <= len(r.choices[0].logprobs.tokens)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=3,
+                                          **kw).choices[0]
+    content = chat.logprobs.content
+    assert "".join(t.token for t in content) == chat.message.content
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob - 1e-5 and
+               bytes(t.bytes) == t.token.encode() for t in content)
+    unasked = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **kw).choices[0]
+    assert unasked.logprobs is None
+    plain = httpx.post(server.url + "/v1/generate", json={"context": "It is", "keywords": "river", "seed": 6,
+                                                          "max_new_tokens": 12, "logprobs": 2, **SMALL},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()
+    assert [e["token"] for e in plain["logprobs"]] == r.choices[0].logprobs.tokens
 
 
 def test_the_chat_door_starts_from_the_chat_preset(model_dir):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import DBSConfig
-from ..kernels import StepRules
+from ..kernels import StepRules, top_tokens
 from ..text import occurrence
 from ..text.constraints import Healing, Keyword
 from . import guidance, quality
@@ -101,6 +101,8 @@ class Draw:
     word: np.ndarray          # (R,) boost-table row guiding the row, -1 unguided
     force: np.ndarray         # (R,) forced token, -1 none
     n_done: np.ndarray        # (R,) the row's tokens before this one
+    alt_ids: np.ndarray       # (R, A) the likeliest tokens of the row's logits (`logprobs`; A = 0: none)
+    alt_logp: np.ndarray      # (R, A) their log-probabilities
 
 
 @dataclass(eq=False)
@@ -359,7 +361,8 @@ class BeamSearch:
         first = np.repeat(np.arange(len(requests)), per)      # step 1: b beams, b*s where openings seed some
         pending, cache = self.be.gather(pending, cache, first)
         self.scorer.admit(contexts, first)
-        rows = Rows.new(first + len(self.slots), 0 if self.rows is None else self.rows.tokens.shape[1], self.pad)
+        rows = Rows.new(first + len(self.slots), 0 if self.rows is None else self.rows.tokens.shape[1], self.pad,
+                        self.cfg.logprobs or 0)
         if self.rows is None:
             self.rows, self.pending, self.cache = rows, pending, cache
         else:
@@ -433,8 +436,7 @@ class BeamSearch:
         done, left = base + k - rows.col0, guidance.remaining(self.tables, rows, 0)   # once the chunk is in
         ahead = quality.on_time(self.cfg, done, left)
         boost_first = quality.boost_first(self.cfg, done, left)
-        rows.tokens = np.concatenate([rows.tokens, np.full((R, k), self.pad, np.int64)], axis=1)  # (R, L+k)
-        rows.logp = np.concatenate([rows.logp, np.zeros((R, k), np.float32)], axis=1)
+        rows.add_columns(k, self.pad)                                                          # (R, L+k)
         for j in range(k):
             d = self._draw(rows, seen, base + j, boost_first, ahead)
             live = self._append(rows, d, base + j)
@@ -460,7 +462,25 @@ class BeamSearch:
                           self.be.words if cfg.no_repeat_word_window else None, tb.min_p[rows.req],
                           greedy_ranks(rows, col, force) if cfg.temperature == 0 else None, hgen)
         ids, lp = self.be.sample(self.pending, uniforms(self.slots, rows.req), rules)
-        return Draw(ids, lp, rem, cand, word, force, n_done)
+        return Draw(ids, lp, rem, cand, word, force, n_done, *self._alternatives(ids, lp))
+
+    def _alternatives(self, ids: np.ndarray, lp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The `logprobs` likeliest tokens of every row's logits and their log-probs, the model's own
+        at the draw's temperature, as `lp` (its normaliser is the drawn token's logit less `lp`)."""
+        K = self.cfg.logprobs or 0
+        if not K:
+            return np.zeros((len(ids), 0), np.int64), np.zeros((len(ids), 0), np.float32)
+        logits, rows = self.pending, None
+        if hasattr(logits, "table"):                  # `backend.RowLogits`: each row's logits read where they lie
+            logits, rows = logits.table, logits.rows
+        if hasattr(logits, "cpu"):                    # a torch baseline's logits
+            logits = logits.float().cpu()
+        logits = np.asarray(logits, np.float32)
+        table_rows = np.arange(len(ids)) if rows is None else np.asarray(rows, np.int64)
+        top, raw = top_tokens(logits, K, table_rows)
+        inv_t = np.float32(self.cfg.inv_temperature)
+        logz = logits[table_rows, ids] * inv_t - lp
+        return top, (raw * inv_t - logz[:, None]).astype(np.float32)
 
     def _append(self, rows: Rows, d: Draw, col: int) -> np.ndarray:
         """Write the draw into column `col` of the rows that draw a real token (returned: `live`);
@@ -468,6 +488,7 @@ class BeamSearch:
         live = ~rows.ended & (d.n_done < self.cfg.max_new_tokens)
         d.ids = np.where(live, d.ids, self.pad)
         rows.tokens[:, col], rows.logp[:, col] = d.ids, d.logp
+        rows.alt_ids[:, col], rows.alt_logp[:, col] = d.alt_ids, d.alt_logp
         self.candidate_tokens += int(live.sum())
         rows.n_tok += live
         rows.ended |= live & np.isin(d.ids, self.eos)

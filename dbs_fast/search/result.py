@@ -47,6 +47,10 @@ class GenerationResult:
     #                               (b*s rows at every step: the plain schedule's)
     kv_cache_bytes: int = 0       # peak bytes of the batch's KV cache over its steps (0: not known)
     prompt_tokens: int = 0        # tokens of the context as the model read it
+    logprobs: list | None = None  # with the `logprobs` option, per token of `generated` (EOS left out): its
+    #                               id, text and log-probability (the model's own at the sampling temperature)
+    #                               and the likeliest tokens there, each {"id", "token", "logprob"}, as "top"
+    #                               (each beam in `beams` then has its own "logprobs" too)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,10 +121,29 @@ def pick(rule: str, beams: list[dict]) -> int:
     return max(pool, key=lambda j: (agreement(j), -j))
 
 
+def token_logprobs(rows: Rows, i: int, n: int, eos_ids, decode_one: Callable[[int], str], tail: int) -> list[dict]:
+    """Row i's first `n` generated tokens (a last EOS left out) as the `logprobs` option returns
+    them: each token's id, text (the first without the `tail` characters of the context it
+    re-writes) and log-prob, and its likeliest alternatives ("top": id, text, log-prob)."""
+    c = int(rows.col0[i])
+    ids = rows.tokens[i, c:c + n]
+    if n and int(ids[-1]) in set(eos_ids):
+        n -= 1
+    out = []
+    for j in range(n):
+        text = decode_one(int(ids[j]))
+        out.append({"id": int(ids[j]), "token": text[tail:] if j == 0 else text, "logprob": float(rows.logp[i, c + j]),
+                    "top": [{"id": int(a), "token": decode_one(int(a)), "logprob": float(lp)}
+                            for a, lp in zip(rows.alt_ids[i, c + j], rows.alt_logp[i, c + j])]})
+    return out
+
+
 def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], list[str]], eos_ids,
-                 sentence_end: np.ndarray | None, timings: dict, kv_bytes: int = 0) -> GenerationResult:
+                 sentence_end: np.ndarray | None, timings: dict, kv_bytes: int = 0,
+                 decode_one: Callable[[int], str] | None = None) -> GenerationResult:
     """The result of a request that left the batch: its best beam, trimmed, with its stats.
-    `sentence_end`: (V,) bool, needed with stop="sentence"."""
+    `sentence_end`: (V,) bool, needed with stop="sentence"; `decode_one` (one token's text, special
+    tokens written out), needed with `logprobs`."""
     rows, seconds, context, kws = fin.rows, fin.seconds, fin.request.context, fin.request.keywords
     tail = len(fin.request.heal.tail) if fin.request.heal else 0   # the healed context's end: not generated
 
@@ -186,8 +209,11 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
             chosen = ends_at[pick(cfg.pick, [beams[j] for j in ends_at])]
     beams.insert(0, beams.pop(chosen))
     best = beams[0]["row"]
+    asked = cfg.logprobs is not None
     for b in beams:
-        del b["row"]
+        row = b.pop("row")
+        if asked:
+            b["logprobs"] = token_logprobs(rows, row, int(rows.n_tok[row]), eos_ids, decode_one, tail)
     texts, found, cut = ending(best)
     n_gen = int(rows.n_tok[best])
     toks = rows.tokens[best, :n_gen]
@@ -208,4 +234,5 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
         beams=beams, seconds=seconds, tokens_per_second=n_gen / seconds,
         candidate_tokens_per_second=fin.candidate_tokens_per_second, candidate_tokens=fin.candidate_tokens,
         timings={**timings, "model_rows": fin.model_rows, "plain_row_steps": fin.plain_rows},
-        kv_cache_bytes=kv_bytes, prompt_tokens=len(fin.request.context_ids))
+        kv_cache_bytes=kv_bytes, prompt_tokens=len(fin.request.context_ids),
+        logprobs=token_logprobs(rows, best, n_gen, eos_ids, decode_one, tail) if asked else None)

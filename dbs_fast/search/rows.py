@@ -22,19 +22,23 @@ class Rows:
     fpos: np.ndarray          # (R,) next position in it
     glue: np.ndarray          # (R,) bool: a keyword ended at the last token (it must stay a word)
     col0: np.ndarray          # (R,) column of the row's first token: its request joined the batch then
+    alt_ids: np.ndarray       # (R, L, A) the A likeliest tokens at each of those columns (`logprobs`; A = 0: none)
+    alt_logp: np.ndarray      # (R, L, A) float32 their log-probabilities (the model's own, as `logp`)
 
     def take(self, idx: np.ndarray) -> "Rows":
         return Rows(*(getattr(self, f.name)[idx] for f in fields(self)))
 
     @staticmethod
-    def new(req: np.ndarray, width: int, pad: int, **given) -> "Rows":
-        """Fresh rows for requests `req` joining a batch whose token columns are `width` wide
-        (`given`: fields set otherwise, by name)."""
+    def new(req: np.ndarray, width: int, pad: int, alternatives: int = 0, **given) -> "Rows":
+        """Fresh rows for requests `req` joining a batch whose token columns are `width` wide, with
+        `alternatives` likeliest tokens kept per column (`given`: fields set otherwise, by name)."""
         n = len(req)
         fresh = dict(req=np.asarray(req), found=np.zeros(n, np.int64), cum=np.zeros(n), ended=np.zeros(n, bool),
                      tokens=np.full((n, width), pad, np.int64), logp=np.zeros((n, width), np.float32),
                      n_tok=np.zeros(n, np.int64), fseq=np.full(n, -1, np.int64), fpos=np.zeros(n, np.int64),
-                     glue=np.zeros(n, bool), col0=np.full(n, width, np.int64))
+                     glue=np.zeros(n, bool), col0=np.full(n, width, np.int64),
+                     alt_ids=np.zeros((n, width, alternatives), np.int64),
+                     alt_logp=np.zeros((n, width, alternatives), np.float32))
         return Rows(**{**fresh, **given})
 
     @staticmethod
@@ -47,14 +51,24 @@ class Rows:
         width = max(p.tokens.shape[1] for p in parts)
 
         def widen(a, fill):
-            return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)
+            return np.pad(a, ((0, 0), (0, width - a.shape[1])) + ((0, 0),) * (a.ndim - 2), constant_values=fill)
 
+        columns = column_fields(pad)
         return Rows.concat([Rows(**{**{f.name: getattr(p, f.name) for f in fields(Rows)},
-                                    "tokens": widen(p.tokens, pad), "logp": widen(p.logp, 0)}) for p in parts])
+                                    **{name: widen(getattr(p, name), fill) for name, fill in columns.items()}})
+                            for p in parts])
+
+    def add_columns(self, k: int, pad: int) -> None:
+        """k more token columns on the right (padding, log-probs 0)."""
+        for name, fill in column_fields(pad).items():
+            a = getattr(self, name)
+            setattr(self, name, np.concatenate([a, np.full((len(a), k) + a.shape[2:], fill, a.dtype)], axis=1))
 
     def drop_columns(self, c: int) -> None:
         """Forget the token columns before `c` (no row's tokens start before it)."""
-        self.tokens, self.logp, self.col0 = self.tokens[:, c:], self.logp[:, c:], self.col0 - c
+        for name in column_fields(0):
+            setattr(self, name, getattr(self, name)[:, c:])
+        self.col0 = self.col0 - c
 
     def final(self, budget: int) -> np.ndarray:
         """Rows whose text cannot go on: ended, or at the `budget` of new tokens (the others draw
@@ -64,3 +78,8 @@ class Rows:
     def generated(self, i: int) -> np.ndarray:
         """Row i's generated tokens (up to and including EOS)."""
         return self.tokens[i, self.col0[i]: self.col0[i] + self.n_tok[i]]
+
+
+def column_fields(pad: int) -> dict:
+    """The fields laid out by token column (R, L, ...), with what a new column holds."""
+    return {"tokens": pad, "logp": 0, "alt_ids": 0, "alt_logp": 0}

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..config import JSON_NAMES, preset
+from ..config import JSON_NAMES, MAX_LOGPROBS, preset
 from ..errors import DBSError
 from ..home import EMBEDDED_DIRS
 from ..search.result import GenerationResult
@@ -32,9 +32,9 @@ from .bodies import body_config, given_options, option_fields
 
 # the options sent as extra body fields (named by `config.door_name(.., "openai")`): all but those
 # OpenAI's standard fields set
-EXTRA = tuple(name for name in JSON_NAMES if name not in ("max_new_tokens", "temperature", "top_p"))
+EXTRA = tuple(name for name in JSON_NAMES if name not in ("max_new_tokens", "temperature", "top_p", "logprobs"))
 # standard fields the engine cannot honour, with the values that ask for nothing
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1),
                "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
                "store": (None, False), "parallel_tool_calls": (None, True, False), "service_tier": (None, "auto", "default")}
@@ -42,8 +42,6 @@ _TOOLS = ("tool and function calling are not supported: Directed Beam Search wri
           "keywords")
 # why each is refused, in the words a user can act on
 WHY_UNSUPPORTED = {
-    "logprobs": "per-token log-probabilities are not returned: Directed Beam Search returns its beams' texts",
-    "top_logprobs": "per-token log-probabilities are not returned: Directed Beam Search returns its beams' texts",
     "echo": "`echo` is not supported: the answer holds the generated text only",
     "best_of": "`best_of` is not supported: the search keeps `beams` (an extra field) and returns the best; "
                "`n` returns more than one",
@@ -73,6 +71,11 @@ def _common_fields(max_n: int) -> dict:
         "seed": (Optional[int], Field(None, description="0..2**63-1; the same seed gives the "
                                                                            "same text")),
         "stop": (Optional[Union[str, list[str]]], Field(None, description="up to 4 stop sequences")),
+        "logprobs": (Optional[Union[bool, int]], Field(None, description="chat: true to return each token's "
+                                                                        "log-probability; completions: the "
+                                                                        "alternatives returned beside each (0..20)")),
+        "top_logprobs": (Optional[int], Field(None, description="chat, with logprobs: the alternatives returned "
+                                                                 "beside each token (0..20)")),
         "user": (Optional[str], None),
         "metadata": (Optional[dict[str, str]], Field(None, description="read and not kept (nothing is stored)")),
         "keywords": (Optional[Union[str, list[str]]], Field(None, description='the words the text must contain: '
@@ -173,6 +176,7 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
             raise Refused(name, f"`{name}`: {WHY_UNSUPPORTED[name]}")
     if body.stream and body.n > 1:
         raise Refused("n", "`n` > 1 cannot be streamed: the beams are chosen at the end")
+    alternatives = logprobs_asked(body, chat)
     try:
         base, _ = preset(body.task, body.paper, chat)     # an unknown task, or two presets: a 400
     except DBSError as e:
@@ -194,7 +198,7 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
         if body.stream and len(contexts) > 1:
             raise Refused("stream", "`stream` takes one prompt; send a list of prompts unstreamed")
     given = given_options(body, "openai", EXTRA)
-    given.update(temperature=body.temperature, top_p=body.top_p,
+    given.update(temperature=body.temperature, top_p=body.top_p, logprobs=alternatives,
                  max_new_tokens=body.max_tokens if body.max_tokens is not None else body.max_completion_tokens)
     beams = base.beams if given.get("beams") is None else given["beams"]
     if beams >= 1 and body.n > beams:                # (beams < 1 is refused with the config, naming beams)
@@ -205,6 +209,32 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
             "seed": 0 if body.seed is None else body.seed, "given": given, "base": base, "timeout": body.timeout,
             "stream": body.stream, "door": "openai", "context_field": "messages" if chat else "prompt",
             "stops": stops}
+
+
+def logprobs_asked(body, chat: bool) -> int | None:
+    """The alternatives a body asks for beside each token's log-probability (None: no
+    log-probabilities): chat's `logprobs` (true or false) and `top_logprobs`, a completion's
+    `logprobs` (an integer; OpenAI's takes up to 5, vLLM's up to 20). Not streamed."""
+    lp, top = body.logprobs, body.top_logprobs
+    if chat:
+        if lp is not None and not isinstance(lp, bool):
+            raise Refused("logprobs", "`logprobs` takes true or false here (`top_logprobs` the alternatives)")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise Refused("top_logprobs", f"`top_logprobs` takes an integer in 0..{MAX_LOGPROBS}")
+        if top and not lp:
+            raise Refused("top_logprobs", "`top_logprobs` needs `logprobs: true`")
+        asked = (top or 0) if lp else None
+    else:
+        if top:
+            raise Refused("top_logprobs", "`top_logprobs` is chat's: a completion's `logprobs` is the number of "
+                                          "alternatives")
+        if lp is not None and (isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):
+            raise Refused("logprobs", f"`logprobs` takes an integer in 0..{MAX_LOGPROBS} here: the alternatives "
+                                      f"returned beside each token")
+        asked = lp
+    if asked is not None and body.stream:
+        raise Refused("logprobs", "log-probabilities are not streamed: ask without `stream`")
+    return asked
 
 
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -261,6 +291,7 @@ class Reply:
     def _choices(self, result: GenerationResult) -> list[dict]:
         """Up to n distinct choices of one result: the winner, then the other beams."""
         texts = [result.generated] + [b["text"] for b in result.beams[1:]]
+        tokens = [result.logprobs] + [b.get("logprobs") for b in result.beams[1:]]
         seen, choices = set(), []
         for i, t in enumerate(texts):
             text, cut = cut_at_stop(t, self.stops)
@@ -269,11 +300,34 @@ class Reply:
             seen.add(text)
             stopped = result.stopped if i == 0 else "sentence" if result.beams[i]["finished"] else "max"
             finish = self._finish(stopped, cut)
-            choices.append({"index": len(choices), "finish_reason": finish, "logprobs": None,
+            choices.append({"index": len(choices), "finish_reason": finish, "logprobs": self._logprobs(tokens[i], text),
                             **({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})})
             if len(choices) == self.n:
                 break
         return choices
+
+    def _logprobs(self, tokens: list | None, text: str) -> dict | None:
+        """A choice's `logprobs` in OpenAI's shape (chat's `content`, or a completion's `tokens`,
+        `token_logprobs`, `top_logprobs` with the token itself among them, `text_offset`), for the
+        tokens that begin inside `text` (a stop sequence may have cut it); None where none were asked."""
+        if tokens is None:
+            return None
+        kept, at = [], 0
+        for e in tokens:
+            if at >= len(text):
+                break
+            kept.append((at, e))
+            at += len(e["token"])
+        if self.chat:
+            def entry(e):
+                return {"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode())}
+
+            return {"content": [{**entry(e), "top_logprobs": [entry(a) for a in e["top"]]} for _, e in kept],
+                    "refusal": None}
+        return {"tokens": [e["token"] for _, e in kept], "token_logprobs": [e["logprob"] for _, e in kept],
+                "top_logprobs": [{**{a["token"]: a["logprob"] for a in e["top"]}, e["token"]: e["logprob"]}
+                                 for _, e in kept],
+                "text_offset": [at for at, _ in kept]}
 
     def _chunk(self, delta: str | None, finish: str | None = None, role: bool = False) -> str:
         if self.chat:
