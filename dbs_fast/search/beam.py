@@ -477,7 +477,8 @@ class BeamSearch:
             logits = logits.float().cpu()
         logits = np.asarray(logits, np.float32)
         table_rows = np.arange(len(ids)) if rows is None else np.asarray(rows, np.int64)
-        top, raw = top_tokens(logits, K, table_rows)
+        once, row = np.unique(table_rows, return_inverse=True)       # rows that share logits share their top
+        top, raw = (a[row.reshape(-1)] for a in top_tokens(logits, K, once))
         inv_t = np.float32(self.cfg.inv_temperature)
         logz = logits[table_rows, ids] * inv_t - lp
         return top, (raw * inv_t - logz[:, None]).astype(np.float32)
