@@ -73,11 +73,14 @@ def test_kv_reuse_gives_the_logprobs_of_a_full_recompute(dbs):
         assert all(p is not None for p in pos)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_are_the_models_own_with_its_likeliest_tokens(dbs, temperature):
+@pytest.mark.parametrize("temperature,second_scorer", [(1.0, False), (0.7, False), (0.7, True)])
+def test_logprobs_are_the_models_own_with_its_likeliest_tokens(dbs, exported, temperature, second_scorer):
     """With `logprobs`, every token of the returned text (and of each beam) comes with the model's
     own log-probability at the sampling temperature and its likeliest tokens there, as a forward
-    pass of the whole text computes them; the tokens' texts join into the text."""
+    pass of the whole text computes them, whatever scores the chunks (a second LM reads them at
+    temperature 1); the tokens' texts join into the text."""
+    if second_scorer:
+        dbs = DirectedBeamSearch(exported["gpt2"], config=SMALL, scorer=str(exported["gpt2"]))
     cfg = replace(SMALL, logprobs=3, temperature=temperature)
     result = dbs.generate("It is", KW, seed=5, config=cfg)
     assert dbs.generate("It is", KW, seed=5).logprobs is None

@@ -101,8 +101,8 @@ class Draw:
     word: np.ndarray          # (R,) boost-table row guiding the row, -1 unguided
     force: np.ndarray         # (R,) forced token, -1 none
     n_done: np.ndarray        # (R,) the row's tokens before this one
-    alt_ids: np.ndarray       # (R, A) the likeliest tokens of the row's logits (`logprobs`; A = 0: none)
-    alt_logp: np.ndarray      # (R, A) their log-probabilities
+    alt_ids: np.ndarray       # (R, 1 + K) with `logprobs` K: the drawn token, then the K likeliest (else (R, 0))
+    alt_logp: np.ndarray      # (R, 1 + K) their log-probabilities, the model's own
 
 
 @dataclass(eq=False)
@@ -362,7 +362,7 @@ class BeamSearch:
         pending, cache = self.be.gather(pending, cache, first)
         self.scorer.admit(contexts, first)
         rows = Rows.new(first + len(self.slots), 0 if self.rows is None else self.rows.tokens.shape[1], self.pad,
-                        self.cfg.logprobs or 0)
+                        0 if self.cfg.logprobs is None else 1 + self.cfg.logprobs)
         if self.rows is None:
             self.rows, self.pending, self.cache = rows, pending, cache
         else:
@@ -465,11 +465,12 @@ class BeamSearch:
         return Draw(ids, lp, rem, cand, word, force, n_done, *self._alternatives(ids, lp))
 
     def _alternatives(self, ids: np.ndarray, lp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The `logprobs` likeliest tokens of every row's logits and their log-probs, the model's own
-        at the draw's temperature, as `lp` (its normaliser is the drawn token's logit less `lp`)."""
-        K = self.cfg.logprobs or 0
-        if not K:
+        """With `logprobs` K: each row's drawn token, then the K likeliest tokens of its logits, and
+        their log-probs, the model's own at the draw's temperature, as `lp` (the drawn token's: its
+        normaliser is the drawn token's logit less `lp`), kept apart from a second-LM scorer's."""
+        if self.cfg.logprobs is None:
             return np.zeros((len(ids), 0), np.int64), np.zeros((len(ids), 0), np.float32)
+        K = self.cfg.logprobs
         logits, rows = self.pending, None
         if hasattr(logits, "table"):                  # `backend.RowLogits`: each row's logits read where they lie
             logits, rows = logits.table, logits.rows
@@ -481,7 +482,8 @@ class BeamSearch:
         top, raw = (a[row.reshape(-1)] for a in top_tokens(logits, K, once))
         inv_t = np.float32(self.cfg.inv_temperature)
         logz = logits[table_rows, ids] * inv_t - lp
-        return top, (raw * inv_t - logz[:, None]).astype(np.float32)
+        return (np.column_stack([ids, top]).astype(np.int64),
+                np.column_stack([lp, raw * inv_t - logz[:, None]]).astype(np.float32))
 
     def _append(self, rows: Rows, d: Draw, col: int) -> np.ndarray:
         """Write the draw into column `col` of the rows that draw a real token (returned: `live`);

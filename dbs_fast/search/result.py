@@ -132,9 +132,10 @@ def token_logprobs(rows: Rows, i: int, n: int, eos_ids, decode_one: Callable[[in
     out = []
     for j in range(n):
         text = decode_one(int(ids[j]))
-        out.append({"id": int(ids[j]), "token": text[tail:] if j == 0 else text, "logprob": float(rows.logp[i, c + j]),
+        own, top = rows.alt_logp[i, c + j], rows.alt_ids[i, c + j]      # the drawn token, then the likeliest
+        out.append({"id": int(ids[j]), "token": text[tail:] if j == 0 else text, "logprob": float(own[0]),
                     "top": [{"id": int(a), "token": decode_one(int(a)), "logprob": float(lp)}
-                            for a, lp in zip(rows.alt_ids[i, c + j], rows.alt_logp[i, c + j])]})
+                            for a, lp in zip(top[1:], own[1:])]})
     return out
 
 

@@ -22,8 +22,10 @@ class Rows:
     fpos: np.ndarray          # (R,) next position in it
     glue: np.ndarray          # (R,) bool: a keyword ended at the last token (it must stay a word)
     col0: np.ndarray          # (R,) column of the row's first token: its request joined the batch then
-    alt_ids: np.ndarray       # (R, L, A) the A likeliest tokens at each of those columns (`logprobs`; A = 0: none)
-    alt_logp: np.ndarray      # (R, L, A) float32 their log-probabilities (the model's own, as `logp`)
+    alt_ids: np.ndarray       # (R, L, 1 + K) with `logprobs` K, at each column the drawn token, then the K
+    #                           likeliest there (else (R, L, 0))
+    alt_logp: np.ndarray      # (R, L, 1 + K) float32 their log-probabilities, the model's own (`logp` holds a
+    #                           second-LM scorer's where there is one)
 
     def take(self, idx: np.ndarray) -> "Rows":
         return Rows(*(getattr(self, f.name)[idx] for f in fields(self)))
@@ -31,7 +33,7 @@ class Rows:
     @staticmethod
     def new(req: np.ndarray, width: int, pad: int, alternatives: int = 0, **given) -> "Rows":
         """Fresh rows for requests `req` joining a batch whose token columns are `width` wide, with
-        `alternatives` likeliest tokens kept per column (`given`: fields set otherwise, by name)."""
+        `alternatives` tokens kept per column (`alt_ids`; `given`: fields set otherwise, by name)."""
         n = len(req)
         fresh = dict(req=np.asarray(req), found=np.zeros(n, np.int64), cum=np.zeros(n), ended=np.zeros(n, bool),
                      tokens=np.full((n, width), pad, np.int64), logp=np.zeros((n, width), np.float32),
