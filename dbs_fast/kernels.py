@@ -187,7 +187,7 @@ def _raw(x, t, bias_ids, bias_vals):
     return x[t] + bias_vals[j] if j < bias_ids.shape[0] and bias_ids[j] == t else x[t]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _bias(x, s, inv_temp, bias_ids, bias_vals, top):
     """The logit bias into `s` (scaled logits, whose max is `top`), on the raw logits before the
     penalties (OpenAI's `logit_bias`, in vLLM's order); returns the row's new max (a negative bias
