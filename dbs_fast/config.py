@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
+from functools import cached_property
 from keyword import iskeyword
 
 import numpy as np
@@ -335,9 +336,10 @@ class DBSConfig:
         return (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0 or self.no_repeat_word_window > 0
                 or self.presence_penalty != 0 or self.frequency_penalty != 0)
 
-    @property
+    @cached_property
     def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """The logit bias as the kernel reads it: token ids ascending (int32) and their biases (float32)."""
+        """The logit bias as the kernel reads it, built once per config (every draw reads it): token
+        ids ascending (int32) and their biases (float32)."""
         return (np.array([t for t, _ in self.logit_bias], np.int32),
                 np.array([b for _, b in self.logit_bias], np.float32))
 

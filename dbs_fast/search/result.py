@@ -3,6 +3,7 @@ where each keyword landed, and the stats of its run. Built from the scheduler's 
 with the tables it needs passed in (the detokeniser, the EOS ids, the sentence-end tokens)."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -121,7 +122,8 @@ def pick(rule: str, beams: list[dict]) -> int:
     return max(pool, key=lambda j: (agreement(j), -j))
 
 
-def token_logprobs(rows: Rows, i: int, n: int, eos_ids, decode_one: Callable[[int], str], tail: int) -> list[dict]:
+def tokens_with_logprobs(rows: Rows, i: int, n: int, eos_ids, decode_one: Callable[[int], str],
+                         tail: int) -> list[dict]:
     """Row i's first `n` generated tokens (a last EOS left out) as the `logprobs` option returns
     them: each token's id, text (the first without the `tail` characters of the context it
     re-writes) and log-prob, and its likeliest alternatives ("top": id, text, log-prob)."""
@@ -211,10 +213,11 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
     beams.insert(0, beams.pop(chosen))
     best = beams[0]["row"]
     asked = cfg.logprobs is not None
+    token_text = functools.cache(decode_one) if asked else None      # beams share most of their tokens
     for b in beams:
         row = b.pop("row")
         if asked:
-            b["logprobs"] = token_logprobs(rows, row, int(rows.n_tok[row]), eos_ids, decode_one, tail)
+            b["logprobs"] = tokens_with_logprobs(rows, row, int(rows.n_tok[row]), eos_ids, token_text, tail)
     texts, found, cut = ending(best)
     n_gen = int(rows.n_tok[best])
     toks = rows.tokens[best, :n_gen]
@@ -236,4 +239,4 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
         candidate_tokens_per_second=fin.candidate_tokens_per_second, candidate_tokens=fin.candidate_tokens,
         timings={**timings, "model_rows": fin.model_rows, "plain_row_steps": fin.plain_rows},
         kv_cache_bytes=kv_bytes, prompt_tokens=len(fin.request.context_ids),
-        logprobs=token_logprobs(rows, best, n_gen, eos_ids, decode_one, tail) if asked else None)
+        logprobs=beams[0]["logprobs"][:n_gen] if asked else None)     # the returned beam's, as trimmed
