@@ -6,6 +6,7 @@ to `Batch`; whether a request fits is `preflight`'s to say. An embedded model is
 first use (`resolve_model_dir`): the one call the runtime makes into `export/`."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +23,13 @@ from .numba_runtime import set_threads
 from .preflight import decode_window
 from .request import RequestBuilder, parse_constraints  # noqa: F401  (parse_constraints: part of the API)
 from .scorer import OnnxScorer, SelfScorer
-from .search.beam import BeamSearch, Finished, Request, certain_text
-from .search.result import GenerationResult, build_result, json_safe  # noqa: F401  (json_safe: part of the API)
+from .search.beam import BeamSearch, Finished, Request, certain_span, certain_text
+from .search.result import (  # noqa: F401  (json_safe: part of the API)
+    GenerationResult,
+    build_result,
+    json_safe,
+    tokens_with_logprobs,
+)
 from .text import occurrence
 from .text.embeddings import Embeddings, SimilarityTable
 
@@ -233,3 +239,17 @@ class Batch:
         already certain (`search.beam.certain_text`)."""
         return [(r, certain_text(self.search, q)) for q, r in enumerate(self.requests)
                 if wanted is None or wanted(r)]
+
+    def certain_logprobs(self, wanted=None) -> list[tuple[Request, list[dict]]]:
+        """Per request in the batch (those for which `wanted(request)` holds): the `logprobs` entries
+        of its certain tokens (`search.result.tokens_with_logprobs`), what a stream sends beside the
+        certain text; empty lists unless the config asks for `logprobs`."""
+        out, be = [], self.dbs.backend
+        token_text = functools.cache(be.decode_one)
+        for q, r in enumerate(self.requests):
+            if wanted is None or wanted(r):
+                rows, i, n = certain_span(self.search, q)
+                asked = self.config.logprobs is not None and n
+                out.append((r, tokens_with_logprobs(rows, i, n, be.eos_ids, token_text, self.search.tables.tail[q])
+                            if asked else []))
+        return out

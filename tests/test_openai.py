@@ -155,6 +155,38 @@ def test_a_fixed_lag_streams_text_before_the_end_and_joins_to_the_same_text(clie
     assert early > 0
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_logprobs_join_to_the_unstreamed_answers(client, chat):
+    """With `logprobs`, each chunk carries the entries of the tokens its text begins, so the
+    chunks' entries joined are the non-streamed choice's, and some come before the last chunk."""
+    early = 0
+    for seed in range(3):
+        kw = dict(model=_name(client), max_tokens=24, seed=seed,
+                  extra_body={"keywords": ["colony", "mouth"], "stream_lag": 1, **SMALL})
+        if chat:
+            kw.update(messages=[{"role": "user", "content": "Go"}], logprobs=True, top_logprobs=2)
+            whole = client.chat.completions.create(**kw).choices[0]
+            want = [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in whole.logprobs.content]
+            chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+            got = [[(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in c.logprobs.content]
+                   for c in chunks if c.logprobs]
+            text = "".join(c.delta.content or "" for c in chunks)
+            assert text == whole.message.content
+        else:
+            kw.update(prompt="It is", logprobs=2)
+            whole = client.completions.create(**kw).choices[0]
+            lp = whole.logprobs
+            want = list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset))
+            chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+            got = [list(zip(c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs,
+                            c.logprobs.text_offset)) for c in chunks if c.logprobs]
+            assert "".join(c.text for c in chunks) == whole.text
+        assert [e for part in got for e in part] == want
+        assert all(c.logprobs is not None for c in chunks if (c.delta.content if chat else c.text))
+        early += sum(len(part) for part in got[:-1])
+    assert early > 0
+
+
 def test_a_stream_without_a_lag_takes_the_services_default(client):
     from dbs_fast.serving.service import STREAM_LAG
 
@@ -274,7 +306,6 @@ def test_an_unknown_method_or_path_under_v1_is_openais_error_shape(server):
 
 
 @pytest.mark.parametrize("kw,field", [({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
-                                      ({"logprobs": 1, "stream": True}, "logprobs"),
                                       ({"temperature": -0.5}, "temperature"),
                                       ({"extra_body": {"keywords": "x", "store": True}}, "store"),
                                       ({"extra_body": {"keywords": "x", "service_tier": "flex"}}, "service_tier"),

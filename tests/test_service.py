@@ -158,6 +158,22 @@ def test_stream_sends_certain_text_per_chunk_then_the_result(server):
     assert plain["generated"] == final["generated"]
 
 
+def test_a_streams_chunks_carry_their_certain_tokens_logprobs_when_asked(server):
+    """With `logprobs`, each `chunk` event holds its certain tokens' entries: a prefix of the
+    result's `logprobs`, growing with the text; without, no chunk has the field."""
+    body = {"context": "It is", "keywords": "colony,enemy", "seed": 1, **SMALL, "stream": True, "stop": "max",
+            "stream_lag": 1, "logprobs": 2}
+    with httpx.stream("POST", server.url + "/v1/generate", json=body, timeout=60) as r:
+        ev = events(r.iter_lines())
+    final, chunks = ev[-1][1], [p for k, p in ev[:-1]]
+    assert any(c["logprobs"] for c in chunks)
+    for c in chunks:
+        assert c["logprobs"] == final["logprobs"][:len(c["logprobs"])]
+        assert "".join(e["token"] for e in c["logprobs"]).startswith(c["text"])
+    with httpx.stream("POST", server.url + "/v1/generate", json={**body, "logprobs": None}, timeout=60) as r:
+        assert all("logprobs" not in p for k, p in events(r.iter_lines()) if k == "chunk")
+
+
 def test_metrics_and_health(server):
     h = httpx.get(server.url + "/health").json()
     assert h["status"] == "ready" and h["max_rows"] == 24

@@ -160,21 +160,33 @@ def _keep_new(rows: Rows, pool: list, keys: set) -> None:
         pool.append(part)
 
 
-def certain_text(search: "BeamSearch", q: int) -> str:
-    """Text of request q of a running `search` that no later chunk can change: the common prefix
-    of its beams' tokens (with stop="sentence", up to its last sentence end: a result can be
-    trimmed back to one), decoded without a trailing partial character. What streams send."""
+def certain_span(search: "BeamSearch", q: int) -> tuple[Rows | None, int, int]:
+    """Where request q's certain tokens lie (`certain_text`): a row holding them (rows, index; None
+    where the request has none) and how many there are."""
     rows, be = search.rows, search.be
-    seqs = [rows.generated(i) for i in np.flatnonzero(rows.req == q)]
-    seqs += [p.generated(i) for p in search.slots[q].pool for i in range(len(p.req))]   # set aside: returnable
+    sources = [(rows, i) for i in np.flatnonzero(rows.req == q)]
+    sources += [(p, i) for p in search.slots[q].pool for i in range(len(p.req))]   # set aside: returnable
+    if not sources:
+        return None, 0, 0
+    seqs = [r.generated(i) for r, i in sources]
     context = search.slots[q].request.context
 
     def is_end(n: int) -> bool:
         return occurrence.ends_a_sentence_here(context + be.decode_batch([seqs[0][:n]])[0])
 
     n = certain_length(seqs, search.sentence_end if search.cfg.finishes else None, is_end)
-    n = max(n, search.slots[q].committed) if seqs else 0   # committed: every row and candidate starts with it
-    return be.decode_batch([seqs[0][:n]])[0][search.tables.tail[q]:].rstrip("\ufffd") if n else ""
+    n = max(n, search.slots[q].committed)   # committed: every row and candidate starts with it
+    return sources[0][0], int(sources[0][1]), n
+
+
+def certain_text(search: "BeamSearch", q: int) -> str:
+    """Text of request q of a running `search` that no later chunk can change: the common prefix
+    of its beams' tokens (with stop="sentence", up to its last sentence end: a result can be
+    trimmed back to one), decoded without a trailing partial character. What streams send."""
+    rows, i, n = certain_span(search, q)
+    if not n:
+        return ""
+    return search.be.decode_batch([rows.generated(i)[:n]])[0][search.tables.tail[q]:].rstrip("\ufffd")
 
 
 def uniforms(slots: list, req: np.ndarray) -> np.ndarray:

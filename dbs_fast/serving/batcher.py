@@ -215,7 +215,10 @@ class Batcher:
         before, t0, moved = batch.candidate_tokens, time.perf_counter(), self._moved()
         try:
             done = batch.decode_chunk()
-            partial = batch.certain(lambda r: self.jobs[id(r)].stream)
+            def streamed(r):
+                return self.jobs[id(r)].stream
+            partial = batch.certain(streamed)
+            tokens = {id(r): t for r, t in batch.certain_logprobs(streamed)} if cfg.logprobs is not None else {}
         except Exception as e:                # noqa: BLE001 -- the loop survives; this batch's jobs fail
             for r in batch.requests:
                 self._finish(self.jobs.pop(id(r)), "error", (500, f"generation failed: {type(e).__name__}: {e}"))
@@ -226,9 +229,11 @@ class Batcher:
         for r, text in partial:
             job = self.jobs[id(r)]
             job.chunks += 1
-            job.send("chunk", {"chunk": job.chunks, "text": text,
-                               "found": [k.text for k in r.keywords
-                                                                  if occurrence.count(text, k, rule=cfg.match) > 0]})
+            event = {"chunk": job.chunks, "text": text,
+                     "found": [k.text for k in r.keywords if occurrence.count(text, k, rule=cfg.match) > 0]}
+            if id(r) in tokens:
+                event["logprobs"] = tokens[id(r)]        # the certain tokens', as the result's `logprobs`
+            job.send("chunk", event)
         for r, result in done:
             job = self.jobs.pop(id(r))
             self.latencies.append(time.perf_counter() - job.submitted)

@@ -214,7 +214,7 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
 def logprobs_asked(body, chat: bool) -> int | None:
     """The alternatives a body asks for beside each token's log-probability (None: no
     log-probabilities): chat's `logprobs` (true or false) and `top_logprobs`, a completion's
-    `logprobs` (an integer; OpenAI's takes up to 5, vLLM's up to 20). Not streamed."""
+    `logprobs` (an integer; OpenAI's takes up to 5, vLLM's up to 20); streamed with the text."""
     lp, top = body.logprobs, body.top_logprobs
     if chat:
         if lp is not None and not isinstance(lp, bool):
@@ -232,8 +232,6 @@ def logprobs_asked(body, chat: bool) -> int | None:
             raise Refused("logprobs", f"`logprobs` takes an integer in 0..{MAX_LOGPROBS} here: the alternatives "
                                       f"returned beside each token")
         asked = lp
-    if asked is not None and body.stream:
-        raise Refused("logprobs", "log-probabilities are not streamed: ask without `stream`")
     return asked
 
 
@@ -260,7 +258,7 @@ class Reply:
         self.chat, self.model, self.stops, self.n = chat, model, stops, n
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.sent = ""
+        self.sent, self.tokens_sent = "", 0       # a stream's text and log-prob entries sent so far
 
     def _finish(self, stopped: str, cut: bool) -> str:
         return "stop" if cut or stopped in ("sentence", "eos", "trimmed") else "length"
@@ -306,10 +304,11 @@ class Reply:
                 break
         return choices
 
-    def _logprobs(self, tokens: list | None, text: str) -> dict | None:
+    def _logprobs(self, tokens: list | None, text: str, first: int = 0) -> dict | None:
         """A choice's `logprobs` in OpenAI's shape (chat's `content`, or a completion's `tokens`,
         `token_logprobs`, `top_logprobs` with the token itself among them, `text_offset`), for the
-        tokens that begin inside `text` (a stop sequence may have cut it); None where none were asked."""
+        tokens that begin inside `text` (a stop sequence may have cut it) from the `first` on; None
+        where none were asked."""
         if tokens is None:
             return None
         kept, at = [], 0
@@ -318,6 +317,7 @@ class Reply:
                 break
             kept.append((at, e))
             at += len(e["token"])
+        kept = kept[first:]
         if self.chat:
             def entry(e):
                 return {"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode())}
@@ -329,14 +329,24 @@ class Reply:
                                  for _, e in kept],
                 "text_offset": [at for at, _ in kept]}
 
-    def _chunk(self, delta: str | None, finish: str | None = None, role: bool = False) -> str:
+    def _streamed_logprobs(self, tokens: list | None) -> dict | None:
+        """The `logprobs` of a stream's chunk: the tokens that begin inside the text sent so far and
+        were not sent before (so the chunks' entries, joined, are the unstreamed answer's)."""
+        if tokens is None:
+            return None
+        out = self._logprobs(tokens, self.sent, self.tokens_sent)
+        self.tokens_sent += len(out["content" if self.chat else "tokens"])
+        return out
+
+    def _chunk(self, delta: str | None, finish: str | None = None, role: bool = False,
+               logprobs: dict | None = None) -> str:
         if self.chat:
             d = {"role": "assistant"} if role else {}
             if delta:
                 d["content"] = delta
-            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": [choice]}
         return f"data: {json.dumps(obj)}\n\n"
@@ -344,20 +354,22 @@ class Reply:
     def start(self) -> str | None:
         return self._chunk(None, role=True) if self.chat else None
 
-    def certain(self, text: str) -> str | None:
-        """A chunk with the new certain text, if any: appended to what was sent, never revised."""
+    def certain(self, text: str, tokens: list | None = None) -> str | None:
+        """A chunk with the new certain text, if any: appended to what was sent, never revised;
+        with `tokens` (the certain tokens' `logprobs` entries, where asked) those it begins."""
         text = safe_prefix(text, self.stops)
         if len(text) <= len(self.sent) or not text.startswith(self.sent):
             return None
         delta, self.sent = text[len(self.sent):], text
-        return self._chunk(delta)
+        return self._chunk(delta, logprobs=self._streamed_logprobs(tokens))
 
     def end(self, result: GenerationResult, include_usage: bool) -> list[str]:
-        """The rest of the winning beam with its finish reason, the usage if asked, then [DONE]."""
+        """The rest of the winning beam with its finish reason (and its tokens' log-probs where
+        asked), the usage if asked, then [DONE]."""
         text, cut = cut_at_stop(result.generated, self.stops)
         rest = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent += rest
-        out = [self._chunk(rest, self._finish(result.stopped, cut))]
+        out = [self._chunk(rest, self._finish(result.stopped, cut), logprobs=self._streamed_logprobs(result.logprobs))]
         if include_usage:
             obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                    "created": self.created, "model": self.model, "choices": [], "usage": self.usage(result),

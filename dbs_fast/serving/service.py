@@ -422,7 +422,7 @@ class Endpoints:
             while True:
                 kind, payload = await events.get()
                 if kind == "chunk":
-                    piece = reply.certain(payload["text"])
+                    piece = reply.certain(payload["text"], payload.get("logprobs"))
                     if piece:
                         yield piece
                     continue
