@@ -187,6 +187,32 @@ def test_streamed_logprobs_join_to_the_unstreamed_answers(client, chat):
     assert early > 0
 
 
+def test_echo_starts_each_choice_with_its_prompt_streamed_or_not(client, model_dir):
+    """A completion's `echo`: every choice's text is its prompt then the same generated text
+    (a list of prompts each its own, token ids their text); streamed, the prompt is the first
+    chunk. With `logprobs` it is refused, naming `echo`; chat refuses it."""
+    kw = dict(model=_name(client), max_tokens=12, seed=4, n=2, extra_body={"keywords": "river", **SMALL})
+    plain = client.completions.create(prompt="It is", **kw).choices
+    echoed = client.completions.create(prompt="It is", echo=True, **kw).choices
+    assert [c.text for c in echoed] == ["It is" + c.text for c in plain]
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode("The doctor", add_special_tokens=False).ids
+    both = client.completions.create(prompt=[ids, ids], echo=True, **{**kw, "n": 1}).choices
+    assert both[0].text.startswith("The doctor") and both[0].text == both[1].text
+    one = {**kw, "n": 1}
+    chunks = [c.choices[0].text for c in client.completions.create(prompt="It is", echo=True, stream=True, **one)
+              if c.choices]
+    assert chunks[0] == "It is" and "".join(chunks) == echoed[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt="It is", echo=True, logprobs=1, **one)
+    assert e.value.body["param"] == "echo", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], extra_body={"echo": True},
+                                       **{k: v for k, v in one.items() if k != "extra_body"})
+    assert e.value.body["param"] == "echo", e.value.body
+
+
 def test_a_stream_without_a_lag_takes_the_services_default(client):
     from dbs_fast.serving.service import STREAM_LAG
 

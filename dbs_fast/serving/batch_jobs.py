@@ -204,7 +204,7 @@ class BatchJob:
                 args = oa.job_arguments(body, svc.opts.model, svc.dbs.config.beams,
                                         svc.dbs.chat_template if chat else None, chat,
                                         tokenizer=svc.dbs.backend.tokenizer)
-                reply = oa.Reply(chat, body.model, args.pop("stops"), body.n)
+                reply = oa.Reply.answering(body, chat, args.pop("stops"))
                 job = svc.make_job(context=args.pop("contexts")[0], **args)
         except oa.Refused as e:
             return e.body()["error"]

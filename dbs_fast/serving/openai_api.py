@@ -3,7 +3,8 @@
 The standard fields map onto the engine's: `prompt` (or `messages`, through the model's chat
 template) is the context (token ids: the text they decode to; a list of prompts: a job each, their
 choices in one answer),
-`max_tokens` is `max_new_tokens`, `temperature`, `top_p` and `seed` are the engine's, `stop` cuts the text at the first stop sequence, `n` returns that many
+`max_tokens` is `max_new_tokens`, `temperature`, `top_p` and `seed` are the engine's, `stop` cuts the text at the
+first stop sequence, a completion's `echo` puts the prompt before its text, `n` returns that many
 distinct beams (with the engine's `stop_at: sentence` or `eos`, n finished answers: `finished` is
 raised to n). The constraints and every DBS option are extra body fields (the SDK's `extra_body`), named
 as in /v1/generate: `keywords`, `ban`, `order`, `guarantee`, `beams`, `lambda`, ...; `task`
@@ -34,7 +35,7 @@ from .bodies import body_config, given_options, option_fields
 # OpenAI's standard fields set
 EXTRA = tuple(name for name in JSON_NAMES if name not in ("max_new_tokens", "temperature", "top_p", "logprobs"))
 # standard fields the engine cannot honour, with the values that ask for nothing
-UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1),
+UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1),      # echo: chat's (a completion's is honoured)
                "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
                "store": (None, False), "parallel_tool_calls": (None, True, False), "service_tier": (None, "auto", "default")}
@@ -42,7 +43,7 @@ _TOOLS = ("tool and function calling are not supported: Directed Beam Search wri
           "keywords")
 # why each is refused, in the words a user can act on
 WHY_UNSUPPORTED = {
-    "echo": "`echo` is not supported: the answer holds the generated text only",
+    "echo": "`echo` is a completion's: a chat answer holds the assistant's message only",
     "best_of": "`best_of` is not supported: the search keeps `beams` (an extra field) and returns the best; "
                "`n` returns more than one",
     "suffix": "`suffix` (insertion) is not supported: the text continues the prompt",
@@ -98,7 +99,10 @@ def completion_model(max_n: int = 64):
                                 Field(..., description="the text to continue, or its token ids (read as the text "
                                                        "they decode to), or a list of either: an answer each, "
                                                        "unstreamed")),
-                        **_common_fields(max_n))
+                        **{**_common_fields(max_n),
+                           "echo": (Optional[bool], Field(None, description="true: each choice's text starts with "
+                                                                            "its prompt (streamed: the first "
+                                                                            "chunk)"))})
 
 
 @functools.cache
@@ -171,12 +175,17 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
         raise Refused("model", f"model {body.model!r} is not served here; GET /v1/models lists "
                                f"{served_name(model)!r}", 404)
     for name, harmless in UNSUPPORTED.items():
+        if name == "echo" and not chat:
+            continue
         v = getattr(body, name)
         if not any(v == h and type(v) is type(h) for h in harmless):
             raise Refused(name, f"`{name}`: {WHY_UNSUPPORTED[name]}")
     if body.stream and body.n > 1:
         raise Refused("n", "`n` > 1 cannot be streamed: the beams are chosen at the end")
     alternatives = logprobs_asked(body, chat)
+    if not chat and body.echo and alternatives is not None:
+        raise Refused("echo", "`echo` with `logprobs` would need the prompt's log-probabilities, which the decode "
+                              "graph does not return (it reads the last position's logits): ask for one of them")
     try:
         base, _ = preset(body.task, body.paper, chat)     # an unknown task, or two presets: a 400
     except DBSError as e:
@@ -254,11 +263,16 @@ def safe_prefix(text: str, stops: list[str]) -> str:
 class Reply:
     """The OpenAI-shaped answer of one request: the final JSON, or the stream's chunks."""
 
-    def __init__(self, chat: bool, model: str, stops: list[str], n: int):
-        self.chat, self.model, self.stops, self.n = chat, model, stops, n
+    def __init__(self, chat: bool, model: str, stops: list[str], n: int, echo: bool = False):
+        self.chat, self.model, self.stops, self.n, self.echo = chat, model, stops, n, echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.sent, self.tokens_sent = "", 0       # a stream's text and log-prob entries sent so far
+
+    @classmethod
+    def answering(cls, body, chat: bool, stops: list[str]) -> "Reply":
+        """The reply to a validated body (`job_arguments` has refused what cannot be honoured)."""
+        return cls(chat, body.model, stops, body.n, echo=not chat and bool(body.echo))
 
     def _finish(self, stopped: str, cut: bool) -> str:
         return "stop" if cut or stopped in ("sentence", "eos", "trimmed") else "length"
@@ -299,7 +313,8 @@ class Reply:
             stopped = result.stopped if i == 0 else "sentence" if result.beams[i]["finished"] else "max"
             finish = self._finish(stopped, cut)
             choices.append({"index": len(choices), "finish_reason": finish, "logprobs": self._logprobs(tokens[i], text),
-                            **({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})})
+                            **({"message": {"role": "assistant", "content": text}} if self.chat else
+                               {"text": result.context + text if self.echo else text})})
             if len(choices) == self.n:
                 break
         return choices
@@ -351,8 +366,11 @@ class Reply:
                "created": self.created, "model": self.model, "choices": [choice]}
         return f"data: {json.dumps(obj)}\n\n"
 
-    def start(self) -> str | None:
-        return self._chunk(None, role=True) if self.chat else None
+    def start(self, prompt: str = "") -> str | None:
+        """A stream's first chunk: chat's role, or a completion's prompt where it is echoed."""
+        if self.chat:
+            return self._chunk(None, role=True)
+        return self._chunk(prompt) if self.echo and prompt else None
 
     def certain(self, text: str, tokens: list | None = None) -> str | None:
         """A chunk with the new certain text, if any: appended to what was sent, never revised;

@@ -387,7 +387,7 @@ class Endpoints:
             return self.refuse(e.status, "invalid", e.body())
         except DBSError as e:
             return self.openai_error(INVALID, "invalid", str(e), e.field)
-        reply = oa.Reply(chat, body.model, stops, body.n)
+        reply = oa.Reply.answering(body, chat, stops)
         queued = []
         for job in jobs:                 # a list of prompts: one job each, all queued or none
             events = self.submit(job)
@@ -416,7 +416,7 @@ class Endpoints:
         """An OpenAI stream: certain text as deltas, then the rest, the usage if asked, [DONE]."""
         done = False
         try:
-            first = reply.start()
+            first = reply.start(job.request.context)
             if first:
                 yield first
             while True:
