@@ -213,6 +213,27 @@ def test_echo_starts_each_choice_with_its_prompt_streamed_or_not(client, model_d
     assert e.value.body["param"] == "echo", e.value.body
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_with_n_sends_each_choice_as_the_unstreamed_answer_has_it(client, chat):
+    """`n` streamed: choice 0 streams as it is committed, the others come whole at the end (the
+    beams are chosen there); joined by index, the deltas are the unstreamed answer's choices."""
+    kw = dict(model=_name(client), max_tokens=24, seed=3, n=2,
+              extra_body={"keywords": ["colony", "mouth"], "stream_lag": 1, "stop_at": "max", **SMALL})
+    if chat:
+        kw["messages"] = [{"role": "user", "content": "Go"}]
+        want = [c.message.content for c in client.chat.completions.create(**kw).choices]
+        chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+        parts = [(c.choices[0].index, c.choices[0].delta.content or "") for c in chunks]
+        assert {c.choices[0].index for c in chunks if c.choices[0].delta.role} == {0, 1}
+    else:
+        kw["prompt"] = "It is"
+        want = [c.text for c in client.completions.create(**kw).choices]
+        parts = [(c.choices[0].index, c.choices[0].text)
+                 for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert len(want) == 2
+    assert ["".join(t for i, t in parts if i == k) for k in range(2)] == want
+
+
 def test_a_stream_without_a_lag_takes_the_services_default(client):
     from dbs_fast.serving.service import STREAM_LAG
 

@@ -180,8 +180,6 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
         v = getattr(body, name)
         if not any(v == h and type(v) is type(h) for h in harmless):
             raise Refused(name, f"`{name}`: {WHY_UNSUPPORTED[name]}")
-    if body.stream and body.n > 1:
-        raise Refused("n", "`n` > 1 cannot be streamed: the beams are chosen at the end")
     alternatives = logprobs_asked(body, chat)
     if not chat and body.echo and alternatives is not None:
         raise Refused("echo", "`echo` with `logprobs` would need the prompt's log-probabilities, which the decode "
@@ -354,14 +352,14 @@ class Reply:
         return out
 
     def _chunk(self, delta: str | None, finish: str | None = None, role: bool = False,
-               logprobs: dict | None = None) -> str:
+               logprobs: dict | None = None, index: int = 0) -> str:
         if self.chat:
             d = {"role": "assistant"} if role else {}
             if delta:
                 d["content"] = delta
-            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": logprobs}
+            choice = {"index": index, "delta": d, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
+            choice = {"index": index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": [choice]}
         return f"data: {json.dumps(obj)}\n\n"
@@ -383,11 +381,15 @@ class Reply:
 
     def end(self, result: GenerationResult, include_usage: bool) -> list[str]:
         """The rest of the winning beam with its finish reason (and its tokens' log-probs where
-        asked), the usage if asked, then [DONE]."""
+        asked); with `n`, each other choice whole in a chunk of its own (the beams are chosen at
+        the end); the usage if asked, then [DONE]."""
         text, cut = cut_at_stop(result.generated, self.stops)
         rest = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent += rest
         out = [self._chunk(rest, self._finish(result.stopped, cut), logprobs=self._streamed_logprobs(result.logprobs))]
+        for c in self._choices(result)[1:] if self.n > 1 else []:
+            whole = c["message"]["content"] if self.chat else c["text"]
+            out.append(self._chunk(whole, c["finish_reason"], role=self.chat, logprobs=c["logprobs"], index=c["index"]))
         if include_usage:
             obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                    "created": self.created, "model": self.model, "choices": [], "usage": self.usage(result),
