@@ -14,6 +14,7 @@ import numpy as np
 
 from . import kernels
 from .kernels import StepRules
+from .kv.decoder import lone_row_rounds_apart
 from .kv.groups import distinct_rows
 from .kv.prefix_cache import PrefixCache
 from .model import KVCache, OnnxModel
@@ -227,6 +228,9 @@ class PrefixBackend(OnnxBackend):
         self.decoder, self.s, self.k, self.reserve = decoder, s, k, reserve
         self.distinct = distinct and decoder.distinct
         self.computed: np.ndarray | None = None
+        # a lone row runs twice where the CPU's one-row matmul kernels round otherwise than the
+        # many-row ones (`kv.decoder.lone_row_rounds_apart`): else its batch would change its text
+        self.lone_row_twice = self.distinct and decoder.on_cpu and lone_row_rounds_apart()
 
     @property
     def graph_seconds(self) -> float:
@@ -254,6 +258,8 @@ class PrefixBackend(OnnxBackend):
             cache.advance()
             cache.group = group
             return np.zeros((len(tokens), self.vocab_size), np.float32), lay
+        if len(row_slot) == 1 and self.lone_row_twice:     # the same bits as among many rows
+            row_slot = np.repeat(row_slot, 2)
         logits = self.decoder.step(ids[row_slot], cache, rows=(slot_row, row_slot), group=group)
         return RowLogits(logits, slot_row[lay.live]), lay
 

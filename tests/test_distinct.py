@@ -118,3 +118,17 @@ def test_on_the_device_cache_the_distinct_schedule_writes_the_plain_schedules_te
         got[schedule] = dbs.generate_batch(reqs, seeds=[1, 2], config=cfg)
     assert [r.generated for r in got["distinct"]] == [r.generated for r in got["plain"]]
     assert all(r.timings["model_rows"] < r.timings["plain_row_steps"] for r in got["distinct"])
+
+
+def test_the_shipped_row_probe_is_what_its_writer_writes_and_it_answers():
+    """`data/row_probe.onnx` is `export.probe.probe_bytes()` byte for byte (rewrite it with
+    `python -m dbs_fast.export.probe`), and the probe runs on this machine's CPU provider."""
+    pytest.importorskip("onnx")
+    from importlib.resources import files
+
+    from dbs_fast.export.probe import probe_bytes
+    from dbs_fast.kv.decoder import lone_row_rounds_apart
+
+    assert files("dbs_fast.data").joinpath("row_probe.onnx").read_bytes() == probe_bytes()
+    assert lone_row_rounds_apart() in (True, False)
+

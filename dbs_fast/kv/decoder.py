@@ -5,6 +5,7 @@ into the cache's chunk slot at once (`PrefixCache.put`), or, with the cache on a
 into the slot in place."""
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -118,6 +119,26 @@ class _Bound:
     arr: object = field(compare=False)
 
 
+@functools.cache
+def lone_row_rounds_apart() -> bool:
+    """Whether ONNX Runtime's CPU MatMulNBits kernels give one row other bits than the same row
+    among several on this machine (the shipped `data/row_probe.onnx`, 4- and 8-bit blocks with
+    int8 activations: on AVX2 they do, with AVX-512 they did not). Where they do, a step of one
+    row runs it twice (`PrefixBackend.step`), so that a request writes the same text alone as in
+    a batch."""
+    from importlib.resources import files
+
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    session = ort.InferenceSession(files("dbs_fast.data").joinpath("row_probe.onnx").read_bytes(), so,
+                                   providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    many, one = session.run(None, {"X": x}), session.run(None, {"X": x[:1]})
+    return any(not np.array_equal(a[:1], b) for a, b in zip(many, one))
+
+
 class PrefixDecoder:
     """The decode graph (`export/prefix_graph.py`) as an ONNX Runtime session, inputs bound in
     place, outputs into buffers kept from step to step (no allocation, no copy out of ORT)."""
@@ -188,6 +209,11 @@ class PrefixDecoder:
             self.static = StaticStep(Path(path), self.ops, buckets or Buckets(), threads, cuda_graph,
                                      weights if self.ops.device == "cuda" else None)
 
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the graph runs on ONNX Runtime's CPU provider alone."""
+        return self._reads_host_memory
+
     def _identity(self, n: int) -> np.ndarray:
         if len(self._arange) < n:
             self._arange = np.arange(max(n, 64), dtype=np.int64)
@@ -202,15 +228,16 @@ class PrefixDecoder:
     def _buffers(self, cache: PrefixCache, L: int, new: bool = True, n: int | None = None) -> list[np.ndarray]:
         """Logits (n, vocab) (n: the rows computed, default every slot) and, with `new`, the new
         K/V (L, b, kv, s, d) per tensor, reused while the shapes are the same. The logits are the
-        first n rows of a buffer for every slot, so that a step computing fewer distinct rows
-        than the last allocates nothing."""
+        first n rows of a buffer for every slot (two at least: a lone row runs twice,
+        `PrefixBackend.step`), so that a step computing fewer distinct rows than the last allocates
+        nothing."""
         N = cache.chunk_mask.shape[0]
         _, b, kv, s, d = cache.chunk[0].shape
         shape = (N, len(cache.chunk) if new else 0, L, b, kv, s, d)
         if shape != self._out_shape:
             # the new K/V of every tensor are entries of one array, so that `PrefixCache.put` copies once
             self._new = np.empty(shape[1:], self.dtype)
-            self._logits, self._new_views = np.empty((N, self.vocab), np.float32), list(self._new)
+            self._logits, self._new_views = np.empty((max(N, 2), self.vocab), np.float32), list(self._new)
             self._out_shape, self._outs = shape, {}
         n = N if n is None else n
         if n not in self._outs:              # the same list, and views, while n is the same: bound once
