@@ -230,7 +230,7 @@ class PrefixBackend(OnnxBackend):
         self.computed: np.ndarray | None = None
         # a lone row runs twice where the CPU's one-row matmul kernels round otherwise than the
         # many-row ones (`kv.decoder.lone_row_rounds_apart`): else its batch would change its text
-        self.lone_row_twice = self.distinct and decoder.on_cpu and lone_row_rounds_apart()
+        self.lone_row_twice = decoder.distinct and decoder.on_cpu and lone_row_rounds_apart()
 
     @property
     def graph_seconds(self) -> float:
@@ -247,6 +247,10 @@ class PrefixBackend(OnnxBackend):
         ids = np.full(cache.chunk_mask.shape[0], self.pad_id, np.int64)
         ids[lay.live] = tokens
         if not self.distinct:
+            if len(ids) == 1 and self.lone_row_twice:     # the same bits as among many rows
+                one = np.zeros(1, np.int64)
+                return RowLogits(self.decoder.step(ids[[0, 0]], cache, rows=(one, np.zeros(2, np.int64))),
+                                 lay.live), lay
             return RowLogits(self.decoder.step(ids, cache), lay.live), lay
         needed = np.zeros(len(ids), bool)
         needed[lay.live if need is None else lay.live[need]] = True
