@@ -123,7 +123,8 @@ class _Bound:
 def lone_row_rounds_apart() -> bool:
     """Whether ONNX Runtime's CPU MatMulNBits kernels give one row other bits than the same row
     among several on this machine (the shipped `data/row_probe.onnx`, 4- and 8-bit blocks with
-    int8 activations: on AVX2 they do, with AVX-512 they did not). Where they do, a step of one
+    int8 activations: on an AVX2 Zen 3 they do; on the AVX-512 machines before it the default's
+    texts were the same batched and alone). Where they do, a step of one
     row runs it twice (`PrefixBackend.step`), so that a request writes the same text alone as in
     a batch."""
     from importlib.resources import files
