@@ -383,7 +383,8 @@ def test_presence_and_frequency_penalties_are_honoured(client):
 def test_a_list_of_prompts_is_answered_as_each_prompt_alone(client):
     """OpenAI's list of prompts: a job each, in one answer; prompt i's choices come from index
     i * n, each the answer to that prompt sent alone with the same seed, the usage summed and `dbs`
-    one object per prompt. A list is not streamed, and no longer than the server's queue."""
+    one object per prompt. Streamed, each prompt's deltas, joined by index, are its choices, with
+    one usage chunk after them all. A list is no longer than the server's queue."""
     kw = dict(model=_name(client), max_tokens=12, seed=4, n=2, extra_body={"keywords": "river", **SMALL})
     prompts = ["It is", "The doctor said", "Once"]
     both = client.completions.create(prompt=prompts, **kw)
@@ -393,9 +394,13 @@ def test_a_list_of_prompts_is_answered_as_each_prompt_alone(client):
             [(2 * i + c.index, c.text) for c in one.choices]
     assert both.usage.total_tokens == sum(one.usage.total_tokens for one in alone)
     assert [d["found"] for d in both.model_extra["dbs"]] == [one.model_extra["dbs"]["found"] for one in alone]
-    with pytest.raises(openai.BadRequestError) as e:
-        list(client.completions.create(prompt=prompts[:2], stream=True, **{**kw, "n": 1}))
-    assert e.value.body["param"] == "stream"
+    chunks = list(client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True},
+                                            **kw))
+    parts = [(c.choices[0].index, c.choices[0].text) for c in chunks if c.choices]
+    assert ["".join(t for i, t in parts if i == c.index) for c in both.choices] == [c.text for c in both.choices]
+    assert {i for i, _ in parts} == {c.index for c in both.choices}
+    assert [c.usage.total_tokens for c in chunks if c.usage] == [both.usage.total_tokens] and not chunks[-1].choices
+    assert len({c.id for c in chunks}) == 1
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(prompt=["It is"] * 1000, **kw)
     assert e.value.body["param"] == "prompt" and "1 to" in e.value.body["message"]

@@ -2,7 +2,7 @@
 
 The standard fields map onto the engine's: `prompt` (or `messages`, through the model's chat
 template) is the context (token ids: the text they decode to; a list of prompts: a job each, their
-choices in one answer),
+choices in one answer or one stream, prompt i's indexed from i * n),
 `max_tokens` is `max_new_tokens`, `temperature`, `top_p` and `seed` are the engine's, `stop` cuts the text at the
 first stop sequence, a completion's `echo` puts the prompt before its text, `n` returns that many
 distinct beams (with the engine's `stop_at: sentence` or `eos`, n finished answers: `finished` is
@@ -12,11 +12,12 @@ as in /v1/generate: `keywords`, `ban`, `order`, `guarantee`, `beams`, `lambda`, 
 or "max"; the chat door's is "eos"). A standard field the engine cannot honour is a 400 naming it.
 
 Streaming sends only text that no later chunk can change (the common prefix of the request's
-surviving beams, `search.beam.certain_text`), so a delta is never revised; the last chunk carries the
-rest of the winning beam, then `data: [DONE]`.
+surviving beams, `search.beam.certain_text`), so a delta is never revised; each prompt's last chunk
+carries the rest of its winning beam, and after every prompt's, `data: [DONE]`.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import time
@@ -97,8 +98,8 @@ def completion_model(max_n: int = 64):
     return create_model("CompletionRequest", __config__=body_config(populate_by_name=True),
                         prompt=(Union[str, list[str], list[int], list[list[int]]],
                                 Field(..., description="the text to continue, or its token ids (read as the text "
-                                                       "they decode to), or a list of either: an answer each, "
-                                                       "unstreamed")),
+                                                       "they decode to), or a list of either: prompt i's "
+                                                       "choices indexed from i * n")),
                         **{**_common_fields(max_n),
                            "echo": (Optional[bool], Field(None, description="true: each choice's text starts with "
                                                                             "its prompt (streamed: the first "
@@ -202,8 +203,6 @@ def job_arguments(body, model: str, beams_default: int, template: ChatTemplate |
         if not contexts or len(contexts) > max_prompts:
             raise Refused("prompt", f"`prompt` takes a string or a list of 1 to {max_prompts} prompts" if max_prompts > 1
                           else "`prompt` takes one string in a batch file (or a list of one): a line for each prompt")
-        if body.stream and len(contexts) > 1:
-            raise Refused("stream", "`stream` takes one prompt; send a list of prompts unstreamed")
     given = given_options(body, "openai", EXTRA)
     given.update(temperature=body.temperature, top_p=body.top_p, logprobs=alternatives,
                  max_new_tokens=body.max_tokens if body.max_tokens is not None else body.max_completion_tokens)
@@ -266,6 +265,14 @@ class Reply:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.sent, self.tokens_sent = "", 0       # a stream's text and log-prob entries sent so far
+        self.first = 0                            # the index of this prompt's first choice (i * n)
+
+    def prompt(self, i: int) -> "Reply":
+        """The stream of a list's prompt `i`: the same answer (id, created), its own text sent so far,
+        its choices indexed from i * n."""
+        other = copy.copy(self)
+        other.sent, other.tokens_sent, other.first = "", 0, i * self.n
+        return other
 
     @classmethod
     def answering(cls, body, chat: bool, stops: list[str]) -> "Reply":
@@ -292,11 +299,14 @@ class Reply:
         choices = []
         for i, result in enumerate(results):
             choices += [{**c, "index": i * self.n + c["index"]} for c in self._choices(result)]
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, **self._totals(results)}
+
+    def _totals(self, results: list[GenerationResult]) -> dict:
+        """`usage` summed over the prompts' results, and `dbs`: one object, or a list for several."""
         usage = [self.usage(r) for r in results]
         dbs = [self.dbs(r) for r in results]
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices,
-                "usage": {k: sum(u[k] for u in usage) for k in usage[0]}, "dbs": dbs if len(dbs) > 1 else dbs[0]}
+        return {"usage": {k: sum(u[k] for u in usage) for k in usage[0]}, "dbs": dbs if len(dbs) > 1 else dbs[0]}
 
     def _choices(self, result: GenerationResult) -> list[dict]:
         """Up to n distinct choices of one result: the winner, then the other beams."""
@@ -357,9 +367,9 @@ class Reply:
             d = {"role": "assistant"} if role else {}
             if delta:
                 d["content"] = delta
-            choice = {"index": index, "delta": d, "finish_reason": finish, "logprobs": logprobs}
+            choice = {"index": self.first + index, "delta": d, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
+            choice = {"index": self.first + index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": [choice]}
         return f"data: {json.dumps(obj)}\n\n"
@@ -379,10 +389,10 @@ class Reply:
         delta, self.sent = text[len(self.sent):], text
         return self._chunk(delta, logprobs=self._streamed_logprobs(tokens))
 
-    def end(self, result: GenerationResult, include_usage: bool) -> list[str]:
+    def end(self, result: GenerationResult) -> list[str]:
         """The rest of the winning beam with its finish reason (and its tokens' log-probs where
         asked); with `n`, each other choice whole in a chunk of its own (the beams are chosen at
-        the end); the usage if asked, then [DONE]."""
+        the end)."""
         text, cut = cut_at_stop(result.generated, self.stops)
         rest = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent += rest
@@ -390,10 +400,15 @@ class Reply:
         for c in self._choices(result)[1:] if self.n > 1 else []:
             whole = c["message"]["content"] if self.chat else c["text"]
             out.append(self._chunk(whole, c["finish_reason"], role=self.chat, logprobs=c["logprobs"], index=c["index"]))
+        return out
+
+    def close(self, results: list[GenerationResult], include_usage: bool) -> list[str]:
+        """A stream's end, once every prompt's result is sent: the usage if asked (summed over the
+        prompts, as `final` has it), then [DONE]."""
+        out = []
         if include_usage:
             obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                   "created": self.created, "model": self.model, "choices": [], "usage": self.usage(result),
-                   "dbs": self.dbs(result)}
+                   "created": self.created, "model": self.model, "choices": [], **self._totals(results)}
             out.append(f"data: {json.dumps(obj)}\n\n")
         return out + ["data: [DONE]\n\n"]
 

@@ -302,10 +302,12 @@ class Endpoints:
     def openai_error(self, status: int, label: str, msg: str, param=None, retry: int | None = None):
         return self.refuse(status, label, oa.error_body(status, msg, param), retry)
 
-    def submit(self, job):
-        """The job queued, with the queue its events arrive on; None when the queue is full."""
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        job.send = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+    def submit(self, job, events=None, tag=None):
+        """The job queued, with the queue its events arrive on (`events`, shared by a list's jobs,
+        each event then led by the job's `tag`); None when the queue is full."""
+        loop, events = asyncio.get_running_loop(), events or asyncio.Queue()
+        lead = () if tag is None else (tag,)
+        job.send = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (*lead, kind, payload))
         return events if self.svc.batcher.submit(job) else None
 
     def queue_full(self) -> tuple[str, int]:
@@ -388,9 +390,10 @@ class Endpoints:
         except DBSError as e:
             return self.openai_error(INVALID, "invalid", str(e), e.field)
         reply = oa.Reply.answering(body, chat, stops)
+        shared = asyncio.Queue() if body.stream else None     # a stream's events, led by their prompt's index
         queued = []
-        for job in jobs:                 # a list of prompts: one job each, all queued or none
-            events = self.submit(job)
+        for i, job in enumerate(jobs):   # a list of prompts: one job each, all queued or none
+            events = self.submit(job, shared, i if body.stream else None)
             if events is None:
                 for j, _ in queued:
                     svc.batcher.cancel(j, "refused")
@@ -399,8 +402,7 @@ class Endpoints:
             queued.append((job, events))
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
-            job, events = queued[0]
-            return StreamingResponse(self.openai_events(job, events, reply, usage), media_type="text/event-stream")
+            return StreamingResponse(self.openai_events(jobs, shared, reply, usage), media_type="text/event-stream")
         results = []
         for k, (job, events) in enumerate(queued):
             got = await self.outcome(job, events, request)
@@ -412,27 +414,44 @@ class Endpoints:
             results.append(got[1])
         return JSONResponse(reply.final(results))
 
-    async def openai_events(self, job, events, reply, usage: bool):
-        """An OpenAI stream: certain text as deltas, then the rest, the usage if asked, [DONE]."""
+    async def openai_events(self, jobs, events, reply, usage: bool):
+        """An OpenAI stream of a prompt each `jobs` (their events on `events`, each led by the job's
+        index): each prompt's certain text as deltas, then its rest, as they come; once all are in,
+        the usage if asked and [DONE]. An error ends the stream and the other prompts' jobs."""
+        replies = [reply.prompt(i) for i in range(len(jobs))] if len(jobs) > 1 else [reply]
+        results = [None] * len(jobs)
         done = False
         try:
-            first = reply.start(job.request.context)
-            if first:
-                yield first
-            while True:
-                kind, payload = await events.get()
+            for i, job in enumerate(jobs):
+                first = replies[i].start(job.request.context)
+                if first:
+                    yield first
+            while not done:
+                i, kind, payload = await events.get()
                 if kind == "chunk":
-                    piece = reply.certain(payload["text"], payload.get("logprobs"))
+                    piece = replies[i].certain(payload["text"], payload.get("logprobs"))
                     if piece:
                         yield piece
                     continue
-                done = True
-                for piece in reply.end(payload, usage) if kind == "result" else reply.error(*payload):
+                if kind == "error":
+                    done = True
+                    for j, job in enumerate(jobs):
+                        if j != i and results[j] is None:
+                            self.svc.batcher.cancel(job, "refused")
+                    for piece in reply.error(*payload):
+                        yield piece
+                    return
+                results[i] = payload
+                for piece in replies[i].end(payload):
                     yield piece
-                return
+                done = all(r is not None for r in results)
+            for piece in reply.close(results, usage):
+                yield piece
         finally:
-            if not done:
-                self.svc.batcher.cancel(job, "disconnected")
+            if not done:                 # the client went away: the rows leave at the next boundary
+                for job, result in zip(jobs, results):
+                    if result is None:
+                        self.svc.batcher.cancel(job, "disconnected")
 
 
 def _error_handlers(app, ep: Endpoints) -> None:
