@@ -23,7 +23,7 @@ from .numba_runtime import set_threads
 from .preflight import decode_window
 from .request import RequestBuilder, parse_constraints  # noqa: F401  (parse_constraints: part of the API)
 from .scorer import OnnxScorer, SelfScorer
-from .search.beam import BeamSearch, Finished, Request, certain_span, certain_text
+from .search.beam import BeamSearch, Finished, Request, certain_span, span_text
 from .search.result import (  # noqa: F401  (json_safe: part of the API)
     GenerationResult,
     build_result,
@@ -237,19 +237,18 @@ class Batch:
     def certain(self, wanted=None) -> list[tuple[Request, str]]:
         """Per request in the batch (those for which `wanted(request)` holds): its text that is
         already certain (`search.beam.certain_text`)."""
-        return [(r, certain_text(self.search, q)) for q, r in enumerate(self.requests)
-                if wanted is None or wanted(r)]
+        return [(r, text) for r, text, _ in self.certain_tokens(wanted)]
 
-    def certain_logprobs(self, wanted=None) -> list[tuple[Request, list[dict]]]:
-        """Per request in the batch (those for which `wanted(request)` holds): the `logprobs` entries
-        of its certain tokens (`search.result.tokens_with_logprobs`), what a stream sends beside the
-        certain text; empty lists unless the config asks for `logprobs`."""
+    def certain_tokens(self, wanted=None) -> list[tuple[Request, str, list[dict] | None]]:
+        """`certain`'s text and, where the config asks for `logprobs`, the entries of its certain
+        tokens (`search.result.tokens_with_logprobs`; None where not asked): what a stream sends,
+        from one look at the beams."""
         out, be = [], self.dbs.backend
         token_text = functools.cache(be.decode_one)
         for q, r in enumerate(self.requests):
             if wanted is None or wanted(r):
                 rows, i, n = certain_span(self.search, q)
-                asked = self.config.logprobs is not None and n
-                out.append((r, tokens_with_logprobs(rows, i, n, be.eos_ids, token_text, self.search.tables.tail[q])
-                            if asked else []))
+                entries = None if self.config.logprobs is None else \
+                    tokens_with_logprobs(rows, i, n, be.eos_ids, token_text, self.search.tables.tail[q]) if n else []
+                out.append((r, span_text(self.search, q, rows, i, n), entries))
         return out

@@ -183,7 +183,12 @@ def certain_text(search: "BeamSearch", q: int) -> str:
     """Text of request q of a running `search` that no later chunk can change: the common prefix
     of its beams' tokens (with stop="sentence", up to its last sentence end: a result can be
     trimmed back to one), decoded without a trailing partial character. What streams send."""
-    rows, i, n = certain_span(search, q)
+    return span_text(search, q, *certain_span(search, q))
+
+
+def span_text(search: "BeamSearch", q: int, rows: Rows | None, i: int, n: int) -> str:
+    """Request q's text of the first `n` tokens of row `i` of `rows` (`certain_span`'s answer), without
+    the context's characters the first re-writes or a trailing partial character."""
     if not n:
         return ""
     return search.be.decode_batch([rows.generated(i)[:n]])[0][search.tables.tail[q]:].rstrip("\ufffd")

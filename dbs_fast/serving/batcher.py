@@ -217,8 +217,7 @@ class Batcher:
             done = batch.decode_chunk()
             def streamed(r):
                 return self.jobs[id(r)].stream
-            partial = batch.certain(streamed)
-            tokens = {id(r): t for r, t in batch.certain_logprobs(streamed)} if cfg.logprobs is not None else {}
+            partial = batch.certain_tokens(streamed)
         except Exception as e:                # noqa: BLE001 -- the loop survives; this batch's jobs fail
             for r in batch.requests:
                 self._finish(self.jobs.pop(id(r)), "error", (500, f"generation failed: {type(e).__name__}: {e}"))
@@ -226,13 +225,13 @@ class Batcher:
             return 0
         if self.metrics:
             self.metrics.chunk(time.perf_counter() - t0, batch.candidate_tokens - before, self._moved() - moved)
-        for r, text in partial:
+        for r, text, tokens in partial:
             job = self.jobs[id(r)]
             job.chunks += 1
             event = {"chunk": job.chunks, "text": text,
                      "found": [k.text for k in r.keywords if occurrence.count(text, k, rule=cfg.match) > 0]}
-            if id(r) in tokens:
-                event["logprobs"] = tokens[id(r)]        # the certain tokens', as the result's `logprobs`
+            if tokens is not None:
+                event["logprobs"] = tokens               # the certain tokens', as the result's `logprobs`
             job.send("chunk", event)
         for r, result in done:
             job = self.jobs.pop(id(r))
