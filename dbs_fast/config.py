@@ -99,6 +99,10 @@ class DBSConfig:
         None, float, "guidance strength of a keyword the context does not name while the row is ahead of its "
         "deadline (at least reserve-per-keyword tokens left per keyword still to place): a light boost places "
         "the words that fit the text, and lambda's places the rest in time (default: lambda's)")
+    similarity_power: float = option(
+        2.0, float, "p: a token's boost is lambda * max(0, cos)^p, cos its word's GloVe similarity to the guide "
+        "word (the paper's 2); a larger p keeps the full boost for the word and its near forms and less for words "
+        "merely related to it")
     beams: int = option(7, int, "b: beams kept after every chunk")
     candidates: int = option(10, int, "s: candidates per beam, all b*s decoded as one batch")
     chunk: int = option(5, int, "k: tokens per chunk; sets keyword density")
@@ -250,6 +254,9 @@ class DBSConfig:
         if not (_is_int(self.boost_first_reserve, 0) and self.boost_first_reserve <= self.reserve_per_keyword):
             bad("boost_first_reserve", f"must be an integer in 0..reserve_per_keyword ({self.reserve_per_keyword}): "
                 "the later of two deadlines (0 = the deadline)")
+        if not (isinstance(self.similarity_power, (int, float)) and not isinstance(self.similarity_power, bool)
+                and 0.5 <= self.similarity_power <= 32):
+            bad("similarity_power", "must be a number in 0.5..32 (the paper's 2)")
         if self.boost_cutoff < 0:
             bad("boost_cutoff", "must be >= 0")
         if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0):

@@ -176,7 +176,8 @@ class RequestBuilder:
         def boost(k, lam: float):
             return constraints.keyword_boost(self.table, k, lam, cfg.boost_cutoff, self.subword_fallback,
                                              lenient=cfg.guarantee, allowed=allowed,
-                                             own=constraints.first_tokens(enc, k) if cfg.complete_words else ())
+                                             own=constraints.first_tokens(enc, k) if cfg.complete_words else (),
+                                             power=cfg.similarity_power)
 
         with naming("keywords", keywords):                   # a word the embeddings lack
             lams = [lam_of(n, cfg) for n in named]

@@ -27,7 +27,7 @@ BAD_OPTION = {
     "stream_lag": ("-1", "--stream-lag"), "lam_named": ("81", "--lambda-named"),
     "min_p_named": ("1", "--min-p-named"), "lam_ahead": ("81", "--lambda-ahead"),
     "boost_first_reserve": ("-1", "--boost-first-reserve"), "logit_bias": ('{"1": 500}', "--logit-bias"),
-    "logprobs": ("21", "--logprobs"),
+    "logprobs": ("21", "--logprobs"), "similarity_power": ("0", "--similarity-power"),
 }
 FLAG = {name: flag for name, flag, *_ in OPTIONS}
 

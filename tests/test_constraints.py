@@ -365,6 +365,28 @@ def test_a_keyword_the_context_names_is_boosted_at_lam_named(dbs):
                                  replace(cfg, lam_named=None))) == pytest.approx([20.0, 20.0])
 
 
+def test_similarity_power_keeps_the_words_own_boost_and_shrinks_its_neighbours(dbs):
+    """similarity_power p: a token's boost is lambda * cos^p (the paper's p = 2); the keyword's own
+    first tokens keep lambda, and every related token's boost is lambda * (boost_2 / lambda)^(p/2),
+    those under the cutoff dropped; a power outside 0.5..32 is refused naming the field."""
+    from dataclasses import replace
+
+    from dbs_fast.errors import DBSError
+
+    cfg = replace(dbs.config, lam=20.0, boost_word_starts=False)
+    two, six = (dbs.request("It is", "colony", None, 0, replace(cfg, similarity_power=p)).boosts[0] for p in (2, 6))
+    at2 = dict(zip(two.ids.tolist(), two.values.tolist()))
+    at6 = dict(zip(six.ids.tolist(), six.values.tolist()))
+    assert max(at6.values()) == pytest.approx(20.0) and set(at6) < set(at2)
+    for t, v in at6.items():
+        assert v == pytest.approx(20.0 * (at2[t] / 20.0) ** 3, rel=1e-4)
+    assert all(20.0 * (v / 20.0) ** 3 < cfg.boost_cutoff for t, v in at2.items() if t not in at6)
+    for bad in (0.0, 40, True):
+        with pytest.raises(DBSError) as e:
+            replace(cfg, similarity_power=bad)
+        assert e.value.field == "similarity_power"
+
+
 def test_a_row_ahead_of_its_deadline_reads_its_keywords_at_lam_ahead(dbs):
     """lam_ahead: a request holds its keywords' boosts at lambda, then at lam_ahead (a keyword the
     context names keeps lam_named in both); a row ahead of its deadline is guided by the second

@@ -97,12 +97,13 @@ def _dedup(seqs) -> list[tuple[int, ...]]:
 
 # -- guidance -------------------------------------------------------------------------------
 def keyword_boost(table: SimilarityTable, kw: Keyword, lam: float, cutoff: float, subword_fallback=None,
-                  lenient: bool = False, allowed: np.ndarray | None = None, own=()) -> SparseBoost:
+                  lenient: bool = False, allowed: np.ndarray | None = None, own=(), power: float = 2.0) -> SparseBoost:
     """Boost of one keyword: per-token max over its alternatives; a phrase uses the mean of its
     words' unit vectors. `lenient` (guarantee): a keyword no vector covers gets its sub-word
     tokens' vectors, or no boost at all, instead of an error. `allowed`: (V,) bool, the tokens
     that may be boosted (others are dropped). `own`: token ids that begin the keyword itself
-    (`first_tokens`): they get the full boost, lambda, as a one-token keyword's own token has."""
+    (`first_tokens`): they get the full boost, lambda, as a one-token keyword's own token has.
+    `power`: the similarity's exponent (`DBSConfig.similarity_power`)."""
     rows = []
     if len(own):
         rows.append(SparseBoost(kw.text, np.array(sorted(own), np.int32), np.full(len(own), lam, np.float32)))
@@ -121,7 +122,7 @@ def keyword_boost(table: SimilarityTable, kw: Keyword, lam: float, cutoff: float
                            f"use --subword-fallback with --guarantee (it placed 14 words of 14 that GloVe lacks, "
                            f"and read best: docs/results/quality/unknown-words.md), or another form (`word|other`)")
         m = np.mean([v / np.linalg.norm(v) for v in vecs], axis=0)
-        b = table.sparse_vector(kw.text, m / np.linalg.norm(m), lam, cutoff)
+        b = table.sparse_vector(kw.text, m / np.linalg.norm(m), lam, cutoff, power)
         if allowed is not None:
             keep = allowed[b.ids]
             b = SparseBoost(b.word, b.ids[keep], b.values[keep])

@@ -1,6 +1,6 @@
 """Word vectors, the token -> word map, and the sparse similarity boost of a guide word.
 
-boost(t) = lambda * max(0, cos(E(word(t)), E(w)))^2, stored sparse: entries below
+boost(t) = lambda * max(0, cos(E(word(t)), E(w)))^p (the paper's p = 2; `similarity_power`), stored sparse: entries below
 `cutoff` (logit units) are dropped, so the largest error against the dense table is
 `cutoff` on any logit (`sparse_error` measures it).
 """
@@ -148,7 +148,7 @@ def token_word(piece: str) -> str:
 
 @dataclass
 class SparseBoost:
-    """Boosts of one guide word: token ids (ascending) and values (lambda * cos^2)."""
+    """Boosts of one guide word: token ids (ascending) and values (lambda * cos^p, p 2 by default)."""
 
     word: str
     ids: np.ndarray      # (nnz,) int32, ascending
@@ -190,19 +190,23 @@ class SimilarityTable:
                 return m / np.linalg.norm(m)
         raise DBSError(f"keyword {word!r} is not in the embeddings ({self.emb.source})")
 
-    def dense(self, word: str, lam: float, subword_fallback=None) -> np.ndarray:
-        cos = self.token_unit @ self.guide_vector(word, subword_fallback)             # (V,)
-        return (lam * np.square(np.maximum(cos, 0.0))).astype(np.float32)
+    def dense(self, word: str, lam: float, subword_fallback=None, power: float = 2.0) -> np.ndarray:
+        return boost_values(self.token_unit @ self.guide_vector(word, subword_fallback), lam, power)
 
-    def sparse(self, word: str, lam: float, cutoff: float, subword_fallback=None) -> SparseBoost:
-        return self.sparse_vector(word, self.guide_vector(word, subword_fallback), lam, cutoff)
+    def sparse(self, word: str, lam: float, cutoff: float, subword_fallback=None, power: float = 2.0) -> SparseBoost:
+        return self.sparse_vector(word, self.guide_vector(word, subword_fallback), lam, cutoff, power)
 
-    def sparse_vector(self, name: str, unit: np.ndarray, lam: float, cutoff: float) -> SparseBoost:
+    def sparse_vector(self, name: str, unit: np.ndarray, lam: float, cutoff: float, power: float = 2.0) -> SparseBoost:
         """Boosts towards a unit guide vector (a word's, or a phrase's mean), entries >= cutoff."""
-        cos = self.token_unit @ unit                                                  # (V,)
-        d = (lam * np.square(np.maximum(cos, 0.0))).astype(np.float32)
+        d = boost_values(self.token_unit @ unit, lam, power)                          # (V,)
         ids = np.flatnonzero(d >= max(cutoff, 1e-12)).astype(np.int32)
         return SparseBoost(name, ids, d[ids])
+
+
+def boost_values(cos: np.ndarray, lam: float, power: float = 2.0) -> np.ndarray:
+    """lambda * max(0, cos)^power per token (SPEC step 1: the paper's power is 2), float32."""
+    c = np.maximum(cos, 0.0)
+    return (lam * (np.square(c) if power == 2 else c ** np.float32(power))).astype(np.float32)
 
 
 def sparse_error(table: SimilarityTable, word: str, lam: float, cutoff: float) -> dict:
