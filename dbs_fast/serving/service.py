@@ -305,7 +305,7 @@ class Endpoints:
     def submit(self, job, events=None, tag=None):
         """The job queued, with the queue its events arrive on (`events`, shared by a list's jobs,
         each event then led by the job's `tag`); None when the queue is full."""
-        loop, events = asyncio.get_running_loop(), events or asyncio.Queue()
+        loop, events = asyncio.get_running_loop(), asyncio.Queue() if events is None else events
         lead = () if tag is None else (tag,)
         job.send = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (*lead, kind, payload))
         return events if self.svc.batcher.submit(job) else None
