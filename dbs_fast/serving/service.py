@@ -418,7 +418,7 @@ class Endpoints:
         """An OpenAI stream of a prompt each `jobs` (their events on `events`, each led by the job's
         index): each prompt's certain text as deltas, then its rest, as they come; once all are in,
         the usage if asked and [DONE]. An error ends the stream and the other prompts' jobs."""
-        replies = [reply.prompt(i) for i in range(len(jobs))] if len(jobs) > 1 else [reply]
+        replies = [reply.prompt(i) for i in range(len(jobs))]
         results = [None] * len(jobs)
         done = False
         try:
