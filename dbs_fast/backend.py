@@ -42,8 +42,9 @@ class Backend(Protocol):
     pad_id: int
     max_positions: int | None
 
-    def prefill(self, contexts: list[list[int]]) -> tuple[Any, Any]:
-        """Left-padded contexts -> the last position's logits (B, V) and the cache."""
+    def prefill(self, contexts: list[list[int]], reserve: int = 0) -> tuple[Any, Any]:
+        """Left-padded contexts -> the last position's logits (B, V) and the cache; `reserve`: the
+        new tokens the cache should make room for (a hint: a cache grows as it must)."""
 
     @property
     def graph_seconds(self) -> float:
@@ -138,7 +139,7 @@ class OnnxBackend:
         self.eos_ids = model.eos_ids
         self.pad_id = model.eos_ids[0] if model.eos_ids else 0
 
-    def prefill(self, contexts: list[list[int]]) -> tuple[np.ndarray, KVCache]:
+    def prefill(self, contexts: list[list[int]], reserve: int = 0) -> tuple[np.ndarray, KVCache]:
         ids, mask = left_pad(contexts, self.pad_id)
         logits, cache = self.model.forward(ids, self.model.empty_cache(len(contexts)), mask)
         return logits[:, -1], cache                                       # (B, V)
@@ -236,10 +237,11 @@ class PrefixBackend(OnnxBackend):
     def graph_seconds(self) -> float:
         return self.decoder.graph_seconds
 
-    def prefill(self, contexts: list[list[int]]):
+    def prefill(self, contexts: list[list[int]], reserve: int = 0):
         ids, mask = left_pad(contexts, self.pad_id)
         m = self.model
-        logits, cache = self.decoder.prefill(ids, mask, m.kv_heads, m.head_dim, self.s, self.k, self.reserve)
+        logits, cache = self.decoder.prefill(ids, mask, m.kv_heads, m.head_dim, self.s, self.k,
+                                             max(self.reserve, reserve))
         return logits, Layout(cache, np.arange(len(contexts)) * self.s)
 
     def step(self, tokens: np.ndarray, lay: "Layout", need: np.ndarray | None = None):

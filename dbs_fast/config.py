@@ -315,7 +315,11 @@ class DBSConfig:
         third): its committed text cannot be cut back at the budget, as an unstreamed one is, so
         without a landing it ended mid-sentence (29 of 100 streamed chat answers at a lag of 0.8).
         0: no landing."""
-        return self.max_new_tokens // 3 if self.stop == "eos" and self.stream_lag else 0
+        return int(self.landing_within(self.max_new_tokens))
+
+    def landing_within(self, budget):
+        """`landing_tokens` at a request's own `budget` of new tokens (an array: per row)."""
+        return np.asarray(budget) // 3 * (self.stop == "eos" and bool(self.stream_lag))
 
     @property
     def fallback_tokens(self) -> int:
@@ -325,7 +329,21 @@ class DBSConfig:
         ends every beam inside the sentence of its last keyword, with no sentence end after it to
         cut back to, a copy is returned instead (a keyword placed late left 3 of 100 chat answers
         open at the budget). The search is the same with or without them. 0: none."""
-        return min(self.reserve_per_keyword, self.max_new_tokens // 3) if self.stop == "eos" and not self.stream_lag else 0
+        return int(self.fallback_within(self.max_new_tokens))
+
+    def fallback_within(self, budget):
+        """`fallback_tokens` at a request's own `budget` of new tokens (an array: per row)."""
+        return np.minimum(self.reserve_per_keyword, np.asarray(budget) // 3) * (self.stop == "eos" and not self.stream_lag)
+
+    @property
+    def batched(self) -> "DBSConfig":
+        """The config of the running batch that a request at this one joins: the same with the
+        budget set aside (each request carries its own, `Request.max_new_tokens`), so that requests
+        that differ in `max_new_tokens` alone decode together. Its budget is a whole chunk (the
+        cache's chunk slots; the stream's lag's, if longer), or the request's own where that is
+        less (a batch of such requests holds no more slots than they fill): a hint for the cache,
+        which each admission raises to its requests' budgets."""
+        return replace(self, max_new_tokens=min(self.max_new_tokens, max(self.chunk, math.ceil(self.stream_lag))))
 
     @property
     def lag_tokens(self) -> int:

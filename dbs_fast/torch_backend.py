@@ -129,7 +129,7 @@ class TorchBackend:
             out["buckets"] = sorted(self.static.shapes)
         return out
 
-    def prefill(self, contexts):
+    def prefill(self, contexts, reserve: int = 0):
         ids, mask = left_pad(contexts, self.pad_id)
         t = self.torch
         self._mask = t.from_numpy(mask).to(self.device)

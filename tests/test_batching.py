@@ -63,6 +63,30 @@ def test_a_request_that_joins_a_running_batch_gets_the_result_it_gets_alone(dbs,
             assert [b["text"] for b in m.beams] == [b["text"] for b in a.beams]
 
 
+@pytest.mark.parametrize("cfg", [CFG, replace(CFG, stop="eos"), replace(CFG, stop="eos", stream_lag=0.5)],
+                         ids=["max", "eos", "eos-streamed"])
+def test_requests_that_differ_in_their_budget_alone_share_a_batch_and_get_what_they_get_alone(dbs, cfg):
+    """Each request carries its budget: one batch, at the config with the budget set aside, runs
+    requests of 22, 9, 14 and 5 new tokens, each to its own budget. A budget under a chunk batches
+    with its like only (its batch holds no chunk slots it cannot fill)."""
+    budgets = (22, 9, 14, 5)
+    own = [replace(cfg, max_new_tokens=n) for n in budgets]
+    alone = [_alone(dbs, c, j) for c, j in zip(own, JOBS)]
+    assert len({c.batched for c in own}) == 1 and replace(cfg, max_new_tokens=3).batched != cfg.batched
+    batch = dbs.batch(cfg.batched)
+    reqs = [dbs.request(c, k, b, s, o) for o, (c, k, b, s) in zip(own, JOBS)]
+    out, waiting = {}, list(reqs)
+    while waiting or batch.requests:
+        if waiting:
+            batch.admit([waiting.pop(0)])
+        out.update((id(r), res) for r, res in batch.decode_chunk())
+    for r, a, n in zip(reqs, alone, budgets):
+        m = out[id(r)]
+        assert m.generated == a.generated and m.found == a.found and m.stopped == a.stopped
+        assert m.new_tokens == a.new_tokens <= n and m.success_length == a.success_length
+    assert max(a.new_tokens for a in alone) > min(budgets)      # the budgets bite
+
+
 def test_a_dropped_request_leaves_no_result_and_changes_no_other(dbs):
     alone = [_alone(dbs, CFG, j) for j in JOBS]
     merged = _staggered(dbs, CFG, JOBS, 1, drop=1)

@@ -309,6 +309,36 @@ def test_shutdown_finishes_running_work_within_the_grace_period(exported):
             assert got[0][1][0] == 503
 
 
+def test_requests_that_differ_in_their_budget_alone_decode_in_one_batch(exported):
+    from dbs_fast.serving.batcher import Batcher, Job
+
+    dbs = DirectedBeamSearch(exported["gpt2"])
+    base = replace(DBSConfig(), **{**SMALL, "stop": "max"})
+    cfgs = [replace(base, max_new_tokens=n) for n in (64, 12)]
+    got, batches = {}, set()
+    b = Batcher(dbs, max_rows=24, max_queue=4)
+    model = dbs.decoder or dbs.backend
+    step = model.step
+
+    def counted(*a, **kw):                    # the engine thread's running batches, at every step
+        batches.add(len(b.batches))
+        return step(*a, **kw)
+
+    model.step = counted
+    try:
+        for i, cfg in enumerate(cfgs):
+            b.submit(Job(dbs.request("It is", "colony", None, i, cfg), cfg, send=lambda k, p, i=i: got.update({i: (k, p)})))
+        _wait(lambda: len(got) == 2)
+    finally:
+        model.step = step
+        b.stop(0.0)
+    assert batches == {1}
+    for i, cfg in enumerate(cfgs):
+        kind, result = got[i]
+        assert kind == "result" and result.generated == dbs.generate("It is", "colony", seed=i, config=cfg).generated
+        assert result.new_tokens == cfg.max_new_tokens
+
+
 def test_load_latency_ratios_pair_each_request_with_itself_alone():
     from benchmarks.load import latency_ratios
 

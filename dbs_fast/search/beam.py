@@ -42,7 +42,12 @@ class Request:
     heal: Healing | None = None                         # token healing: the first token re-writes `heal.tail`
     openings: list[tuple] = field(default_factory=list)  # token sequences that open first-chunk candidates
     min_p: float | None = None                          # the request's min_p (`request.min_p_of`); None: the config's
+    max_new_tokens: int | None = None                   # the request's budget of new tokens; None: the config's
     merged: dict = field(default_factory=dict, repr=False)  # order="any": first row -> mask -> merged boost
+
+    def budget(self, cfg) -> int:
+        """New tokens at most: the request's own budget, else the config's."""
+        return cfg.max_new_tokens if self.max_new_tokens is None else self.max_new_tokens
 
 
 @dataclass
@@ -308,7 +313,8 @@ class BeamSearch:
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> list[Finished]:
         """Decode every admitted request to its end; results in admission order."""
-        order, done, n_chunks = self.requests, {}, math.ceil(self.cfg.max_new_tokens / self.cfg.chunk)
+        order, done = self.requests, {}
+        n_chunks = math.ceil(int(self.tables.budget.max()) / self.cfg.chunk) if self.slots else 0
         while self.slots:
             done.update((id(f.request), f) for f in self.decode_chunk())
             if self.progress:
@@ -321,7 +327,7 @@ class BeamSearch:
         """One chunk for every row of the batch: sample k tokens, score, keep the best b beams
         per request and repeat each s times; requests at their end leave with their beams."""
         cfg = self.cfg
-        left = cfg.max_new_tokens - cfg.chunk * np.array([s.chunks for s in self.slots])
+        left = self.tables.budget - cfg.chunk * np.array([s.chunks for s in self.slots])
         k = int(min(cfg.chunk, left.max()))
         last = left <= k                                    # per request: this is its final chunk
         rows = self.rows
@@ -347,7 +353,7 @@ class BeamSearch:
         if self.kept_last and len(stay):          # the chunk's last token, for the beams that go on
             need = np.zeros(len(rows.req), bool)
             need[stay] = True
-            self._next_logits(rows, rows.tokens[:, -1], need & ~rows.final(self.cfg.max_new_tokens))
+            self._next_logits(rows, rows.tokens[:, -1], need & ~rows.final(self._budget(rows)))
         finished = Finished.leaving(kept, leave, self.slots, self.candidate_tokens, self.pad)
         self._regrow(rows, keep, leave)
         return finished
@@ -373,7 +379,7 @@ class BeamSearch:
         """`requests` join the batch (between chunks): contexts prefilled, `beams` rows each."""
         t0 = time.perf_counter()
         contexts = [r.context_ids for r in requests]
-        pending, cache = self.be.prefill(contexts)                   # (Q, V)
+        pending, cache = self.be.prefill(contexts, max(r.budget(self.cfg) for r in requests))    # (Q, V)
         per = [self.cfg.beams + (self.cfg.opened_rows if r.openings else 0) for r in requests]
         first = np.repeat(np.arange(len(requests)), per)      # step 1: b beams, b*s where openings seed some
         pending, cache = self.be.gather(pending, cache, first)
@@ -451,15 +457,16 @@ class BeamSearch:
         seen = np.zeros(R, np.int64)         # keywords seen in this chunk so far (guidance moves on)
         base = rows.tokens.shape[1]
         done, left = base + k - rows.col0, guidance.remaining(self.tables, rows, 0)   # once the chunk is in
-        ahead = quality.on_time(self.cfg, done, left)
-        boost_first = quality.boost_first(self.cfg, done, left)
+        budget = self._budget(rows)
+        ahead = quality.on_time(self.cfg, done, left, budget)
+        boost_first = quality.boost_first(self.cfg, done, left, budget)
         rows.add_columns(k, self.pad)                                                          # (R, L+k)
         for j in range(k):
             d = self._draw(rows, seen, base + j, boost_first, ahead)
             live = self._append(rows, d, base + j)
             seen = self._mark_seen(rows, text_before, d, live, seen, base + j)
             if j < k - 1 or not (last or self.kept_last):
-                self._next_logits(rows, d.ids, ~rows.final(self.cfg.max_new_tokens))
+                self._next_logits(rows, d.ids, ~rows.final(self._budget(rows)))
         self.t.kv(self.cache)                # within a chunk the cache only grows: its peak, read once
         return rows, rows.tokens[:, base:]
 
@@ -505,7 +512,7 @@ class BeamSearch:
     def _append(self, rows: Rows, d: Draw, col: int) -> np.ndarray:
         """Write the draw into column `col` of the rows that draw a real token (returned: `live`);
         the others get padding (`d.ids` too)."""
-        live = ~rows.ended & (d.n_done < self.cfg.max_new_tokens)
+        live = ~rows.ended & (d.n_done < self._budget(rows))
         d.ids = np.where(live, d.ids, self.pad)
         rows.tokens[:, col], rows.logp[:, col] = d.ids, d.logp
         rows.alt_ids[:, col], rows.alt_logp[:, col] = d.alt_ids, d.alt_logp
@@ -527,25 +534,27 @@ class BeamSearch:
         rows.glue = (new & ~seen) != 0
         seen = seen | new
         guidance.advance_forcing(self.tables, rows, d.force, seen, col + 1, self.word_piece)
-        landing = self.cfg.landing_tokens     # a streamed eos text near its budget ends as stop="sentence"'s
-        if self.cfg.stop == "sentence" or landing:   # all keywords in (before or in this chunk) + sentence end
-            end = self._sentence_ends(rows, d, live, seen, landing or None)
+        budget = self._budget(rows)
+        landing = self.cfg.landing_within(budget)     # a streamed eos text near its budget ends as stop="sentence"'s
+        if self.cfg.stop == "sentence" or landing.any():   # all keywords in (before or in this chunk) + sentence end
+            end = self._sentence_ends(rows, d, live, seen, None if self.cfg.stop == "sentence" else landing)
             rows.ended[end] = True
-        fallback = self.cfg.fallback_tokens     # near the budget: copies of the rows at a sentence end
-        if fallback:
+        fallback = self.cfg.fallback_within(budget)     # near the budget: copies of the rows at a sentence end
+        if fallback.any():
             for i in self._sentence_ends(rows, d, live, seen, fallback):
                 slot = self.slots[rows.req[i]]
                 if len(slot.landed) < LANDINGS:
                     slot.keep_landing(rows.take(np.array([i])))
         return seen
 
-    def _sentence_ends(self, rows: Rows, d: Draw, live: np.ndarray, seen: np.ndarray, within: int | None) -> np.ndarray:
+    def _sentence_ends(self, rows: Rows, d: Draw, live: np.ndarray, seen: np.ndarray,
+                       within: np.ndarray | None) -> np.ndarray:
         """The live rows whose new token ends a sentence after every keyword (placed before or in
-        this chunk), not at an abbreviation or an initial ("Dr.", "J."); with `within`, only rows
-        within that many tokens of the budget."""
+        this chunk), not at an abbreviation or an initial ("Dr.", "J."); with `within` (per row, 0:
+        none), only rows within that many tokens of their budget."""
         near = live & self.sentence_end[d.ids]
         if within is not None:
-            near &= rows.n_tok >= self.cfg.max_new_tokens - within
+            near &= (within > 0) & (rows.n_tok >= self._budget(rows) - within)
         end = np.flatnonzero(near & (guidance.remaining(self.tables, rows, seen) == 0))
         if not len(end):
             return end
@@ -570,7 +579,7 @@ class BeamSearch:
         """Bits of `masks` (per row) whose keyword appeared in the row's chunk so far (`unfinished`
         rows: not at their very end, as the next token continues the word)."""
         seen = np.zeros(len(rows.req), np.int64)
-        final = rows.final(self.cfg.max_new_tokens)
+        final = rows.final(self._budget(rows))
         seen[idx] = quality.seen(self.cfg, self._keywords(rows, idx), [text_before[i] for i in idx],
                                  self._chunk_texts(rows, text_before, idx), masks[idx], final[idx], unfinished[idx],
                                  self.open_end)
@@ -604,11 +613,15 @@ class BeamSearch:
         unfinished = guidance.unfinished(self.tables, rows, ~rows.ended, 0, self.word_piece)
         q, placed = quality.chunk_scores(self.cfg, self._keywords(rows, idx), left[idx],
                                          [text_before[i] for i in idx], texts, [lp[i, : n_new[i]] for i in idx],
-                                         alpha[idx], rows.final(self.cfg.max_new_tokens)[idx], unfinished[idx],
+                                         alpha[idx], rows.final(self._budget(rows))[idx], unfinished[idx],
                                          self.open_end)
         rows.cum[idx] += q
         rows.found[idx] |= placed
 
+    def _budget(self, rows: Rows) -> np.ndarray:
+        """(R,) each row's budget of new tokens: its request's."""
+        return self.tables.budget[rows.req]
+
     def _on_time(self, rows: Rows, col: int) -> np.ndarray:
         """Rows ahead of their deadline once the tokens up to column `col` are generated."""
-        return quality.on_time(self.cfg, col - rows.col0, guidance.remaining(self.tables, rows, 0))
+        return quality.on_time(self.cfg, col - rows.col0, guidance.remaining(self.tables, rows, 0), self._budget(rows))

@@ -31,10 +31,13 @@ def bits(mask: int):
         yield b, b.bit_length() - 1
 
 
-def on_time(cfg: DBSConfig, done: np.ndarray, remaining: np.ndarray, reserve: int | None = None) -> np.ndarray:
-    """Rows ahead of their deadline: with `done` tokens generated, at least `reserve` tokens
-    (`reserve_per_keyword` if None) are left per keyword still to place (`remaining`: their bits)."""
-    end = min(cfg.sentence_deadline or cfg.max_new_tokens, cfg.max_new_tokens)
+def on_time(cfg: DBSConfig, done: np.ndarray, remaining: np.ndarray, budget=None,
+            reserve: int | None = None) -> np.ndarray:
+    """Rows ahead of their deadline: with `done` tokens generated of their `budget` (per row, or
+    the config's `max_new_tokens` if None), at least `reserve` tokens (`reserve_per_keyword` if
+    None) are left per keyword still to place (`remaining`: their bits)."""
+    budget = cfg.max_new_tokens if budget is None else budget
+    end = np.minimum(cfg.sentence_deadline or budget, budget)
     left = end - np.minimum(done, end)
     return left >= popcount(remaining) * (cfg.reserve_per_keyword if reserve is None else reserve)
 
@@ -47,7 +50,7 @@ def alphas(cfg: DBSConfig, ahead: np.ndarray) -> np.ndarray:
     return np.where(ahead, cfg.alpha_fluent, cfg.alpha)
 
 
-def boost_first(cfg: DBSConfig, done: np.ndarray, remaining: np.ndarray):
+def boost_first(cfg: DBSConfig, done: np.ndarray, remaining: np.ndarray, budget=None):
     """Per-row boost order: the configured one, and boost-then-filter for rows behind their
     deadline when `late_boost_first` (their word may lie outside the nucleus); with
     `boost_first_reserve`, behind that later deadline only (before it the full boost waits for the
@@ -55,7 +58,7 @@ def boost_first(cfg: DBSConfig, done: np.ndarray, remaining: np.ndarray):
     first = cfg.boost_order == "boost_then_filter"
     if not cfg.late_boost_first or first:
         return first
-    return ~on_time(cfg, done, remaining, cfg.boost_first_reserve or None)
+    return ~on_time(cfg, done, remaining, budget, cfg.boost_first_reserve or None)
 
 
 def count_new(cfg: DBSConfig, text_before: str, text: str, kw: Keyword, open_end: bool, final: bool,

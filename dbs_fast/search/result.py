@@ -148,6 +148,7 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
     `sentence_end`: (V,) bool, needed with stop="sentence"; `decode_one` (one token's text, special
     tokens written out), needed with `logprobs`."""
     rows, seconds, context, kws = fin.rows, fin.seconds, fin.request.context, fin.request.keywords
+    budget = fin.request.budget(cfg)
     tail = len(fin.request.heal.tail) if fin.request.heal else 0   # the healed context's end: not generated
 
     def decode(seqs):
@@ -229,7 +230,7 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
         toks, texts = toks[:n_gen], texts[:n_gen]
     generated = texts[-1] if texts else ""
     hits = [found[k.text]["token"] for k in kws if found[k.text] is not None]   # a keyword listed twice counts twice
-    success_length = max(hits, default=0) if len(hits) == len(kws) else cfg.max_new_tokens
+    success_length = max(hits, default=0) if len(hits) == len(kws) else budget
     lp = rows.logp[best, :n_gen]
     return GenerationResult(
         text=context + generated, context=context, generated=generated, keywords=[k.text for k in kws],
