@@ -47,6 +47,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -332,7 +333,6 @@ async def soak(url: str, n: int, clients: int, rss=None, seed: int = 0, openai_s
 
 def small_engine(model: str, threads: int | None):
     """(the engine, the small requests' config, the CommonGen dev sets), warmed up by one request."""
-    from dataclasses import replace
 
     from dbs_fast import DBSConfig, DirectedBeamSearch
 
@@ -365,11 +365,14 @@ def engine_scaling(model: str, levels: list[int], threads: int | None) -> list[d
     return out
 
 
-def engine_loop(model: str, clients: int, per: int, threads: int | None, admit_wait: float | None) -> dict:
+def engine_loop(model: str, clients: int, per: int, threads: int | None, admit_wait: float | None,
+                budgets: list[int] | None = None) -> dict:
     """In process, no HTTP: `clients` closed-loop threads submit the small requests straight to the
     service's `Batcher`, continuous (max_rows 140) and one request at a time (the rows of one):
     requests per second, their ratio, and the engine thread's seconds waiting for returning
-    clients, admitting and decoding. Separates what the engine's batching gains from HTTP."""
+    clients, admitting and decoding. Separates what the engine's batching gains from HTTP.
+    `budgets`: request i asks for budgets[i % len(budgets)] new tokens (`max_new_tokens`), as
+    clients that set their own `max_tokens` do."""
     import queue
     import threading
 
@@ -377,14 +380,16 @@ def engine_loop(model: str, clients: int, per: int, threads: int | None, admit_w
 
     dbs, cfg, sets = small_engine(model, threads)
     wait = ServiceOptions().admit_wait if admit_wait is None else admit_wait
-    out = {"clients": clients, "requests": clients * per, "admit_wait": wait}
+    out = {"clients": clients, "requests": clients * per, "admit_wait": wait, "budgets": budgets}
+    own = [replace(cfg, max_new_tokens=n) for n in budgets] if budgets else [cfg]
     for mode, rows in (("continuous", 140), ("sequential", cfg.beams * cfg.candidates)):
         b = Batcher(dbs, rows, 4 * clients, admit_wait=wait)
 
         def client(c: int) -> None:
             for i in range(c * per, (c + 1) * per):
                 done = queue.Queue()
-                b.submit(Job(dbs.request(SMALL["context"], sets[i], None, i, cfg), cfg,
+                c_i = own[i % len(own)]
+                b.submit(Job(dbs.request(SMALL["context"], sets[i], None, i, c_i), c_i,
                              lambda kind, payload: done.put(kind) if kind in ("result", "error") else None))
                 assert done.get() == "result"
 
@@ -473,6 +478,8 @@ def main(argv=None) -> int:
                     help="the servers' --schedule (default: theirs)")
     ap.add_argument("--admit-wait", type=float, default=None,
                     help="the servers' --admit-wait (seconds; default: the server's default)")
+    ap.add_argument("--budgets", default=None,
+                    help="engine-loop: comma-separated max_new_tokens the requests take in turn (default: the small request's)")
     ap.add_argument("--openai", action="store_true",
                     help="requests through the openai SDK to /v1/completions, with an API key")
     a = ap.parse_args(argv)
@@ -504,7 +511,8 @@ def main(argv=None) -> int:
         res["engine_scaling"] = engine_scaling(a.model, levels, a.threads)
         res["step_cost"] = step_cost(a.model, a.threads)
     if "engine-loop" not in skip:
-        res["engine_loop"] = engine_loop(a.model, max(levels), a.per_client, a.threads, a.admit_wait)
+        budgets = [int(x) for x in a.budgets.split(",")] if a.budgets else None
+        res["engine_loop"] = engine_loop(a.model, max(levels), a.per_client, a.threads, a.admit_wait, budgets)
     modes = {"continuous": {"small": 140, "paper": 140},
              "sequential": {"small": SMALL["beams"] * SMALL["candidates"], "paper": 70}}
     for mode, rows in modes.items():
