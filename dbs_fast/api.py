@@ -240,7 +240,7 @@ class Batch:
         return [(r, text) for r, text, _ in self.certain_tokens(wanted)]
 
     def certain_tokens(self, wanted=None) -> list[tuple[Request, str, list[dict] | None]]:
-        """`certain`'s text and, where the config asks for `logprobs`, the entries of its certain
+        """`certain`'s text and, where the request asks for `logprobs`, the entries of its certain
         tokens (`search.result.tokens_with_logprobs`; None where not asked): what a stream sends,
         from one look at the beams."""
         out, be = [], self.dbs.backend
@@ -248,7 +248,8 @@ class Batch:
         for q, r in enumerate(self.requests):
             if wanted is None or wanted(r):
                 rows, i, n = certain_span(self.search, q)
-                entries = None if self.config.logprobs is None else \
-                    tokens_with_logprobs(rows, i, n, be.eos_ids, token_text, self.search.tables.tail[q]) if n else []
+                K = r.alternatives(self.config)
+                entries = None if K is None else \
+                    tokens_with_logprobs(rows, i, n, be.eos_ids, token_text, self.search.tables.tail[q], K) if n else []
                 out.append((r, span_text(self.search, q, rows, i, n), entries))
         return out

@@ -338,12 +338,15 @@ class DBSConfig:
     @property
     def batched(self) -> "DBSConfig":
         """The config of the running batch that a request at this one joins: the same with the
-        budget set aside (each request carries its own, `Request.max_new_tokens`), so that requests
-        that differ in `max_new_tokens` alone decode together. Its budget is a whole chunk (the
-        cache's chunk slots; the stream's lag's, if longer), or the request's own where that is
-        less (a batch of such requests holds no more slots than they fill): a hint for the cache,
-        which each admission raises to its requests' budgets."""
-        return replace(self, max_new_tokens=min(self.max_new_tokens, max(self.chunk, math.ceil(self.stream_lag))))
+        budget and the number of `logprobs` alternatives set aside (each request carries its own,
+        `Request.max_new_tokens` and `Request.logprobs`), so that requests that differ in those
+        alone decode together. Its budget is a whole chunk (the cache's chunk slots; the stream's
+        lag's, if longer), or the request's own where that is less (a batch of such requests holds
+        no more slots than they fill): a hint for the cache, which each admission raises to its
+        requests' budgets. Where log-probs are asked, every row keeps the most alternatives
+        (`MAX_LOGPROBS`) and each request returns its own number of them."""
+        return replace(self, max_new_tokens=min(self.max_new_tokens, max(self.chunk, math.ceil(self.stream_lag))),
+                       logprobs=None if self.logprobs is None else MAX_LOGPROBS)
 
     @property
     def lag_tokens(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from dbs_fast.api import DirectedBeamSearch
@@ -85,6 +86,36 @@ def test_requests_that_differ_in_their_budget_alone_share_a_batch_and_get_what_t
         assert m.generated == a.generated and m.found == a.found and m.stopped == a.stopped
         assert m.new_tokens == a.new_tokens <= n and m.success_length == a.success_length
     assert max(a.new_tokens for a in alone) > min(budgets)      # the budgets bite
+
+
+def test_requests_that_differ_in_their_logprobs_alone_share_a_batch_and_get_what_they_get_alone(dbs):
+    """Each request returns its own number of alternatives per token from one batch whose rows keep
+    the most: the texts, tokens, log-probs and alternatives of each are those it gets alone."""
+    own = [replace(CFG, logprobs=n) for n in (0, 3, 20, 1)]
+    alone = [_alone(dbs, c, j) for c, j in zip(own, JOBS)]
+    assert len({c.batched for c in own}) == 1 and CFG.batched != own[0].batched
+    batch = dbs.batch(own[0].batched)
+    reqs = [dbs.request(c, k, b, s, o) for o, (c, k, b, s) in zip(own, JOBS)]
+    batch.admit(reqs[:2])
+    out, waiting = {}, reqs[2:]
+    while waiting or batch.requests:
+        out.update((id(r), res) for r, res in batch.decode_chunk())
+        if waiting:
+            batch.admit([waiting.pop(0)])
+    for r, a, o in zip(reqs, alone, own):
+        m = out[id(r)]
+        assert m.generated == a.generated and [len(e["top"]) for e in m.logprobs] == [o.logprobs] * len(m.logprobs)
+        for got, want in [(m.logprobs, a.logprobs)] + [(x["logprobs"], y["logprobs"]) for x, y in zip(m.beams, a.beams)]:
+            assert _entries(got) == _entries(want)      # the tokens and alternatives; the log-probs to the last bits
+            np.testing.assert_allclose(_logprobs(got), _logprobs(want), atol=1e-4)
+
+
+def _entries(tokens):
+    return [(e["id"], e["token"], [(t["id"], t["token"]) for t in e["top"]]) for e in tokens]
+
+
+def _logprobs(tokens):
+    return [[e["logprob"]] + [t["logprob"] for t in e["top"]] for e in tokens]
 
 
 def test_a_dropped_request_leaves_no_result_and_changes_no_other(dbs):

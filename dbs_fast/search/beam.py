@@ -43,11 +43,17 @@ class Request:
     openings: list[tuple] = field(default_factory=list)  # token sequences that open first-chunk candidates
     min_p: float | None = None                          # the request's min_p (`request.min_p_of`); None: the config's
     max_new_tokens: int | None = None                   # the request's budget of new tokens; None: the config's
+    logprobs: int | None = None                         # the request's alternatives per token (`logprobs`); None: the config's
     merged: dict = field(default_factory=dict, repr=False)  # order="any": first row -> mask -> merged boost
 
     def budget(self, cfg) -> int:
         """New tokens at most: the request's own budget, else the config's."""
         return cfg.max_new_tokens if self.max_new_tokens is None else self.max_new_tokens
+
+    def alternatives(self, cfg) -> int | None:
+        """Alternatives returned per token (`logprobs`): the request's own, else the config's; None:
+        no log-probs asked."""
+        return cfg.logprobs if self.logprobs is None else self.logprobs
 
 
 @dataclass

@@ -123,10 +123,11 @@ def pick(rule: str, beams: list[dict]) -> int:
 
 
 def tokens_with_logprobs(rows: Rows, i: int, n: int, eos_ids, decode_one: Callable[[int], str],
-                         tail: int) -> list[dict]:
+                         tail: int, K: int) -> list[dict]:
     """Row i's first `n` generated tokens (a last EOS left out) as the `logprobs` option returns
     them: each token's id, text (the first without the `tail` characters of the context it
-    re-writes) and log-prob, and its likeliest alternatives ("top": id, text, log-prob)."""
+    re-writes) and log-prob, and its K likeliest alternatives ("top": id, text, log-prob; the rows
+    may hold more, for another request of their batch)."""
     c = int(rows.col0[i])
     ids = rows.tokens[i, c:c + n]
     if n and int(ids[-1]) in set(eos_ids):
@@ -137,7 +138,7 @@ def tokens_with_logprobs(rows: Rows, i: int, n: int, eos_ids, decode_one: Callab
         own, top = rows.alt_logp[i, c + j], rows.alt_ids[i, c + j]      # the drawn token, then the likeliest
         out.append({"id": int(ids[j]), "token": text[tail:] if j == 0 else text, "logprob": float(own[0]),
                     "top": [{"id": int(a), "token": decode_one(int(a)), "logprob": float(lp)}
-                            for a, lp in zip(top[1:], own[1:])]})
+                            for a, lp in zip(top[1:1 + K], own[1:1 + K])]})
     return out
 
 
@@ -213,12 +214,13 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
             chosen = ends_at[pick(cfg.pick, [beams[j] for j in ends_at])]
     beams.insert(0, beams.pop(chosen))
     best = beams[0]["row"]
-    asked = cfg.logprobs is not None
+    K = fin.request.alternatives(cfg)
+    asked = K is not None
     token_text = functools.cache(decode_one) if asked else None      # beams share most of their tokens
     for b in beams:
         row = b.pop("row")
         if asked:
-            b["logprobs"] = tokens_with_logprobs(rows, row, int(rows.n_tok[row]), eos_ids, token_text, tail)
+            b["logprobs"] = tokens_with_logprobs(rows, row, int(rows.n_tok[row]), eos_ids, token_text, tail, K)
     texts, found, cut = ending(best)
     n_gen = int(rows.n_tok[best])
     toks = rows.tokens[best, :n_gen]
