@@ -472,7 +472,7 @@ class BeamSearch:
             live = self._append(rows, d, base + j)
             seen = self._mark_seen(rows, text_before, d, live, seen, base + j)
             if j < k - 1 or not (last or self.kept_last):
-                self._next_logits(rows, d.ids, ~rows.final(self._budget(rows)))
+                self._next_logits(rows, d.ids, ~rows.final(budget))
         self.t.kv(self.cache)                # within a chunk the cache only grows: its peak, read once
         return rows, rows.tokens[:, base:]
 
