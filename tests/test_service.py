@@ -182,7 +182,7 @@ def test_metrics_and_health(server):
     assert httpx.post(server.url + "/v1/generate", json=ok, timeout=60).status_code == 200
     assert httpx.post(server.url + "/v1/generate", json={"keywords": "run|"}, timeout=30).status_code == 400
     text = httpx.get(server.url + "/metrics").text
-    for name in ("dbs_requests_total", "dbs_queue_depth", "dbs_batch_rows", "dbs_candidate_tokens_total",
+    for name in ("dbs_requests_total", "dbs_queue_depth", "dbs_batch_rows", "dbs_running_batches", "dbs_candidate_tokens_total",
                  "dbs_request_latency_seconds_bucket", "dbs_candidate_tokens_per_second"):
         assert name in text
     assert 'dbs_requests_total{status="ok"}' in text and 'dbs_requests_total{status="invalid"}' in text
@@ -311,17 +311,20 @@ def test_shutdown_finishes_running_work_within_the_grace_period(exported):
 
 def test_requests_that_differ_in_their_budget_alone_decode_in_one_batch(exported):
     from dbs_fast.serving.batcher import Batcher, Job
+    from dbs_fast.serving.service import Metrics
 
     dbs = DirectedBeamSearch(exported["gpt2"])
     base = replace(DBSConfig(), **{**SMALL, "stop": "max"})
     cfgs = [replace(base, max_new_tokens=n) for n in (64, 12)]
-    got, batches = {}, set()
-    b = Batcher(dbs, max_rows=24, max_queue=4)
+    got, batches, gauge = {}, set(), set()
+    metrics = Metrics()
+    b = Batcher(dbs, max_rows=24, max_queue=4, metrics=metrics)
     model = dbs.decoder or dbs.backend
     step = model.step
 
     def counted(*a, **kw):                    # the engine thread's running batches, at every step
         batches.add(len(b.batches))
+        gauge.add(metrics.registry.get_sample_value("dbs_running_batches"))
         return step(*a, **kw)
 
     model.step = counted
@@ -332,7 +335,7 @@ def test_requests_that_differ_in_their_budget_alone_decode_in_one_batch(exported
     finally:
         model.step = step
         b.stop(0.0)
-    assert batches == {1}
+    assert batches == {1} and max(gauge) == 1          # the metric says so too
     for i, cfg in enumerate(cfgs):
         kind, result = got[i]
         assert kind == "result" and result.generated == dbs.generate("It is", "colony", seed=i, config=cfg).generated

@@ -265,4 +265,4 @@ class Batcher:
 
     def _gauges(self) -> None:
         if self.metrics:
-            self.metrics.gauges(len(self.queue), self.n_rows)
+            self.metrics.gauges(len(self.queue), self.n_rows, len(self.batches))

@@ -146,6 +146,8 @@ class Metrics:
                                 "disconnected, shutdown, error)", ["status"], registry=r)
         self.queue = Gauge("dbs_queue_depth", "requests waiting for rows", registry=r)
         self.rows = Gauge("dbs_batch_rows", "candidate rows in the running batches", registry=r)
+        self.batches = Gauge("dbs_running_batches", "running batches: one per settings their requests share "
+                             "(budgets and log-prob counts apart); several take turns chunk by chunk", registry=r)
         self.tokens = Counter("dbs_candidate_tokens", "candidate tokens sampled", registry=r)
         self.rate = Gauge("dbs_candidate_tokens_per_second", "candidate tokens/s of the last chunk", registry=r)
         self.moved = Counter("dbs_host_device_bytes", "bytes the decode graph bound from host memory (with "
@@ -182,9 +184,10 @@ class Metrics:
     def admit_wait(self, seconds: float, returned: bool) -> None:
         self.admit_waits.labels("returned" if returned else "timeout").observe(seconds)
 
-    def gauges(self, queue: int, rows: int) -> None:
+    def gauges(self, queue: int, rows: int, batches: int) -> None:
         self.queue.set(queue)
         self.rows.set(rows)
+        self.batches.set(batches)
 
 
 class Service:
