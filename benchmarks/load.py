@@ -333,7 +333,6 @@ async def soak(url: str, n: int, clients: int, rss=None, seed: int = 0, openai_s
 
 def small_engine(model: str, threads: int | None):
     """(the engine, the small requests' config, the CommonGen dev sets), warmed up by one request."""
-
     from dbs_fast import DBSConfig, DirectedBeamSearch
 
     dbs = DirectedBeamSearch(model, threads=threads)

@@ -543,24 +543,24 @@ class BeamSearch:
         budget = self._budget(rows)
         landing = self.cfg.landing_within(budget)     # a streamed eos text near its budget ends as stop="sentence"'s
         if self.cfg.stop == "sentence" or landing.any():   # all keywords in (before or in this chunk) + sentence end
-            end = self._sentence_ends(rows, d, live, seen, None if self.cfg.stop == "sentence" else landing)
+            end = self._sentence_ends(rows, d, live, seen, None if self.cfg.stop == "sentence" else landing, budget)
             rows.ended[end] = True
         fallback = self.cfg.fallback_within(budget)     # near the budget: copies of the rows at a sentence end
         if fallback.any():
-            for i in self._sentence_ends(rows, d, live, seen, fallback):
+            for i in self._sentence_ends(rows, d, live, seen, fallback, budget):
                 slot = self.slots[rows.req[i]]
                 if len(slot.landed) < LANDINGS:
                     slot.keep_landing(rows.take(np.array([i])))
         return seen
 
     def _sentence_ends(self, rows: Rows, d: Draw, live: np.ndarray, seen: np.ndarray,
-                       within: np.ndarray | None) -> np.ndarray:
+                       within: np.ndarray | None, budget: np.ndarray) -> np.ndarray:
         """The live rows whose new token ends a sentence after every keyword (placed before or in
         this chunk), not at an abbreviation or an initial ("Dr.", "J."); with `within` (per row, 0:
-        none), only rows within that many tokens of their budget."""
+        none), only rows within that many tokens of their `budget` (per row)."""
         near = live & self.sentence_end[d.ids]
         if within is not None:
-            near &= (within > 0) & (rows.n_tok >= self._budget(rows) - within)
+            near &= (within > 0) & (rows.n_tok >= budget - within)
         end = np.flatnonzero(near & (guidance.remaining(self.tables, rows, seen) == 0))
         if not len(end):
             return end

@@ -5,7 +5,8 @@ admits queued ones while the row budget allows (first come, first served), and d
 chunk of every running batch. A context longer than one prefill slice that would join a running
 batch is prefilled in pieces first, one slice into the context store between chunks
 (`DirectedBeamSearch.prefill_ahead`), so that the running requests wait at most one slice for it (one batch per config, the
-budget apart: all requests of a batch share its settings, each with its own `max_new_tokens`, so
+budget apart: all requests of a batch share its settings, each with its own `max_new_tokens` and
+`logprobs` count (`DBSConfig.batched`), so
 requests with other settings take turns chunk by chunk). At a boundary where requests have
 just ended, it first waits up to `admit_wait` seconds for their clients' next requests
 (`_await_returns`). A job leaves with its result when its request ends. Events go back to the asyncio side through `Job.send`; the loop never blocks
@@ -177,7 +178,7 @@ class Batcher:
     def _admit(self, jobs: list[Job]) -> None:
         by_cfg: dict[DBSConfig, list[Job]] = {}
         for job in jobs:
-            by_cfg.setdefault(job.config.batched, []).append(job)   # budgets apart: each request has its own
+            by_cfg.setdefault(job.config.batched, []).append(job)   # budget and logprobs: each request's own
         for cfg, group in by_cfg.items():
             batch = self.batches.get(cfg) or self.dbs.batch(cfg)
             try:
