@@ -365,13 +365,14 @@ def engine_scaling(model: str, levels: list[int], threads: int | None) -> list[d
 
 
 def engine_loop(model: str, clients: int, per: int, threads: int | None, admit_wait: float | None,
-                budgets: list[int] | None = None) -> dict:
+                budgets: list[int] | None = None, temperatures: list[float] | None = None) -> dict:
     """In process, no HTTP: `clients` closed-loop threads submit the small requests straight to the
     service's `Batcher`, continuous (max_rows 140) and one request at a time (the rows of one):
     requests per second, their ratio, and the engine thread's seconds waiting for returning
     clients, admitting and decoding. Separates what the engine's batching gains from HTTP.
     `budgets`: request i asks for budgets[i % len(budgets)] new tokens (`max_new_tokens`), as
-    clients that set their own `max_tokens` do."""
+    clients that set their own `max_tokens` do; `temperatures`: it draws at temperatures[i %
+    len(temperatures)], as clients that set their own `temperature` do."""
     import queue
     import threading
 
@@ -379,15 +380,19 @@ def engine_loop(model: str, clients: int, per: int, threads: int | None, admit_w
 
     dbs, cfg, sets = small_engine(model, threads)
     wait = ServiceOptions().admit_wait if admit_wait is None else admit_wait
-    out = {"clients": clients, "requests": clients * per, "admit_wait": wait, "budgets": budgets}
-    own = [replace(cfg, max_new_tokens=n) for n in budgets] if budgets else [cfg]
+    out = {"clients": clients, "requests": clients * per, "admit_wait": wait, "budgets": budgets,
+           "temperatures": temperatures}
+
+    def own(i: int):
+        return replace(cfg, **({"max_new_tokens": budgets[i % len(budgets)]} if budgets else {}),
+                       **({"temperature": temperatures[i % len(temperatures)]} if temperatures else {}))
     for mode, rows in (("continuous", 140), ("sequential", cfg.beams * cfg.candidates)):
         b = Batcher(dbs, rows, 4 * clients, admit_wait=wait)
 
         def client(c: int) -> None:
             for i in range(c * per, (c + 1) * per):
                 done = queue.Queue()
-                c_i = own[i % len(own)]
+                c_i = own(i)
                 b.submit(Job(dbs.request(SMALL["context"], sets[i], None, i, c_i), c_i,
                              lambda kind, payload: done.put(kind) if kind in ("result", "error") else None))
                 assert done.get() == "result"
@@ -479,6 +484,8 @@ def main(argv=None) -> int:
                     help="the servers' --admit-wait (seconds; default: the server's default)")
     ap.add_argument("--budgets", default=None,
                     help="engine-loop: comma-separated max_new_tokens the requests take in turn (default: the small request's)")
+    ap.add_argument("--temperatures", default=None,
+                    help="engine-loop: comma-separated temperatures the requests take in turn (default: the small request's)")
     ap.add_argument("--openai", action="store_true",
                     help="requests through the openai SDK to /v1/completions, with an API key")
     a = ap.parse_args(argv)
@@ -511,7 +518,9 @@ def main(argv=None) -> int:
         res["step_cost"] = step_cost(a.model, a.threads)
     if "engine-loop" not in skip:
         budgets = [int(x) for x in a.budgets.split(",")] if a.budgets else None
-        res["engine_loop"] = engine_loop(a.model, max(levels), a.per_client, a.threads, a.admit_wait, budgets)
+        temperatures = [float(x) for x in a.temperatures.split(",")] if a.temperatures else None
+        res["engine_loop"] = engine_loop(a.model, max(levels), a.per_client, a.threads, a.admit_wait, budgets,
+                                         temperatures)
     modes = {"continuous": {"small": 140, "paper": 140},
              "sequential": {"small": SMALL["beams"] * SMALL["candidates"], "paper": 70}}
     for mode, rows in modes.items():

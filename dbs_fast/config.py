@@ -35,6 +35,14 @@ OPENINGS = ("none", "subjects")                                # dbs_fast.text.o
 FEW_SHOT_POOL = 200                                            # examples in data/commongen_train_pool.tsv
 
 
+def inv_temperature(temperature):
+    """1 / the temperature the draws scale the logits by (a number, or an array: per row): 1 for a
+    greedy draw (temperature 0, the mode at temperature 1), and a positive temperature no lower
+    than MIN_TEMPERATURE."""
+    t = np.asarray(temperature, np.float64)
+    return np.where(t > 0, 1.0 / np.maximum(t, MIN_TEMPERATURE), 1.0)
+
+
 def parse_bool(v: str) -> bool:
     if v.lower() not in ("true", "false"):
         raise ValueError(v)                  # argparse: "invalid parse_bool value", exit 2
@@ -338,15 +346,16 @@ class DBSConfig:
     @property
     def batched(self) -> "DBSConfig":
         """The config of the running batch that a request at this one joins: the same with the
-        budget and the number of `logprobs` alternatives set aside (each request carries its own,
-        `Request.max_new_tokens` and `Request.logprobs`), so that requests that differ in those
-        alone decode together. Its budget is a whole chunk (the cache's chunk slots; the stream's
+        budget, the number of `logprobs` alternatives, the temperature and top_p set aside (each
+        request carries its own, `Request.max_new_tokens`, `.logprobs`, `.temperature` and `.top_p`,
+        and the draw reads them per row), so that requests that differ in those alone decode
+        together; the batch's own temperature and top_p are 1. Its budget is a whole chunk (the cache's chunk slots; the stream's
         lag's, if longer), or the request's own where that is less (a batch of such requests holds
         no more slots than they fill): a hint for the cache, which each admission raises to its
         requests' budgets. Where log-probs are asked, every row keeps the most alternatives
         (`MAX_LOGPROBS`) and each request returns its own number of them."""
         return replace(self, max_new_tokens=min(self.max_new_tokens, max(self.chunk, math.ceil(self.stream_lag))),
-                       logprobs=None if self.logprobs is None else MAX_LOGPROBS)
+                       logprobs=None if self.logprobs is None else MAX_LOGPROBS, temperature=1.0, top_p=1.0)
 
     @property
     def lag_tokens(self) -> int:
@@ -357,7 +366,7 @@ class DBSConfig:
     def inv_temperature(self) -> float:
         """1 / the temperature the draws scale the logits by: 1 for a greedy draw (temperature 0,
         the mode at temperature 1), and a positive temperature no lower than MIN_TEMPERATURE."""
-        return 1.0 / max(self.temperature, MIN_TEMPERATURE) if self.temperature > 0 else 1.0
+        return float(inv_temperature(self.temperature))
 
     @property
     def shapes_logits(self) -> bool:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from .config import DBSConfig
+from .config import DBSConfig, inv_temperature
 from .numba_runtime import njit, prange, start_threads
 
 BUCKETS_PER_NAT = 16
@@ -583,19 +583,21 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
     The rule groups are tuples (`sample` packs them from a StepRules):
     guide = (row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force, rank),
     history = (tokens, start, generated start), bans = (row_ban, group_ptr, seq_ptr, seq_tok),
-    words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p (R,), penalty, presence,
-    frequency, ngram, window, shaped, greedy, logit-bias ids (ascending), their biases); a greedy
-    draw (temperature 0, 1/T then 1) takes the kept token of the row's `rank`-th largest weight
+    words = (word_class, key, key_ptr, key_tok), knobs = (1/T (R,), top_p (R,), min_p (R,), penalty,
+    presence, frequency, ngram, window, shaped, greedy (R,), logit-bias ids (ascending), their
+    biases); a greedy draw (temperature 0, 1/T then 1) takes the kept token of the row's `rank`-th largest weight
     (`_mode`; 0: the largest), from the group's likeliest (`_likeliest`, one pass)."""
     row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force, rank = guide
     hseq, hstart, hgen = history
     row_ban = bans[0]
-    inv_temp, top_p, row_min_p, penalty, presence, frequency, ngram, window, shaped, greedy, bias_ids, bias_vals = knobs
+    row_inv_temp, row_top_p, row_min_p, penalty, presence, frequency, ngram, window, shaped, row_greedy, bias_ids, \
+        bias_vals = knobs
     V = logits.shape[1]
     hend = hseq.shape[1]
     for g in prange(group_ptr.shape[0] - 1):
         r = members[group_ptr[g]]            # the group's rules are its first row's
         x = logits[table_row[r]]
+        inv_temp, top_p, greedy = row_inv_temp[r], row_top_p[r], row_greedy[r]
         s = np.empty(V, np.float32)          # scaled, shaped (and, boost-first, boosted) logits
         e = np.empty(V, np.float32)          # exp(s - top): unnormalised weights
         top = _bias(x, s, inv_temp, bias_ids, bias_vals, _scale(x, inv_temp, s))
@@ -733,6 +735,8 @@ class StepRules:
       is never drawn when the history ends with the rest;
     - `words`: the vocabulary's words (`occurrence.WordTable`), for the word-loop rule;
     - `row_min_p` (R,): each row's min_p, its request's (`request.min_p_of`); None: the config's;
+    - `row_temperature`, `row_top_p` (R,): each row's temperature (0: greedy) and top_p, its
+      request's; None: the config's;
     - `rank` (R,): at temperature 0, row r takes the rank[r]-th likeliest kept token (0: the
       likeliest; counted round the kept tokens where there are fewer), so that rows that would
       draw from one distribution take its likeliest tokens in turn (`search.beam.greedy_ranks`);
@@ -753,6 +757,8 @@ class StepRules:
     row_min_p: np.ndarray | None = None
     rank: np.ndarray | None = None
     generated_start: np.ndarray | None = None
+    row_temperature: np.ndarray | None = None
+    row_top_p: np.ndarray | None = None
 
     @classmethod
     def given(cls, config: DBSConfig | None = None, **rules) -> "StepRules":
@@ -784,6 +790,20 @@ class StepRules:
         if self.row_min_p is None:
             return np.full(R, self.config.min_p, np.float64)
         return np.ascontiguousarray(self.row_min_p, np.float64)
+
+    def temperatures(self, R: int) -> np.ndarray:
+        """(R,) float64: each row's temperature (0: greedy)."""
+        t = self.config.temperature if self.row_temperature is None else self.row_temperature
+        return np.broadcast_to(np.asarray(t, np.float64), (R,)).copy()
+
+    def inv_temperatures(self, R: int) -> np.ndarray:
+        """(R,) float32: 1 / the temperature each row scales its logits by (`config.inv_temperature`)."""
+        return inv_temperature(self.temperatures(R)).astype(np.float32)
+
+    def top_ps(self, R: int) -> np.ndarray:
+        """(R,) float64: each row's top_p."""
+        p = self.config.top_p if self.row_top_p is None else self.row_top_p
+        return np.broadcast_to(np.asarray(p, np.float64), (R,)).copy()
 
     @property
     def multi_token_bans(self) -> bool:
@@ -818,11 +838,11 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, rules: StepRules,
     else:
         bans = (np.asarray(rules.row_ban, np.int64), *(np.asarray(a, t) for a, t in zip(rules.bans, (np.int64, np.int64,
                                                                                                       np.int32))))
-    knobs = (np.float32(cfg.inv_temperature), float(cfg.top_p), rules.min_ps(R),
+    knobs = (rules.inv_temperatures(R), rules.top_ps(R), rules.min_ps(R),
              np.float32(cfg.repetition_penalty), np.float32(cfg.presence_penalty), np.float32(cfg.frequency_penalty),
              int(cfg.no_repeat_ngram_size), int(cfg.no_repeat_word_window),
-             bool(cfg.shapes_logits), cfg.temperature == 0, *cfg.logit_bias_arrays)
-    group_ptr, members = row_groups(table_row, guide, history, bans[0], knobs[2])
+             bool(cfg.shapes_logits), rules.temperatures(R) == 0, *cfg.logit_bias_arrays)
+    group_ptr, members = row_groups(table_row, guide, history, bans[0], knobs[2], *knobs[:2], knobs[9])
     start_threads()
     out_ids = np.empty(R, np.int64)
     out_logp = np.empty(R, np.float32)
@@ -838,18 +858,20 @@ def warm_up() -> None:
     sample(np.zeros((2, 4), np.float32), np.full(2, 0.5), StepRules.given())
 
 
-def row_groups(table_row, guide, history, row_ban, row_min_p) -> tuple[np.ndarray, np.ndarray]:
+def row_groups(table_row, guide, history, row_ban, *row_settings) -> tuple[np.ndarray, np.ndarray]:
     """The rows that draw from one distribution, as CSR groups (group_ptr, members): the same
-    logits row under the same rules (guide word, boost order, min_p, ban group, and the history
-    where a rule reads it); a forced token or a uniform does not shape the distribution, so rows
-    that differ only there share a group. Each group in the order of its first row."""
+    logits row under the same rules (guide word, boost order, ban group, each of `row_settings`
+    ((R,) arrays: min_p, 1/T, top_p, greedy), and the history where a rule reads it); a forced
+    token or a uniform does not shape the distribution, so rows that differ only there share a
+    group. Each group in the order of its first row."""
     R = len(table_row)
     if R < 2 or len(np.unique(table_row)) == R:        # no logits row shared: a group per row
         return np.arange(R + 1, dtype=np.int64), np.arange(R, dtype=np.int64)
     row_word, boost_first = guide[0], guide[6]
     hseq, hstart, hgen = history
-    key = np.column_stack([table_row, row_word, boost_first, np.ascontiguousarray(row_min_p, np.float64).view(np.int64),
-                           row_ban, hstart, hgen, hseq]).astype(np.int64, copy=False)
+    settings = [np.ascontiguousarray(v, np.float64).view(np.int64) for v in row_settings]
+    key = np.column_stack([table_row, row_word, boost_first, *settings, row_ban, hstart, hgen,
+                           hseq]).astype(np.int64, copy=False)
     _, first, inverse = np.unique(key, axis=0, return_index=True, return_inverse=True)
     rank = np.empty(len(first), np.int64)
     rank[np.argsort(first, kind="stable")] = np.arange(len(first))     # groups by their first row

@@ -191,7 +191,7 @@ class RequestBuilder:
         return Request(req_ids, kws, int(seed), boosts, force, phrases, ban_seqs, context, heal=heal,
                        openings=self._openings(context, kws, cfg, len(ids) - len(req_ids), named, said != context),
                        min_p=min_p_of(named, cfg), max_new_tokens=cfg.max_new_tokens,
-                       logprobs=cfg.logprobs)
+                       logprobs=cfg.logprobs, temperature=cfg.temperature, top_p=cfg.top_p)
 
     def _openings(self, context: str, kws, cfg: DBSConfig, healed: int, named: list[bool], chat: bool) -> list[tuple]:
         """The token sequences of `cfg.openings`' phrases after `context` (from the token the healing

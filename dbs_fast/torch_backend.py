@@ -14,6 +14,7 @@ import numpy as np
 
 from . import kernels
 from .backend import left_pad
+from .config import inv_temperature
 from .errors import DBSError
 from .kernels import StepRules
 from .kv.prefix_cache import round_up
@@ -23,16 +24,18 @@ from .text.constraints import banned_tokens
 from .text.occurrence import WordTable, word_table
 
 
-def torch_sample(logits, uniforms, row_word, dense_boosts, cfg, boost_first, min_p=None, rank=None):
-    """logits (R, V) torch float32 (shaped and banned); dense_boosts (W, V) torch or None; `cfg`'s
-    temperature (0: the kept token of the rank[r]-th largest weight at temperature 1, `rank` (R,)
-    as `kernels.StepRules` has it, None: the largest) and top_p; `min_p` (R,) each row's (None:
-    `cfg`'s). Returns ids, unguided logp."""
+def torch_sample(logits, uniforms, row_word, dense_boosts, cfg, boost_first, min_p=None, rank=None,
+                 temperature=None, top_p=None):
+    """logits (R, V) torch float32 (shaped and banned); dense_boosts (W, V) torch or None; each
+    row's `temperature` (R,) (0: the kept token of the rank[r]-th largest weight at temperature 1,
+    `rank` (R,) as `kernels.StepRules` has it, None: the largest), `top_p` (R,) and `min_p` (R,)
+    (None: `cfg`'s). Returns ids, unguided logp."""
     import torch
 
-    top_p = cfg.top_p
-    s = logits.float() * cfg.inv_temperature
-    dev = s.device
+    temperature, top_p = (np.broadcast_to(np.asarray(own if v is None else v, np.float64), (len(logits),)).copy()
+                          for v, own in ((temperature, cfg.temperature), (top_p, cfg.top_p)))
+    dev = logits.device
+    s = logits.float() * torch.as_tensor(inv_temperature(temperature), dtype=torch.float32, device=dev)[:, None]
     logp = torch.log_softmax(s, dim=-1)
     guided = torch.as_tensor(row_word >= 0, device=dev)
     boost = torch.zeros_like(s)
@@ -46,27 +49,26 @@ def torch_sample(logits, uniforms, row_word, dense_boosts, cfg, boost_first, min
         floor = torch.as_tensor([math.log(p) if p > 0 else -math.inf for p in min_p], dtype=s.dtype, device=dev)
         plausible = s - s.max(-1, keepdim=True).values >= floor[:, None]
         key = torch.where(plausible, key, -torch.inf)
-    if top_p < 1.0:
+    kept = plausible
+    if (top_p < 1.0).any():              # a row at top_p 1 keeps what min_p keeps
         sorted_key, order = torch.sort(key, dim=-1, descending=True)
         probs = torch.softmax(sorted_key.double(), dim=-1)
         cum = probs.cumsum(-1)
-        k = torch.searchsorted(cum, torch.full((s.shape[0], 1), top_p, dtype=cum.dtype, device=dev)).clamp(
+        k = torch.searchsorted(cum, torch.as_tensor(top_p, dtype=cum.dtype, device=dev)[:, None]).clamp(
             max=s.shape[1] - 1)
-        cut = sorted_key.gather(1, k)
+        cut = torch.where(torch.as_tensor(top_p < 1.0, device=dev)[:, None], sorted_key.gather(1, k), -torch.inf)
         kept = (key >= cut) & plausible
-    else:
-        kept = plausible
     final = torch.where(bf, key, s + torch.where(kept, boost, torch.zeros_like(boost)))
     w = torch.where(kept, torch.exp((final - s.max(-1, keepdim=True).values).double()), torch.zeros_like(final, dtype=torch.float64))
-    if cfg.temperature == 0:
-        order = torch.sort(w, dim=-1, descending=True, stable=True).indices     # equal weights: the lower id first
-        n = (w > 0).sum(-1, keepdim=True).clamp(min=1)
-        r = torch.zeros_like(n) if rank is None else torch.as_tensor(np.asarray(rank), device=dev).reshape(-1, 1)
-        ids = order.gather(1, r % n)
-        return ids[:, 0], logp.gather(1, ids)[:, 0]
     c = w.cumsum(-1)
     u = torch.as_tensor(uniforms, dtype=torch.float64, device=dev)[:, None] * c[:, -1:]
     ids = torch.searchsorted(c, u, right=True).clamp(max=s.shape[1] - 1)
+    greedy = temperature == 0
+    if greedy.any():                     # the greedy rows' ranked likeliest kept tokens
+        order = torch.sort(w, dim=-1, descending=True, stable=True).indices     # equal weights: the lower id first
+        n = (w > 0).sum(-1, keepdim=True).clamp(min=1)
+        r = torch.zeros_like(n) if rank is None else torch.as_tensor(np.asarray(rank), device=dev).reshape(-1, 1)
+        ids = torch.where(torch.as_tensor(greedy, device=dev)[:, None], order.gather(1, r % n), ids)
     return ids[:, 0], logp.gather(1, ids)[:, 0]
 
 
@@ -270,13 +272,14 @@ class TorchBackend:
             self._dense, self._dense_key = self.torch.as_tensor(dense, device=self.device), rules.boosts
         with self.torch.inference_mode():
             tok, lp = torch_sample(logits, uniforms, row_word, self._dense, cfg, rules.boost_firsts(R), rules.min_ps(R),
-                                   rules.ranks(R))
+                                   rules.ranks(R), rules.temperatures(R), rules.top_ps(R))
             if rules.force is not None:
                 f = self.torch.as_tensor(rules.force, device=self.device)
                 tok = self.torch.where(f >= 0, f, tok)
             if cfg.shapes_logits or cfg.logit_bias or rules.bans is not None or rules.force is not None:
                 # the model's own log-prob
-                lp = self.torch.log_softmax(raw.float() * cfg.inv_temperature, -1).gather(1, tok[:, None])[:, 0]
+                inv_t = self.torch.as_tensor(rules.inv_temperatures(R), device=self.device)[:, None]
+                lp = self.torch.log_softmax(raw.float() * inv_t, -1).gather(1, tok[:, None])[:, 0]
         return tok.cpu().numpy().astype(np.int64), lp.float().cpu().numpy()
 
     def encode(self, text):

@@ -82,12 +82,16 @@ def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, 
     bans: list per row of banned token sequences; force: per row a token id or -1; min_p (one, or one
     per row): keep only tokens whose own probability (shaped, before boosts) is at least min_p times
     the top one's, then top-p of those; temperature 0 takes the kept token of the rank[r]-th largest
-    weight at temperature 1 (rank None: the largest; counted round the kept tokens)."""
+    weight at temperature 1 (rank None: the largest; counted round the kept tokens). temperature
+    and top_p: one, or one per row."""
     R, V = logits.shape
     ids = np.empty(R, np.int64)
     logp = np.empty(R, np.float64)
-    inv_t = np.float32(1.0 / temperature if temperature > 0 else 1.0)
+    temperatures = np.broadcast_to(temperature, (R,))
+    top_ps = np.broadcast_to(top_p, (R,))
     for r in range(R):
+        temperature, top_p = float(temperatures[r]), float(top_ps[r])
+        inv_t = np.float32(1.0 / max(temperature, 0.01) if temperature > 0 else 1.0)
         raw = (logits[r].astype(np.float32) * inv_t)
         logz = float(raw.max()) + np.log(np.exp((raw - raw.max()).astype(np.float64)).sum())
         h = None if histories is None else histories[r]

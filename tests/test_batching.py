@@ -88,12 +88,9 @@ def test_requests_that_differ_in_their_budget_alone_share_a_batch_and_get_what_t
     assert max(a.new_tokens for a in alone) > min(budgets)      # the budgets bite
 
 
-def test_requests_that_differ_in_their_logprobs_alone_share_a_batch_and_get_what_they_get_alone(dbs):
-    """Each request returns its own number of alternatives per token from one batch whose rows keep
-    the most: the texts, tokens, log-probs and alternatives of each are those it gets alone."""
-    own = [replace(CFG, logprobs=n) for n in (0, 3, 20, 1)]
-    alone = [_alone(dbs, c, j) for c, j in zip(own, JOBS)]
-    assert len({c.batched for c in own}) == 1 and CFG.batched != own[0].batched
+def _one_batch(dbs, own: list) -> list:
+    """JOBS at their own configs `own` in one batch at the config they share (`DBSConfig.batched`),
+    two from the start and one more after each chunk: each one's result."""
     batch = dbs.batch(own[0].batched)
     reqs = [dbs.request(c, k, b, s, o) for o, (c, k, b, s) in zip(own, JOBS)]
     batch.admit(reqs[:2])
@@ -102,12 +99,40 @@ def test_requests_that_differ_in_their_logprobs_alone_share_a_batch_and_get_what
         out.update((id(r), res) for r, res in batch.decode_chunk())
         if waiting:
             batch.admit([waiting.pop(0)])
-    for r, a, o in zip(reqs, alone, own):
-        m = out[id(r)]
+    return [out[id(r)] for r in reqs]
+
+
+def _same_logprobs(m, a) -> None:
+    """The tokens and alternatives of `m`'s answer and beams are `a`'s; the log-probs to the last bits."""
+    for got, want in [(m.logprobs, a.logprobs)] + [(x["logprobs"], y["logprobs"]) for x, y in zip(m.beams, a.beams)]:
+        assert _entries(got) == _entries(want)
+        np.testing.assert_allclose(_logprobs(got), _logprobs(want), atol=1e-4)
+
+
+def test_requests_that_differ_in_their_logprobs_alone_share_a_batch_and_get_what_they_get_alone(dbs):
+    """Each request returns its own number of alternatives per token from one batch whose rows keep
+    the most: the texts, tokens, log-probs and alternatives of each are those it gets alone."""
+    own = [replace(CFG, logprobs=n) for n in (0, 3, 20, 1)]
+    alone = [_alone(dbs, c, j) for c, j in zip(own, JOBS)]
+    assert len({c.batched for c in own}) == 1 and CFG.batched != own[0].batched
+    for m, a, o in zip(_one_batch(dbs, own), alone, own):
         assert m.generated == a.generated and [len(e["top"]) for e in m.logprobs] == [o.logprobs] * len(m.logprobs)
-        for got, want in [(m.logprobs, a.logprobs)] + [(x["logprobs"], y["logprobs"]) for x, y in zip(m.beams, a.beams)]:
-            assert _entries(got) == _entries(want)      # the tokens and alternatives; the log-probs to the last bits
-            np.testing.assert_allclose(_logprobs(got), _logprobs(want), atol=1e-4)
+        _same_logprobs(m, a)
+
+
+def test_requests_that_differ_in_their_temperature_and_top_p_alone_share_a_batch_and_get_what_they_get_alone(dbs):
+    """Each request draws at its own temperature (0: greedy) and top_p in one batch whose config sets
+    them aside: its text, tokens and log-probs (the model's own at its temperature) and its
+    alternatives are those it gets alone."""
+    settings = [(1.0, 0.9), (0.0, 0.9), (0.5, 1.0), (1.6, 0.6)]
+    own = [replace(CFG, temperature=t, top_p=p, logprobs=2) for t, p in settings]
+    alone = [_alone(dbs, c, j) for c, j in zip(own, JOBS)]
+    assert len({c.batched for c in own}) == 1 and CFG.batched != replace(CFG, repetition_penalty=1.3).batched
+    assert _alone(dbs, replace(own[1], temperature=1.0), JOBS[1]).generated != alone[1].generated   # the settings bite
+    for m, a in zip(_one_batch(dbs, own), alone):
+        assert m.generated == a.generated and m.found == a.found and m.stopped == a.stopped
+        assert [b["text"] for b in m.beams] == [b["text"] for b in a.beams]
+        _same_logprobs(m, a)
 
 
 def _entries(tokens):

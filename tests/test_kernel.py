@@ -207,6 +207,50 @@ def test_each_row_draws_at_its_own_min_p(boost_first):
         assert np.array_equal(tgot.numpy(), want)
 
 
+@pytest.mark.parametrize("boost_first", [False, True])
+def test_each_row_draws_at_its_own_temperature_and_top_p(boost_first):
+    """`row_temperature`, `row_top_p`: each row scales and filters at its request's (temperature 0:
+    greedy, ranked), the kernel, the reference and the PyTorch sampler alike, with its log-prob the
+    model's own at its temperature; a row draws what a batch at its settings alone draws; rows that
+    read one logits row under other settings are shaped apart."""
+    rng, logits, boosts, row_word, dense = _case(25, scale=2.0)
+    R = len(logits)
+    temps = np.resize([1.0, 0.0, 0.6, 1.7, 0.0, 0.005], R)
+    top_ps = np.resize([0.9, 1.0, 0.5, 0.95], R)
+    rank = np.resize([0, 1, 2], R)
+    ptr, ids, vals = csr_boosts(boosts)
+    guide = dict(row_word=row_word, boosts=(ptr, ids, vals), boost_first=boost_first, rank=rank)
+    for _ in range(4):
+        u = rng.random(R)
+        got, glp = sample(logits, u, row_temperature=temps, row_top_p=top_ps, **guide)
+        want, wlp = sample_ref(logits, u, temps, top_ps, dense, boost_first, rank=rank)
+        assert np.array_equal(got, want)
+        np.testing.assert_allclose(glp, wlp, atol=1e-4)
+        for t, p in {(t, p) for t, p in zip(temps, top_ps)}:
+            at = (temps == t) & (top_ps == p)
+            alone, alp = sample(logits, u, temperature=float(t), top_p=float(p), **guide)
+            assert np.array_equal(got[at], alone[at]) and np.array_equal(glp[at], alp[at])
+        torch = pytest.importorskip("torch")
+        from dbs_fast.config import DBSConfig
+        from dbs_fast.torch_backend import torch_sample
+
+        table = torch.as_tensor(kernels.dense_boosts(ptr, ids, vals, logits.shape[1], exp=False))
+        tgot, tlp = torch_sample(torch.as_tensor(logits), u, row_word, table, DBSConfig(), boost_first, rank=rank,
+                                 temperature=temps, top_p=top_ps)
+        assert np.array_equal(tgot.numpy(), want)
+        np.testing.assert_allclose(tlp.numpy(), wlp, atol=1e-4)
+    rows = np.zeros(4, np.int64)                         # one logits row, four settings: four groups
+    rules = StepRules.given(row_temperature=np.array([1.0, 0.0, 1.0, 1.0]), row_top_p=np.array([0.9, 0.9, 0.5, 0.9]),
+                            row_min_p=np.array([0.0, 0.0, 0.0, 0.1]))
+    knobs = (rules.min_ps(4), rules.inv_temperatures(4), rules.top_ps(4), rules.temperatures(4) == 0)
+    ptr_g, _ = kernels.row_groups(rows, kernels._guide(rules, 4, 10), kernels._history(rules, 4),
+                                  np.full(4, -1, np.int64), *knobs)
+    assert len(ptr_g) - 1 == 4
+    ptr_g, _ = kernels.row_groups(np.zeros(3, np.int64), kernels._guide(rules, 3, 10), kernels._history(rules, 3),
+                                  np.full(3, -1, np.int64), *(k[[0, 0, 0]] for k in knobs))
+    assert len(ptr_g) - 1 == 1
+
+
 def test_min_p_off_and_on():
     """min_p 0 draws what the kernel drew without it; a min_p that only the top token passes
     draws the top token whatever the uniform (no boosts)."""

@@ -309,13 +309,18 @@ def test_shutdown_finishes_running_work_within_the_grace_period(exported):
             assert got[0][1][0] == 503
 
 
-def test_requests_that_differ_in_their_budget_alone_decode_in_one_batch(exported):
+@pytest.mark.parametrize("own", [({"max_new_tokens": 64}, {"max_new_tokens": 12}),
+                                 ({"temperature": 1.3, "top_p": 0.9}, {"temperature": 0.0, "top_p": 0.5})],
+                         ids=["budget", "temperature-top_p"])
+def test_requests_that_differ_in_their_own_settings_alone_decode_in_one_batch(exported, own):
+    """Settings that are each request's own (its budget, temperature and top_p) do not split the
+    engine's batches: two such jobs run in one, and each gets its text alone."""
     from dbs_fast.serving.batcher import Batcher, Job
     from dbs_fast.serving.service import Metrics
 
     dbs = DirectedBeamSearch(exported["gpt2"])
     base = replace(DBSConfig(), **{**SMALL, "stop": "max"})
-    cfgs = [replace(base, max_new_tokens=n) for n in (64, 12)]
+    cfgs = [replace(base, **o) for o in own]
     got, batches, gauge = {}, set(), set()
     metrics = Metrics()
     b = Batcher(dbs, max_rows=24, max_queue=4, metrics=metrics)

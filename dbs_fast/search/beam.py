@@ -44,6 +44,8 @@ class Request:
     min_p: float | None = None                          # the request's min_p (`request.min_p_of`); None: the config's
     max_new_tokens: int | None = None                   # the request's budget of new tokens; None: the config's
     logprobs: int | None = None                         # the request's alternatives per token (`logprobs`); None: the config's
+    temperature: float | None = None                    # the request's temperature; None: the config's
+    top_p: float | None = None                          # the request's top_p; None: the config's
     merged: dict = field(default_factory=dict, repr=False)  # order="any": first row -> mask -> merged boost
 
     def budget(self, cfg) -> int:
@@ -54,6 +56,11 @@ class Request:
         """Alternatives returned per token (`logprobs`): the request's own, else the config's; None:
         no log-probs asked."""
         return cfg.logprobs if self.logprobs is None else self.logprobs
+
+    def sampling(self, cfg) -> tuple[float, float]:
+        """(temperature, top_p) the request draws at: its own, else the config's."""
+        return (cfg.temperature if self.temperature is None else self.temperature,
+                cfg.top_p if self.top_p is None else self.top_p)
 
 
 @dataclass
@@ -490,14 +497,16 @@ class BeamSearch:
         rules = StepRules(cfg, word, tb.boosts.csr, tb.boosts.dense_exp(self.pending.shape[1]), boost_first, force,
                           hist, hstart, tb.bans, guidance.ban_groups(cfg, tb, rows, rem, healing, n_done),
                           self.be.words if cfg.no_repeat_word_window else None, tb.min_p[rows.req],
-                          greedy_ranks(rows, col, force) if cfg.temperature == 0 else None, hgen)
+                          greedy_ranks(rows, col, force) if (tb.temperature[rows.req] == 0).any() else None, hgen,
+                          tb.temperature[rows.req], tb.top_p[rows.req])
         ids, lp = self.be.sample(self.pending, uniforms(self.slots, rows.req), rules)
-        return Draw(ids, lp, rem, cand, word, force, n_done, *self._alternatives(ids, lp))
+        return Draw(ids, lp, rem, cand, word, force, n_done, *self._alternatives(ids, lp, rules.inv_temperatures(len(ids))))
 
-    def _alternatives(self, ids: np.ndarray, lp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _alternatives(self, ids: np.ndarray, lp: np.ndarray, inv_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """With `logprobs` K: each row's drawn token, then the K likeliest tokens of its logits, and
         their log-probs, the model's own at the draw's temperature, as `lp` (the drawn token's: its
-        normaliser is the drawn token's logit less `lp`), kept apart from a second-LM scorer's."""
+        normaliser is the drawn token's logit less `lp`; `inv_t` (R,) 1 / each row's temperature),
+        kept apart from a second-LM scorer's."""
         if self.cfg.logprobs is None:
             return np.zeros((len(ids), 0), np.int64), np.zeros((len(ids), 0), np.float32)
         K = self.cfg.logprobs
@@ -510,10 +519,9 @@ class BeamSearch:
         table_rows = np.arange(len(ids)) if rows is None else np.asarray(rows, np.int64)
         once, row = np.unique(table_rows, return_inverse=True)       # rows that share logits share their top
         top, raw = (a[row.reshape(-1)] for a in top_tokens(logits, K, once))
-        inv_t = np.float32(self.cfg.inv_temperature)
         logz = logits[table_rows, ids] * inv_t - lp
         return (np.column_stack([ids, top]).astype(np.int64),
-                np.column_stack([lp, raw * inv_t - logz[:, None]]).astype(np.float32))
+                np.column_stack([lp, raw * inv_t[:, None] - logz[:, None]]).astype(np.float32))
 
     def _append(self, rows: Rows, d: Draw, col: int) -> np.ndarray:
         """Write the draw into column `col` of the rows that draw a real token (returned: `live`);

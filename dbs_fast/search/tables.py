@@ -36,6 +36,8 @@ class BatchTables:
     multi_bans: bool             # a ban of several tokens (the kernel then reads each row's history)
     min_p: np.ndarray            # (Q,) float64 each request's min_p
     budget: np.ndarray           # (Q,) int64 each request's budget of new tokens
+    temperature: np.ndarray      # (Q,) float64 each request's temperature (0: greedy)
+    top_p: np.ndarray            # (Q,) float64 each request's top_p
 
     @staticmethod
     def build(requests: list, cfg: DBSConfig, pad: int, eos: np.ndarray, sentence_end: np.ndarray | None,
@@ -80,7 +82,8 @@ class BatchTables:
             forced=forced, force_idx=force_idx, need=need, phrases=phrases, openings=openings, seq_ptr=seq_ptr, seq_tok=seq_tok,
             bans=bans, ban_group=ban_group, multi_bans=any(len(b) > 1 for r in requests for b in r.bans),
             min_p=np.array([cfg.min_p if r.min_p is None else r.min_p for r in requests], np.float64),
-            budget=np.array([r.budget(cfg) for r in requests], np.int64))
+            budget=np.array([r.budget(cfg) for r in requests], np.int64),
+            **dict(zip(("temperature", "top_p"), np.array([r.sampling(cfg) for r in requests], np.float64).T)))
 
     def remap_forcing(self, fseq: np.ndarray, before: "BatchTables") -> None:
         """Rows being forced point into `before`'s sequences: point them into these (in place)."""

@@ -5,9 +5,9 @@ admits queued ones while the row budget allows (first come, first served), and d
 chunk of every running batch. A context longer than one prefill slice that would join a running
 batch is prefilled in pieces first, one slice into the context store between chunks
 (`DirectedBeamSearch.prefill_ahead`), so that the running requests wait at most one slice for it (one batch per config, the
-budget apart: all requests of a batch share its settings, each with its own `max_new_tokens` and
-`logprobs` count (`DBSConfig.batched`), so
-requests with other settings take turns chunk by chunk). At a boundary where requests have
+budget apart: all requests of a batch share its settings, each with its own `max_new_tokens`,
+`logprobs` count, temperature and top_p (`DBSConfig.batched`), so requests with other settings
+take turns chunk by chunk). At a boundary where requests have
 just ended, it first waits up to `admit_wait` seconds for their clients' next requests
 (`_await_returns`). A job leaves with its result when its request ends. Events go back to the asyncio side through `Job.send`; the loop never blocks
 on a client. The HTTP layer is `dbs_fast.serving.service`; this module knows nothing of HTTP.
@@ -178,7 +178,7 @@ class Batcher:
     def _admit(self, jobs: list[Job]) -> None:
         by_cfg: dict[DBSConfig, list[Job]] = {}
         for job in jobs:
-            by_cfg.setdefault(job.config.batched, []).append(job)   # budget and logprobs: each request's own
+            by_cfg.setdefault(job.config.batched, []).append(job)   # budget, logprobs, sampling: the request's
         for cfg, group in by_cfg.items():
             batch = self.batches.get(cfg) or self.dbs.batch(cfg)
             try:
