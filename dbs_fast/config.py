@@ -65,6 +65,11 @@ def parse_logit_bias(v: str) -> dict:
 
 
 LOGIT_BIAS_MAX = 100.0      # OpenAI's range for a logit bias: -100..100
+# the draw's settings that are each request's own, read per row (`DBSConfig.batched`), with the
+# values a running batch's own config holds, which change no draw
+OWN_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                "frequency_penalty": 0.0}
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")     # `DBSConfig.shapes_with`'s order
 MAX_LOGPROBS = 20           # alternatives returned beside each token at most (OpenAI's top_logprobs)
 
 
@@ -346,16 +351,17 @@ class DBSConfig:
     @property
     def batched(self) -> "DBSConfig":
         """The config of the running batch that a request at this one joins: the same with the
-        budget, the number of `logprobs` alternatives, the temperature and top_p set aside (each
-        request carries its own, `Request.max_new_tokens`, `.logprobs`, `.temperature` and `.top_p`,
-        and the draw reads them per row), so that requests that differ in those alone decode
-        together; the batch's own temperature and top_p are 1. Its budget is a whole chunk (the cache's chunk slots; the stream's
+        budget, the number of `logprobs` alternatives and the draw's `OWN_SAMPLING` settings
+        (temperature, top_p, the repetition, presence and frequency penalties) set aside: each
+        request carries its own (`Request.max_new_tokens`, `.logprobs`, `.sampling`) and the
+        search and the draw read them per row, so that requests that differ in those alone decode
+        together. Its budget is a whole chunk (the cache's chunk slots; the stream's
         lag's, if longer), or the request's own where that is less (a batch of such requests holds
         no more slots than they fill): a hint for the cache, which each admission raises to its
         requests' budgets. Where log-probs are asked, every row keeps the most alternatives
         (`MAX_LOGPROBS`) and each request returns its own number of them."""
         return replace(self, max_new_tokens=min(self.max_new_tokens, max(self.chunk, math.ceil(self.stream_lag))),
-                       logprobs=None if self.logprobs is None else MAX_LOGPROBS, temperature=1.0, top_p=1.0)
+                       logprobs=None if self.logprobs is None else MAX_LOGPROBS, **OWN_SAMPLING)
 
     @property
     def lag_tokens(self) -> int:
@@ -370,8 +376,13 @@ class DBSConfig:
 
     @property
     def shapes_logits(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0 or self.no_repeat_word_window > 0
-                or self.presence_penalty != 0 or self.frequency_penalty != 0)
+        """Whether the draw shapes the logits (penalties, n-gram bans, word loops)."""
+        return bool(self.shapes_with(self.repetition_penalty, self.presence_penalty, self.frequency_penalty))
+
+    def shapes_with(self, repetition_penalty, presence_penalty, frequency_penalty):
+        """`shapes_logits` at these penalties (arrays: per row, a request's own)."""
+        return ((self.no_repeat_ngram_size > 0) | (self.no_repeat_word_window > 0) | (np.asarray(repetition_penalty) != 1)
+                | (np.asarray(presence_penalty) != 0) | (np.asarray(frequency_penalty) != 0))
 
     @cached_property
     def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from .config import DBSConfig, inv_temperature
+from .config import PENALTIES, DBSConfig, inv_temperature
 from .numba_runtime import njit, prange, start_threads
 
 BUCKETS_PER_NAT = 16
@@ -583,21 +583,22 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
     The rule groups are tuples (`sample` packs them from a StepRules):
     guide = (row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force, rank),
     history = (tokens, start, generated start), bans = (row_ban, group_ptr, seq_ptr, seq_tok),
-    words = (word_class, key, key_ptr, key_tok), knobs = (1/T (R,), top_p (R,), min_p (R,), penalty,
-    presence, frequency, ngram, window, shaped, greedy (R,), logit-bias ids (ascending), their
+    words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p, penalty, presence,
+    frequency (each (R,)), ngram, window, shaped (R,), greedy (R,), logit-bias ids (ascending), their
     biases); a greedy draw (temperature 0, 1/T then 1) takes the kept token of the row's `rank`-th largest weight
     (`_mode`; 0: the largest), from the group's likeliest (`_likeliest`, one pass)."""
     row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force, rank = guide
     hseq, hstart, hgen = history
     row_ban = bans[0]
-    row_inv_temp, row_top_p, row_min_p, penalty, presence, frequency, ngram, window, shaped, row_greedy, bias_ids, \
-        bias_vals = knobs
+    row_inv_temp, row_top_p, row_min_p, row_penalty, row_presence, row_frequency, ngram, window, row_shaped, \
+        row_greedy, bias_ids, bias_vals = knobs
     V = logits.shape[1]
     hend = hseq.shape[1]
     for g in prange(group_ptr.shape[0] - 1):
         r = members[group_ptr[g]]            # the group's rules are its first row's
         x = logits[table_row[r]]
-        inv_temp, top_p, greedy = row_inv_temp[r], row_top_p[r], row_greedy[r]
+        inv_temp, top_p, greedy, shaped = row_inv_temp[r], row_top_p[r], row_greedy[r], row_shaped[r]
+        penalty, presence, frequency = row_penalty[r], row_presence[r], row_frequency[r]
         s = np.empty(V, np.float32)          # scaled, shaped (and, boost-first, boosted) logits
         e = np.empty(V, np.float32)          # exp(s - top): unnormalised weights
         top = _bias(x, s, inv_temp, bias_ids, bias_vals, _scale(x, inv_temp, s))
@@ -718,7 +719,8 @@ class StepRules:
 
     `config`: the search's settings the draw reads (a `DBSConfig`): temperature, top_p, min_p,
     repetition_penalty, presence and frequency penalties, logit_bias, no_repeat_ngram_size,
-    no_repeat_word_window, boost_order; `shapes_logits` says whether the penalties apply. Per row
+    no_repeat_word_window, boost_order; `shaped` says which rows' logits the penalties and bans
+    shape. Per row
     (R rows):
     - guidance: `row_word[r]` indexes the CSR boost table `boosts` = (ptr, ids ascending per word,
       vals), or is -1 for an unguided row; `boost_exp` is `dense_boosts` of the whole table if the
@@ -735,8 +737,8 @@ class StepRules:
       is never drawn when the history ends with the rest;
     - `words`: the vocabulary's words (`occurrence.WordTable`), for the word-loop rule;
     - `row_min_p` (R,): each row's min_p, its request's (`request.min_p_of`); None: the config's;
-    - `row_temperature`, `row_top_p` (R,): each row's temperature (0: greedy) and top_p, its
-      request's; None: the config's;
+    - `row_sampling`: `config.OWN_SAMPLING` name -> (R,) each row's, its request's (temperature
+      (0: greedy), top_p, repetition, presence and frequency penalties); one absent: the config's;
     - `rank` (R,): at temperature 0, row r takes the rank[r]-th likeliest kept token (0: the
       likeliest; counted round the kept tokens where there are fewer), so that rows that would
       draw from one distribution take its likeliest tokens in turn (`search.beam.greedy_ranks`);
@@ -757,8 +759,7 @@ class StepRules:
     row_min_p: np.ndarray | None = None
     rank: np.ndarray | None = None
     generated_start: np.ndarray | None = None
-    row_temperature: np.ndarray | None = None
-    row_top_p: np.ndarray | None = None
+    row_sampling: dict | None = None
 
     @classmethod
     def given(cls, config: DBSConfig | None = None, **rules) -> "StepRules":
@@ -791,10 +792,14 @@ class StepRules:
             return np.full(R, self.config.min_p, np.float64)
         return np.ascontiguousarray(self.row_min_p, np.float64)
 
+    def per_row(self, name: str, R: int) -> np.ndarray:
+        """(R,) float64: each row's setting `name` (one of `config.OWN_SAMPLING`)."""
+        v = (self.row_sampling or {}).get(name, getattr(self.config, name))
+        return np.broadcast_to(np.asarray(v, np.float64), (R,)).copy()
+
     def temperatures(self, R: int) -> np.ndarray:
         """(R,) float64: each row's temperature (0: greedy)."""
-        t = self.config.temperature if self.row_temperature is None else self.row_temperature
-        return np.broadcast_to(np.asarray(t, np.float64), (R,)).copy()
+        return self.per_row("temperature", R)
 
     def inv_temperatures(self, R: int) -> np.ndarray:
         """(R,) float32: 1 / the temperature each row scales its logits by (`config.inv_temperature`)."""
@@ -802,8 +807,15 @@ class StepRules:
 
     def top_ps(self, R: int) -> np.ndarray:
         """(R,) float64: each row's top_p."""
-        p = self.config.top_p if self.row_top_p is None else self.row_top_p
-        return np.broadcast_to(np.asarray(p, np.float64), (R,)).copy()
+        return self.per_row("top_p", R)
+
+    def penalties(self, R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(R,) float32 each: each row's repetition, presence and frequency penalties."""
+        return tuple(self.per_row(n, R).astype(np.float32) for n in PENALTIES)
+
+    def shaped(self, R: int) -> np.ndarray:
+        """(R,) bool: the rows whose logits the penalties, n-gram bans or word loops shape."""
+        return np.broadcast_to(self.config.shapes_with(*self.penalties(R)), (R,)).copy()
 
     @property
     def multi_token_bans(self) -> bool:
@@ -838,11 +850,10 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, rules: StepRules,
     else:
         bans = (np.asarray(rules.row_ban, np.int64), *(np.asarray(a, t) for a, t in zip(rules.bans, (np.int64, np.int64,
                                                                                                       np.int32))))
-    knobs = (rules.inv_temperatures(R), rules.top_ps(R), rules.min_ps(R),
-             np.float32(cfg.repetition_penalty), np.float32(cfg.presence_penalty), np.float32(cfg.frequency_penalty),
+    knobs = (rules.inv_temperatures(R), rules.top_ps(R), rules.min_ps(R), *rules.penalties(R),
              int(cfg.no_repeat_ngram_size), int(cfg.no_repeat_word_window),
-             bool(cfg.shapes_logits), rules.temperatures(R) == 0, *cfg.logit_bias_arrays)
-    group_ptr, members = row_groups(table_row, guide, history, bans[0], knobs[2], *knobs[:2], knobs[9])
+             rules.shaped(R), rules.temperatures(R) == 0, *cfg.logit_bias_arrays)
+    group_ptr, members = row_groups(table_row, guide, history, bans[0], *knobs[:6], *knobs[8:10])
     start_threads()
     out_ids = np.empty(R, np.int64)
     out_logp = np.empty(R, np.float32)
@@ -861,7 +872,8 @@ def warm_up() -> None:
 def row_groups(table_row, guide, history, row_ban, *row_settings) -> tuple[np.ndarray, np.ndarray]:
     """The rows that draw from one distribution, as CSR groups (group_ptr, members): the same
     logits row under the same rules (guide word, boost order, ban group, each of `row_settings`
-    ((R,) arrays: min_p, 1/T, top_p, greedy), and the history where a rule reads it); a forced
+    ((R,) arrays: 1/T, top_p, min_p, the penalties, shaped, greedy), and the history where a rule
+    reads it); a forced
     token or a uniform does not shape the distribution, so rows that differ only there share a
     group. Each group in the order of its first row."""
     R = len(table_row)
@@ -904,7 +916,7 @@ def _guide(rules: StepRules, R: int, V: int) -> tuple:
 def _history(rules: StepRules, R: int) -> tuple:
     """The kernel's history group (tokens (R, H) int32, start (R,) int32, generated start (R,)
     int32): empty unless a rule reads it."""
-    shaped, multi = rules.config.shapes_logits, rules.multi_token_bans
+    shaped, multi = bool(rules.shaped(R).any()), rules.multi_token_bans
     if shaped and rules.history is None:
         raise ValueError("repetition_penalty / presence_penalty / frequency_penalty / no_repeat_ngram_size / "
                          "no_repeat_word_window need the rows' token history")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import SEED_MAX, DBSConfig
+from .config import OWN_SAMPLING, SEED_MAX, DBSConfig
 from .errors import DBSError, naming
 from .preflight import check_size
 from .search.beam import Request
@@ -191,7 +191,7 @@ class RequestBuilder:
         return Request(req_ids, kws, int(seed), boosts, force, phrases, ban_seqs, context, heal=heal,
                        openings=self._openings(context, kws, cfg, len(ids) - len(req_ids), named, said != context),
                        min_p=min_p_of(named, cfg), max_new_tokens=cfg.max_new_tokens,
-                       logprobs=cfg.logprobs, temperature=cfg.temperature, top_p=cfg.top_p)
+                       logprobs=cfg.logprobs, sampling={name: getattr(cfg, name) for name in OWN_SAMPLING})
 
     def _openings(self, context: str, kws, cfg: DBSConfig, healed: int, named: list[bool], chat: bool) -> list[tuple]:
         """The token sequences of `cfg.openings`' phrases after `context` (from the token the healing

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import kernels
 from .backend import left_pad
-from .config import inv_temperature
+from .config import PENALTIES, inv_temperature
 from .errors import DBSError
 from .kernels import StepRules
 from .kv.prefix_cache import round_up
@@ -200,30 +200,34 @@ class TorchBackend:
     def trim(cache):
         return cache
 
-    def shape(self, logits, cfg, history, history_start, words, generated_start):
+    def shape(self, logits, cfg, history, history_start, words, generated_start, penalties=None):
         """Repetition penalty and n-gram bans with transformers' own logits processors, per row
         (rows have different left padding); presence and frequency penalties (OpenAI's, on the
         generated tokens from `generated_start`) and word loops by the kernel's rules, which
-        transformers does not have."""
+        transformers does not have. `penalties`: each row's repetition, presence and frequency
+        penalties ((R,) each, `StepRules.per_row`; None: `cfg`'s)."""
         from transformers import (
             NoRepeatNGramLogitsProcessor,
             RepetitionPenaltyLogitsProcessor,
         )
 
         t = self.torch
-        procs = ([RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty)] if cfg.repetition_penalty != 1.0 else []) \
-            + ([NoRepeatNGramLogitsProcessor(cfg.no_repeat_ngram_size)] if cfg.no_repeat_ngram_size > 0 else [])
+        R = logits.shape[0]
+        rep, presence, frequency = (np.broadcast_to(np.asarray(p if penalties is None else penalties[i], np.float64), (R,))
+                                    for i, p in enumerate((cfg.repetition_penalty, cfg.presence_penalty,
+                                                           cfg.frequency_penalty)))
+        ngram = [NoRepeatNGramLogitsProcessor(cfg.no_repeat_ngram_size)] if cfg.no_repeat_ngram_size > 0 else []
         out = logits.clone()
         W = cfg.no_repeat_word_window
-        for r in range(out.shape[0]):
+        for r in range(R):
             ids = t.as_tensor(history[r, history_start[r]:], dtype=t.long, device=self.device)[None]
             row = out[r:r + 1]
-            for p in procs:
+            for p in ([RepetitionPenaltyLogitsProcessor(float(rep[r]))] if rep[r] != 1.0 else []) + ngram:
                 row = p(ids, row)
-            if cfg.presence_penalty or cfg.frequency_penalty:      # after the repetition penalty, as the kernel
+            if presence[r] or frequency[r]:                      # after the repetition penalty, as the kernel
                 gen = t.as_tensor(history[r, generated_start[r]:], dtype=t.long, device=self.device)
                 count = t.bincount(gen, minlength=row.shape[1]).to(row.dtype)
-                row = row - cfg.frequency_penalty * count - cfg.presence_penalty * (count > 0).to(row.dtype)
+                row = row - float(frequency[r]) * count - float(presence[r]) * (count > 0).to(row.dtype)
             out[r] = row[0]
             if W:
                 banned = kernels.word_loop_tokens(history[r].astype(np.int64), int(history_start[r]), history.shape[1],
@@ -260,9 +264,11 @@ class TorchBackend:
             logits = logits.clone()
             logits[:, self.torch.as_tensor(ids.astype(np.int64), device=self.device)] += \
                 self.torch.as_tensor(vals, device=self.device, dtype=logits.dtype)
-        if cfg.shapes_logits:
+        shaped = bool(rules.shaped(logits.shape[0]).any())
+        if shaped:
             start, gen = rules.starts(logits.shape[0])
-            logits = self.shape(logits, cfg, rules.history, start, rules.words, gen)
+            logits = self.shape(logits, cfg, rules.history, start, rules.words, gen,
+                                [rules.per_row(n, logits.shape[0]) for n in PENALTIES])
         if rules.bans is not None:
             logits = self.ban(logits, rules.history, rules.history_start, rules.bans, rules.row_ban)
         R = logits.shape[0]
@@ -276,7 +282,7 @@ class TorchBackend:
             if rules.force is not None:
                 f = self.torch.as_tensor(rules.force, device=self.device)
                 tok = self.torch.where(f >= 0, f, tok)
-            if cfg.shapes_logits or cfg.logit_bias or rules.bans is not None or rules.force is not None:
+            if shaped or cfg.logit_bias or rules.bans is not None or rules.force is not None:
                 # the model's own log-prob
                 inv_t = self.torch.as_tensor(rules.inv_temperatures(R), device=self.device)[:, None]
                 lp = self.torch.log_softmax(raw.float() * inv_t, -1).gather(1, tok[:, None])[:, 0]

@@ -120,15 +120,22 @@ def test_requests_that_differ_in_their_logprobs_alone_share_a_batch_and_get_what
         _same_logprobs(m, a)
 
 
-def test_requests_that_differ_in_their_temperature_and_top_p_alone_share_a_batch_and_get_what_they_get_alone(dbs):
-    """Each request draws at its own temperature (0: greedy) and top_p in one batch whose config sets
-    them aside: its text, tokens and log-probs (the model's own at its temperature) and its
-    alternatives are those it gets alone."""
-    settings = [(1.0, 0.9), (0.0, 0.9), (0.5, 1.0), (1.6, 0.6)]
-    own = [replace(CFG, temperature=t, top_p=p, logprobs=2) for t, p in settings]
+SAMPLING = {"temperature-top_p": [dict(temperature=t, top_p=p) for t, p in [(1.0, 0.9), (0.0, 0.9), (0.5, 1.0), (1.6, 0.6)]],
+            # no n-gram bans: a request with no penalties is not shaped at all, beside those that are
+            "penalties": [dict(no_repeat_ngram_size=0, repetition_penalty=r, presence_penalty=p, frequency_penalty=f)
+                          for r, p, f in [(1.0, 1.5, 0.0), (1.0, 0.0, 0.0), (1.4, 0.0, 0.5), (1.0, -0.5, 1.0)]]}
+
+
+@pytest.mark.parametrize("kind", SAMPLING)
+def test_requests_that_differ_in_their_sampling_alone_share_a_batch_and_get_what_they_get_alone(dbs, kind):
+    """Each request draws at its own temperature (0: greedy) and top_p, or its own repetition,
+    presence and frequency penalties, in one batch whose config sets them aside: its text, tokens
+    and log-probs (the model's own at its temperature) and its alternatives are those it gets
+    alone."""
+    own = [replace(CFG, logprobs=2, **o) for o in SAMPLING[kind]]
     alone = [_alone(dbs, c, j) for c, j in zip(own, JOBS)]
-    assert len({c.batched for c in own}) == 1 and CFG.batched != replace(CFG, repetition_penalty=1.3).batched
-    assert _alone(dbs, replace(own[1], temperature=1.0), JOBS[1]).generated != alone[1].generated   # the settings bite
+    assert len({c.batched for c in own}) == 1 and CFG.batched != replace(CFG, no_repeat_ngram_size=3).batched
+    assert _alone(dbs, replace(own[0], **SAMPLING[kind][1]), JOBS[0]).generated != alone[0].generated  # they bite
     for m, a in zip(_one_batch(dbs, own), alone):
         assert m.generated == a.generated and m.found == a.found and m.stopped == a.stopped
         assert [b["text"] for b in m.beams] == [b["text"] for b in a.beams]

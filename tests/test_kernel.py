@@ -222,7 +222,7 @@ def test_each_row_draws_at_its_own_temperature_and_top_p(boost_first):
     guide = dict(row_word=row_word, boosts=(ptr, ids, vals), boost_first=boost_first, rank=rank)
     for _ in range(4):
         u = rng.random(R)
-        got, glp = sample(logits, u, row_temperature=temps, row_top_p=top_ps, **guide)
+        got, glp = sample(logits, u, row_sampling={"temperature": temps, "top_p": top_ps}, **guide)
         want, wlp = sample_ref(logits, u, temps, top_ps, dense, boost_first, rank=rank)
         assert np.array_equal(got, want)
         np.testing.assert_allclose(glp, wlp, atol=1e-4)
@@ -240,7 +240,8 @@ def test_each_row_draws_at_its_own_temperature_and_top_p(boost_first):
         assert np.array_equal(tgot.numpy(), want)
         np.testing.assert_allclose(tlp.numpy(), wlp, atol=1e-4)
     rows = np.zeros(4, np.int64)                         # one logits row, four settings: four groups
-    rules = StepRules.given(row_temperature=np.array([1.0, 0.0, 1.0, 1.0]), row_top_p=np.array([0.9, 0.9, 0.5, 0.9]),
+    rules = StepRules.given(row_sampling={"temperature": np.array([1.0, 0.0, 1.0, 1.0]),
+                                          "top_p": np.array([0.9, 0.9, 0.5, 0.9])},
                             row_min_p=np.array([0.0, 0.0, 0.0, 0.1]))
     knobs = (rules.min_ps(4), rules.inv_temperatures(4), rules.top_ps(4), rules.temperatures(4) == 0)
     ptr_g, _ = kernels.row_groups(rows, kernels._guide(rules, 4, 10), kernels._history(rules, 4),
@@ -862,6 +863,55 @@ def test_presence_and_frequency_penalties_match_reference_exactly(boost_first, p
                                frequency=frequency, generated=generated)
         assert np.array_equal(got, want)
         np.testing.assert_allclose(glp, wlp, atol=1e-4)            # the model's own log-prob, unshaped
+
+
+@pytest.mark.parametrize("boost_first", [False, True])
+def test_each_row_is_penalised_at_its_own_penalties(boost_first):
+    """`row_sampling`'s repetition, presence and frequency penalties: each row is shaped at its
+    request's (neutral ones: not shaped at all), the kernel and the reference alike; a row draws,
+    with the same log-prob, what a batch at its penalties alone draws; the PyTorch baseline shapes
+    each row's logits as the reference does."""
+    rng, logits, boosts, row_word, dense = _case(33)
+    R, V = logits.shape
+    hist, start, _ = _histories(rng, R, V)
+    gen = (start + rng.integers(0, hist.shape[1] - start)).astype(np.int32)
+    for r in range(R):
+        logits[r, hist[r, start[r]:]] += 4.0                       # repeated tokens likely: the penalties decide
+    settings = np.resize(np.array([(1.0, 0.0, 0.0), (1.3, 0.0, 0.0), (1.0, 0.8, 0.3), (0.8, -1.0, 0.0)]), (R, 3))
+    own = dict(zip(("repetition_penalty", "presence_penalty", "frequency_penalty"), settings.T))
+    ptr, ids, vals = csr_boosts(boosts)
+    common = dict(top_p=0.9, row_word=row_word, boosts=(ptr, ids, vals), boost_first=boost_first, history=hist,
+                  history_start=start, generated_start=gen)
+    for _ in range(4):
+        u = rng.random(R)
+        got, glp = sample(logits, u, row_sampling=own, **common)
+        assert StepRules.given(row_sampling=own).shaped(R).tolist() == (settings != (1, 0, 0)).any(1).tolist()
+        for r in range(R):
+            pen, pres, freq = settings[r]
+            want, wlp = sample_ref(logits[r:r + 1], u[r:r + 1], 1.0, 0.9, dense[r:r + 1], boost_first,
+                                   [hist[r, start[r]:]], pen, presence=pres, frequency=freq,
+                                   generated=[hist[r, gen[r]:]])
+            assert got[r] == want[0]
+            np.testing.assert_allclose(glp[r], wlp[0], atol=1e-4)
+        for k in np.unique(settings, axis=0):
+            at = (settings == k).all(1)
+            alone, alp = sample(logits, u, repetition_penalty=k[0], presence_penalty=k[1], frequency_penalty=k[2],
+                                **common)
+            assert np.array_equal(got[at], alone[at]) and np.array_equal(glp[at], alp[at])
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from dbs_fast.config import DBSConfig
+    from dbs_fast.torch_backend import TorchBackend
+
+    cfg = DBSConfig(no_repeat_ngram_size=0, no_repeat_word_window=0)
+    shaped = TorchBackend.shape(SimpleNamespace(torch=torch, device="cpu"), torch.from_numpy(logits), cfg, hist, start,
+                                None, gen, list(settings.T))
+    for r in range(R):
+        pen, pres, freq = settings[r]
+        ref = shape_logits(logits[r], hist[r, start[r]:], pen, presence=pres, frequency=freq,
+                           generated=hist[r, gen[r]:])
+        np.testing.assert_allclose(shaped[r].numpy(), ref, rtol=1e-6)
 
 
 @pytest.mark.parametrize("boost_first", [False, True])

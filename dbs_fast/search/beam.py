@@ -44,8 +44,8 @@ class Request:
     min_p: float | None = None                          # the request's min_p (`request.min_p_of`); None: the config's
     max_new_tokens: int | None = None                   # the request's budget of new tokens; None: the config's
     logprobs: int | None = None                         # the request's alternatives per token (`logprobs`); None: the config's
-    temperature: float | None = None                    # the request's temperature; None: the config's
-    top_p: float | None = None                          # the request's top_p; None: the config's
+    sampling: dict = field(default_factory=dict)        # the request's own `config.OWN_SAMPLING` settings by name
+    #                                                     (temperature, top_p, penalties); one absent: the config's
     merged: dict = field(default_factory=dict, repr=False)  # order="any": first row -> mask -> merged boost
 
     def budget(self, cfg) -> int:
@@ -57,10 +57,10 @@ class Request:
         no log-probs asked."""
         return cfg.logprobs if self.logprobs is None else self.logprobs
 
-    def sampling(self, cfg) -> tuple[float, float]:
-        """(temperature, top_p) the request draws at: its own, else the config's."""
-        return (cfg.temperature if self.temperature is None else self.temperature,
-                cfg.top_p if self.top_p is None else self.top_p)
+    def sampled(self, name: str, cfg) -> float:
+        """The draw's setting `name` (one of `config.OWN_SAMPLING`) for this request: its own, else
+        the config's."""
+        return self.sampling.get(name, getattr(cfg, name))
 
 
 @dataclass
@@ -497,8 +497,8 @@ class BeamSearch:
         rules = StepRules(cfg, word, tb.boosts.csr, tb.boosts.dense_exp(self.pending.shape[1]), boost_first, force,
                           hist, hstart, tb.bans, guidance.ban_groups(cfg, tb, rows, rem, healing, n_done),
                           self.be.words if cfg.no_repeat_word_window else None, tb.min_p[rows.req],
-                          greedy_ranks(rows, col, force) if (tb.temperature[rows.req] == 0).any() else None, hgen,
-                          tb.temperature[rows.req], tb.top_p[rows.req])
+                          greedy_ranks(rows, col, force) if (tb.sampling["temperature"][rows.req] == 0).any() else None,
+                          hgen, {name: v[rows.req] for name, v in tb.sampling.items()})
         ids, lp = self.be.sample(self.pending, uniforms(self.slots, rows.req), rules)
         return Draw(ids, lp, rem, cand, word, force, n_done, *self._alternatives(ids, lp, rules.inv_temperatures(len(ids))))
 

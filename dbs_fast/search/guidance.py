@@ -105,7 +105,7 @@ def history(cfg: DBSConfig, tb: BatchTables, rows: Rows, col: int, healing: np.n
     rules and multi-token bans, where each row's own tokens start and where its generated ones
     do; none for a row re-writing its context's end (the context's own tokens: no repetition of
     the model's)."""
-    if not (cfg.shapes_logits or tb.multi_bans):
+    if not (tb.shaped or tb.multi_bans):
         return None, None, None
     hist = np.concatenate([tb.ctx[rows.req], rows.tokens[:, :col]], axis=1)
     W = tb.ctx.shape[1]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import DBSConfig
+from ..config import OWN_SAMPLING, PENALTIES, DBSConfig
 from ..text.constraints import BoostTable, SequenceTable
 
 
@@ -36,8 +36,8 @@ class BatchTables:
     multi_bans: bool             # a ban of several tokens (the kernel then reads each row's history)
     min_p: np.ndarray            # (Q,) float64 each request's min_p
     budget: np.ndarray           # (Q,) int64 each request's budget of new tokens
-    temperature: np.ndarray      # (Q,) float64 each request's temperature (0: greedy)
-    top_p: np.ndarray            # (Q,) float64 each request's top_p
+    sampling: dict               # `OWN_SAMPLING` name -> (Q,) float64 each request's (temperature 0: greedy)
+    shaped: bool                 # some request's logits are shaped (penalties, n-gram bans, word loops)
 
     @staticmethod
     def build(requests: list, cfg: DBSConfig, pad: int, eos: np.ndarray, sentence_end: np.ndarray | None,
@@ -83,7 +83,8 @@ class BatchTables:
             bans=bans, ban_group=ban_group, multi_bans=any(len(b) > 1 for r in requests for b in r.bans),
             min_p=np.array([cfg.min_p if r.min_p is None else r.min_p for r in requests], np.float64),
             budget=np.array([r.budget(cfg) for r in requests], np.int64),
-            **dict(zip(("temperature", "top_p"), np.array([r.sampling(cfg) for r in requests], np.float64).T)))
+            sampling=(sampling := {n: np.array([r.sampled(n, cfg) for r in requests], np.float64) for n in OWN_SAMPLING}),
+            shaped=bool(cfg.shapes_with(*(sampling[n] for n in PENALTIES)).any()))
 
     def remap_forcing(self, fseq: np.ndarray, before: "BatchTables") -> None:
         """Rows being forced point into `before`'s sequences: point them into these (in place)."""
