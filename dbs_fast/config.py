@@ -43,6 +43,14 @@ def inv_temperature(temperature):
     return np.where(t > 0, 1.0 / np.maximum(t, MIN_TEMPERATURE), 1.0)
 
 
+def bias_table(biases: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Logit-bias sets (each a `logit_bias` tuple of (token id, bias), ids ascending) as CSR:
+    (ptr (n + 1,) int64, token ids int32, biases float32); set i is ids[ptr[i]:ptr[i + 1]]."""
+    ptr = np.concatenate([[0], np.cumsum([len(b) for b in biases])]).astype(np.int64)
+    return (ptr, np.array([t for b in biases for t, _ in b], np.int32),
+            np.array([v for b in biases for _, v in b], np.float32))
+
+
 def parse_bool(v: str) -> bool:
     if v.lower() not in ("true", "false"):
         raise ValueError(v)                  # argparse: "invalid parse_bool value", exit 2
@@ -351,17 +359,17 @@ class DBSConfig:
     @property
     def batched(self) -> "DBSConfig":
         """The config of the running batch that a request at this one joins: the same with the
-        budget, the number of `logprobs` alternatives and the draw's `OWN_SAMPLING` settings
-        (temperature, top_p, the repetition, presence and frequency penalties) set aside: each
-        request carries its own (`Request.max_new_tokens`, `.logprobs`, `.sampling`) and the
-        search and the draw read them per row, so that requests that differ in those alone decode
+        budget, the number of `logprobs` alternatives, the `logit_bias` and the draw's
+        `OWN_SAMPLING` settings (temperature, top_p, the repetition, presence and frequency
+        penalties) set aside: each request carries its own (`Request.max_new_tokens`, `.logprobs`,
+        `.logit_bias`, `.sampling`) and the search and the draw read them per row, so that requests that differ in those alone decode
         together. Its budget is a whole chunk (the cache's chunk slots; the stream's
         lag's, if longer), or the request's own where that is less (a batch of such requests holds
         no more slots than they fill): a hint for the cache, which each admission raises to its
         requests' budgets. Where log-probs are asked, every row keeps the most alternatives
         (`MAX_LOGPROBS`) and each request returns its own number of them."""
         return replace(self, max_new_tokens=min(self.max_new_tokens, max(self.chunk, math.ceil(self.stream_lag))),
-                       logprobs=None if self.logprobs is None else MAX_LOGPROBS, **OWN_SAMPLING)
+                       logprobs=None if self.logprobs is None else MAX_LOGPROBS, logit_bias=(), **OWN_SAMPLING)
 
     @property
     def lag_tokens(self) -> int:
@@ -385,11 +393,10 @@ class DBSConfig:
                 | (np.asarray(presence_penalty) != 0) | (np.asarray(frequency_penalty) != 0))
 
     @cached_property
-    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """The logit bias as the kernel reads it, built once per config (every draw reads it): token
-        ids ascending (int32) and their biases (float32)."""
-        return (np.array([t for t, _ in self.logit_bias], np.int32),
-                np.array([b for _, b in self.logit_bias], np.float32))
+    def logit_bias_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The config's logit bias as the kernel's table of biases reads it (`bias_table`), built
+        once per config: one set, or none."""
+        return bias_table([self.logit_bias] if self.logit_bias else [])
 
     def to_dict(self) -> dict:
         """The fields as JSON writes and reads them back (the logit bias as its object)."""

@@ -584,14 +584,14 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
     guide = (row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force, rank),
     history = (tokens, start, generated start), bans = (row_ban, group_ptr, seq_ptr, seq_tok),
     words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p, penalty, presence,
-    frequency (each (R,)), ngram, window, shaped (R,), greedy (R,), logit-bias ids (ascending), their
-    biases); a greedy draw (temperature 0, 1/T then 1) takes the kept token of the row's `rank`-th largest weight
+    frequency (each (R,)), ngram, window, shaped (R,), greedy (R,), the logit-bias sets (ptr, token
+    ids ascending per set, biases), each row's set (R,), -1: none); a greedy draw (temperature 0, 1/T then 1) takes the kept token of the row's `rank`-th largest weight
     (`_mode`; 0: the largest), from the group's likeliest (`_likeliest`, one pass)."""
     row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force, rank = guide
     hseq, hstart, hgen = history
     row_ban = bans[0]
     row_inv_temp, row_top_p, row_min_p, row_penalty, row_presence, row_frequency, ngram, window, row_shaped, \
-        row_greedy, bias_ids, bias_vals = knobs
+        row_greedy, bias_ptr, all_bias_ids, all_bias_vals, row_bias = knobs
     V = logits.shape[1]
     hend = hseq.shape[1]
     for g in prange(group_ptr.shape[0] - 1):
@@ -599,6 +599,10 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
         x = logits[table_row[r]]
         inv_temp, top_p, greedy, shaped = row_inv_temp[r], row_top_p[r], row_greedy[r], row_shaped[r]
         penalty, presence, frequency = row_penalty[r], row_presence[r], row_frequency[r]
+        b = row_bias[r]                      # the row's logit-bias set (-1: none)
+        b0 = bias_ptr[b] if b >= 0 else 0
+        b1 = bias_ptr[b + 1] if b >= 0 else 0
+        bias_ids, bias_vals = all_bias_ids[b0:b1], all_bias_vals[b0:b1]
         s = np.empty(V, np.float32)          # scaled, shaped (and, boost-first, boosted) logits
         e = np.empty(V, np.float32)          # exp(s - top): unnormalised weights
         top = _bias(x, s, inv_temp, bias_ids, bias_vals, _scale(x, inv_temp, s))
@@ -739,6 +743,8 @@ class StepRules:
     - `row_min_p` (R,): each row's min_p, its request's (`request.min_p_of`); None: the config's;
     - `row_sampling`: `config.OWN_SAMPLING` name -> (R,) each row's, its request's (temperature
       (0: greedy), top_p, repetition, presence and frequency penalties); one absent: the config's;
+    - `bias_sets` (`config.bias_table`: CSR of logit-bias sets) and `row_bias` (R,): each row's
+      set, its request's (-1: none); None: the config's `logit_bias` for every row;
     - `rank` (R,): at temperature 0, row r takes the rank[r]-th likeliest kept token (0: the
       likeliest; counted round the kept tokens where there are fewer), so that rows that would
       draw from one distribution take its likeliest tokens in turn (`search.beam.greedy_ranks`);
@@ -760,6 +766,8 @@ class StepRules:
     rank: np.ndarray | None = None
     generated_start: np.ndarray | None = None
     row_sampling: dict | None = None
+    bias_sets: tuple | None = None
+    row_bias: np.ndarray | None = None
 
     @classmethod
     def given(cls, config: DBSConfig | None = None, **rules) -> "StepRules":
@@ -813,6 +821,14 @@ class StepRules:
         """(R,) float32 each: each row's repetition, presence and frequency penalties."""
         return tuple(self.per_row(n, R).astype(np.float32) for n in PENALTIES)
 
+    def biases(self, R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(ptr, token ids, biases, row_bias (R,) int64): the logit-bias sets and each row's (-1: none)."""
+        if self.row_bias is None:
+            table = self.config.logit_bias_table
+            return *table, np.full(R, 0 if len(table[0]) > 1 else -1, np.int64)
+        return (*(np.asarray(a, t) for a, t in zip(self.bias_sets, (np.int64, np.int32, np.float32))),
+                np.ascontiguousarray(self.row_bias, np.int64))
+
     def shaped(self, R: int) -> np.ndarray:
         """(R,) bool: the rows whose logits the penalties, n-gram bans or word loops shape."""
         return np.broadcast_to(self.config.shapes_with(*self.penalties(R)), (R,)).copy()
@@ -852,8 +868,8 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, rules: StepRules,
                                                                                                       np.int32))))
     knobs = (rules.inv_temperatures(R), rules.top_ps(R), rules.min_ps(R), *rules.penalties(R),
              int(cfg.no_repeat_ngram_size), int(cfg.no_repeat_word_window),
-             rules.shaped(R), rules.temperatures(R) == 0, *cfg.logit_bias_arrays)
-    group_ptr, members = row_groups(table_row, guide, history, bans[0], *knobs[:6], *knobs[8:10])
+             rules.shaped(R), rules.temperatures(R) == 0, *rules.biases(R))
+    group_ptr, members = row_groups(table_row, guide, history, bans[0], *knobs[:6], *knobs[8:10], knobs[13])
     start_threads()
     out_ids = np.empty(R, np.int64)
     out_logp = np.empty(R, np.float32)
@@ -872,8 +888,8 @@ def warm_up() -> None:
 def row_groups(table_row, guide, history, row_ban, *row_settings) -> tuple[np.ndarray, np.ndarray]:
     """The rows that draw from one distribution, as CSR groups (group_ptr, members): the same
     logits row under the same rules (guide word, boost order, ban group, each of `row_settings`
-    ((R,) arrays: 1/T, top_p, min_p, the penalties, shaped, greedy), and the history where a rule
-    reads it); a forced
+    ((R,) arrays: 1/T, top_p, min_p, the penalties, shaped, greedy, the logit-bias set), and the
+    history where a rule reads it); a forced
     token or a uniform does not shape the distribution, so rows that differ only there share a
     group. Each group in the order of its first row."""
     R = len(table_row)

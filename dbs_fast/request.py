@@ -191,7 +191,8 @@ class RequestBuilder:
         return Request(req_ids, kws, int(seed), boosts, force, phrases, ban_seqs, context, heal=heal,
                        openings=self._openings(context, kws, cfg, len(ids) - len(req_ids), named, said != context),
                        min_p=min_p_of(named, cfg), max_new_tokens=cfg.max_new_tokens,
-                       logprobs=cfg.logprobs, sampling={name: getattr(cfg, name) for name in OWN_SAMPLING})
+                       logprobs=cfg.logprobs, logit_bias=cfg.logit_bias,
+                       sampling={name: getattr(cfg, name) for name in OWN_SAMPLING})
 
     def _openings(self, context: str, kws, cfg: DBSConfig, healed: int, named: list[bool], chat: bool) -> list[tuple]:
         """The token sequences of `cfg.openings`' phrases after `context` (from the token the healing

@@ -259,11 +259,15 @@ class TorchBackend:
     def sample(self, logits, uniforms, rules: StepRules):
         cfg = rules.config
         raw = logits
-        if cfg.logit_bias:                      # on the raw logits, before the penalties (vLLM's order)
-            ids, vals = cfg.logit_bias_arrays
+        ptr, ids, vals, row_bias = rules.biases(logits.shape[0])
+        biased = bool((row_bias >= 0).any())
+        if biased:                              # on the raw logits, before the penalties (vLLM's order)
             logits = logits.clone()
-            logits[:, self.torch.as_tensor(ids.astype(np.int64), device=self.device)] += \
-                self.torch.as_tensor(vals, device=self.device, dtype=logits.dtype)
+            for b in np.unique(row_bias[row_bias >= 0]):         # each set on its rows
+                rows = self.torch.as_tensor(np.flatnonzero(row_bias == b), device=self.device)
+                cols = self.torch.as_tensor(ids[ptr[b]:ptr[b + 1]].astype(np.int64), device=self.device)
+                logits[rows[:, None], cols[None, :]] += self.torch.as_tensor(vals[ptr[b]:ptr[b + 1]], device=self.device,
+                                                                             dtype=logits.dtype)
         shaped = bool(rules.shaped(logits.shape[0]).any())
         if shaped:
             start, gen = rules.starts(logits.shape[0])
@@ -282,7 +286,7 @@ class TorchBackend:
             if rules.force is not None:
                 f = self.torch.as_tensor(rules.force, device=self.device)
                 tok = self.torch.where(f >= 0, f, tok)
-            if shaped or cfg.logit_bias or rules.bans is not None or rules.force is not None:
+            if shaped or biased or rules.bans is not None or rules.force is not None:
                 # the model's own log-prob
                 inv_t = self.torch.as_tensor(rules.inv_temperatures(R), device=self.device)[:, None]
                 lp = self.torch.log_softmax(raw.float() * inv_t, -1).gather(1, tok[:, None])[:, 0]

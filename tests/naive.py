@@ -83,7 +83,7 @@ def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, 
     per row): keep only tokens whose own probability (shaped, before boosts) is at least min_p times
     the top one's, then top-p of those; temperature 0 takes the kept token of the rank[r]-th largest
     weight at temperature 1 (rank None: the largest; counted round the kept tokens). temperature
-    and top_p: one, or one per row."""
+    and top_p: one, or one per row; logit_bias: one dict, or a list of one per row (None: none)."""
     R, V = logits.shape
     ids = np.empty(R, np.int64)
     logp = np.empty(R, np.float64)
@@ -96,7 +96,8 @@ def sample_ref(logits, uniforms, temperature=1.0, top_p=0.9, dense_boosts=None, 
         logz = float(raw.max()) + np.log(np.exp((raw - raw.max()).astype(np.float64)).sum())
         h = None if histories is None else histories[r]
         s = shape_logits(logits[r], h, penalty, ngram, words, window, presence, frequency,
-                         None if generated is None else generated[r], logit_bias) * inv_t
+                         None if generated is None else generated[r],
+                         logit_bias[r] if isinstance(logit_bias, list) else logit_bias) * inv_t
         for t in banned_tokens(h, None if bans is None else bans[r]):
             s[t] = -np.inf
         if force is not None and force[r] >= 0:

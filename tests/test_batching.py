@@ -123,13 +123,15 @@ def test_requests_that_differ_in_their_logprobs_alone_share_a_batch_and_get_what
 SAMPLING = {"temperature-top_p": [dict(temperature=t, top_p=p) for t, p in [(1.0, 0.9), (0.0, 0.9), (0.5, 1.0), (1.6, 0.6)]],
             # no n-gram bans: a request with no penalties is not shaped at all, beside those that are
             "penalties": [dict(no_repeat_ngram_size=0, repetition_penalty=r, presence_penalty=p, frequency_penalty=f)
-                          for r, p, f in [(1.0, 1.5, 0.0), (1.0, 0.0, 0.0), (1.4, 0.0, 0.5), (1.0, -0.5, 1.0)]]}
+                          for r, p, f in [(1.0, 1.5, 0.0), (1.0, 0.0, 0.0), (1.4, 0.0, 0.5), (1.0, -0.5, 1.0)]],
+            "logit_bias": [dict(logit_bias=b) for b in [{262: 8.0, 13: -100.0}, {}, {11: 6.0}, {262: 8.0, 13: -100.0}]]}
 
 
 @pytest.mark.parametrize("kind", SAMPLING)
 def test_requests_that_differ_in_their_sampling_alone_share_a_batch_and_get_what_they_get_alone(dbs, kind):
-    """Each request draws at its own temperature (0: greedy) and top_p, or its own repetition,
-    presence and frequency penalties, in one batch whose config sets them aside: its text, tokens
+    """Each request draws at its own temperature (0: greedy) and top_p, its own repetition,
+    presence and frequency penalties, or its own logit bias, in one batch whose config sets them
+    aside: its text, tokens
     and log-probs (the model's own at its temperature) and its alternatives are those it gets
     alone."""
     own = [replace(CFG, logprobs=2, **o) for o in SAMPLING[kind]]

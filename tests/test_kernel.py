@@ -944,6 +944,53 @@ def test_logit_bias_matches_reference_exactly(boost_first, temperature, penalty,
     assert moved > 0
 
 
+@pytest.mark.parametrize("boost_first", [False, True])
+def test_each_row_is_biased_by_its_own_logit_bias(boost_first):
+    """`bias_sets` and `row_bias`: each row's logits are biased by its request's set (-1: none),
+    under a repetition penalty, the kernel and the reference alike; a row draws, with the same
+    log-prob, what a batch at its set alone draws; the PyTorch sampler draws the reference's
+    tokens."""
+    from dbs_fast.config import bias_table, logit_bias_pairs
+
+    rng, logits, boosts, row_word, dense = _case(45)
+    R, V = logits.shape
+    hist, start, _ = _histories(rng, R, V)
+    top = np.argsort(-logits, axis=1)[:, :2]
+    sets = [{int(t): -100.0 for t in np.unique(top[::2])},
+            {int(t): float(rng.uniform(3, 9)) for t in rng.choice(V, 30, replace=False)}]
+    table = bias_table([logit_bias_pairs(b) for b in sets])
+    row_bias = np.resize([0, -1, 1], R)
+    ptr, ids, vals = csr_boosts(boosts)
+    common = dict(top_p=0.9, row_word=row_word, boosts=(ptr, ids, vals), boost_first=boost_first, history=hist,
+                  history_start=start, repetition_penalty=1.2)
+    own = [hist[r, start[r]:] for r in range(R)]
+    for _ in range(4):
+        u = rng.random(R)
+        got, glp = sample(logits, u, bias_sets=table, row_bias=row_bias, **common)
+        want, wlp = sample_ref(logits, u, 1.0, 0.9, dense, boost_first, own, 1.2,
+                               logit_bias=[sets[b] if b >= 0 else None for b in row_bias])
+        assert np.array_equal(got, want)
+        np.testing.assert_allclose(glp, wlp, atol=1e-4)
+        for b in (-1, 0, 1):
+            at = row_bias == b
+            alone, alp = sample(logits, u, logit_bias=sets[b] if b >= 0 else {}, **common)
+            assert np.array_equal(got[at], alone[at]) and np.array_equal(glp[at], alp[at])
+    assert not np.isin(got[row_bias == 0], list(sets[0])).any()
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from dbs_fast.torch_backend import TorchBackend
+
+    base = SimpleNamespace(torch=torch, device="cpu", _dense=None, _dense_key=None, vocab_size=V,
+                           shape=lambda *a: TorchBackend.shape(base, *a), ban=None)
+    u = rng.random(R)
+    tgot, _ = TorchBackend.sample(base, torch.as_tensor(logits), u, StepRules.given(
+        top_p=0.9, bias_sets=table, row_bias=row_bias, history=hist, history_start=start, repetition_penalty=1.2))
+    want, _ = sample_ref(logits, u, 1.0, 0.9, None, False, own, 1.2,
+                         logit_bias=[sets[b] if b >= 0 else None for b in row_bias])
+    assert np.array_equal(tgot, want)
+
+
 def test_a_logit_bias_of_100_outweighs_the_guide_words_and_minus_100_bans():
     """+100 makes a token the draw whatever the boosts (lambda 20) and the nucleus; -100 keeps the
     likeliest token out; an unbiased row draws as before."""

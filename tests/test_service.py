@@ -311,11 +311,12 @@ def test_shutdown_finishes_running_work_within_the_grace_period(exported):
 
 @pytest.mark.parametrize("own", [({"max_new_tokens": 64}, {"max_new_tokens": 12}),
                                  ({"temperature": 1.3, "top_p": 0.9}, {"temperature": 0.0, "top_p": 0.5}),
-                                 ({"presence_penalty": 0.6}, {"frequency_penalty": 0.4, "repetition_penalty": 1.2})],
-                         ids=["budget", "temperature-top_p", "penalties"])
+                                 ({"presence_penalty": 0.6}, {"frequency_penalty": 0.4, "repetition_penalty": 1.2}),
+                                 ({"logit_bias": {262: 8.0}}, {"logit_bias": {11: 5.0, 13: -100.0}})],
+                         ids=["budget", "temperature-top_p", "penalties", "logit_bias"])
 def test_requests_that_differ_in_their_own_settings_alone_decode_in_one_batch(exported, own):
-    """Settings that are each request's own (its budget, temperature, top_p and penalties) do not
-    split the engine's batches: two such jobs run in one, and each gets its text alone."""
+    """Settings that are each request's own (its budget, temperature, top_p, penalties and logit
+    bias) do not split the engine's batches: two such jobs run in one, and each gets its text alone."""
     from dbs_fast.serving.batcher import Batcher, Job
     from dbs_fast.serving.service import Metrics
 

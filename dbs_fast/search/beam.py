@@ -44,6 +44,7 @@ class Request:
     min_p: float | None = None                          # the request's min_p (`request.min_p_of`); None: the config's
     max_new_tokens: int | None = None                   # the request's budget of new tokens; None: the config's
     logprobs: int | None = None                         # the request's alternatives per token (`logprobs`); None: the config's
+    logit_bias: tuple | None = None                     # the request's `logit_bias` pairs; None: the config's
     sampling: dict = field(default_factory=dict)        # the request's own `config.OWN_SAMPLING` settings by name
     #                                                     (temperature, top_p, penalties); one absent: the config's
     merged: dict = field(default_factory=dict, repr=False)  # order="any": first row -> mask -> merged boost
@@ -498,7 +499,8 @@ class BeamSearch:
                           hist, hstart, tb.bans, guidance.ban_groups(cfg, tb, rows, rem, healing, n_done),
                           self.be.words if cfg.no_repeat_word_window else None, tb.min_p[rows.req],
                           greedy_ranks(rows, col, force) if (tb.sampling["temperature"][rows.req] == 0).any() else None,
-                          hgen, {name: v[rows.req] for name, v in tb.sampling.items()})
+                          hgen, {name: v[rows.req] for name, v in tb.sampling.items()}, tb.biases,
+                          tb.bias_of[rows.req])
         ids, lp = self.be.sample(self.pending, uniforms(self.slots, rows.req), rules)
         return Draw(ids, lp, rem, cand, word, force, n_done, *self._alternatives(ids, lp, rules.inv_temperatures(len(ids))))
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import OWN_SAMPLING, PENALTIES, DBSConfig
+from ..config import OWN_SAMPLING, PENALTIES, DBSConfig, bias_table
 from ..text.constraints import BoostTable, SequenceTable
 
 
@@ -38,6 +38,8 @@ class BatchTables:
     budget: np.ndarray           # (Q,) int64 each request's budget of new tokens
     sampling: dict               # `OWN_SAMPLING` name -> (Q,) float64 each request's (temperature 0: greedy)
     shaped: bool                 # some request's logits are shaped (penalties, n-gram bans, word loops)
+    biases: tuple                # the requests' distinct logit-bias sets (`config.bias_table`)
+    bias_of: np.ndarray          # (Q,) int64 each request's set in `biases`, -1: none
 
     @staticmethod
     def build(requests: list, cfg: DBSConfig, pad: int, eos: np.ndarray, sentence_end: np.ndarray | None,
@@ -67,6 +69,8 @@ class BatchTables:
         # would glue onto a keyword just completed ("hockey" + "rink", "pet" + "rified"), so that it
         # stays the word that was counted, plus (token healing, the first token) every token that
         # does not re-write the context's last one
+        own_bias = [cfg.logit_bias if r.logit_bias is None else r.logit_bias for r in requests]
+        sets = list(dict.fromkeys(b for b in own_bias if b))       # the distinct logit-bias sets, each once
         bans = ban_group = None
         if any(r.bans or r.heal for r in requests) or word_piece is not None or cfg.min_sentence \
                 or cfg.sentence_deadline:
@@ -84,7 +88,8 @@ class BatchTables:
             min_p=np.array([cfg.min_p if r.min_p is None else r.min_p for r in requests], np.float64),
             budget=np.array([r.budget(cfg) for r in requests], np.int64),
             sampling=(sampling := {n: np.array([r.sampled(n, cfg) for r in requests], np.float64) for n in OWN_SAMPLING}),
-            shaped=bool(cfg.shapes_with(*(sampling[n] for n in PENALTIES)).any()))
+            shaped=bool(cfg.shapes_with(*(sampling[n] for n in PENALTIES)).any()),
+            biases=bias_table(sets), bias_of=np.array([sets.index(b) if b else -1 for b in own_bias], np.int64))
 
     def remap_forcing(self, fseq: np.ndarray, before: "BatchTables") -> None:
         """Rows being forced point into `before`'s sequences: point them into these (in place)."""

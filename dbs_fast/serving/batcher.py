@@ -6,8 +6,8 @@ chunk of every running batch. A context longer than one prefill slice that would
 batch is prefilled in pieces first, one slice into the context store between chunks
 (`DirectedBeamSearch.prefill_ahead`), so that the running requests wait at most one slice for it (one batch per config, the
 budget apart: all requests of a batch share its settings, each with its own `max_new_tokens`,
-`logprobs` count, temperature, top_p and penalties (`DBSConfig.batched`), so requests with other
-settings take turns chunk by chunk). At a boundary where requests have
+`logprobs` count, temperature, top_p, penalties and logit bias (`DBSConfig.batched`), so requests
+with other settings take turns chunk by chunk). At a boundary where requests have
 just ended, it first waits up to `admit_wait` seconds for their clients' next requests
 (`_await_returns`). A job leaves with its result when its request ends. Events go back to the asyncio side through `Job.send`; the loop never blocks
 on a client. The HTTP layer is `dbs_fast.serving.service`; this module knows nothing of HTTP.
