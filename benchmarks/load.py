@@ -485,7 +485,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default=None,
                     help="engine-loop: comma-separated max_new_tokens the requests take in turn (default: the small request's)")
     ap.add_argument("--temperatures", default=None,
-                    help="engine-loop: comma-separated temperatures the requests take in turn (default: the small request's)")
+                    help="engine-loop: comma-separated temperatures the requests take in turn "
+                         "(default: the small request's)")
     ap.add_argument("--openai", action="store_true",
                     help="requests through the openai SDK to /v1/completions, with an API key")
     a = ap.parse_args(argv)

@@ -362,8 +362,9 @@ class DBSConfig:
         budget, the number of `logprobs` alternatives, the `logit_bias` and the draw's
         `OWN_SAMPLING` settings (temperature, top_p, the repetition, presence and frequency
         penalties) set aside: each request carries its own (`Request.max_new_tokens`, `.logprobs`,
-        `.logit_bias`, `.sampling`) and the search and the draw read them per row, so that requests that differ in those alone decode
-        together. Its budget is a whole chunk (the cache's chunk slots; the stream's
+        `.logit_bias`, `.sampling`) and the search and the draw read them per row, so that requests
+        that differ in those alone decode together. Its budget is a whole chunk (the cache's chunk
+        slots; the stream's
         lag's, if longer), or the request's own where that is less (a batch of such requests holds
         no more slots than they fill): a hint for the cache, which each admission raises to its
         requests' budgets. Where log-probs are asked, every row keeps the most alternatives
@@ -389,8 +390,9 @@ class DBSConfig:
 
     def shapes_with(self, repetition_penalty, presence_penalty, frequency_penalty):
         """`shapes_logits` at these penalties (arrays: per row, a request's own)."""
-        return ((self.no_repeat_ngram_size > 0) | (self.no_repeat_word_window > 0) | (np.asarray(repetition_penalty) != 1)
-                | (np.asarray(presence_penalty) != 0) | (np.asarray(frequency_penalty) != 0))
+        return ((self.no_repeat_ngram_size > 0) | (self.no_repeat_word_window > 0)
+                | (np.asarray(repetition_penalty) != 1) | (np.asarray(presence_penalty) != 0)
+                | (np.asarray(frequency_penalty) != 0))
 
     @cached_property
     def logit_bias_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -585,8 +585,9 @@ def _sample_rows(logits, table_row, group_ptr, members, uniforms, guide, history
     history = (tokens, start, generated start), bans = (row_ban, group_ptr, seq_ptr, seq_tok),
     words = (word_class, key, key_ptr, key_tok), knobs = (1/T, top_p, min_p, penalty, presence,
     frequency (each (R,)), ngram, window, shaped (R,), greedy (R,), the logit-bias sets (ptr, token
-    ids ascending per set, biases), each row's set (R,), -1: none); a greedy draw (temperature 0, 1/T then 1) takes the kept token of the row's `rank`-th largest weight
-    (`_mode`; 0: the largest), from the group's likeliest (`_likeliest`, one pass)."""
+    ids ascending per set, biases), each row's set (R,), -1: none); a greedy draw (temperature 0,
+    1/T then 1) takes the kept token of the row's `rank`-th largest weight (`_mode`; 0: the largest),
+    from the group's likeliest (`_likeliest`, one pass)."""
     row_word, boost_ptr, boost_ids, boost_vals, boost_exp, row_dense, boost_first, force, rank = guide
     hseq, hstart, hgen = history
     row_ban = bans[0]
@@ -889,9 +890,8 @@ def row_groups(table_row, guide, history, row_ban, *row_settings) -> tuple[np.nd
     """The rows that draw from one distribution, as CSR groups (group_ptr, members): the same
     logits row under the same rules (guide word, boost order, ban group, each of `row_settings`
     ((R,) arrays: 1/T, top_p, min_p, the penalties, shaped, greedy, the logit-bias set), and the
-    history where a rule reads it); a forced
-    token or a uniform does not shape the distribution, so rows that differ only there share a
-    group. Each group in the order of its first row."""
+    history where a rule reads it); a forced token or a uniform does not shape the distribution,
+    so rows that differ only there share a group. Each group in the order of its first row."""
     R = len(table_row)
     if R < 2 or len(np.unique(table_row)) == R:        # no logits row shared: a group per row
         return np.arange(R + 1, dtype=np.int64), np.arange(R, dtype=np.int64)

@@ -213,9 +213,8 @@ class TorchBackend:
 
         t = self.torch
         R = logits.shape[0]
-        rep, presence, frequency = (np.broadcast_to(np.asarray(p if penalties is None else penalties[i], np.float64), (R,))
-                                    for i, p in enumerate((cfg.repetition_penalty, cfg.presence_penalty,
-                                                           cfg.frequency_penalty)))
+        own = (cfg.repetition_penalty, cfg.presence_penalty, cfg.frequency_penalty) if penalties is None else penalties
+        rep, presence, frequency = (np.broadcast_to(np.asarray(p, np.float64), (R,)) for p in own)
         ngram = [NoRepeatNGramLogitsProcessor(cfg.no_repeat_ngram_size)] if cfg.no_repeat_ngram_size > 0 else []
         out = logits.clone()
         W = cfg.no_repeat_word_window
@@ -266,8 +265,8 @@ class TorchBackend:
             for b in np.unique(row_bias[row_bias >= 0]):         # each set on its rows
                 rows = self.torch.as_tensor(np.flatnonzero(row_bias == b), device=self.device)
                 cols = self.torch.as_tensor(ids[ptr[b]:ptr[b + 1]].astype(np.int64), device=self.device)
-                logits[rows[:, None], cols[None, :]] += self.torch.as_tensor(vals[ptr[b]:ptr[b + 1]], device=self.device,
-                                                                             dtype=logits.dtype)
+                bias = self.torch.as_tensor(vals[ptr[b]:ptr[b + 1]], device=self.device, dtype=logits.dtype)
+                logits[rows[:, None], cols[None, :]] += bias
         shaped = bool(rules.shaped(logits.shape[0]).any())
         if shaped:
             start, gen = rules.starts(logits.shape[0])

@@ -120,7 +120,8 @@ def test_requests_that_differ_in_their_logprobs_alone_share_a_batch_and_get_what
         _same_logprobs(m, a)
 
 
-SAMPLING = {"temperature-top_p": [dict(temperature=t, top_p=p) for t, p in [(1.0, 0.9), (0.0, 0.9), (0.5, 1.0), (1.6, 0.6)]],
+SAMPLING = {"temperature-top_p": [dict(temperature=t, top_p=p)
+                                  for t, p in [(1.0, 0.9), (0.0, 0.9), (0.5, 1.0), (1.6, 0.6)]],
             # no n-gram bans: a request with no penalties is not shaped at all, beside those that are
             "penalties": [dict(no_repeat_ngram_size=0, repetition_penalty=r, presence_penalty=p, frequency_penalty=f)
                           for r, p, f in [(1.0, 1.5, 0.0), (1.0, 0.0, 0.0), (1.4, 0.0, 0.5), (1.0, -0.5, 1.0)]],

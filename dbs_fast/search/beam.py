@@ -502,7 +502,8 @@ class BeamSearch:
                           hgen, {name: v[rows.req] for name, v in tb.sampling.items()}, tb.biases,
                           tb.bias_of[rows.req])
         ids, lp = self.be.sample(self.pending, uniforms(self.slots, rows.req), rules)
-        return Draw(ids, lp, rem, cand, word, force, n_done, *self._alternatives(ids, lp, rules.inv_temperatures(len(ids))))
+        alternatives = self._alternatives(ids, lp, rules.inv_temperatures(len(ids)))
+        return Draw(ids, lp, rem, cand, word, force, n_done, *alternatives)
 
     def _alternatives(self, ids: np.ndarray, lp: np.ndarray, inv_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """With `logprobs` K: each row's drawn token, then the K likeliest tokens of its logits, and

@@ -71,6 +71,7 @@ class BatchTables:
         # does not re-write the context's last one
         own_bias = [cfg.logit_bias if r.logit_bias is None else r.logit_bias for r in requests]
         sets = list(dict.fromkeys(b for b in own_bias if b))       # the distinct logit-bias sets, each once
+        sampling = {n: np.array([r.sampled(n, cfg) for r in requests], np.float64) for n in OWN_SAMPLING}
         bans = ban_group = None
         if any(r.bans or r.heal for r in requests) or word_piece is not None or cfg.min_sentence \
                 or cfg.sentence_deadline:
@@ -87,8 +88,7 @@ class BatchTables:
             bans=bans, ban_group=ban_group, multi_bans=any(len(b) > 1 for r in requests for b in r.bans),
             min_p=np.array([cfg.min_p if r.min_p is None else r.min_p for r in requests], np.float64),
             budget=np.array([r.budget(cfg) for r in requests], np.int64),
-            sampling=(sampling := {n: np.array([r.sampled(n, cfg) for r in requests], np.float64) for n in OWN_SAMPLING}),
-            shaped=bool(cfg.shapes_with(*(sampling[n] for n in PENALTIES)).any()),
+            sampling=sampling, shaped=bool(cfg.shapes_with(*(sampling[n] for n in PENALTIES)).any()),
             biases=bias_table(sets), bias_of=np.array([sets.index(b) if b else -1 for b in own_bias], np.int64))
 
     def remap_forcing(self, fseq: np.ndarray, before: "BatchTables") -> None:
