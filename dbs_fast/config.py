@@ -364,8 +364,7 @@ class DBSConfig:
         penalties) set aside: each request carries its own (`Request.max_new_tokens`, `.logprobs`,
         `.logit_bias`, `.sampling`) and the search and the draw read them per row, so that requests
         that differ in those alone decode together. Its budget is a whole chunk (the cache's chunk
-        slots; the stream's
-        lag's, if longer), or the request's own where that is less (a batch of such requests holds
+        slots; the stream's lag's, if longer), or the request's own where that is less (a batch of such requests holds
         no more slots than they fill): a hint for the cache, which each admission raises to its
         requests' budgets. Where log-probs are asked, every row keeps the most alternatives
         (`MAX_LOGPROBS`) and each request returns its own number of them."""

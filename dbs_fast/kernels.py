@@ -830,9 +830,10 @@ class StepRules:
         return (*(np.asarray(a, t) for a, t in zip(self.bias_sets, (np.int64, np.int32, np.float32))),
                 np.ascontiguousarray(self.row_bias, np.int64))
 
-    def shaped(self, R: int) -> np.ndarray:
-        """(R,) bool: the rows whose logits the penalties, n-gram bans or word loops shape."""
-        return np.broadcast_to(self.config.shapes_with(*self.penalties(R)), (R,)).copy()
+    def shaped(self, R: int, penalties: tuple | None = None) -> np.ndarray:
+        """(R,) bool: the rows whose logits the penalties, n-gram bans or word loops shape
+        (`penalties`: `self.penalties(R)`, if the caller has them)."""
+        return np.broadcast_to(self.config.shapes_with(*(penalties or self.penalties(R))), (R,)).copy()
 
     @property
     def multi_token_bans(self) -> bool:
@@ -867,9 +868,10 @@ def sample(logits: np.ndarray, uniforms: np.ndarray, rules: StepRules,
     else:
         bans = (np.asarray(rules.row_ban, np.int64), *(np.asarray(a, t) for a, t in zip(rules.bans, (np.int64, np.int64,
                                                                                                       np.int32))))
-    knobs = (rules.inv_temperatures(R), rules.top_ps(R), rules.min_ps(R), *rules.penalties(R),
+    temperature, penalties = rules.temperatures(R), rules.penalties(R)     # each read once a step
+    knobs = (inv_temperature(temperature).astype(np.float32), rules.top_ps(R), rules.min_ps(R), *penalties,
              int(cfg.no_repeat_ngram_size), int(cfg.no_repeat_word_window),
-             rules.shaped(R), rules.temperatures(R) == 0, *rules.biases(R))
+             rules.shaped(R, penalties), temperature == 0, *rules.biases(R))
     group_ptr, members = row_groups(table_row, guide, history, bans[0], *knobs[:6], *knobs[8:10], knobs[13])
     start_threads()
     out_ids = np.empty(R, np.int64)

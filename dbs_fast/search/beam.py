@@ -495,12 +495,12 @@ class BeamSearch:
         word = np.where(healing, -1, guidance.guide_words(cfg, tb, rows, cand, ahead)).astype(np.int32)
         force = guidance.forced(cfg, tb, rows, rem, n_done)
         hist, hstart, hgen = guidance.history(cfg, tb, rows, col, healing)
+        own = {name: v[rows.req] for name, v in tb.sampling.items()}      # each row's request's sampling settings
         rules = StepRules(cfg, word, tb.boosts.csr, tb.boosts.dense_exp(self.pending.shape[1]), boost_first, force,
                           hist, hstart, tb.bans, guidance.ban_groups(cfg, tb, rows, rem, healing, n_done),
                           self.be.words if cfg.no_repeat_word_window else None, tb.min_p[rows.req],
-                          greedy_ranks(rows, col, force) if (tb.sampling["temperature"][rows.req] == 0).any() else None,
-                          hgen, {name: v[rows.req] for name, v in tb.sampling.items()}, tb.biases,
-                          tb.bias_of[rows.req])
+                          greedy_ranks(rows, col, force) if (own["temperature"] == 0).any() else None,
+                          hgen, own, tb.biases, tb.bias_of[rows.req])
         ids, lp = self.be.sample(self.pending, uniforms(self.slots, rows.req), rules)
         alternatives = self._alternatives(ids, lp, rules.inv_temperatures(len(ids)))
         return Draw(ids, lp, rem, cand, word, force, n_done, *alternatives)

@@ -147,7 +147,7 @@ class Metrics:
         self.queue = Gauge("dbs_queue_depth", "requests waiting for rows", registry=r)
         self.rows = Gauge("dbs_batch_rows", "candidate rows in the running batches", registry=r)
         self.batches = Gauge("dbs_running_batches", "running batches: one per settings their requests share "
-                             "(budgets and log-prob counts apart); several take turns chunk by chunk", registry=r)
+                             "(budgets, log-prob counts and sampling settings apart); several take turns chunk by chunk", registry=r)
         self.tokens = Counter("dbs_candidate_tokens", "candidate tokens sampled", registry=r)
         self.rate = Gauge("dbs_candidate_tokens_per_second", "candidate tokens/s of the last chunk", registry=r)
         self.moved = Counter("dbs_host_device_bytes", "bytes the decode graph bound from host memory (with "
