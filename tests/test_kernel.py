@@ -1043,6 +1043,31 @@ def test_top_tokens_are_numpys_largest_logits(K):
     assert kernels.top_tokens(logits, 0)[0].shape == (len(logits), 0)
 
 
+def test_alternatives_repeat_the_drawn_tokens_log_prob_to_the_bit():
+    """The `logprobs` alternatives of a drawn token: the K likeliest at the draw's temperature,
+    normalised as the drawn token's log-prob is, and the drawn token among them has that log-prob
+    itself, not one recomputed through its logit (which differs in the last bits where the
+    logits are large, as OpenAI's `top_logprobs` never do)."""
+    from dbs_fast.search.beam import alternatives
+
+    rng = np.random.default_rng(3)
+    logits = (30 + rng.standard_normal((6, 50))).astype(np.float32)
+    rows = np.array([0, 0, 2, 3, 4, 5])                               # two slots read one logits row
+    inv_t = np.array([1.0, 1.0, 1 / 0.7, 1.0, 1 / 1.3, 1.0], np.float32)
+    scaled = logits[rows] * inv_t[:, None]
+    logp = scaled - scaled.max(1, keepdims=True)
+    logp = (logp - np.log(np.exp(logp).sum(1, keepdims=True))).astype(np.float32)
+    ids = np.array([np.argmax(logits[r]) if i % 2 else rng.integers(50) for i, r in enumerate(rows)])
+    lp = logp[np.arange(6), ids]
+    got_ids, got_lp = alternatives(logits, 4, rows, ids, lp, inv_t)
+    assert np.array_equal(got_ids[:, 0], ids) and np.array_equal(got_lp[:, 0], lp)
+    assert np.array_equal(got_ids[:, 1:], np.argsort(-logits[rows], axis=1, kind="stable")[:, :4])
+    np.testing.assert_allclose(got_lp[:, 1:], np.take_along_axis(logp, got_ids[:, 1:], 1), atol=1e-5)
+    drawn = got_ids[:, 1:] == ids[:, None]
+    assert drawn.sum() >= 3
+    assert np.array_equal(got_lp[:, 1:][drawn], np.broadcast_to(lp[:, None], drawn.shape)[drawn])
+
+
 def test_presence_and_frequency_penalties_count_only_generated_tokens():
     """The reference's rule, which the kernel and the PyTorch baseline follow: a token the context
     holds is left alone, a generated one loses presence once and frequency per occurrence, after

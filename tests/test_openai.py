@@ -95,6 +95,9 @@ def test_every_door_answers_the_same_bad_body_in_one_shape(server, raw, param):
         r = httpx.post(server.url + path, content=body, headers=auth, timeout=30)
         assert set(r.json()) == {"error"}, (path, r.text)
         got[path] = (r.status_code, r.json()["error"]["param"], r.json()["error"]["type"])
+        said = r.json()["error"]["message"]
+        assert param != "bogus" or said == "`bogus`: not a field of this endpoint (its fields: the service's /docs " \
+                                           "and /openapi.json)", said
     assert set(got.values()) == {(400, param, "invalid_request_error")}, got
 
 
@@ -654,6 +657,7 @@ def test_logprobs_come_in_openais_shapes(client, server):
     assert "".join(t.token for t in content) == chat.message.content
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob - 1e-5 and
                bytes(t.bytes) == t.token.encode() for t in content)
+    assert all(a.logprob == t.logprob for t in content for a in t.top_logprobs if a.token == t.token)
     unasked = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **kw).choices[0]
     assert unasked.logprobs is None
     plain = httpx.post(server.url + "/v1/generate", json={"context": "It is", "keywords": "river", "seed": 6,

@@ -518,13 +518,7 @@ class BeamSearch:
             logits, rows = logits.table, logits.rows
         if hasattr(logits, "cpu"):                    # a torch baseline's logits
             logits = logits.float().cpu()
-        logits = np.asarray(logits, np.float32)
-        table_rows = np.arange(len(ids)) if rows is None else np.asarray(rows, np.int64)
-        once, row = np.unique(table_rows, return_inverse=True)       # rows that share logits share their top
-        top, raw = (a[row.reshape(-1)] for a in top_tokens(logits, K, once))
-        logz = logits[table_rows, ids] * inv_t - lp
-        return (np.column_stack([ids, top]).astype(np.int64),
-                np.column_stack([lp, raw * inv_t[:, None] - logz[:, None]]).astype(np.float32))
+        return alternatives(np.asarray(logits, np.float32), K, rows, ids, lp, inv_t)
 
     def _append(self, rows: Rows, d: Draw, col: int) -> np.ndarray:
         """Write the draw into column `col` of the rows that draw a real token (returned: `live`);
@@ -642,3 +636,17 @@ class BeamSearch:
     def _on_time(self, rows: Rows, col: int) -> np.ndarray:
         """Rows ahead of their deadline once the tokens up to column `col` are generated."""
         return quality.on_time(self.cfg, col - rows.col0, guidance.remaining(self.tables, rows, 0), self._budget(rows))
+
+
+def alternatives(logits: np.ndarray, K: int, rows, ids: np.ndarray, lp: np.ndarray,
+                 inv_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each drawn token `ids` (R,), then the K likeliest tokens of its row's logits (`rows` (R,)
+    their rows of `logits`; None: row r), and their log-probs at the draw's temperature (`inv_t`
+    (R,) 1 / T), normalised as the drawn token's log-prob `lp` is: the drawn token among the K
+    gets `lp` itself, to the bit, as OpenAI's `top_logprobs` repeat the token's `logprob`."""
+    table_rows = np.arange(len(ids)) if rows is None else np.asarray(rows, np.int64)
+    once, row = np.unique(table_rows, return_inverse=True)       # rows that share logits share their top
+    top, raw = (a[row.reshape(-1)] for a in top_tokens(logits, K, once))
+    logz = logits[table_rows, ids] * inv_t - lp
+    top_lp = np.where(top == ids[:, None], lp[:, None], raw * inv_t[:, None] - logz[:, None])
+    return np.column_stack([ids, top]).astype(np.int64), np.column_stack([lp, top_lp]).astype(np.float32)

@@ -52,6 +52,8 @@ def fault(errors: list[dict]) -> tuple[str | None, str]:
             return f"the body is not valid JSON ({(e.get('ctx') or {}).get('error', 'JSON decode error')})"
         if field(e) == "body":
             return f"the body must be a JSON object ({e.get('msg', 'invalid')})"
+        if e.get("type") == "extra_forbidden":
+            return "not a field of this endpoint (its fields: the service's /docs and /openapi.json)"
         return e.get("msg", "invalid")
 
     parts = []
