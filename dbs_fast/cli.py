@@ -536,8 +536,9 @@ def _add_serve(sub):
     from .serving.service import ServiceOptions
 
     d = ServiceOptions()
-    p = sub.add_parser("serve", help="HTTP service: POST /v1/generate (JSON or streamed), /health, /metrics, "
-                                     "/docs; continuous batching at chunk boundaries (needs the serve extra)")
+    p = sub.add_parser("serve", help="HTTP service: OpenAI's /v1/completions and /v1/chat/completions, POST "
+                                     "/v1/generate (JSON or streamed), /health, /metrics, /docs; continuous "
+                                     "batching at chunk boundaries (needs the serve extra)")
     p.add_argument("--model", default=d.model, help="exported model dir, `default` (embedded SmolLM2-135M) or `gemma3-270m`")
     p.add_argument("--embeddings", default=d.embeddings, help="`default` (GloVe 6B 50-d), GloVe .txt, word2vec "
                                                                ".txt/.bin")

@@ -155,6 +155,8 @@ class RequestBuilder:
             raise DBSError.about("logit_bias", f"must have the model's token ids (0..{vocab - 1}) as its keys, not "
                                  f"{cfg.logit_bias[-1][0]}", {str(t): b for t, b in cfg.logit_bias})
         kws, bans = parse_constraints(keywords, ban)
+        if cfg.inflect:
+            kws = [constraints.inflected(k, lambda w: self.table.emb.vector(w) is not None) for k in kws]
         ids, plain = self._prompted_ids(context, kws, cfg)
         check_size(cfg, len(ids), self.manifest, self.window)
         enc = self.pieces

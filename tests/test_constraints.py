@@ -387,6 +387,36 @@ def test_similarity_power_keeps_the_words_own_boost_and_shrinks_its_neighbours(d
         assert e.value.field == "similarity_power"
 
 
+def test_inflect_guides_towards_every_form_the_lemma_rule_counts(dbs):
+    """inflect (with match lemma): a keyword's inflections join its alternatives, its text the same;
+    those written in one token get the keyword's own boost, lambda, where without inflect GloVe's
+    similarity gives them less; the lemma rule counts them as before; under the stem rule it is
+    refused, naming the field."""
+    from dataclasses import replace
+
+    from dbs_fast.errors import DBSError
+    from dbs_fast.text.constraints import inflected
+
+    kw = inflected(parse_keyword("send"), lambda w: w != "sends")
+    assert kw.text == "send" and kw.alternatives[0] == ("send",)
+    assert {("sent",), ("sending",)} <= set(kw.alternatives) and ("sends",) not in kw.alternatives
+    assert inflected(parse_keyword("ice cream"), lambda w: True).alternatives == (("ice", "cream"),)
+    text = "She was sending letters."
+    assert occurrence.count(text, kw, rule="lemma") == occurrence.count(text, parse_keyword("send"), rule="lemma") == 1
+    cfg = replace(dbs.config, lam=20.0, match="lemma")
+    enc = dbs.backend.tokenizer.encode
+    forms = [enc(f" {w}", add_special_tokens=False).ids for w in ("sending", "sent")]
+    assert all(len(ids) == 1 for ids in forms)
+    plain, inflect = (dict(zip(r.boosts[0].ids.tolist(), r.boosts[0].values.tolist()))
+                      for r in (dbs.request("It is", "send", None, 0, replace(cfg, inflect=i)) for i in (False, True)))
+    assert [r.keywords[0].text for r in (dbs.request("It is", "send", None, 0, replace(cfg, inflect=True)),)] == ["send"]
+    for (t,) in forms:
+        assert plain.get(t, 0.0) < 20.0 and inflect[t] == pytest.approx(20.0)
+    with pytest.raises(DBSError) as e:
+        replace(cfg, match="stem", inflect=True)
+    assert e.value.field == "inflect"
+
+
 def test_a_row_ahead_of_its_deadline_reads_its_keywords_at_lam_ahead(dbs):
     """lam_ahead: a request holds its keywords' boosts at lambda, then at lam_ahead (a keyword the
     context names keeps lam_named in both); a row ahead of its deadline is guided by the second

@@ -242,8 +242,34 @@ def _word_start_variants(text: str) -> list[str]:
 
 
 def first_tokens(encode, kw: Keyword) -> set[int]:
-    """The first token of each alternative after a space (as given, lower case): the keyword's own start."""
-    return {int(t[0]) for a in kw.phrases for v in _word_start_variants(a) if len(t := encode(v))}
+    """The first token of each alternative after a space (as given, lower case): the keyword's own
+    start; and of each inflection `inflected` added, the token that writes it whole, where one does
+    (a longer one's first token would start other words as well, with no phrase to finish it)."""
+    own = {int(t[0]) for a in kw.phrases for v in _word_start_variants(a) if len(t := encode(v))}
+    given = {p.lower() for p in kw.phrases}
+    added = [" ".join(a) for a in kw.alternatives if " ".join(a) not in given]
+    return own | {int(t[0]) for a in added for v in _word_start_variants(a) if len(t := encode(v)) == 1}
+
+
+def inflected(kw: Keyword, has_vector) -> Keyword:
+    """`kw` with each one-word alternative's inflections (lemminflect's, for every part of speech:
+    "sends", "sent", "sending" for "send") among its alternatives, those whose lemmas meet the
+    word's (the lemma rule counts them already) and that `has_vector` (a word -> bool: the guide
+    embeddings hold it). Its text, which results name it by, is the same."""
+    from lemminflect import getAllInflections
+
+    from .words import lemmas
+
+    alts = list(kw.alternatives)
+    for (word, *rest) in kw.alternatives:
+        if rest:
+            continue
+        own = lemmas(word)
+        for forms in getAllInflections(word).values():
+            for f in (f.lower() for f in forms):
+                if (f,) not in alts and lemmas(f) & own and has_vector(f):
+                    alts.append((f,))
+    return Keyword(kw.text, tuple(alts))
 
 
 def phrase_starts(encode, kw: Keyword, words: bool = False) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
