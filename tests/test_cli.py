@@ -16,7 +16,7 @@ BAD_OPTION = {
     "late_boost_first": ("maybe", "--late-boost-first"), "reserve_per_keyword": ("-1", "--reserve-per-keyword"),
     "c_star": ("-1", "--c-star"), "max_new_tokens": ("0", "--max-new-tokens"),
     "boost_order": ("sideways", "--boost-order"), "complete_words": ("maybe", "--complete-words"),
-    "order": ("sideways", "--order"), "match": ("prefix", "--match"),
+    "order": ("sideways", "--order"), "match": ("prefix", "--match"), "inflect": ("maybe", "--inflect"),
     "repetition_penalty": ("0", "--repetition-penalty"), "presence_penalty": ("2.5", "--presence-penalty"),
     "frequency_penalty": ("-3", "--frequency-penalty"), "no_repeat_ngram_size": ("-1", "--no-repeat-ngram-size"),
     "no_repeat_word_window": ("1", "--no-repeat-word-window"), "pick": ("best", "--pick"),
