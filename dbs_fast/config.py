@@ -229,6 +229,9 @@ class DBSConfig:
                        "likelihood, the finished beam with the best mean log-prob per token; consensus, the "
                        "finished beam most like the other finished ones (BLEU-4, minimum Bayes risk); blend, the finished beam "
                        "with the smallest place by Q plus half its place by likelihood", PICKS)
+    length_penalty: float = option(1.0, float, "the likelihood that --pick likelihood and blend compare: a finished "
+                                   "beam's summed log-prob over its length in tokens to this power (as transformers' "
+                                   "beam search; 1 = the mean per token, 0 = the sum: shorter answers; in -2..4)")
 
     @classmethod
     def paper(cls, **overrides) -> "DBSConfig":
@@ -290,6 +293,9 @@ class DBSConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and -2 <= v <= 2):
                 bad(name, "must be a number in -2..2 (0 = off)")
+        if not (isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool)
+                and -2 <= self.length_penalty <= 4):
+            bad("length_penalty", "must be a number in -2..4 (1 = the mean log-prob per token, 0 = the sum)")
         if not (isinstance(self.stream_lag, (int, float)) and not isinstance(self.stream_lag, bool)
                 and 0 <= self.stream_lag <= self.max_new_tokens):
             bad("stream_lag", "must be a number of chunks >= 0 (0 = off), at most the token budget")

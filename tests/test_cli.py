@@ -20,6 +20,7 @@ BAD_OPTION = {
     "repetition_penalty": ("0", "--repetition-penalty"), "presence_penalty": ("2.5", "--presence-penalty"),
     "frequency_penalty": ("-3", "--frequency-penalty"), "no_repeat_ngram_size": ("-1", "--no-repeat-ngram-size"),
     "no_repeat_word_window": ("1", "--no-repeat-word-window"), "pick": ("best", "--pick"),
+    "length_penalty": ("9", "--length-penalty"),
     "finished": ("0", "--finished"), "openings": ("verbs", "--openings"),
     "stop": ("eventually", "--stop"), "beams_type": ("many", "--beams"),
     "prompt_style": ("loud", "--prompt-style"), "heal": ("maybe", "--heal"), "shots": ("201", "--shots"),

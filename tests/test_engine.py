@@ -521,6 +521,11 @@ def test_pick_rules_on_hand_made_beams():
                                                                          ("d", -2.5)])]
     assert pick("blend", fused) == 1                         # 1 + 0 beats 0 + 3/2: the likeliest, second by Q
     assert pick("blend", fused[:1] + fused[2:]) == 0         # 0 + 1 (a) against 1 + 0 (c): the tie to Q
+    sized = [dict(b, tokens=n) for b, n in zip(beams, (9, 6, 12, 20))]     # sums -15, -24, -60 when finished
+    assert pick("likelihood", sized) == pick("likelihood", sized, 1.0) == 2  # 1: the mean, the tokens unread
+    assert pick("likelihood", sized, 0.0) == 1               # 0: the best sum, the shortest here
+    assert pick("likelihood", sized, 0.5) == 1               # -15/6**0.5 = -6.1 beats -2*12**0.5 = -6.9
+    assert pick("likelihood", sized, 2.0) == 3               # -60/400 = -0.15 beats -24/144: the longest wins
 
 
 @pytest.mark.parametrize("rule", ["likelihood", "consensus", "blend"])

@@ -38,7 +38,8 @@ class GenerationResult:
     #                               candidate if there was one; with a copy kept near the budget returned, those
     #                               copies too), the returned one first, then by score: text, score
     #                               (Q summed over its chunks; ranked per chunk among candidates of several chunks),
-    #                               finished (every keyword, then a sentence end or EOS), logprob (mean per token)
+    #                               finished (every keyword, then a sentence end or EOS), logprob (mean per token),
+    #                               tokens (generated, its EOS among them)
     seconds: float
     tokens_per_second: float      # generated tokens of the result / seconds
     candidate_tokens_per_second: float  # all sampled candidate tokens / seconds (batch-wide)
@@ -87,12 +88,14 @@ def found_at(texts: list[str], keywords: list[Keyword], rule: str = "stem") -> d
 BLEND_WEIGHT = 0.5    # "blend": the weight of a beam's place by likelihood beside its place by Q
 
 
-def pick(rule: str, beams: list[dict]) -> int:
-    """Which of `beams` (dicts of text, score, finished, logprob; by score, best first) is returned:
+def pick(rule: str, beams: list[dict], length_penalty: float = 1.0) -> int:
+    """Which of `beams` (dicts of text, score, finished, logprob, tokens; by score, best first) is returned:
     "q" the first (the paper's); otherwise among the finished beams (else those still scored, else
     all), those without a word loop where any has none (a word of several tokens, which the
-    kernel's word-loop rule does not see: "a racket racket"), "likelihood" the best mean log-prob
-    per token, "consensus" the one with the highest mean BLEU-4 against the others (minimum Bayes risk decoding; nltk's BLEU, smoothed) and
+    kernel's word-loop rule does not see: "a racket racket"), "likelihood" the best log-prob summed
+    over its tokens over their number to the power `length_penalty` (1: the mean; transformers' rule),
+    "consensus" the one with the highest mean BLEU-4 against the others (minimum Bayes risk
+    decoding; nltk's BLEU, smoothed) and
     "blend" the smallest place by Q plus half its place by likelihood (rank fusion: 0 is the
     best). Ties go to the better score."""
     if rule == "q" or len(beams) == 1:
@@ -101,7 +104,10 @@ def pick(rule: str, beams: list[dict]) -> int:
         [j for j, b in enumerate(beams) if math.isfinite(b["score"])] or [0]
     pool = [j for j in pool if not word_loop(beams[j]["text"])] or pool   # no word loop where one has none
     def logprob(j: int) -> float:
-        return beams[j]["logprob"] if math.isfinite(beams[j]["logprob"]) else -math.inf
+        lp, n = beams[j]["logprob"], beams[j].get("tokens", 1)
+        if not math.isfinite(lp):
+            return -math.inf
+        return lp if length_penalty == 1 else lp * n ** (1 - length_penalty)    # mean * n = the sum
 
     if rule == "likelihood":
         return max(pool, key=lambda j: (logprob(j), -j))
@@ -171,7 +177,8 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
                 n = int(rows.n_tok[i])
                 beams.append({"text": t, "score": float(rows.cum[i]), "rank": len(beams),
                               "finished": bool(finished[i]),
-                              "logprob": float(rows.logp[i, :n].mean()) if n else float("nan"), "row": int(i)})
+                              "logprob": float(rows.logp[i, :n].mean()) if n else float("nan"), "tokens": n,
+                              "row": int(i)})
 
     add_beams()
     ends = {}
@@ -200,7 +207,7 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
         least = placed(chosen)
         return [j for j in range(len(beams)) if ending(beams[j]["row"])[2] is not None and placed(j) >= least]
 
-    chosen = pick(cfg.pick, beams)
+    chosen = pick(cfg.pick, beams, cfg.length_penalty)
     if cfg.finishes and not rows.ended[beams[chosen]["row"]] and ending(beams[chosen]["row"])[2] is None:
         # the budget ran out in the sentence of the chosen beam's last keyword: another beam that
         # can be cut back to a sentence end after as many keywords is returned instead, where one
@@ -211,7 +218,7 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
             add_beams(first)
             ends_at = [j for j in landing(chosen) if beams[j]["row"] >= first]
         if ends_at:
-            chosen = ends_at[pick(cfg.pick, [beams[j] for j in ends_at])]
+            chosen = ends_at[pick(cfg.pick, [beams[j] for j in ends_at], cfg.length_penalty)]
     beams.insert(0, beams.pop(chosen))
     best = beams[0]["row"]
     K = fin.request.alternatives(cfg)
