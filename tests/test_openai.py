@@ -217,6 +217,30 @@ def test_echo_starts_each_choice_with_its_prompt_streamed_or_not(client, model_d
 
 
 @pytest.mark.parametrize("chat", [False, True])
+def test_n_choices_come_back_where_the_beams_converged(chat):
+    """`n` gives n choices: the beams' distinct texts first, then (beams kept twice converge on
+    one text, as a short chat answer's often do) those texts again in turn, as OpenAI's samples
+    may repeat; streamed, the others come whole at the end."""
+    from types import SimpleNamespace
+
+    from dbs_fast.serving.openai_api import Reply
+
+    beams = [{"text": "A dog runs.", "finished": True}, {"text": "A dog sits.", "finished": False}]
+    result = SimpleNamespace(generated="A dog runs.", beams=beams, logprobs=None, stopped="eos", context="It is")
+    reply = Reply(chat, "m", [], 5)
+    got = [c["message"]["content"] if chat else c["text"] for c in reply._choices(result)]
+    assert got == ["A dog runs.", "A dog sits.", "A dog runs.", "A dog sits.", "A dog runs."]
+    assert [c["index"] for c in reply._choices(result)] == list(range(5))
+    assert [c["finish_reason"] for c in reply._choices(result)] == ["stop", "length"] * 2 + ["stop"]
+    ends = [json.loads(e[len("data: "):])["choices"][0] for e in reply.end(result)]
+    assert [e["index"] for e in ends] == list(range(5))
+    converged = SimpleNamespace(**{**vars(result), "beams": beams[:1]})
+    three = Reply(chat, "m", [], 3)._choices(converged)
+    assert [c["index"] for c in three] == [0, 1, 2]
+    assert {c["message"]["content"] if chat else c["text"] for c in three} == {"A dog runs."}
+
+
+@pytest.mark.parametrize("chat", [False, True])
 def test_a_stream_with_n_sends_each_choice_as_the_unstreamed_answer_has_it(client, chat):
     """`n` streamed: choice 0 streams as it is committed, the others come whole at the end (the
     beams are chosen there); joined by index, the deltas are the unstreamed answer's choices."""
@@ -347,12 +371,17 @@ def test_chat_refusals_give_their_own_reason(client, kw, field, words):
     assert e.value.body["param"] == field and words in e.value.body["message"], e.value.body
 
 
-def test_an_unknown_method_or_path_under_v1_is_openais_error_shape(server):
+def test_an_unknown_method_or_path_is_openais_error_shape(server):
+    """Under /v1/ and outside it, as OpenAI's own: the URL named, and where to find the endpoints
+    or the method that is allowed."""
     headers = {"Authorization": f"Bearer {KEY}"}
-    for method, path, status, kind in (("GET", "/v1/completions", 405, "invalid_request_error"),
-                                       ("POST", "/v1/embeddings", 404, "not_found_error")):
+    for method, path, status, kind, words in (
+            ("GET", "/v1/completions", 405, "invalid_request_error", "(GET /v1/completions): POST is allowed"),
+            ("POST", "/v1/embeddings", 404, "not_found_error", "Invalid URL (POST /v1/embeddings)"),
+            ("GET", "/nothing", 404, "not_found_error", "/openapi.json")):
         r = httpx.request(method, server.url + path, headers=headers, json={})
         assert r.status_code == status and r.json()["error"]["type"] == kind, r.text
+        assert words in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("kw,field", [({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),

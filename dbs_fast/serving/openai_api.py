@@ -67,7 +67,8 @@ def _common_fields(max_n: int) -> dict:
                                                                    "rows of one history taking them in turn; under "
                                                                    "0.01 draws at 0.01")),
         "top_p": (Optional[float], Field(None, description="nucleus mass, in (0, 1]")),
-        "n": (int, Field(1, ge=1, le=max_n, description="distinct beams returned, at most the beams searched")),
+        "n": (int, Field(1, ge=1, le=max_n, description="choices returned, at most the beams searched: their distinct "
+                                                   "texts, repeated in turn where they hold fewer")),
         "stream": (bool, False),
         "stream_options": (Optional[dict], None),
         "seed": (Optional[int], Field(None, description="0..2**63-1; the same seed gives the "
@@ -309,7 +310,9 @@ class Reply:
         return {"usage": {k: sum(u[k] for u in usage) for k in usage[0]}, "dbs": dbs if len(dbs) > 1 else dbs[0]}
 
     def _choices(self, result: GenerationResult) -> list[dict]:
-        """Up to n distinct choices of one result: the winner, then the other beams."""
+        """n choices of one result: the winner, then the other beams' distinct texts; where the
+        beams hold fewer (they converged, as beams kept twice do), those texts again in turn, as
+        OpenAI's n samples may repeat: a client reads n choices."""
         texts = [result.generated] + [b["text"] for b in result.beams[1:]]
         tokens = [result.logprobs] + [b.get("logprobs") for b in result.beams[1:]]
         seen, choices = set(), []
@@ -325,6 +328,8 @@ class Reply:
                                {"text": result.context + text if self.echo else text})})
             if len(choices) == self.n:
                 break
+        distinct = len(choices)
+        choices += [{**choices[i % distinct], "index": i} for i in range(distinct, self.n)]
         return choices
 
     def _logprobs(self, tokens: list | None, text: str, first: int = 0) -> dict | None:

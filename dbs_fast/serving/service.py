@@ -459,10 +459,7 @@ class Endpoints:
 
 def _error_handlers(app, ep: Endpoints) -> None:
     """Bad bodies counted; under /v1/ every error in OpenAI's shape, bad input a 400 naming its field."""
-    from fastapi.exception_handlers import (
-        http_exception_handler,
-        request_validation_exception_handler,
-    )
+    from fastapi.exception_handlers import request_validation_exception_handler
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from starlette.responses import JSONResponse
@@ -476,11 +473,15 @@ def _error_handlers(app, ep: Endpoints) -> None:
         return await request_validation_exception_handler(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request, exc):             # an unknown path or method
-        if request.url.path.startswith("/v1/"):
-            return JSONResponse(oa.error_body(exc.status_code, str(exc.detail)), exc.status_code,
-                                headers=getattr(exc, "headers", None))
-        return await http_exception_handler(request, exc)
+    async def http_error(request, exc):             # an unknown path or method: OpenAI's shape on every path
+        headers, message = getattr(exc, "headers", None), str(exc.detail)
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"Invalid URL ({where}): this server's endpoints are listed at /docs and /openapi.json"
+        elif exc.status_code == 405:
+            allow = {k.lower(): v for k, v in (headers or {}).items()}.get("allow", "another method")
+            message = f"Invalid method ({where}): {allow} is allowed there"
+        return JSONResponse(oa.error_body(exc.status_code, message), exc.status_code, headers=headers)
 
 
 def _operations_routes(app, ep: Endpoints) -> None:
