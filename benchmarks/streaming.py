@@ -11,6 +11,7 @@ embedded model, gemma3-270m), rep-4, the mean words, and how many answers are th
 lag 0; three answers picked by numpy default_rng(0).
 
     python -m benchmarks.streaming --n 40 --lags 0,0.2,0.4,0.6,0.8,1 --out runs/streaming
+    python -m benchmarks.streaming --n 100 --lags 0.8 --options '{"inflect": false}' --out runs/streaming-off
 """
 from __future__ import annotations
 
@@ -59,8 +60,10 @@ def main(argv=None) -> None:
     p.add_argument("--start", type=int, default=0)
     p.add_argument("--lags", default="0,0.4,0.6,0.8,1")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--options", type=json.loads, default={},
+                   help='settings on top of the chat door\'s, as JSON by config field (\'{"inflect": false}\')')
     a = p.parse_args(argv)
-    dbs, base = DirectedBeamSearch("default"), DBSConfig.chat()    # the chat door's settings
+    dbs, base = DirectedBeamSearch("default"), DBSConfig.chat(**a.options)    # the chat door's settings
     reqs = chat_requests()[a.start:a.start + a.n]
     sets, messages = [kws for _, kws, _ in reqs], [m for _, _, m in reqs]
     contexts = [dbs.chat_template.render([{"role": "user", "content": m}]) for m in messages]
