@@ -458,7 +458,8 @@ class Endpoints:
 
 
 def _error_handlers(app, ep: Endpoints) -> None:
-    """Bad bodies counted; under /v1/ every error in OpenAI's shape, bad input a 400 naming its field."""
+    """Bad bodies counted; an unknown path or method in OpenAI's error shape on every path, and under
+    /v1/ bad input a 400 naming its field."""
     from fastapi.exception_handlers import request_validation_exception_handler
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
