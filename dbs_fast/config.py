@@ -282,8 +282,7 @@ class DBSConfig:
         if not (_is_int(self.boost_first_reserve, 0) and self.boost_first_reserve <= self.reserve_per_keyword):
             bad("boost_first_reserve", f"must be an integer in 0..reserve_per_keyword ({self.reserve_per_keyword}): "
                 "the later of two deadlines (0 = the deadline)")
-        if not (isinstance(self.similarity_power, (int, float)) and not isinstance(self.similarity_power, bool)
-                and 0.5 <= self.similarity_power <= 32):
+        if not _is_number(self.similarity_power, 0.5, 32):
             bad("similarity_power", "must be a number in 0.5..32 (the paper's 2)")
         if self.boost_cutoff < 0:
             bad("boost_cutoff", "must be >= 0")
@@ -291,13 +290,11 @@ class DBSConfig:
             bad("repetition_penalty", "must be > 0 (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and -2 <= v <= 2):
+            if not _is_number(v, -2, 2):
                 bad(name, "must be a number in -2..2 (0 = off)")
-        if not (isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool)
-                and -2 <= self.length_penalty <= 4):
+        if not _is_number(self.length_penalty, -2, 4):
             bad("length_penalty", "must be a number in -2..4 (1 = the mean log-prob per token, 0 = the sum)")
-        if not (isinstance(self.stream_lag, (int, float)) and not isinstance(self.stream_lag, bool)
-                and 0 <= self.stream_lag <= self.max_new_tokens):
+        if not _is_number(self.stream_lag, 0, self.max_new_tokens):
             bad("stream_lag", "must be a number of chunks >= 0 (0 = off), at most the token budget")
         try:
             object.__setattr__(self, "logit_bias", logit_bias_pairs(() if self.logit_bias is None else self.logit_bias))
@@ -418,6 +415,11 @@ class DBSConfig:
 
 def _is_int(v, least: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _is_number(v, least: float, most: float) -> bool:
+    """A number (not a bool) in least..most; NaN is none."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and least <= v <= most
 
 
 # The one place where a door's name for a field differs from the field's own (the Python API's):
