@@ -271,8 +271,8 @@ def _run_generate(a) -> int:
 
 
 def _add_eval(sub):
-    p = sub.add_parser("eval", help="keyword-to-phrase evaluation: DBS (default and paper settings) vs unguided, "
-                                    "judged by an independent LM")
+    p = sub.add_parser("eval", help="evaluation judged by an independent LM: the paper's keyword sets (DBS vs "
+                                    "unguided), CommonGen, chat messages, ROC stories")
     p.add_argument("--sets", default="paper",
                    help="paper: the paper's 50 keyword sets (default); roc: 20 ROC storylines; chat: 100 user "
                         "messages with guide words, answered through the chat template, against the model's own "
@@ -443,7 +443,8 @@ def _run_eval(a) -> int:
 
 
 def _add_bench(sub):
-    p = sub.add_parser("bench", help="speed: ONNX fp32/int8 vs PyTorch vs a reference-style loop, roofline")
+    p = sub.add_parser("bench", help="speed: the ONNX exports vs PyTorch vs a reference-style loop, "
+                                     "a decode step's time by stage, roofline")
     p.add_argument("--out", default="bench_out", help="bench.json, bench.md, stages.png, sweep.png")
     p.add_argument("--workdir", default="bench_work", help="checkpoints and exports, reused across runs")
     p.add_argument("--quick", action="store_true", help="10 new tokens, 1 repeat: a few minutes")
