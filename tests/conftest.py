@@ -177,3 +177,9 @@ def chat_model_dir(exported, tmp_path_factory):
     shutil.copytree(exported["gpt2"], d)
     (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return d
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tier first (stable within each tier), so that two workers end on short tests
+    together instead of one waiting on the other's long test at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("integration") is None)
