@@ -26,7 +26,7 @@ FLAG = {name: flag for name, flag, *_ in OPTIONS}            # DBSConfig field -
 PROVIDER_HELP = "execution provider: cuda needs onnxruntime-gpu (see the GPU guide); falls back to cpu with a warning"
 CUDA_GRAPH_HELP = ("with --provider cuda: each decode step one captured CUDA graph, at bucket shapes (an fp16 or "
                    "--attention gathered export; see the GPU guide)")
-THREADS_HELP = "threads for ONNX Runtime and the kernel (default: all cores)"
+THREADS_HELP = "threads for ONNX Runtime and the kernel (default: $DBS_FAST_THREADS, else all cores)"
 
 
 class HelpFormatter(argparse.HelpFormatter):

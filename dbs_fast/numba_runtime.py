@@ -56,7 +56,9 @@ def set_threads(n: int | None, sleep_when_idle: bool = True) -> None:
     """Numba's thread count (the kernel runs between ORT calls, on the same cores); see
     `start_threads` for `sleep_when_idle`."""
     start_threads(sleep_when_idle)
-    n = n or int(os.environ.get("DBS_FAST_THREADS", 0)) or numba.config.NUMBA_NUM_THREADS
+    from .runtime import env_threads
+
+    n = n or env_threads() or numba.config.NUMBA_NUM_THREADS
     numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -14,11 +15,24 @@ from .manifest import MANIFEST
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
+def env_threads() -> int | None:
+    """$DBS_FAST_THREADS: the threads of ORT and the kernel where `--threads` is not given (for
+    processes that share the cores, as a test suite's workers do); None where it is unset."""
+    v = os.environ.get("DBS_FAST_THREADS", "").strip()
+    if not v:
+        return None
+    if not v.isdigit() or int(v) < 1:
+        raise DBSError(f"the environment's DBS_FAST_THREADS must be an integer >= 1, got {v!r}")
+    return int(v)
+
+
 def session_options(threads: int | None):
+    """The engine's session options; `threads` None: `env_threads()`, else ORT's own (the cores)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    threads = threads or env_threads()
     if threads:
         so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1

@@ -19,6 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/naive.py
 os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".numba_cache"))
 # No test reads the model hub: offline, a hub id fails at once instead of after 20 s of retries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Two workers on two cores: one thread each for ORT and the kernel (and the processes they start),
+# as two ORT sessions of two spinning threads each would take turns on the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("DBS_FAST_THREADS", "1")
 
 
 def _gpt2_tokenizer(tmp: Path):

@@ -75,6 +75,25 @@ def test_bad_input_is_one_line_and_exit_2(exported, capsys, args, names):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("value", ["x", "0", "-2"])
+def test_a_bad_thread_count_in_the_environment_is_one_line_and_exit_2(exported, capsys, monkeypatch, value):
+    monkeypatch.setenv("DBS_FAST_THREADS", value)
+    assert cli(["generate", "--model", str(exported["gpt2"]), "--keywords", "colony"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == ("dbs-fast generate: error: the environment's DBS_FAST_THREADS must be "
+                                            f"an integer >= 1, got {value!r}") and "Traceback" not in err
+
+
+def test_the_thread_count_comes_from_the_environment_where_no_flag_gives_it(monkeypatch):
+    from dbs_fast.runtime import env_threads, session_options
+
+    monkeypatch.setenv("DBS_FAST_THREADS", "1")
+    assert env_threads() == 1 and session_options(None).intra_op_num_threads == 1
+    assert session_options(2).intra_op_num_threads == 2
+    monkeypatch.delenv("DBS_FAST_THREADS")
+    assert env_threads() is None and session_options(None).intra_op_num_threads == 0     # ORT's own
+
+
 def test_an_unknown_flag_shows_the_commands_usage(capsys):
     assert cli(["serve", "--bogus"]) == 2
     err = capsys.readouterr().err
