@@ -13,16 +13,17 @@ from .errors import DBSError
 from .manifest import MANIFEST
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+THREADS_ENV = "DBS_FAST_THREADS"
 
 
 def env_threads() -> int | None:
     """$DBS_FAST_THREADS: the threads of ORT and the kernel where `--threads` is not given (for
     processes that share the cores, as a test suite's workers do); None where it is unset."""
-    v = os.environ.get("DBS_FAST_THREADS", "").strip()
+    v = os.environ.get(THREADS_ENV, "").strip()
     if not v:
         return None
     if not v.isdigit() or int(v) < 1:
-        raise DBSError(f"the environment's DBS_FAST_THREADS must be an integer >= 1, got {v!r}")
+        raise DBSError(f"the environment's {THREADS_ENV} must be an integer >= 1, got {v!r}")
     return int(v)
 
 
