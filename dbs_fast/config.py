@@ -214,8 +214,9 @@ class DBSConfig:
                        STOPS)
     finished: int = option(1, int, "stop=sentence or eos: the finished candidates (every keyword, then "
                            "its end) a request gathers before it ends; each is set aside and the "
-                           "other beams go on (1: the first chunk with one ends the request); --pick chooses "
-                           "among them")
+                           "other beams go on (1: the first chunk with one ends the request); where the "
+                           "budget ends it with fewer, its beams that can be cut back to a sentence end after "
+                           "every keyword join them, cut back; --pick chooses among them")
     openings: str = option("none", str, "subjects: the first chunk draws b*s candidates, one "
                            "begun with each subject phrase (\"The dog\", \"A dog\" for a concept \"dog\", then "
                            "\"A man\", \"A woman\", ...) and the rest free; the quality score keeps b. For "

@@ -278,6 +278,68 @@ def test_paper_flag_and_overrides(exported, capsys):
     assert out["stopped"] == "max" and out["new_tokens"] == 6
 
 
+def test_beams_the_budget_ends_join_too_few_finished_candidates(dbs):
+    """Where the budget ends a request that gathered fewer finished candidates than `finished`,
+    its open beams join them, as a beam search's open hypotheses join its finished ones at the
+    length limit (before, the set-aside candidates alone were returned, however few and unlikely)."""
+    from dataclasses import replace
+
+    period = dbs.builder.pieces(".")[0]
+    cfg = replace(dbs.config, stop="sentence", max_new_tokens=40, lam=40.0, finished=20, pick="likelihood",
+                  logit_bias=((period, 8.0),))         # sentence ends come often; the pool never fills
+    joined = 0
+    for seed in range(4):
+        r = dbs.generate("It is", KW, seed=seed, config=cfg)
+        done = [b for b in r.beams if b["finished"]]
+        assert all(occurrence.ends_a_sentence_here("It is" + b["text"]) for b in done)
+        assert r.beams[0]["logprob"] == max(b["logprob"] for b in done)
+        joined += r.stopped == "sentence" and len(done) < len(r.beams)      # set aside, and open beams beside
+    assert joined
+
+
+@GPT2_VOCAB
+def test_an_open_beam_cut_back_competes_with_the_finished_candidates(dbs):
+    """The beams the budget ended beside too few finished candidates (`Finished.open_from`): each
+    that can be cut back to a sentence end after every keyword counts as finished, as cut back
+    (its text, tokens and mean log-prob), and the likelihood pick weighs it beside them; one that
+    cannot stays unfinished."""
+    from dataclasses import replace
+
+    from dbs_fast.search.beam import Finished
+    from dbs_fast.search.result import build_result
+    from dbs_fast.search.rows import Rows
+
+    be = dbs.backend
+    kws = [parse_keyword(k) for k in KW]
+    pooled = " a colony. The enemy left."
+    open_end = " a colony. The enemy sat down by the river. It was"
+    cut = " a colony. The enemy sat down by the river."
+    short = " a colony. It sat down by the river. It was"                # one keyword fewer
+
+    def result(opens, mean):
+        texts = [pooled, *opens]
+        toks = [be.encode(t) for t in texts]
+        rows = Rows.new(np.zeros(len(toks), np.int64), max(map(len, toks)), be.pad_id, col0=np.zeros(len(toks), np.int64))
+        for i, t in enumerate(toks):
+            rows.tokens[i, :len(t)], rows.logp[i, :len(t)], rows.n_tok[i] = t, -2.0, len(t)
+        rows.ended[0], rows.found[0] = True, 0b11             # finished: ended, every keyword in
+        n = len(be.encode(cut))
+        rows.logp[1:, :n], rows.logp[1:, n:] = mean, -9.0               # the text after the cut: unlikely
+        rows.cum[:] = 1.0
+        fin = Finished(Request(be.encode("It is"), kws, 0, context="It is"), rows, 1.0, 1, pooled=True, open_from=1)
+        return build_result(fin, replace(dbs.config, stop="eos", pick="likelihood"), be.decode_batch, be.eos_ids,
+                            dbs.sentence_end, {})
+
+    r = result([open_end], -1.0)                        # the cut-back beam is the likelier
+    assert r.generated == cut and r.stopped == "trimmed" and r.success_rate == 1.0
+    assert r.beams[0] == {**r.beams[0], "text": cut, "finished": True, "tokens": len(be.encode(cut))}
+    assert r.beams[0]["logprob"] == pytest.approx(-1.0) and r.perplexity == pytest.approx(np.e)
+    r = result([open_end], -3.0)                        # the finished candidate is the likelier
+    assert r.generated == pooled and [b["finished"] for b in r.beams] == [True, True]
+    r = result([short], -1.0)                           # cannot be cut back after every keyword
+    assert r.generated == pooled and [b["finished"] for b in r.beams] == [True, False]
+
+
 def test_fluency_weight_switches_back_to_the_papers_at_the_deadline():
     from dbs_fast.search import quality
 
@@ -324,9 +386,9 @@ def test_a_later_deadline_for_boosting_before_the_nucleus_cut():
 @GPT2_VOCAB
 def test_finished_candidates_are_gathered_across_chunks_and_picked_among(dbs):
     """stop="sentence" with `finished` N: each finished candidate is set aside and the other beams
-    go on until N different ones are in (or the budget ends). The result's beams are those
-    candidates, all finished and different; the first chunk's are among them (the search is the
-    same up to there); a pick chooses among them all."""
+    go on until N different ones are in (or the budget ends, and the beams it ended join them).
+    The result's beams are those candidates, the set-aside ones finished and different; the first
+    chunk's are among them (the search is the same up to there); a pick chooses among them all."""
     from dataclasses import replace
 
     ends = np.random.default_rng(0).random(dbs.backend.vocab_size) < 0.15
@@ -339,13 +401,13 @@ def test_finished_candidates_are_gathered_across_chunks_and_picked_among(dbs):
             many = dbs.generate("It is", KW, seed=seed, config=replace(cfg, finished=4))
             if not one.beams[0]["finished"]:
                 continue
-            texts = [b["text"] for b in many.beams]
-            assert all(b["finished"] for b in many.beams) and len(set(texts)) == len(texts)
+            texts = [b["text"] for b in many.beams if b["finished"]]
+            assert len(set(texts)) == len(texts)
             assert {b["text"] for b in one.beams} <= set(texts)
-            assert many.stopped in ("sentence", "eos") and many.success_rate == 1.0
+            assert many.stopped in ("sentence", "eos", "trimmed") and many.success_rate == 1.0
             gathered = max(gathered, len(texts))
             liked = dbs.generate("It is", KW, seed=seed, config=replace(cfg, finished=4, pick="likelihood"))
-            assert liked.beams[0]["logprob"] == max(b["logprob"] for b in many.beams)
+            assert liked.beams[0]["logprob"] == max(b["logprob"] for b in many.beams if b["finished"])
             batch = dbs.batch(replace(cfg, finished=4, pick="likelihood"))   # what a stream sends stays true
             batch.admit([dbs.request("It is", KW, seed=seed, config=batch.config)])
             certain, done = [], []

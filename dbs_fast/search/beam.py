@@ -263,26 +263,37 @@ class Finished:
     pooled: bool = False                # rows are the finished candidates it gathered (from any chunk)
     committed: int = 0                  # tokens every row starts with, streamed already (`commit`)
     landings: Rows | None = None        # its kept copies at a sentence end near the budget (`Slot.landings`)
+    open_from: int | None = None        # rows from here are the beams the budget ended, which join the finished
+    #                                     candidates where fewer than `finished` were gathered
 
     @property
     def candidate_tokens_per_second(self) -> float:
         return self.candidate_tokens / max(self.seconds, 1e-9)
 
     @staticmethod
-    def leaving(kept: Rows, leave: np.ndarray, slots: list, candidate_tokens: int, pad: int) -> list["Finished"]:
+    def leaving(kept: Rows, leave: np.ndarray, slots: list, candidate_tokens: int, pad: int,
+                short: np.ndarray | None = None) -> list["Finished"]:
         """The requests in `leave` (bool per slot), each with its finished candidates if it
-        gathered any, else its kept rows (copies, request 0, tokens from column 0), and its counts."""
+        gathered any, else its kept rows (copies, request 0, tokens from column 0), and its counts.
+        A request in `short` (the budget ended it with fewer finished candidates than it asked for)
+        keeps both: its kept rows follow the finished ones (`open_from`), as a beam search's open
+        beams join its finished hypotheses at the length limit (transformers' `finalize`)."""
         now, out = time.perf_counter(), []
         for q in np.flatnonzero(leave):
             s = slots[q]
+            r = kept.take(np.flatnonzero(kept.req == q))           # a copy: safe to shift
+            r.drop_columns(int(r.col0[0]))
+            r.req[:] = 0
+            open_from = None
             if s.pool:
-                r = Rows.stack(s.pool, pad)
-            else:
-                r = kept.take(np.flatnonzero(kept.req == q))           # a copy: safe to shift
-                r.drop_columns(int(r.col0[0]))
-                r.req[:] = 0
+                pooled = Rows.stack(s.pool, pad)
+                if short is not None and short[q] and len(r.req):
+                    open_from, r = len(pooled.req), Rows.stack([pooled, r], pad)
+                else:
+                    r = pooled
             out.append(Finished(s.request, r, now - s.t0, candidate_tokens - s.cand0, s.model_rows, s.plain_rows,
-                                bool(s.pool), s.committed, Rows.stack(s.landings, pad) if s.landings else None))
+                                bool(s.pool), s.committed, Rows.stack(s.landings, pad) if s.landings else None,
+                                open_from))
         return out
 
 
@@ -368,7 +379,7 @@ class BeamSearch:
             need = np.zeros(len(rows.req), bool)
             need[stay] = True
             self._next_logits(rows, rows.tokens[:, -1], need & ~rows.final(self._budget(rows)))
-        finished = Finished.leaving(kept, leave, self.slots, self.candidate_tokens, self.pad)
+        finished = Finished.leaving(kept, leave, self.slots, self.candidate_tokens, self.pad, last & ~full)
         self._regrow(rows, keep, leave)
         return finished
 

@@ -199,6 +199,13 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
             ends[i] = texts, found, cut
         return ends[i]
 
+    if fin.open_from is not None:   # beams the budget ended beside too few finished: finished where they
+        for b in beams:             # can be cut back to a sentence end after every keyword, as cut back
+            i = b["row"]
+            texts, found, cut = ending(i) if i >= fin.open_from else (None, {}, None)
+            if cut is not None and all(f is not None for f in found.values()):
+                b.update(text=texts[cut - 1], finished=True, logprob=float(rows.logp[i, :cut].mean()), tokens=cut)
+
     def placed(j: int) -> int:
         return sum(f is not None for f in ending(beams[j]["row"])[1].values())
 
