@@ -238,6 +238,11 @@ def test_n_choices_come_back_where_the_beams_converged(chat):
     three = Reply(chat, "m", [], 3)._choices(converged)
     assert [c["index"] for c in three] == [0, 1, 2]
     assert {c["message"]["content"] if chat else c["text"] for c in three} == {"A dog runs."}
+    # the finished before the beams the budget ended, whatever their scores
+    mixed = [*beams, {"text": "A dog ran.", "finished": True}]
+    two = Reply(chat, "m", [], 2)._choices(SimpleNamespace(**{**vars(result), "beams": mixed}))
+    assert [c["message"]["content"] if chat else c["text"] for c in two] == ["A dog runs.", "A dog ran."]
+    assert [c["finish_reason"] for c in two] == ["stop", "stop"]
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -338,6 +338,8 @@ def test_an_open_beam_cut_back_competes_with_the_finished_candidates(dbs):
     assert r.generated == pooled and [b["finished"] for b in r.beams] == [True, True]
     r = result([short], -1.0)                           # cannot be cut back after every keyword
     assert r.generated == pooled and [b["finished"] for b in r.beams] == [True, False]
+    r = result([pooled + " It was"], -3.0)              # cut back to the finished text: once
+    assert [b["text"] for b in r.beams] == [pooled]
 
 
 def test_fluency_weight_switches_back_to_the_papers_at_the_deadline():

@@ -200,10 +200,14 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
         return ends[i]
 
     if fin.open_from is not None:   # beams the budget ended beside too few finished: finished where they
-        for b in beams:             # can be cut back to a sentence end after every keyword, as cut back
+        for b in list(beams):       # can be cut back to a sentence end after every keyword, as cut back
             i = b["row"]
             texts, found, cut = ending(i) if i >= fin.open_from else (None, {}, None)
             if cut is not None and all(f is not None for f in found.values()):
+                if texts[cut - 1] != b["text"] and texts[cut - 1] in seen:     # another beam's text
+                    beams.remove(b)
+                    continue
+                seen.add(texts[cut - 1])
                 b.update(text=texts[cut - 1], finished=True, logprob=float(rows.logp[i, :cut].mean()), tokens=cut)
 
     def placed(j: int) -> int:

@@ -310,18 +310,19 @@ class Reply:
         return {"usage": {k: sum(u[k] for u in usage) for k in usage[0]}, "dbs": dbs if len(dbs) > 1 else dbs[0]}
 
     def _choices(self, result: GenerationResult) -> list[dict]:
-        """n choices of one result: the winner, then the other beams' distinct texts; where the
-        beams hold fewer (they converged, as beams kept twice do), those texts again in turn, as
-        OpenAI's n samples may repeat: a client reads n choices."""
-        texts = [result.generated] + [b["text"] for b in result.beams[1:]]
-        tokens = [result.logprobs] + [b.get("logprobs") for b in result.beams[1:]]
+        """n choices of one result: the winner, then the other beams' distinct texts, the finished
+        first; where the beams hold fewer (they converged, as beams kept twice do), those texts
+        again in turn, as OpenAI's n samples may repeat: a client reads n choices."""
+        beams = [result.beams[0]] + sorted(result.beams[1:], key=lambda b: not b["finished"])
+        texts = [result.generated] + [b["text"] for b in beams[1:]]
+        tokens = [result.logprobs] + [b.get("logprobs") for b in beams[1:]]
         seen, choices = set(), []
         for i, t in enumerate(texts):
             text, cut = cut_at_stop(t, self.stops)
             if text in seen:
                 continue
             seen.add(text)
-            stopped = result.stopped if i == 0 else "sentence" if result.beams[i]["finished"] else "max"
+            stopped = result.stopped if i == 0 else "sentence" if beams[i]["finished"] else "max"
             finish = self._finish(stopped, cut)
             choices.append({"index": len(choices), "finish_reason": finish, "logprobs": self._logprobs(tokens[i], text),
                             **({"message": {"role": "assistant", "content": text}} if self.chat else
