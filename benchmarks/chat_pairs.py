@@ -25,16 +25,23 @@ def paired(base: list[dict], new: list[dict]) -> dict:
         if not pairs:
             continue
         assert all(a["message"] == b["message"] for a, b in pairs), "the files answer different requests"
-        same = [a["answer"] == b["answer"] for a, b in pairs]
-        ratio = [b["judge_ppl"] / a["judge_ppl"] for a, b in pairs]
         out[kind] = {"requests": len(pairs),
                      "coverage": [round(sum(p[i]["found"] for p in pairs) / len(pairs), 3) for i in (0, 1)],
                      "words": [round(sum(len(p[i]["answer"].split()) for p in pairs) / len(pairs), 1) for i in (0, 1)],
-                     "paired": round(math.exp(sum(map(math.log, ratio)) / len(ratio)), 3),
-                     "better": sum(r < 1 and not s for r, s in zip(ratio, same)),
-                     "worse": sum(r > 1 and not s for r, s in zip(ratio, same)),
-                     "same": sum(same)}
+                     **judged_pairs(pairs)}
     return out
+
+
+def judged_pairs(pairs: list[tuple[dict, dict]]) -> dict:
+    """For pairs of answers to the same message (dicts with `answer` and `judge_ppl`): the geometric
+    mean of the second's judge perplexity over the first's, and the counts of second answers more
+    fluent, less, and the same text."""
+    same = [a["answer"] == b["answer"] for a, b in pairs]
+    ratio = [b["judge_ppl"] / a["judge_ppl"] for a, b in pairs]
+    return {"paired": round(math.exp(sum(map(math.log, ratio)) / len(ratio)), 3),
+            "better": sum(r < 1 and not s for r, s in zip(ratio, same)),
+            "worse": sum(r > 1 and not s for r, s in zip(ratio, same)),
+            "same": sum(same)}
 
 
 def main(argv=None) -> dict:

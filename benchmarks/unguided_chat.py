@@ -16,19 +16,16 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import statistics
 from pathlib import Path
 
 
 def paired(base: list[dict], new: list[dict]) -> dict:
+    from benchmarks.chat_pairs import judged_pairs
+
     pairs = list(zip(base, new))
     assert all(a["message"] == b["message"] for a, b in pairs), "the files answer different messages"
-    same = [a["answer"] == b["answer"] for a, b in pairs]
-    ratio = [b["judge_ppl"] / a["judge_ppl"] for a, b in pairs]
-    return {"requests": len(pairs), "paired": round(math.exp(sum(map(math.log, ratio)) / len(ratio)), 3),
-            "better": sum(r < 1 and not s for r, s in zip(ratio, same)),
-            "worse": sum(r > 1 and not s for r, s in zip(ratio, same)), "same": sum(same)}
+    return {"requests": len(pairs), **judged_pairs(pairs)}
 
 
 def main(argv=None) -> dict:

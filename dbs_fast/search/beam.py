@@ -278,19 +278,22 @@ class Finished:
         A request in `short` (the budget ended it with fewer finished candidates than it asked for)
         keeps both: its kept rows follow the finished ones (`open_from`), as a beam search's open
         beams join its finished hypotheses at the length limit (transformers' `finalize`)."""
-        now, out = time.perf_counter(), []
-        for q in np.flatnonzero(leave):
-            s = slots[q]
+        def own(q: int) -> Rows:
             r = kept.take(np.flatnonzero(kept.req == q))           # a copy: safe to shift
             r.drop_columns(int(r.col0[0]))
             r.req[:] = 0
-            open_from = None
-            if s.pool:
-                pooled = Rows.stack(s.pool, pad)
-                if short is not None and short[q] and len(r.req):
-                    open_from, r = len(pooled.req), Rows.stack([pooled, r], pad)
-                else:
-                    r = pooled
+            return r
+
+        now, out = time.perf_counter(), []
+        for q in np.flatnonzero(leave):
+            s, open_from = slots[q], None
+            if not s.pool:
+                r = own(q)
+            elif short is not None and short[q] and (kept.req == q).any():
+                r = Rows.stack(s.pool, pad)
+                open_from, r = len(r.req), Rows.stack([r, own(q)], pad)
+            else:
+                r = Rows.stack(s.pool, pad)
             out.append(Finished(s.request, r, now - s.t0, candidate_tokens - s.cand0, s.model_rows, s.plain_rows,
                                 bool(s.pool), s.committed, Rows.stack(s.landings, pad) if s.landings else None,
                                 open_from))
