@@ -56,7 +56,9 @@ def resolve_model_dir(model: str | Path, quiet: bool = True, row_layout: bool = 
         return ensure_embedded(str(model), quiet=quiet, row_layout=row_layout)
     p = Path(model).expanduser()
     if not p.is_dir():
-        raise DBSError(f"model directory not found: {model} (export one with `dbs-fast export`)")
+        names = ", ".join(EMBEDDED_DIRS)
+        raise DBSError(f"model not found: {model} is neither an embedded model ({names}) nor a directory "
+                       f"(export one with `dbs-fast export`)")
     return p
 
 

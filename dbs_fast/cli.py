@@ -637,7 +637,6 @@ def _run_run_batch(a) -> int:
 
 def _run_serve(a) -> int:
     import os
-    from pathlib import Path
 
     from .home import EMBEDDED_DIRS
     from .serving.service import ServiceOptions, serve
@@ -650,9 +649,10 @@ def _run_serve(a) -> int:
     if not 0 < a.port < 65536:
         raise DBSError(f"`--port` must be in 1..65535, got {a.port}")
     if a.model not in EMBEDDED_DIRS:          # a wrong directory fails here, not in the background
+        from .api import resolve_model_dir
         from .manifest import read_manifest
 
-        read_manifest(Path(a.model).expanduser())
+        read_manifest(resolve_model_dir(a.model))
     if a.ray_replicas is not None:
         from .serving.deploy import run
 

@@ -49,7 +49,7 @@ BAD_OTHER = [
     (["--backend", "jax"], "--backend"),
     (["--kv-layout", "paged"], "--kv-layout"),
     (["--format", "xml"], "--format"),
-    (["--model", "/nonexistent"], "not found"),
+    (["--model", "/nonexistent"], "neither an embedded model (default, gemma3-270m)"),
     (["--bogus", "1"], "unrecognized arguments"),
 ]
 

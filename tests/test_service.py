@@ -424,12 +424,15 @@ def test_a_closed_loop_clients_next_request_joins_the_boundary_where_its_last_on
         model.step = step
 
 
-@pytest.mark.parametrize("flag, value", [("--admit-wait", "-0.1"), ("--admit-wait", "5"), ("--max-rows", "0")])
-def test_serve_refuses_bad_options_with_exit_2_before_starting(flag, value, capsys):
+@pytest.mark.parametrize("flag, value, says", [("--admit-wait", "-0.1", "`--admit-wait` must be"),
+                                               ("--admit-wait", "5", "`--admit-wait` must be"),
+                                               ("--max-rows", "0", "`--max-rows` must be"),
+                                               ("--model", "/nonexistent", "neither an embedded model (default,")])
+def test_serve_refuses_bad_options_with_exit_2_before_starting(flag, value, says, capsys):
     from dbs_fast.cli import main
 
     assert main(["serve", flag, value]) == 2
-    assert f"`{flag}` must be" in capsys.readouterr().err
+    assert says in capsys.readouterr().err
 
 
 def test_a_long_context_joins_a_running_batch_in_pieces_between_its_chunks(exported, monkeypatch):
