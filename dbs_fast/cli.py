@@ -471,7 +471,8 @@ def _add_bench(sub):
                         "torch-fp32 stay loaded together and take turns, generation by generation)")
     p.add_argument("--contexts", default=None, help="only the context-length arm (on --model), e.g. "
                    "2,256,1024,2048: seconds per generation, KV bytes and peak RSS per length (contexts.md)")
-    p.add_argument("--model", default="default", help="with --contexts: an exported model dir or an embedded name")
+    p.add_argument("--model", default=None, help="with --contexts: an exported model dir or an embedded name "
+                   "(default: the embedded default)")
     p.add_argument("--shared", type=int, default=None, help="with --contexts: also the time to the first chunk "
                    "of a request whose first N context tokens another request's context shares (the context store)")
     p.set_defaults(func=_run_bench)
@@ -494,8 +495,12 @@ def _run_bench(a) -> int:
         from .bench.contexts import run_contexts
 
         run_contexts(sorted(lengths), Path(a.out), Path(a.workdir), repeats=a.repeats or 2, threads=a.threads,
-                     model=a.model, shared=a.shared)
+                     model=a.model or "default", shared=a.shared)
         return 0
+    for flag, value in (("--model", a.model), ("--shared", a.shared)):
+        if value is not None:
+            raise DBSError(f"`{flag}` goes with `--contexts`; the bench's other arms run the embedded default "
+                           f"and a checkpoint of `--shape` (or `--checkpoint`)")
     try:
         from .bench.suite import DEFAULT_CONTENDERS, run_bench
     except ImportError as e:

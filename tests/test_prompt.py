@@ -69,3 +69,14 @@ def test_a_chat_style_without_a_template_is_a_clear_error(exported, capsys):
 def test_bench_contexts_takes_token_counts_only(capsys):
     assert cli(["bench", "--contexts", "2,x"]) == 2
     assert "--contexts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--model", "/nonexistent"], "`--model` goes with `--contexts`"),
+    (["--shared", "64"], "`--shared` goes with `--contexts`"),
+    (["--contexts", "2", "--model", "/nonexistent"], "neither an embedded model (default,"),
+])
+def test_bench_refuses_a_model_it_would_not_use_or_cannot_find(argv, says, capsys):
+    """Before, `bench --model X` ran the whole bench on other models, ignoring X."""
+    assert cli(["bench", *argv]) == 2
+    assert says in capsys.readouterr().err
