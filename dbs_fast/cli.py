@@ -225,7 +225,8 @@ class Progress:
         if self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit="chunk", desc=self.desc, leave=False, file=sys.stderr)
+            self.bar = tqdm(total=total, initial=done, unit="chunk", desc=self.desc, leave=False,
+                            file=sys.stderr)      # the rate counts from the first chunk, not from 0
         self.bar.total, self.bar.n = total, done
         self.bar.refresh()
 

@@ -158,3 +158,17 @@ def test_highlight_marks_where_the_search_found_each_keyword():
     assert highlight(text, found, "markdown", offset=5) == "It is a **river** and the rivers of a **doctor**."
     assert highlight(text, found, "text", offset=5) == text
     assert highlight(text, {}, "ansi") == text
+
+
+def test_the_progress_bar_rates_chunks_from_its_first_chunk(monkeypatch):
+    """The bar is drawn at the first chunk; a rate counted from 0 chunks put that chunk in no time
+    ("131072 chunk/s")."""
+    import io
+
+    from dbs_fast.cli import Progress
+
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    p = Progress("dbs")
+    p(1, 10)
+    assert "?chunk/s" in str(p.bar)
+    p.close()
