@@ -264,8 +264,9 @@ def _run_generate(a) -> int:
         print(highlight(r.generated.strip(), r.found, text_style(fmt), offset=-lead))
     grader = "the generator grading itself" if a.scorer == "self" else f"scorer {a.scorer}"
     found = sum(r.found.get(k) is not None for k in r.keywords)    # per listed word, as the success rate counts
-    print(f"\nfound {found}/{len(r.keywords)} "
-          f"(success rate {r.success_rate:.2f}, success length {r.success_length}), stopped: {r.stopped}, "
+    words = (f"found {found}/{len(r.keywords)} (success rate {r.success_rate:.2f}, success length "
+             f"{r.success_length})" if r.keywords else "no keywords (the model's own text)")
+    print(f"\n{words}, stopped: {r.stopped}, "
           f"perplexity {r.perplexity:.2f} [{grader}], {r.seconds:.1f} s, {r.tokens_per_second:.1f} tokens/s "
           f"({r.candidate_tokens_per_second:.0f} candidate tokens/s, backend {a.backend})")
     return 0

@@ -132,6 +132,13 @@ def test_the_found_count_is_the_success_rates(exported, capsys):
     assert "found 2/2 (success rate 1.00" in capsys.readouterr().out
 
 
+def test_a_generation_without_keywords_says_so_not_found_0_of_0(exported, capsys):
+    assert cli(["generate", "--model", str(exported["gpt2"]), "--keywords", "", "--max-new-tokens", "6",
+                "--beams", "2", "--candidates", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "no keywords (the model's own text), stopped:" in out and "found 0/0" not in out
+
+
 def test_task_commongen_applies_the_eval_preset(exported, capsys):
     """`generate --task commongen` runs what `eval --sets commongen-dev` runs: the task's context
     and settings, flags given overriding them."""
