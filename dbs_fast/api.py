@@ -55,6 +55,9 @@ def resolve_model_dir(model: str | Path, quiet: bool = True, row_layout: bool = 
                            f"extra: pip install 'dbs-fast[export]' (missing: {e.name})") from None
         return ensure_embedded(str(model), quiet=quiet, row_layout=row_layout)
     p = Path(model).expanduser()
+    if p.is_file():
+        raise DBSError(f"{model} is a file; the engine runs an export's directory: "
+                       f"dbs-fast export --model {model} --out DIR, then --model DIR")
     if not p.is_dir():
         names = ", ".join(EMBEDDED_DIRS)
         raise DBSError(f"model not found: {model} is neither an embedded model ({names}) nor a directory "

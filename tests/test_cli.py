@@ -179,3 +179,11 @@ def test_the_progress_bar_rates_chunks_from_its_first_chunk(monkeypatch):
     p(1, 10)
     assert "?chunk/s" in str(p.bar)
     p.close()
+
+
+def test_a_model_file_is_refused_with_the_export_that_makes_it_a_directory(tmp_path, capsys):
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF")
+    assert cli(["generate", "--model", str(f), "--keywords", "river"]) == 2
+    err = capsys.readouterr().err
+    assert f"dbs-fast export --model {f} --out DIR" in err and "Traceback" not in err
