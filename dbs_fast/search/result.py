@@ -200,15 +200,16 @@ def build_result(fin: Finished, cfg: DBSConfig, decode_batch: Callable[[list], l
         return ends[i]
 
     if fin.open_from is not None:   # beams the budget ended beside too few finished: finished where they
-        for b in list(beams):       # can be cut back to a sentence end after every keyword, as cut back
-            i = b["row"]
-            texts, found, cut = ending(i) if i >= fin.open_from else (None, {}, None)
-            if cut is not None and all(f is not None for f in found.values()):
-                if texts[cut - 1] != b["text"] and texts[cut - 1] in seen:     # another beam's text
-                    beams.remove(b)
-                    continue
-                seen.add(texts[cut - 1])
-                b.update(text=texts[cut - 1], finished=True, logprob=float(rows.logp[i, :cut].mean()), tokens=cut)
+        for b in [b for b in beams if b["row"] >= fin.open_from]:   # can be cut back to a sentence end
+            i = b["row"]                                                # after every keyword, as cut back
+            texts, found, cut = ending(i)
+            if cut is None or None in found.values():
+                continue
+            if texts[cut - 1] != b["text"] and texts[cut - 1] in seen:         # another beam's text
+                beams.remove(b)
+                continue
+            seen.add(texts[cut - 1])
+            b.update(text=texts[cut - 1], finished=True, logprob=float(rows.logp[i, :cut].mean()), tokens=cut)
 
     def placed(j: int) -> int:
         return sum(f is not None for f in ending(beams[j]["row"])[1].values())
