@@ -15,7 +15,6 @@ from .config import (
     SEED_MAX,
     TASKS,
     DBSConfig,
-    door_name,
     preset,
 )
 from .errors import DBSError
@@ -680,7 +679,7 @@ def main(argv=None) -> int:
     try:
         return a.func(a) or 0
     except DBSError as e:
-        print(f"dbs-fast {a.command}: error: {e.said_as(door_name(e.field, 'cli')) if e.field else e}", file=sys.stderr)
+        print(f"dbs-fast {a.command}: error: {e.in_cli()}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

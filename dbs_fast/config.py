@@ -15,6 +15,7 @@ CLI flags and the service's JSON fields are all derived from it.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property
 from keyword import iskeyword
@@ -454,6 +455,32 @@ OPTIONS = tuple((f.name, door_name(f.name, "cli"), f.metadata["type"], f.metadat
                 for f in fields(DBSConfig) if f.metadata.get("option"))
 CHOICES = {f.name: f.metadata["choices"] for f in fields(DBSConfig) if f.metadata.get("choices")}
 JSON_NAMES = {name: door_name(name) for name, *_ in OPTIONS}       # field -> its name in a JSON body
+# field -> the CLI flag that sets it: the flags an engine message may name, which it speaks as the CLI
+FLAG_FIELDS = {name: door_name(name, "cli") for name in (*JSON_NAMES, "keywords", "context", "ban", "seed", "task",
+                                                         "paper")}
+FLAG = re.compile(r"`?(--[a-z][a-z0-9-]*)`?")
+COMMAND = re.compile(r"dbs-fast [a-z-]+[^,;)]*")          # a command line quoted whole
+
+
+def door_words(message: str, door: str) -> str:
+    """An engine message, in the CLI's words, in `door`'s (`door_name`): each flag it names becomes
+    the field of that door's that sets the same option (`--max-new-tokens` is `max_tokens` on the
+    OpenAI endpoints, `max_new_tokens` in Python); a flag that no field sets is the server's option
+    of that name over HTTP and the argument of that name in Python (`subword_fallback`). A command
+    line the message quotes (`dbs-fast export --model F --out DIR`) keeps its flags."""
+    flags = {flag: door_name(name, door) for name, flag in FLAG_FIELDS.items()}
+
+    def field(m):
+        flag = m.group(1)
+        if flag in flags:
+            return f"`{flags[flag]}`"
+        return f"`{flag[2:].replace('-', '_')}`" if door == "python" else f"the server's {flag[2:]} option"
+
+    out, at = [], 0
+    for c in COMMAND.finditer(message):
+        out += [FLAG.sub(field, message[at:c.start()]), c.group()]
+        at = c.end()
+    return "".join(out) + FLAG.sub(field, message[at:])
 
 # The presets: the paper's protocol, and the CommonGen task's defaults (where flags leave them open).
 # CommonGen: unordered concepts, one sentence, after a context that asks for a sentence. A hidden

@@ -3,7 +3,9 @@ answers 400 naming `field` (a DBSConfig field or a request field) with `value`.
 
 A message about one field is a template: `{field}` stands where the field's name goes, and each
 door fills in its own name for it (`said_as`): the flag in the CLI, the JSON field over HTTP,
-OpenAI's name on its endpoints. `str()` gives the template with the field's name."""
+OpenAI's name on its endpoints. A message is written in the CLI's words (the flags); `str()`, what
+a Python caller reads, gives it in Python's: the field's name, and each flag the message names as
+the field or argument that sets the same option (`config.door_words`)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -27,8 +29,16 @@ class DBSError(Exception):
         """The message with the field called `name` (a door's word for it)."""
         return self.args[0].replace("{field}", name)
 
+    def in_cli(self) -> str:
+        """The message as the CLI says it: the field as its flag, the flags as they are."""
+        from .config import door_name
+
+        return self.said_as(door_name(self.field, "cli")) if self.field else self.args[0]
+
     def __str__(self) -> str:
-        return self.said_as(f"`{self.field}`") if self.field else self.args[0]
+        from .config import door_words  # imported on use: config raises DBSError
+
+        return door_words(self.said_as(f"`{self.field}`") if self.field else self.args[0], "python")
 
 
 @contextmanager

@@ -61,7 +61,7 @@ def test_the_cuda_graph_is_asked_of_the_provider_and_refused_where_it_cannot_run
 
     assert cli(["generate", "--model", str(exported["llama"]), "--keywords", "river", "--cuda-graph"]) == 2
     assert "--cuda-graph needs the CUDA provider" in capsys.readouterr().err        # the door's word for it
-    with pytest.raises(DBSError, match="--cuda-graph. needs --provider cuda"):
+    with pytest.raises(DBSError, match="`cuda_graph` needs `provider` cuda"):
         ServiceOptions(cuda_graph=True)
     with pytest.raises(DBSError, match="need the cache on a device"):
         from dbs_fast.kv.decoder import PrefixDecoder

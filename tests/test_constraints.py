@@ -172,7 +172,9 @@ def test_guarantee_with_phrases_alternatives_and_a_word_the_embeddings_lack(dbs)
         assert r.success_rate == 1.0 and all(r.found[k] is not None for k in kws), r.generated
     with pytest.raises(DBSError, match="not in the embeddings") as e:   # without --guarantee: an error,
         dbs.generate("It is", kws, config=replace(cfg, guarantee=False))
-    assert "--subword-fallback with --guarantee" in str(e.value)     # suggesting the measured way round it
+    # suggesting the measured way round it, in the words of the door that asked
+    assert "use `subword_fallback` with `guarantee`" in str(e.value) and "--" not in str(e.value)
+    assert "--subword-fallback with --guarantee" in e.value.in_cli()
     from dbs_fast.api import DirectedBeamSearch
 
     taken = DirectedBeamSearch(dbs.model_dir, config=cfg, subword_fallback=True)   # the suggestion, taken

@@ -282,6 +282,22 @@ def test_cli_errors_exit_2(exported, capsys, args, message):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("keywords,cfg,says", [
+    (["the colony of the enemy at the mouth"], {}, "more than `max_new_tokens`"),
+    (["colony"], {"max_new_tokens": 400}, "`max_new_tokens` (400) exceeds"),
+    (["qwzxvbnmkj"], {"max_new_tokens": 20}, "use `subword_fallback` with `guarantee`"),
+    (["colony"], {"lam": -1}, "`lam` must be in [0, 80]"),
+])
+def test_the_python_api_names_its_own_arguments_not_the_clis_flags(dbs, keywords, cfg, says):
+    """The same faults as the CLI's above, met through the Python API: its message names the
+    DBSConfig field or argument a Python caller sets, where the CLI's names the flag."""
+    from dbs_fast.errors import DBSError
+
+    with pytest.raises(DBSError) as e:
+        dbs.generate("It is", keywords, config=replace(dbs.config, **{"max_new_tokens": 4, **cfg}))
+    assert says in str(e.value) and "--" not in str(e.value), str(e.value)
+
+
 def test_scorer_with_other_vocabulary_is_rejected(exported, tmp_path, capsys):
     from conftest import _trained_bpe
     from transformers import GPT2Config, GPT2LMHeadModel

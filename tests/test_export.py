@@ -798,6 +798,6 @@ def test_only_a_graph_that_leaves_its_window_unmasked_limits_a_request_to_the_wi
     new = {**old, "prefix_decode": {**old["prefix_decode"], "window_masked": True}}
     assert decode_window(old) == 16 and decode_window(old, "rows") is None and decode_window(new) is None
     cfg = DBSConfig(max_new_tokens=10)
-    with pytest.raises(DBSError, match="sliding attention window.*--kv-layout rows"):
+    with pytest.raises(DBSError, match="sliding attention window.*`kv_layout` rows"):
         check_size(cfg, 20, old, decode_window(old))
     check_size(cfg, 20, new, decode_window(new))                      # slid: the model's whole window

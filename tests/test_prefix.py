@@ -799,7 +799,7 @@ def test_export_attention_makes_an_fp32_graph_of_that_form(kind, attention, tmp_
     from dbs_fast.kv.decoder import PrefixDecoder
 
     ckpt = make_checkpoint(kind, tmp_path / kind)
-    with pytest.raises(DBSError, match="`--attention` must be one of"):
+    with pytest.raises(DBSError, match="`attention` must be one of"):
         export_model(str(ckpt), tmp_path / "bad", quiet=True, attention="cascade")
     out = tmp_path / attention
     export_model(str(ckpt), out, quiet=True, attention=attention)

@@ -16,7 +16,6 @@ import asyncio
 import functools
 import hmac
 import json
-import re
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -30,6 +29,7 @@ from ..config import (
     TASKS,
     DBSConfig,
     door_name,
+    door_words,
     preset,
 )
 from ..errors import DBSError
@@ -84,10 +84,6 @@ class ServiceOptions:
             raise DBSError(f"`--schedule` must be one of {SCHEDULES}, got {self.schedule!r}")
 
 
-# field -> the CLI flag that sets the same option (the flags an engine message may name)
-FLAG_FIELDS = {name: door_name(name, "cli") for name in (*JSON_NAMES, "keywords", "context", "ban", "seed", "task",
-                                                         "paper")}
-FLAG = re.compile(r"`?(--[a-z][a-z0-9-]*)`?")
 # a stream's fixed lag, in chunks, where the request names none (`stream_lag`; a request not streamed
 # has none, so that its text does not change): 4 of a 5-token chunk held back (3 of the chat door's
 # 3), so text commits after the first chunk; benchmarks/streaming.py, docs/results/streaming.md
@@ -119,20 +115,6 @@ def request_model():
         "timeout": (Optional[float], Field(None, gt=0, description="seconds; at most the server's --timeout")),
     }
     return create_model("GenerateRequest", __config__=body_config(), **fields, **option_fields("json", JSON_NAMES))
-
-
-def http_words(message: str, door: str = "json") -> str:
-    """An engine's message in an HTTP door's words: a CLI flag it names (`--beams`) becomes the field
-    of `door`'s bodies that sets the same option (`beams`; `--max-new-tokens` is `max_tokens` on the
-    OpenAI endpoints), and one no request field sets (`--subword-fallback`) the server's option of
-    that name."""
-    flags = {flag: door_name(name, door) for name, flag in FLAG_FIELDS.items()}
-
-    def field(m):
-        flag = m.group(1)
-        return f"`{flags[flag]}`" if flag in flags else f"the server's {flag[2:]} option"
-
-    return FLAG.sub(field, message)
 
 
 class Metrics:
@@ -217,7 +199,7 @@ class Service:
                                    self.opts.chunked_prefill)
             self.dbs = dbs
         except Exception as e:   # noqa: BLE001 -- reported by /health, the server stays up
-            self.error = f"{type(e).__name__}: {e}"
+            self.error = f"{type(e).__name__}: {e.in_cli() if isinstance(e, DBSError) else e}"   # the server's flags
 
     @property
     def ready(self) -> bool:
@@ -249,7 +231,7 @@ class Service:
             request = self.dbs.request(context, keywords, ban, seed, cfg)
         except DBSError as e:
             name = "body" if not e.field else context_field if e.field == "context" else door_name(e.field, door)
-            raise DBSError(http_words(e.said_as(f"`{name}`"), door), name, e.value) from None
+            raise DBSError(door_words(e.said_as(f"`{name}`"), door), name, e.value) from None
         if cfg.beams * cfg.candidates > self.opts.max_rows:
             field = "beams" if cfg.beams > cfg.candidates else "candidates"     # the larger of the two
             raise DBSError(f"beams x candidates = {cfg.beams * cfg.candidates} rows, more than this server's "

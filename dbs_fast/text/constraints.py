@@ -72,7 +72,7 @@ def parse_keywords(keywords, what: str = "keyword") -> list[Keyword]:
             raise DBSError(f"empty keyword in {keywords!r}")
         return [parse_keyword(p) for p in parts if p != ""]
     except DBSError as e:
-        raise DBSError(str(e), field, given) from None
+        raise DBSError(e.args[0], field, given) from None
 
 
 def check_bans(keywords: list[Keyword], bans: list[Keyword], given=None) -> None:
