@@ -173,8 +173,6 @@ def _add_generate(sub):
     p.add_argument("--embeddings", default="default", help="`default` (GloVe 6B 50-d), GloVe .txt, word2vec .txt/.bin")
     _add_config_flags(p, "search settings")
     p.add_argument("--unguided", action="store_true", help="baseline: no boosts (use with --beams 1 --candidates 1)")
-    p.add_argument("--subword-fallback", action="store_true",
-                   help="a keyword missing from the embeddings uses the mean of its sub-word vectors")
     p.add_argument("--seed", type=seed, default=0, help=f"random seed, 0..{SEED_MAX}: the same seed gives the "
                                                       f"same text")
     p.add_argument("--backend", default="onnx", choices=["onnx", "torch"],
@@ -245,7 +243,7 @@ def _run_generate(a) -> int:
     preflight(resolve_model_dir(a.model, quiet=fmt == "json", row_layout=a.kv_layout == "rows"), cfg, a.context,
               kv_layout=a.kv_layout)
     dbs = DirectedBeamSearch(a.model, a.embeddings, cfg, scorer=a.scorer, backend=a.backend,
-                             provider=a.provider, threads=a.threads, subword_fallback=a.subword_fallback,
+                             provider=a.provider, threads=a.threads,
                              quiet=fmt == "json", kv_layout=a.kv_layout, schedule=a.schedule, cuda_graph=a.cuda_graph)
     progress = None if fmt == "json" else Progress("generating")
     try:

@@ -174,6 +174,9 @@ class DBSConfig:
                            "own boost and their vectors guide too, so the text may write the form that fits it")
     guarantee: bool = option(False, "switch", "force each keyword's tokens when the budget left "
                              "is what the remaining keywords need: every keyword appears")
+    subword_fallback: bool = option(False, "switch", "a keyword the embeddings lack is guided by the mean of its "
+                                    "subword tokens' vectors; with --guarantee it is placed (14 of 14 such words, "
+                                    "docs/results/quality/unknown-words.md)")
     prompt_style: str = option("none", str, "a hidden prompt before the context that names the "
                                "keywords: none, instruction (one line), chat (the model's chat template) or "
                                "few-shot (examples from CommonGen train); the text still continues the context",
@@ -370,7 +373,8 @@ class DBSConfig:
     @property
     def batched(self) -> "DBSConfig":
         """The config of the running batch that a request at this one joins: the same with the
-        budget, the number of `logprobs` alternatives, the `logit_bias` and the draw's
+        budget, the number of `logprobs` alternatives, the `logit_bias`, `subword_fallback` (read
+        when the request is built) and the draw's
         `OWN_SAMPLING` settings (temperature, top_p, the repetition, presence and frequency
         penalties) set aside: each request carries its own (`Request.max_new_tokens`, `.logprobs`,
         `.logit_bias`, `.sampling`) and the search and the draw read them per row, so that requests
@@ -380,7 +384,8 @@ class DBSConfig:
         requests' budgets. Where log-probs are asked, every row keeps the most alternatives
         (`MAX_LOGPROBS`) and each request returns its own number of them."""
         return replace(self, max_new_tokens=min(self.max_new_tokens, max(self.chunk, math.ceil(self.stream_lag))),
-                       logprobs=None if self.logprobs is None else MAX_LOGPROBS, logit_bias=(), **OWN_SAMPLING)
+                       logprobs=None if self.logprobs is None else MAX_LOGPROBS, logit_bias=(), subword_fallback=False,
+                       **OWN_SAMPLING)
 
     @property
     def lag_tokens(self) -> int:
@@ -466,7 +471,7 @@ def door_words(message: str, door: str) -> str:
     """An engine message, in the CLI's words, in `door`'s (`door_name`): each flag it names becomes
     the field of that door's that sets the same option (`--max-new-tokens` is `max_tokens` on the
     OpenAI endpoints, `max_new_tokens` in Python); a flag that no field sets is the server's option
-    of that name over HTTP and the argument of that name in Python (`subword_fallback`). A command
+    of that name over HTTP and the argument of that name in Python (`kv_layout`). A command
     line the message quotes (`dbs-fast export --model F --out DIR`) keeps its flags."""
     flags = {flag: door_name(name, door) for name, flag in FLAG_FIELDS.items()}
 

@@ -61,13 +61,13 @@ class RequestBuilder:
     (the backend's), its guide-word table, its export's manifest and chat template. `window`: the
     tokens its decode graph attends to if that is less than the model's window
     (`preflight.decode_window`); `subword_fallback`: boost a word the embeddings lack by its
-    subword tokens."""
+    subword tokens, in every request (a request asks for it with `DBSConfig.subword_fallback`)."""
 
     def __init__(self, backend, table: SimilarityTable, model_dir: Path, manifest: dict, window: int | None,
                  subword_fallback: bool = False):
         self.backend, self.table, self.model_dir = backend, table, model_dir
         self.manifest, self.window = manifest, window
-        self.subword_fallback = (lambda word: self.pieces(" " + word)) if subword_fallback else None
+        self.subword_fallback = subword_fallback
 
     def pieces(self, text: str) -> list[int]:
         """Tokens of a piece of running text (no BOS or other special tokens)."""
@@ -175,8 +175,10 @@ class RequestBuilder:
         said = self.chat_template.said(context) if self.chat_template else context
         named = named_keywords(kws, said, cfg)
 
+        fallback = (lambda word: self.pieces(" " + word)) if self.subword_fallback or cfg.subword_fallback else None
+
         def boost(k, lam: float):
-            return constraints.keyword_boost(self.table, k, lam, cfg.boost_cutoff, self.subword_fallback,
+            return constraints.keyword_boost(self.table, k, lam, cfg.boost_cutoff, fallback,
                                              lenient=cfg.guarantee, allowed=allowed,
                                              own=constraints.first_tokens(enc, k) if cfg.complete_words else (),
                                              power=cfg.similarity_power)

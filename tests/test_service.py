@@ -135,6 +135,16 @@ def test_bad_input_is_a_400_in_openais_shape_naming_the_field(server, body, fiel
     assert "--" not in r.json()["error"]["message"]                  # the door's words: no CLI flag
 
 
+def test_the_suggestion_for_a_word_the_embeddings_lack_works_over_http(server):
+    """The 400 for a keyword GloVe lacks names the request fields that place it, and a request
+    that takes them is answered with the word in the text."""
+    body = {"context": "It is", "keywords": "colony,qzxvbnmw", "seed": 0, **SMALL}
+    r = httpx.post(server.url + "/v1/generate", json=body, timeout=30)
+    assert r.status_code == 400 and "use `subword_fallback` with `guarantee`" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/generate", json={**body, "subword_fallback": True, "guarantee": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["success_rate"] == 1.0 and "qzxvbnmw" in r.json()["generated"], r.text
+
+
 def test_unknown_path_is_404_and_openapi_lists_generate(server):
     assert httpx.get(server.url + "/v2/nothing").status_code == 404
     assert httpx.get(server.url + "/v1/generate").status_code == 405
