@@ -150,6 +150,7 @@ def test_unknown_path_is_404_and_openapi_lists_generate(server):
     assert httpx.get(server.url + "/v1/generate").status_code == 405
     spec = httpx.get(server.url + "/openapi.json").json()
     assert "/v1/generate" in spec["paths"] and "lambda" in json.dumps(spec)
+    assert "--" not in json.dumps(spec["components"])           # the fields described in the door's words
 
 
 def test_stream_sends_certain_text_per_chunk_then_the_result(server):

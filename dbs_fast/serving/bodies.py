@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..config import OPTIONS, body_attr, door_name, parse_bool, parse_logit_bias
+from ..config import (
+    OPTIONS,
+    body_attr,
+    door_name,
+    door_words,
+    parse_bool,
+    parse_logit_bias,
+)
 
 # OPTIONS' types -> JSON's
 TYPES = {int: int, float: float, str: str, parse_bool: bool, "switch": bool, parse_logit_bias: dict[str, float]}
@@ -22,15 +29,15 @@ def body_config(**extra):
 
 def option_fields(door: str, names) -> dict:
     """{attribute: (type, Field)} of the DBSConfig options `names`, as `door` names them
-    (`config.door_name`); "lambda", a Python keyword, is the alias of an attribute named like the
-    field (`body_attr`)."""
+    (`config.door_name`), each described in `door`'s words; "lambda", a Python keyword, is the
+    alias of an attribute named like the field (`body_attr`)."""
     from pydantic import Field
 
     def alias(name):
         key = door_name(name, door)
         return key if body_attr(name, door) != key else None
 
-    return {body_attr(name, door): (Optional[TYPES[typ]], Field(None, description=text, alias=alias(name)))
+    return {body_attr(name, door): (Optional[TYPES[typ]], Field(None, description=door_words(text, door), alias=alias(name)))
             for name, _, typ, text in OPTIONS if name in names}
 
 

@@ -32,7 +32,7 @@ def application(opts: ServiceOptions, replicas: int = 1, cpus: float | None = No
     except ImportError as e:
         raise DBSError(f"Ray Serve is not installed: pip install 'dbs-fast[ray]' (missing: {e.name})") from None
     if not isinstance(replicas, int) or replicas < 1:
-        raise DBSError(f"`--ray-replicas` must be an integer >= 1, got {replicas!r}")
+        raise DBSError(f"`replicas` (dbs-fast serve --ray-replicas) must be an integer >= 1, got {replicas!r}")
 
     @serve.ingress()
     class DBSFast:
@@ -45,8 +45,8 @@ def application(opts: ServiceOptions, replicas: int = 1, cpus: float | None = No
     cpus = cpus if cpus is not None else float(opts.threads or 1)
     gpus = gpus if gpus is not None else (1.0 if opts.provider == "cuda" else 0.0)
     if gpus < 0 or (gpus > 0 and opts.provider != "cuda"):
-        raise DBSError(f"`--ray-gpus` must be >= 0, and > 0 only with --provider cuda (got {gpus!r}, "
-                       f"provider {opts.provider!r})")
+        raise DBSError(f"`gpus` (dbs-fast serve --ray-gpus) must be >= 0, and > 0 only with the CUDA provider "
+                       f"(got {gpus!r}, provider {opts.provider!r})")
     actor = {"num_cpus": cpus} | ({"num_gpus": gpus} if gpus else {})
     return serve.deployment(DBSFast, name="dbs-fast", num_replicas=replicas,
                             ray_actor_options=actor).bind(asdict(opts))

@@ -86,7 +86,7 @@ def _common_fields(max_n: int) -> dict:
         "ban": (Optional[Union[str, list[str]]], Field(None, description="words that must not appear")),
         "task": (Optional[str], Field(None, description="a task preset: commongen")),
         "paper": (bool, Field(False, description="start from the paper's settings")),
-        "timeout": (Optional[float], Field(None, gt=0, description="seconds; at most the server's --timeout")),
+        "timeout": (Optional[float], Field(None, gt=0, description="seconds; at most the server's timeout option")),
         **{k: (Optional[Any], None) for k in UNSUPPORTED},
         **option_fields("openai", EXTRA),
     }

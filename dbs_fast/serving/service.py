@@ -112,7 +112,7 @@ def request_model():
         "stream": (bool, Field(False, description="Server-Sent Events: one per chunk, then the result")),
         "paper": (bool, Field(False, description="start from the paper's settings instead of the default")),
         "unguided": (bool, Field(False, description="the baseline: no boosts")),
-        "timeout": (Optional[float], Field(None, gt=0, description="seconds; at most the server's --timeout")),
+        "timeout": (Optional[float], Field(None, gt=0, description="seconds; at most the server's timeout option")),
     }
     return create_model("GenerateRequest", __config__=body_config(), **fields, **option_fields("json", JSON_NAMES))
 
