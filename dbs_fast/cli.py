@@ -588,7 +588,8 @@ def _add_run_batch(sub):
     p = sub.add_parser("run-batch", help="a file of requests, offline: OpenAI's batch format (JSONL) or plain "
                                          "JSONL/CSV with keywords; resumable (needs the serve extra)")
     p.add_argument("-i", "--input", required=True, help="JSONL: OpenAI batch lines ({custom_id, method, url, body}) "
-                                                         "or plain objects ({keywords, context?, id?, seed?, options}); "
+                                                         "or plain objects ({keywords, context?, id?, seed?, and any field of /v1/generate: "
+                                                         "beams, guarantee, ...}); "
                                                          "or .csv with columns keywords, context, id, seed")
     p.add_argument("-o", "--output", required=True, help="JSONL, one line per request ({id, custom_id, response, "
                                                           "error}); what it holds already is skipped (resume)")
