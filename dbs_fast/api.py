@@ -7,12 +7,13 @@ first use (`resolve_model_dir`): the one call the runtime makes into `export/`."
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from .backend import SCHEDULES, OnnxBackend, onnx_backend
-from .config import DBSConfig
+from .config import STREAM_LAG, DBSConfig
 from .errors import DBSError
 from .home import EMBEDDED_DIRS, embedded_model_dir
 from .kv.decoder import ContextStore, PrefixDecoder
@@ -158,6 +159,18 @@ class DirectedBeamSearch:
         return self.generate_batch([(context, keywords)], seeds=[seed], config=config, progress=progress,
                                    bans=[ban])[0]
 
+    def stream(self, context: str, keywords, seed: int = 0, config: DBSConfig | None = None,
+               ban=None) -> "Stream":
+        """`generate`, its text as it becomes certain: iterate the answer for the pieces, then read
+        its `result`. The text is committed with `config.stream_lag` chunks of lag, or the
+        service's streams' (`STREAM_LAG`) where it has none, so it is `generate`'s text with that
+        lag."""
+        cfg = config or self.config
+        cfg = cfg if cfg.stream_lag else replace(cfg, stream_lag=STREAM_LAG)
+        batch = self.batch(cfg)
+        batch.admit([self.request(context, keywords, ban, seed, cfg)])
+        return Stream(batch)
+
     def prefill_left(self, request: Request) -> int:
         """Context tokens that `request`'s admission would prefill now (all but what the context
         store holds; 0 where nothing can be prefilled ahead)."""
@@ -196,6 +209,27 @@ class DirectedBeamSearch:
         return BeamSearch(be, self.scorer, cfg, (), progress,
                           self.sentence_end if cfg.needs_sentence_ends else None,
                           self.word_piece if cfg.guarantee or cfg.boost_word_starts else None)
+
+class Stream:
+    """One request's text as it becomes certain (`DirectedBeamSearch.stream`): iterating decodes
+    it chunk by chunk and yields each new piece of its generated text, appended and never revised,
+    which joined are `result.generated`; `result` is its GenerationResult once the iteration ends."""
+
+    def __init__(self, batch: "Batch"):
+        self.batch, self.result, self.sent = batch, None, ""
+
+    def __iter__(self):
+        while self.result is None:
+            done = self.batch.decode_chunk()
+            if done:
+                self.result = done[0][1]
+                text = self.result.generated
+            else:
+                ((_, text),) = self.batch.certain()
+            if len(text) > len(self.sent) and text.startswith(self.sent):
+                piece, self.sent = text[len(self.sent):], text
+                yield piece
+
 
 class Batch:
     """A running batch of one config (continuous batching): `admit` requests between chunks,

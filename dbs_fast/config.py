@@ -454,6 +454,11 @@ def body_attr(name: str, door: str = "json") -> str:
     return name if iskeyword(key) else key
 
 
+# a stream's fixed lag, in chunks, where the request names none (`stream_lag`; a request not streamed
+# has none, so that its text does not change): 4 of a 5-token chunk held back (3 of the chat door's
+# 3), so text commits after the first chunk; benchmarks/streaming.py, docs/results/streaming.md
+STREAM_LAG = 0.8
+
 # Every DBSConfig field a user can set: (field, CLI flag, type, help). `generate` and `eval` take
 # them as flags, the service as JSON fields (`door_name`).
 OPTIONS = tuple((f.name, door_name(f.name, "cli"), f.metadata["type"], f.metadata["help"])

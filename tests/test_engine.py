@@ -298,6 +298,25 @@ def test_the_python_api_names_its_own_arguments_not_the_clis_flags(dbs, keywords
     assert says in str(e.value) and "--" not in str(e.value), str(e.value)
 
 
+def test_a_stream_yields_its_text_as_it_becomes_certain_and_ends_with_generates_text(dbs):
+    """`stream`: pieces arrive before the end, are never revised, and join into the result's
+    text, which is `generate`'s with the same lag (the service's STREAM_LAG where none is set)."""
+    from dbs_fast.config import STREAM_LAG
+
+    cfg = replace(dbs.config, max_new_tokens=15, stop="max")
+    s = dbs.stream("It is", KW, seed=2, config=cfg)
+    pieces = []
+    for piece in s:
+        pieces.append(piece)
+        if len(pieces) == 1:
+            assert s.result is None                                     # the first piece came before the end
+    assert len(pieces) >= 2 and all(pieces), pieces
+    assert "".join(pieces) == s.result.generated
+    assert s.result.generated == dbs.generate("It is", KW, seed=2, config=replace(cfg, stream_lag=STREAM_LAG)).generated
+    again = dbs.stream("It is", KW, seed=2, config=replace(cfg, stream_lag=1))
+    assert "".join(again) == again.result.generated                     # a lag of its own, honoured
+
+
 def test_scorer_with_other_vocabulary_is_rejected(exported, tmp_path, capsys):
     from conftest import _trained_bpe
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -26,6 +26,7 @@ from ..backend import SCHEDULES
 from ..config import (
     DEFAULT_CONTEXT,
     JSON_NAMES,
+    STREAM_LAG,
     TASKS,
     DBSConfig,
     door_name,
@@ -84,10 +85,6 @@ class ServiceOptions:
             raise DBSError(f"`--schedule` must be one of {SCHEDULES}, got {self.schedule!r}")
 
 
-# a stream's fixed lag, in chunks, where the request names none (`stream_lag`; a request not streamed
-# has none, so that its text does not change): 4 of a 5-token chunk held back (3 of the chat door's
-# 3), so text commits after the first chunk; benchmarks/streaming.py, docs/results/streaming.md
-STREAM_LAG = 0.8
 # every error of /v1/*, /v1/generate's too, is OpenAI's shape: {"error": {"message", "type", "param", "code"}};
 # bad input is a 400, as OpenAI answers an invalid request
 INVALID = 400
