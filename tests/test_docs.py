@@ -28,4 +28,5 @@ def test_readme_python_example_runs_as_written(capsys):
     code = re.search(r"After command 1:\n\n```python\n(.*?)```", README, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 3 and "enemy" in out[0] and "1.0" in out[1]
+    assert len(out) == 4 and "enemy" in out[0] and "1.0" in out[1]
+    assert "river" in out[3] and "doctor" in out[3]                    # the streamed pieces, joined
