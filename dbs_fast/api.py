@@ -66,6 +66,16 @@ def resolve_model_dir(model: str | Path, quiet: bool = True, row_layout: bool = 
     return p
 
 
+def checked_config(config, default: DBSConfig) -> DBSConfig:
+    """`config`, or `default` where it is None; anything but a DBSConfig is a DBSError."""
+    if config is None:
+        return default
+    if not isinstance(config, DBSConfig):
+        hint = f": DBSConfig(**{config!r})" if isinstance(config, dict) else ""
+        raise DBSError(f"{{field}} must be a DBSConfig, got a {type(config).__name__}{hint}", "config", config)
+    return config
+
+
 class DirectedBeamSearch:
     """Built once per (model, embeddings, scorer); `generate` / `generate_batch` many times."""
 
@@ -79,7 +89,7 @@ class DirectedBeamSearch:
         if cuda_graph and (provider != "cuda" or backend != "onnx" or kv_layout == "rows"):
             raise DBSError("{field} needs the CUDA provider, the onnx backend and the prefix cache (its decode graph)",
                            "cuda_graph", cuda_graph)
-        self.config, self.schedule = config or DBSConfig(), schedule
+        self.config, self.schedule = checked_config(config, DBSConfig()), schedule
         self.model_dir = resolve_model_dir(model, quiet, row_layout=kv_layout == "rows")
         self.manifest = read_manifest(self.model_dir)
         set_threads(threads, sleep_when_idle=backend != "torch")
@@ -126,7 +136,7 @@ class DirectedBeamSearch:
     def request(self, context, keywords, ban=None, seed: int = 0, config: DBSConfig | None = None) -> Request:
         """One request with its constraints tokenised and its boosts built (`RequestBuilder`);
         DBSError names what is wrong (the service's and the CLI's validation)."""
-        return self.builder.request(context, keywords, ban, seed, config or self.config)
+        return self.builder.request(context, keywords, ban, seed, self._config(config))
 
     @staticmethod
     def _decoder(model_dir: Path, kv_layout: str, provider, threads, cuda_graph: bool = False, buckets=None):
@@ -159,13 +169,17 @@ class DirectedBeamSearch:
         return self.generate_batch([(context, keywords)], seeds=[seed], config=config, progress=progress,
                                    bans=[ban])[0]
 
+    def _config(self, config) -> DBSConfig:
+        """`config`, or this engine's where it is None (`checked_config`)."""
+        return checked_config(config, self.config)
+
     def stream(self, context: str, keywords, seed: int = 0, config: DBSConfig | None = None,
                ban=None) -> "Stream":
         """`generate`, its text as it becomes certain: iterate the answer for the pieces, then read
         its `result`. The text is committed with `config.stream_lag` chunks of lag, or the
         service's streams' (`STREAM_LAG`) where it has none, so it is `generate`'s text with that
         lag."""
-        cfg = config or self.config
+        cfg = self._config(config)
         cfg = cfg if cfg.stream_lag else replace(cfg, stream_lag=STREAM_LAG)
         batch = self.batch(cfg)
         batch.admit([self.request(context, keywords, ban, seed, cfg)])
@@ -185,13 +199,13 @@ class DirectedBeamSearch:
 
     def batch(self, config: DBSConfig | None = None, progress=None) -> "Batch":
         """An empty running batch that requests can join and leave between chunks."""
-        return Batch(self, config or self.config, progress)
+        return Batch(self, self._config(config), progress)
 
     def generate_batch(self, requests, seeds=None, config: DBSConfig | None = None,
                        progress=None, bans=None) -> list[GenerationResult]:
         """Many (context, keywords) requests decoded as one batch of rows; `bans`: per request,
         banned words (comma-separated or a list) or None."""
-        cfg = config or self.config
+        cfg = self._config(config)
         seeds = list(seeds) if seeds is not None else list(range(len(requests)))
         bans = list(bans) if bans is not None else [None] * len(requests)
         reqs = [self.request(context, keywords, ban, seed, cfg)

@@ -298,6 +298,15 @@ def test_the_python_api_names_its_own_arguments_not_the_clis_flags(dbs, keywords
     assert says in str(e.value) and "--" not in str(e.value), str(e.value)
 
 
+def test_a_config_that_is_not_a_dbsconfig_is_named_not_a_traceback_from_inside(dbs, exported):
+    from dbs_fast.errors import DBSError
+
+    with pytest.raises(DBSError, match=r"`config` must be a DBSConfig, got a dict: DBSConfig\(\*\*\{'beams': 2\}\)"):
+        dbs.generate("It is", KW, config={"beams": 2})
+    with pytest.raises(DBSError, match="`config` must be a DBSConfig, got a str"):
+        DirectedBeamSearch(exported["gpt2"], config="paper")
+
+
 def test_a_stream_yields_its_text_as_it_becomes_certain_and_ends_with_generates_text(dbs):
     """`stream`: pieces arrive before the end, are never revised, and join into the result's
     text, which is `generate`'s with the same lag (the service's STREAM_LAG where none is set)."""
