@@ -206,8 +206,16 @@ class DirectedBeamSearch:
         """Many (context, keywords) requests decoded as one batch of rows; `bans`: per request,
         banned words (comma-separated or a list) or None."""
         cfg = self._config(config)
+        given = requests
+        requests = list(requests) if isinstance(requests, (list, tuple)) or hasattr(requests, "__next__") else None
+        if requests is None or not all(isinstance(r, (tuple, list)) and len(r) == 2 for r in requests):
+            raise DBSError("{field} must be a list of (context, keywords) pairs", "requests", given)
         seeds = list(seeds) if seeds is not None else list(range(len(requests)))
         bans = list(bans) if bans is not None else [None] * len(requests)
+        for name, given in (("seeds", seeds), ("bans", bans)):
+            if len(given) != len(requests):          # zip would drop the requests past the shorter list
+                raise DBSError(f"{{field}} must hold one per request: {len(given)} for {len(requests)} requests",
+                               name, given)
         reqs = [self.request(context, keywords, ban, seed, cfg)
                 for (context, keywords), ban, seed in zip(requests, bans, seeds)]
         batch = self.batch(cfg, progress)

@@ -307,6 +307,22 @@ def test_a_config_that_is_not_a_dbsconfig_is_named_not_a_traceback_from_inside(d
         DirectedBeamSearch(exported["gpt2"], config="paper")
 
 
+@pytest.mark.parametrize("requests,kw,says", [
+    ([("It is", KW), ("The city", KW)], {"seeds": [0]}, "`seeds` must hold one per request: 1 for 2"),
+    ([("It is", KW), ("The city", KW)], {"bans": [None]}, "`bans` must hold one per request: 1 for 2"),
+    ([("It is", KW)], {"seeds": [0, 1]}, "`seeds` must hold one per request: 2 for 1"),
+    ([("It is",)], {}, "`requests` must be a list of (context, keywords) pairs"),
+    ("It is", {}, "`requests` must be a list of (context, keywords) pairs"),
+])
+def test_a_batch_whose_seeds_or_bans_do_not_match_its_requests_is_refused_not_cut(dbs, requests, kw, says):
+    """Before, zip dropped the requests past the shorter list: two requests and one seed gave one result."""
+    from dbs_fast.errors import DBSError
+
+    with pytest.raises(DBSError) as e:
+        dbs.generate_batch(requests, **kw)
+    assert says in str(e.value), str(e.value)
+
+
 def test_a_stream_yields_its_text_as_it_becomes_certain_and_ends_with_generates_text(dbs):
     """`stream`: pieces arrive before the end, are never revised, and join into the result's
     text, which is `generate`'s with the same lag (the service's STREAM_LAG where none is set)."""
