@@ -86,6 +86,11 @@ class DirectedBeamSearch:
                  schedule: str = "distinct", cuda_graph: bool = False, buckets=None):
         if schedule not in SCHEDULES:
             raise DBSError.about("schedule", f"must be one of {SCHEDULES}", schedule)
+        for name, value, least in (("threads", threads, 1), ("context_cache_mb", context_cache_mb, 0)):
+            if (value is not None or name != "threads") and (not isinstance(value, int) or isinstance(value, bool)
+                                                              or value < least):
+                raise DBSError.about(name, f"must be an integer >= {least}" + (" or None" if name == "threads" else ""),
+                                     value)
         if cuda_graph and (provider != "cuda" or backend != "onnx" or kv_layout == "rows"):
             raise DBSError("{field} needs the CUDA provider, the onnx backend and the prefix cache (its decode graph)",
                            "cuda_graph", cuda_graph)

@@ -305,6 +305,12 @@ def test_a_config_that_is_not_a_dbsconfig_is_named_not_a_traceback_from_inside(d
         dbs.generate("It is", KW, config={"beams": 2})
     with pytest.raises(DBSError, match="`config` must be a DBSConfig, got a str"):
         DirectedBeamSearch(exported["gpt2"], config="paper")
+    for bad, says in (({"threads": 0}, "`threads` must be an integer >= 1 or None, got 0"),
+                      ({"threads": "2"}, "`threads` must be an integer >= 1 or None, got '2'"),
+                      ({"context_cache_mb": -1}, "`context_cache_mb` must be an integer >= 0, got -1")):
+        with pytest.raises(DBSError) as e:                       # not ORT's default, a TypeError, a negative store
+            DirectedBeamSearch(exported["gpt2"], **bad)
+        assert says in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("requests,kw,says", [
