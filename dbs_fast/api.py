@@ -212,7 +212,7 @@ class DirectedBeamSearch:
         banned words (comma-separated or a list) or None."""
         cfg = self._config(config)
         given = requests
-        requests = list(requests) if isinstance(requests, (list, tuple)) or hasattr(requests, "__next__") else None
+        requests = None if isinstance(requests, (str, bytes, dict)) or not hasattr(requests, "__iter__") else list(requests)
         if requests is None or not all(isinstance(r, (tuple, list)) and len(r) == 2 for r in requests):
             raise DBSError("{field} must be a list of (context, keywords) pairs", "requests", given)
         seeds = list(seeds) if seeds is not None else list(range(len(requests)))
