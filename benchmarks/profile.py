@@ -5,7 +5,10 @@ summed by operator type. Random K/V and token ids: the cost does not depend on t
     python -m benchmarks.profile --model DIR [--beams 7 --candidates 10 --prefix 47]
 
 Prints ms per step by operator (median step time without the profiler first) and writes the
-same as JSON with --out.
+same as JSON with --out. On the CPU it also prints the step outside its weight matmuls: the median
+step less the profiled time (less the profiler's cost, below) of the matrix products whose second
+operand comes from the model file (MatMul, Gemm, MatMulNBits and their fused forms; a Q4_1 weight's
+min term is one), not those of the attention's scores and values.
 
 With `--provider cuda` the step runs on ORT's CUDA provider with its inputs and outputs bound on the
 GPU (as the engine's cache is), and the result adds the graph as ORT runs it there: its nodes by
@@ -116,30 +119,52 @@ def _profiled_events(model, x: dict, repeats: int, threads: int | None, optimize
 
 
 def placement(graph: Path, threads: int | None, provider: str, dims: dict | None = None) -> dict:
-    """The graph as ORT runs it on `provider` (with `dims` fixed, if given): its nodes by operator, and
-    the host<->device copies ORT inserted around nodes left to the CPU (the optimized graph, written
-    out and read back)."""
+    """The graph as ORT runs it on `provider` (with `dims` fixed, if given): its nodes by operator, the
+    host<->device copies ORT inserted around nodes left to the CPU, and the names of its weight
+    matmuls (`weight_matmuls`) (the optimized graph, written out and read back)."""
     import onnx
 
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "optimized.onnx"
         _session(graph, threads, provider=provider, optimized=out, dims=dims)
-        ops = collections.Counter(op for op in _ops(onnx.load(str(out), load_external_data=False).graph))
+        optimized = onnx.load(str(out), load_external_data=False).graph
+    ops = collections.Counter(n.op_type for n in _nodes(optimized))
     raw = onnx.load(str(graph), load_external_data=False).graph
     layers = sum(i.name.startswith("prefix.") for i in raw.input) // 2
     nodes = sum(ops.values())
     return {"nodes": nodes, "layers": layers, "nodes_per_layer": nodes / max(1, layers),
             "memcpy_nodes": sum(n for op, n in ops.items() if op.startswith("Memcpy")),
-            "by_operator": dict(ops.most_common())}
+            "by_operator": dict(ops.most_common()), "weight_matmuls": sorted(weight_matmuls(optimized))}
 
 
-def _ops(graph):
-    """The operator of every node of `graph`, those inside its If, Loop and Scan bodies too."""
+def _nodes(graph):
+    """Every node of `graph`, those inside its If, Loop and Scan bodies too."""
     for n in graph.node:
-        yield n.op_type
+        yield n
         for a in n.attribute:
             for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                yield from _ops(g)
+                yield from _nodes(g)
+
+
+# the operators that multiply by a matrix: ONNX's, and the fused and quantized forms ORT rewrites them to
+MATMULS = ("MatMul", "Gemm", "MatMulNBits", "FusedMatMul", "FusedGemm", "MatMulInteger", "MatMulIntegerToFloat",
+           "DynamicQuantizeMatMul", "QGemm")
+
+
+def weight_matmuls(graph, weights: frozenset = frozenset()) -> set[str]:
+    """The names of `graph`'s weight matmuls: its matrix products whose second operand is a weight
+    of the model file (an initializer or a Constant, of the graph or of a graph it is a branch of),
+    not a tensor of the step (the attention's scores and values)."""
+    weights = weights | {i.name for i in graph.initializer} | \
+        {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    names = set()
+    for n in graph.node:
+        if n.op_type in MATMULS and len(n.input) > 1 and n.input[1] in weights:
+            names.add(n.name)
+        for a in n.attribute:
+            for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                names |= weight_matmuls(g, weights)
+    return names
 
 
 def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | None, provider: str = "cpu",
@@ -185,6 +210,11 @@ def profile(graph: Path, b: int, s: int, T: int, repeats: int, threads: int | No
          "ms_less_overhead_per_step": sum(o["ms_less_overhead"] for o in ops), "ops": ops}
     r["nodes_run_per_step"] = sum(o["nodes_per_step"] for o in ops)     # an If's branch not taken runs none
     r["placement"] = placement(graph, threads, provider, dims)
+    if provider == "cpu":                          # a GPU node's profiled time is its launch, not its kernel
+        matmuls = set(r["placement"]["weight_matmuls"])
+        us = [e["dur"] for e in _warm_nodes(events, skip=1) if e["name"].removesuffix("_kernel_time") in matmuls]
+        r["weight_matmul_ms_per_step"] = max(0.0, sum(us) - over * len(us)) / repeats / 1e3
+        r["outside_weight_matmuls_ms"] = r["step_ms_median"] - r["weight_matmul_ms_per_step"]
     if dims is not None:
         r["dims"], r["step_ms_dynamic"] = dims, 1e3 * step_dynamic
     r["step_us_per_node"] = 1e3 * r["step_ms_median"] / max(1, r["placement"]["nodes"])
@@ -277,6 +307,10 @@ def main(argv=None) -> int:
         print(f"  {o['op']:28s} {o['ms_per_step']:7.1f} ms  {100 * o['share']:5.1f}%  {o['nodes_per_step']:5.0f} nodes"
               f"  less overhead {o['ms_less_overhead']:7.1f} ms")
     pl = r["placement"]
+    if "outside_weight_matmuls_ms" in r:
+        print(f"  weight matmuls ({len(pl['weight_matmuls'])} nodes whose weights come from the model file) "
+              f"{r['weight_matmul_ms_per_step']:.2f} ms less overhead; the step outside them "
+              f"{r['outside_weight_matmuls_ms']:.2f} ms")
     print(f"  on {a.provider}: {pl['nodes']} nodes after ORT's optimization, {pl['nodes_per_layer']:.1f} per layer "
           f"({pl['layers']} layers; the step's shared nodes and both branches of an If counted in), "
           f"{r['nodes_run_per_step']:.0f} run in this step, {pl['memcpy_nodes']} host<->GPU copies, "

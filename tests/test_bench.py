@@ -251,6 +251,11 @@ def test_profile_counts_the_warm_runs_only(exported, tmp_path):
     for o in r["ops"]:
         assert o["ms_less_overhead"] == pytest.approx(max(0.0, o["ms_per_step"] - over * o["nodes_per_step"] / 1e3))
     assert r["ms_less_overhead_per_step"] == pytest.approx(sum(o["ms_less_overhead"] for o in r["ops"]))
+    # the weight matmuls are the products by the model file's weights (GPT-2's q/k/v, projections, MLP
+    # and head), not the attention's products of scores and values
+    assert len(r["placement"]["weight_matmuls"]) == 4 * r["placement"]["layers"] + 1
+    assert 0 < r["weight_matmul_ms_per_step"] <= r["ms_less_overhead_per_step"]
+    assert r["outside_weight_matmuls_ms"] == pytest.approx(r["step_ms_median"] - r["weight_matmul_ms_per_step"])
     # the dimensions fixed at the step's sizes (a bucket's session): ORT folds the shape arithmetic
     assert probe(["--model", str(exported["gpt2"]), "--beams", "2", "--candidates", "3", "--prefix", "5",
                   "--repeats", "2", "--fixed-shapes", "--out", str(out)]) == 0
