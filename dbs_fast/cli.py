@@ -442,6 +442,8 @@ def _run_eval(a) -> int:
 
 
 def _add_bench(sub):
+    from .backend import SCHEDULES
+
     p = sub.add_parser("bench", help="speed: the ONNX exports vs PyTorch vs a reference-style loop, "
                                      "a decode step's time by stage, roofline")
     p.add_argument("--out", default="bench_out", help="bench.json, bench.md, stages.png, sweep.png")
@@ -454,7 +456,7 @@ def _add_bench(sub):
                    help="comma-separated (default: all of dbs_fast/bench/suite.py's CONTENDERS but the GPU's onnx-fp16, torch-fp16 "
                         "and torch-fp16-compile); onnx-fp32/onnx-int8 "
                         "run the prefix cache (decode.onnx), the -rows ones the row layout, onnx-fp32-plain the prefix "
-                        "cache with every row computed (--schedule plain)")
+                        "cache with every row computed (the plain schedule)")
     p.add_argument("--tokenizer", default=None, help="GPT-2 tokenizer dir (default ../shared/data/gpt2-tokenizer)")
     p.add_argument("--checkpoint", default=None, help="a transformers checkpoint instead of random GPT-2 large")
     p.add_argument("--shape", default="gpt2-large", choices=["gpt2-large", "gpt2", "distilgpt2"],
@@ -474,6 +476,9 @@ def _add_bench(sub):
                    "(default: the embedded default)")
     p.add_argument("--shared", type=int, default=None, help="with --contexts: also the time to the first chunk "
                    "of a request whose first N context tokens another request's context shares (the context store)")
+    p.add_argument("--schedule", default=None, choices=SCHEDULES,
+                   help="with --contexts: distinct (default) computes each distinct row once; plain every row at "
+                        "every step, the same rows at every length, so the growth over the floor is the cache's own")
     p.set_defaults(func=_run_bench)
 
 
@@ -494,8 +499,11 @@ def _run_bench(a) -> int:
         from .bench.contexts import run_contexts
 
         run_contexts(sorted(lengths), Path(a.out), Path(a.workdir), repeats=a.repeats or 2, threads=a.threads,
-                     model=a.model or "default", shared=a.shared)
+                     model=a.model or "default", shared=a.shared, schedule=a.schedule or "distinct")
         return 0
+    if a.schedule is not None:
+        raise DBSError("`--schedule` goes with `--contexts`; the bench's other arms run both schedules as "
+                       "contenders (onnx-fp32 distinct, onnx-fp32-plain plain)")
     for flag, value in (("--model", a.model), ("--shared", a.shared)):
         if value is not None:
             raise DBSError(f"`{flag}` goes with `--contexts`; the bench's other arms run the embedded default "

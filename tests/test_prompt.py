@@ -74,9 +74,38 @@ def test_bench_contexts_takes_token_counts_only(capsys):
 @pytest.mark.parametrize("argv, says", [
     (["--model", "/nonexistent"], "`--model` goes with `--contexts`"),
     (["--shared", "64"], "`--shared` goes with `--contexts`"),
+    (["--schedule", "plain"], "`--schedule` goes with `--contexts`"),
     (["--contexts", "2", "--model", "/nonexistent"], "neither an embedded model (default,"),
 ])
 def test_bench_refuses_a_model_it_would_not_use_or_cannot_find(argv, says, capsys):
     """Before, `bench --model X` ran the whole bench on other models, ignoring X."""
     assert cli(["bench", *argv]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_the_contexts_floor_is_the_generations_arithmetic(tmp_path):
+    """`bench --contexts` sets each length's growth beside the floor exact attention sets: a decode
+    row's weight matmuls (2 x in x out) and its attention (4 x heads x head_dim per key, every
+    layer; a sliding layer reads at most its window), times the rows the steps computed, and the
+    prefill's (each context token once, causal, no LM head)."""
+    import json
+
+    from dbs_fast.bench.contexts import generation_flops, over_floor, step_flops
+
+    m = {"hidden_size": 8, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 4, "vocab_size": 10}
+    (tmp_path / "dbs_fast_model.json").write_text(json.dumps(m))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "intermediate_size": 16}))
+    # per layer q 8x8, k and v 8x4, o 8x8, gate and up 8x16, down 16x8: 576 weights; the head 80
+    layers, head = 2 * 2 * 576, 2 * 80
+    assert step_flops(tmp_path, 10) == layers + head + 4 * 2 * 4 * 10 * 2
+    f = generation_flops(tmp_path, context=3, rows=6, steps=4)
+    assert f["prefill"] == 3 * layers + 4 * 2 * 4 * (1 + 2 + 3) * 2
+    assert f["step"] == layers + head + 4 * 2 * 4 * 5 * 2 and f["decode"] == 4 * 6 * f["step"]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "intermediate_size": 16, "sliding_window": 6,
+                                                      "layer_types": ["sliding_attention", "full_attention"]}))
+    assert step_flops(tmp_path, 10) == layers + head + 4 * 2 * 4 * (6 + 10)
+    assert step_flops(tmp_path, 5) == layers + head + 4 * 2 * 4 * (5 + 5)
+    base = {"flops": {"prefill": 10.0, "decode": 90.0}, "seconds_x": 1.0, "decode_x": 1.0}
+    row = {"flops": {"prefill": 60.0, "decode": 135.0}, "seconds_x": 2.4, "decode_x": 1.65}
+    assert over_floor(row, base) == pytest.approx({"step_floor_x": 1.5, "decode_over_floor": 1.1,
+                                                   "floor_x": 1.95, "over_floor": 2.4 / 1.95})

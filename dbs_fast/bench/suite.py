@@ -403,9 +403,9 @@ def linear_shapes(model_dir: Path) -> list[tuple[int, int, int]]:
         inner = c.get("n_inner") or 4 * h
         layer = [(h, 3 * h), (h, h), (h, inner), (inner, h)]
     else:                                           # Llama-style: q, k, v, o, gate, up, down
-        kv = m["num_kv_heads"] * m["head_dim"]
+        q, kv = m["num_heads"] * m["head_dim"], m["num_kv_heads"] * m["head_dim"]     # Gemma 3: q wider than h
         inner = c["intermediate_size"]
-        layer = [(h, h), (h, kv), (h, kv), (h, h), (h, inner), (h, inner), (inner, h)]
+        layer = [(h, q), (h, kv), (h, kv), (q, h), (h, inner), (h, inner), (inner, h)]
     shapes: dict[tuple[int, int], int] = {}
     for s in layer:
         shapes[s] = shapes.get(s, 0) + L
