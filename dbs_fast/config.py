@@ -118,9 +118,10 @@ class DBSConfig:
         "already, and a full boost writes it at once and lists it twice (default: lambda's; the chat door's "
         "preset: 1)")
     lam_ahead: float | None = option(
-        None, float, "guidance strength of a keyword the context does not name while the row is ahead of its "
+        5.0, float, "guidance strength of a keyword the context does not name while the row is ahead of its "
         "deadline (at least reserve-per-keyword tokens left per keyword still to place): a light boost places "
-        "the words that fit the text, and lambda's places the rest in time (default: lambda's)")
+        "the words that fit the text, and lambda's places the rest in time (default 5; the paper's protocol "
+        "and the CommonGen task: lambda's throughout)")
     similarity_power: float = option(
         2.0, float, "p: a token's boost is lambda * max(0, cos)^p, cos its word's GloVe similarity to the guide "
         "word (the paper's 2); a larger p keeps the full boost for the word and its near forms and less for words "
@@ -506,8 +507,8 @@ def door_words(message: str, door: str) -> str:
 # 16.5, 12.56 and 43.8; without openings `blend` gave 13.4, 10.62 and 39.7.
 PAPER = {"boost_word_starts": False, "complete_words": False, "alpha_fluent": None, "late_boost_first": False,
          "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "no_repeat_word_window": 0, "stop": "max",
-         "pick": "q"}
-COMMONGEN = {"order": "any", "match": "lemma", "max_new_tokens": 40, "lam": 1.0, "reserve_per_keyword": 6,
+         "pick": "q", "lam_ahead": None}
+COMMONGEN = {"order": "any", "match": "lemma", "max_new_tokens": 40, "lam": 1.0, "lam_ahead": None, "reserve_per_keyword": 6,
              "prompt_style": "few-shot", "shots": 3, "sentence_deadline": 24, "finished": 7, "openings": "subjects",
              "pick": "likelihood"}
 # Chat: a rendered conversation as the context, answered at its own length: the answer ends where

@@ -360,7 +360,7 @@ def test_a_keyword_the_context_names_is_boosted_at_lam_named(dbs):
     def strongest(req):
         return [float(b.values.max()) for b in req.boosts]
 
-    cfg = replace(dbs.config, lam=20.0, lam_named=1.0, match="stem")
+    cfg = replace(dbs.config, lam=20.0, lam_named=1.0, lam_ahead=None, match="stem")
     assert strongest(dbs.request("Two colonies met.", "colony,enemy", None, 0, cfg)) == pytest.approx([1.0, 20.0])
     assert strongest(dbs.request("It is", "colony,enemy", None, 0, cfg)) == pytest.approx([20.0, 20.0])
     assert strongest(dbs.request("Two colonies met.", "colony,enemy", None, 0,
@@ -443,6 +443,20 @@ def test_a_row_ahead_of_its_deadline_reads_its_keywords_at_lam_ahead(dbs):
     assert float(tables.boosts.rows[words[4]].values.max()) == pytest.approx(4.0)   # both, merged at lam_ahead
 
 
+def test_the_default_boosts_lightly_ahead_of_the_deadline_and_the_papers_and_commongens_do_not(dbs):
+    """The default preset guides a word at lam_ahead 5 while the text is ahead of its deadline, then
+    at lambda's 20; the paper's protocol and the CommonGen task guide at lambda throughout (their
+    figures were measured so). The chat door's preset keeps its own 5."""
+    from dbs_fast.config import DBSConfig
+
+    assert DBSConfig().lam_ahead == 5.0 and DBSConfig.chat().lam_ahead == 5.0
+    assert DBSConfig.paper().lam_ahead is None and DBSConfig.commongen().lam_ahead is None
+    strengths = [float(b.values.max()) for b in dbs.request("It is", "colony", None, 0, DBSConfig()).boosts]
+    assert strengths == pytest.approx([20.0, 5.0])                   # behind the deadline, then ahead of it
+    paper = [float(b.values.max()) for b in dbs.request("It is", "colony", None, 0, DBSConfig.paper()).boosts]
+    assert paper == pytest.approx([20.0])
+
+
 def test_a_request_whose_context_names_every_keyword_draws_at_min_p_named(dbs):
     """min_p_named: a request whose context names all its keywords gets that min_p; one that
     leaves any out, or has none, gets min_p; unset, every request gets min_p. The search reads
@@ -473,7 +487,7 @@ def test_a_chat_templates_own_text_does_not_name_a_keyword(exported, tmp_path):
         "{% if messages[0]['role'] != 'system' %}System: you serve the colony.\n{% endif %}"
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
     dbs = DirectedBeamSearch(d, config=DBSConfig(beams=2, candidates=3, chunk=4, max_new_tokens=16))
-    cfg = replace(dbs.config, lam=20.0, lam_named=1.0, match="stem")
+    cfg = replace(dbs.config, lam=20.0, lam_named=1.0, lam_ahead=None, match="stem")
     chat = dbs.chat_template.render([{"role": "user", "content": "Tell me about an enemy."}])
     assert "colony" in chat
     assert [float(b.values.max()) for b in dbs.request(chat, "colony,enemy", None, 0, cfg).boosts] == \
