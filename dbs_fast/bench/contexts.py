@@ -106,9 +106,9 @@ def run_contexts(lengths: list[int], out: Path, workdir: Path, repeats: int = 2,
                      "seconds_all": r["seconds_all"], "prefill_seconds": r["stage_ms_per_step"]["prefill_total"] / 1e3,
                      "decode_seconds": min(r["decode_seconds_all"]), "kv_cache_bytes": r["kv_cache_bytes"],
                      "peak_rss_bytes": r["peak_rss_bytes"], "success_rate": r["success_rate"],
-                "model_rows_ratio": r["model_rows_ratio"],
-                "flops": generation_flops(model_dir, r["prompt_tokens"], r["model_rows_ratio"] * cfg.beams * cfg.candidates,
-                                          cfg.max_new_tokens)})
+                     "model_rows_ratio": r["model_rows_ratio"],
+                     "flops": generation_flops(model_dir, r["prompt_tokens"],
+                                               r["model_rows_ratio"] * cfg.beams * cfg.candidates, cfg.max_new_tokens)})
     ok = [r for r in rows if "error" not in r]
     if ok:
         base, top = ok[0], ok[-1]
