@@ -156,6 +156,13 @@ def _add_kv_layout(p):
                         "same texts either way")
 
 
+def preset_flags(settings: dict, quoted: bool = False) -> list[str]:
+    """A preset's settings as the flags that give them ("--lambda 1.0"; "no --lambda-ahead" for one it
+    leaves unset, which no flag gives)."""
+    return [f"no {FLAG[k]}" if v is None else f"{FLAG[k]} {v!r}" if quoted else f"{FLAG[k]} {v}"
+            for k, v in settings.items()]
+
+
 def _add_generate(sub):
     p = sub.add_parser("generate", help="Directed Beam Search: text that contains the keywords, in order")
     p.add_argument("--keywords", help=f'guide words, e.g. "enemy,speed,meet": {KEYWORD_SYNTAX} (none: the '
@@ -166,7 +173,7 @@ def _add_generate(sub):
                                                    f"{DEFAULT_CONTEXT}; with --task commongen, the task's context)")
     p.add_argument("--task", default=None, choices=TASKS,
                    help="a task preset: commongen = one sentence from unordered concepts (" + " ".join(
-                       f"{FLAG[k]} {v}" for k, v in COMMONGEN.items()) + " and the task's context, as `eval "
+                       preset_flags(COMMONGEN)) + " and the task's context, as `eval "
                         "--sets commongen-dev`; flags given override)")
     p.add_argument("--model", default="default", help="exported model dir, `default` (embedded SmolLM2-135M) or `gemma3-270m`")
     p.add_argument("--scorer", default="self", help="`self` or an exported model dir sharing the tokenizer")
@@ -277,7 +284,7 @@ def _add_eval(sub):
                         "messages with guide words, answered through the chat template, against the model's own "
                         "answers (judged); commongen-dev: the "
                         "993 CommonGen dev concept sets (defaults then: " + ", ".join(
-                            f"{FLAG[k]} {v!r}" for k, v in COMMONGEN.items())
+                            preset_flags(COMMONGEN, quoted=True))
                         + f", --context {COMMONGEN_CONTEXT!r}; coverage and BLEU-4 reported); a number N: "
                         "N sets sampled from wordfreq ranks 501-1000 without stop words (with --seed)")
     p.add_argument("--limit", type=int, default=None, help="only the first N sets (after --start)")

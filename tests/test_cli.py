@@ -113,6 +113,8 @@ def test_every_flag_explains_itself(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "{next,any}" in out and "{max,sentence,eos}" in out and "{stem,lemma}" in out
     assert "(default: It is;" in out and "(default: 0)" in out
+    # a preset's setting that no flag gives is named as left unset, not as a value the flag refuses
+    assert "no --lambda-ahead" in out and "--lambda-ahead None" not in out
 
 
 @pytest.mark.parametrize("fmt", ["markdown", "text"])
