@@ -389,6 +389,7 @@ def test_similarity_power_keeps_the_words_own_boost_and_shrinks_its_neighbours(d
         assert e.value.field == "similarity_power"
 
 
+@GPT2_VOCAB
 def test_inflect_guides_towards_every_form_the_lemma_rule_counts(dbs):
     """inflect (with match lemma): a keyword's inflections join its alternatives, its text the same;
     those written in one token get the keyword's own boost, lambda, where without inflect GloVe's

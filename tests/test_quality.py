@@ -278,6 +278,7 @@ def test_paper_flag_and_overrides(exported, capsys):
     assert out["stopped"] == "max" and out["new_tokens"] == 6
 
 
+@GPT2_VOCAB
 def test_beams_the_budget_ends_join_too_few_finished_candidates(dbs):
     """Where the budget ends a request that gathered fewer finished candidates than `finished`,
     its open beams join them, as a beam search's open hypotheses join its finished ones at the
