@@ -137,13 +137,18 @@ def placement(graph: Path, threads: int | None, provider: str, dims: dict | None
             "by_operator": dict(ops.most_common()), "weight_matmuls": sorted(weight_matmuls(optimized))}
 
 
+def _bodies(node):
+    """The graphs a node holds (an If's branches, a Loop's or a Scan's body)."""
+    for a in node.attribute:
+        yield from ([a.g] if a.HasField("g") else []) + list(a.graphs)
+
+
 def _nodes(graph):
     """Every node of `graph`, those inside its If, Loop and Scan bodies too."""
     for n in graph.node:
         yield n
-        for a in n.attribute:
-            for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                yield from _nodes(g)
+        for g in _bodies(n):
+            yield from _nodes(g)
 
 
 # the operators that multiply by a matrix: ONNX's, and the fused and quantized forms ORT rewrites them to
@@ -161,9 +166,8 @@ def weight_matmuls(graph, weights: frozenset = frozenset()) -> set[str]:
     for n in graph.node:
         if n.op_type in MATMULS and len(n.input) > 1 and n.input[1] in weights:
             names.add(n.name)
-        for a in n.attribute:
-            for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                names |= weight_matmuls(g, weights)
+        for g in _bodies(n):
+            names |= weight_matmuls(g, weights)
     return names
 
 
