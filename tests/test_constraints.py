@@ -162,6 +162,24 @@ def test_sentence_deadline_puts_every_keyword_in_the_first_sentence(dbs, order):
     assert all(hits) and not all(before), (hits, before)
 
 
+@GPT2_VOCAB
+def test_a_keyword_deadline_places_the_words_by_it_and_the_text_goes_on_past_it(dbs):
+    """With `keyword_deadline` under guarantee the keywords are forced in time for it, not for the
+    budget's end, and the text runs on to the budget; without it the last ones wait for the budget
+    (the test bites)."""
+    from dataclasses import replace
+
+    cfg = replace(dbs.config, order="any", guarantee=True, stop="max", max_new_tokens=30, lam=0.0,
+                  no_repeat_word_window=0)        # the deadline alone (texts of a fixed random model)
+    due, late = [], []
+    for seed in range(4):
+        r = dbs.generate("It is", KW, seed=seed, config=replace(cfg, keyword_deadline=10))
+        due.append(max(f["token"] for f in r.found.values()))
+        assert r.success_rate == 1.0 and r.new_tokens == 30, r
+        late.append(max(f["token"] for f in dbs.generate("It is", KW, seed=seed, config=cfg).found.values()))
+    assert max(due) <= 10 + 2 and max(late) > 12, (due, late)
+
+
 def test_guarantee_with_phrases_alternatives_and_a_word_the_embeddings_lack(dbs):
     from dataclasses import replace
 

@@ -358,6 +358,25 @@ def test_fluency_weight_switches_back_to_the_papers_at_the_deadline():
     assert list(quality.on_time(deadline, np.full(4, 20), remaining)) == [False, False, True, False]
 
 
+def test_a_keyword_deadline_before_the_budget_sets_when_each_word_is_due():
+    """`keyword_deadline`: the words are due by it, not by the budget's end, which may come later
+    (the chat door: due by 90 tokens of a budget of 150); a request's own shorter budget still
+    comes first."""
+    from dbs_fast.search import quality
+
+    remaining = 31 & ~np.array([0, 0b111, 0b11111, 0b10111])   # of 5 keywords, 0, 3, 5 and 4 placed
+    cfg = DBSConfig(max_new_tokens=150, reserve_per_keyword=10)
+    assert list(quality.on_time(cfg, np.full(4, 60), remaining)) == [True, True, True, True]   # 90 left
+    due = DBSConfig(max_new_tokens=150, reserve_per_keyword=10, keyword_deadline=90)
+    assert list(quality.on_time(due, np.full(4, 60), remaining)) == [False, True, True, True]  # 30 left
+    assert list(quality.on_time(due, np.full(4, 60), remaining, budget=np.full(4, 75))) == \
+        [False, False, True, True]                                                              # 15 left
+    assert list(due.deadline_within(np.array([150, 75]))) == [90, 75]
+    assert DBSConfig.chat().deadline_within(DBSConfig.chat().max_new_tokens) == 90
+    with pytest.raises(DBSError, match="keyword_deadline"):
+        DBSConfig(keyword_deadline=-1)
+
+
 def test_late_rows_boost_before_the_nucleus_cut():
     from dbs_fast.search import quality
 

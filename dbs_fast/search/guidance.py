@@ -48,7 +48,7 @@ def forced(cfg: DBSConfig, tb: BatchTables, rows: Rows, rem: np.ndarray, n_done:
         for i in range(tb.need.shape[1]):
             need += (rem >> i & 1) * tb.need[rows.req, i]
         left = tb.budget[rows.req] - n_done
-        due = left if not cfg.sentence_deadline else np.minimum(left, cfg.sentence_deadline - n_done)
+        due = cfg.deadline_within(tb.budget[rows.req]) - n_done
         start = np.flatnonzero(~on & ~rows.ended & (rem != 0) & (left > 0) & (due <= need))
         if len(start):
             bit = popcount(lowest_bit(rem[start]) - 1)      # index of the lowest remaining keyword

@@ -36,8 +36,7 @@ def on_time(cfg: DBSConfig, done: np.ndarray, remaining: np.ndarray, budget=None
     """Rows ahead of their deadline: with `done` tokens generated of their `budget` (per row, or
     the config's `max_new_tokens` if None), at least `reserve` tokens (`reserve_per_keyword` if
     None) are left per keyword still to place (`remaining`: their bits)."""
-    budget = cfg.max_new_tokens if budget is None else budget
-    end = np.minimum(cfg.sentence_deadline or budget, budget)
+    end = cfg.deadline_within(cfg.max_new_tokens if budget is None else budget)
     left = end - np.minimum(done, end)
     return left >= popcount(remaining) * (cfg.reserve_per_keyword if reserve is None else reserve)
 
