@@ -55,6 +55,18 @@ def first_sentences(text: str, n: int) -> str:
     return "".join(sentences(text)[:max(n, 1)]).rstrip()
 
 
+def own_answer(dbs, context: str, seed: int, cfg) -> str:
+    """The model's own answer to a rendered message: the same engine, seed and settings with no
+    guide words, to its end or the token budget (with nothing to place, the first sentence end
+    would end it); `cut_like` makes the reference of an answer from it."""
+    return dbs.generate(context, None, seed=seed, config=replace(cfg, guarantee=False, stop="max")).generated.strip()
+
+
+def cut_like(own: str, answer: str) -> str:
+    """The reference for `answer`: the model's own answer cut to as many sentences."""
+    return first_sentences(own, len(sentences(answer)))
+
+
 def run_chat_eval(dbs, out: Path, judge, seed: int = 0, limit: int | None = None, start: int = 0,
                   config=None) -> dict:
     """Every chat request (`start`, `limit`) answered guided and unguided at `config` (the engine's
@@ -68,17 +80,11 @@ def run_chat_eval(dbs, out: Path, judge, seed: int = 0, limit: int | None = None
     for i, (kind, kws, message) in enumerate(reqs):
         context = template.render([{"role": "user", "content": message}])
         guided = dbs.generate(context, kws, seed=seed + start + i, config=cfg)
-        own = dbs.generate(context, None, seed=seed + start + i,        # to its end or the budget: then cut
-                           config=replace(cfg, guarantee=False, stop="max"))
+        own = own_answer(dbs, context, seed + start + i, cfg)
         rows.append({"kind": kind, "keywords": kws, "message": message, "answer": guided.generated.strip(),
-                     "reference": first_sentences(own.generated.strip(), len(sentences(guided.generated))),
+                     "reference": cut_like(own, guided.generated),
                      "found": guided.success_rate, "seconds": guided.seconds})
-    judged = judge_contexts(judge, [r["message"] for r in rows])
-    for r, lp, b in zip(rows, judge.token_logprobs([(c, r["answer"]) for c, r in zip(judged, rows)]),
-                        judge.perplexity([(c, r["reference"]) for c, r in zip(judged, rows)])):
-        r["judge_ppl"] = perplexity(lp)
-        r["judge_ppl_around_words"] = around_words(lp, judge.offsets(r["answer"]), r["answer"], r["keywords"])
-        r["reference_judge_ppl"] = b
+    judge_rows(judge, rows)
     summary = {"judge": judge.name, "model": str(dbs.model_dir), "date": time.strftime("%Y-%m-%d"),
                "requests": len(rows), "first": start, "seed": seed, "config": cfg.to_dict(),
                **{kind: aggregate([r for r in rows if r["kind"] == kind]) for kind in KINDS},
@@ -88,6 +94,17 @@ def run_chat_eval(dbs, out: Path, judge, seed: int = 0, limit: int | None = None
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "summary.md").write_text(markdown(summary, rows, seed))
     return summary
+
+
+def judge_rows(judge, rows: list[dict]) -> None:
+    """Each row's answer and reference judged after its message (`judge_contexts`): its
+    `judge_ppl`, `judge_ppl_around_words` and `reference_judge_ppl` set."""
+    judged = judge_contexts(judge, [r["message"] for r in rows])
+    for r, lp, b in zip(rows, judge.token_logprobs([(c, r["answer"]) for c, r in zip(judged, rows)]),
+                        judge.perplexity([(c, r["reference"]) for c, r in zip(judged, rows)])):
+        r["judge_ppl"] = perplexity(lp)
+        r["judge_ppl_around_words"] = around_words(lp, judge.offsets(r["answer"]), r["answer"], r["keywords"])
+        r["reference_judge_ppl"] = b
 
 
 def around_words(lp: np.ndarray, offsets, text: str, keywords: list[str]) -> float:
