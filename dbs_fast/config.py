@@ -361,31 +361,25 @@ class DBSConfig:
         return due
 
     @property
-    def landing_tokens(self) -> int:
-        """A streamed text that stops at EOS (stop "eos", `stream_lag` on) ends at its first sentence
-        end after the last keyword once it is within this many tokens of the budget (its last
-        third): its committed text cannot be cut back at the budget, as an unstreamed one is, so
-        without a landing it ended mid-sentence (29 of 100 streamed chat answers at a lag of 0.8).
-        0: no landing."""
-        return int(self.landing_within(self.max_new_tokens))
-
-    def landing_within(self, budget):
-        """`landing_tokens` at a request's own `budget` of new tokens (an array: per row)."""
-        return np.asarray(budget) // 3 * (self.stop == "eos" and bool(self.stream_lag))
-
-    @property
     def fallback_tokens(self) -> int:
-        """A text that stops at EOS and is not streamed keeps, within this many tokens of the
-        budget (`reserve_per_keyword`, at most its last third), a copy of each candidate at a
-        sentence end after its last keyword, and the candidate goes on: where the budget then
-        ends every beam inside the sentence of its last keyword, with no sentence end after it to
-        cut back to, a copy is returned instead (a keyword placed late left 3 of 100 chat answers
-        open at the budget). The search is the same with or without them. 0: none."""
+        """A text that stops at EOS keeps, within this many tokens of the budget
+        (`reserve_per_keyword`, at most its last third), a copy of each candidate at a sentence
+        end after its last keyword, and the candidate goes on: where the budget then ends every
+        beam inside the sentence of its last keyword, with no sentence end after it to cut back
+        to, a copy is returned instead (a keyword placed late left 3 of 100 chat answers open at
+        the budget). The search is the same with or without them. A stream commits none of these
+        last tokens (`commit_within`), so that its text too can be cut back at the budget. 0: none."""
         return int(self.fallback_within(self.max_new_tokens))
 
     def fallback_within(self, budget):
         """`fallback_tokens` at a request's own `budget` of new tokens (an array: per row)."""
-        return np.minimum(self.reserve_per_keyword, np.asarray(budget) // 3) * (self.stop == "eos" and not self.stream_lag)
+        return np.minimum(self.reserve_per_keyword, np.asarray(budget) // 3) * (self.stop == "eos")
+
+    def commit_within(self, budget):
+        """The most tokens a stream commits (`stream_lag`) of a request with `budget` new tokens
+        (an array: per request): all but the last `fallback_within(budget)`, whose text an
+        answer the budget ends may be cut back into, as an unstreamed one is."""
+        return np.asarray(budget) - self.fallback_within(budget)
 
     @property
     def batched(self) -> "DBSConfig":

@@ -229,16 +229,51 @@ def test_a_beam_that_ended_before_its_words_does_not_commit():
                     tokens=np.array([[7, 8, 0, 0], [7, 9, 4, 4], [6, 6, 6, 6]]), n_tok=np.array([3, 4, 4]),
                     col0=np.zeros(3, np.int64))
     slot = Slot(None, np.random.default_rng(0), 0.0, 0)
-    keep = commit(rows, np.arange(3), [slot], np.array([True]), 2)
+    no_cap = np.array([4])
+    keep = commit(rows, np.arange(3), [slot], np.array([True]), 2, no_cap)
     assert slot.committed == 2 and list(keep) == [1, 1, 1]
     slot.committed, rows.ended[2] = 0, True           # every kept beam ended: the best that goes on is kept
     keep = commit(rows, keep_going(rows, np.array([0, 2]), np.array([True]), np.ones(3, np.int64)), [slot],
-                  np.array([True]), 2)
+                  np.array([True]), 2, no_cap)
     assert slot.committed == 2 and list(keep) == [1, 1]
     rows.ended[:] = True                              # none goes on: the best ended one commits
     slot.committed = 0
-    keep = commit(rows, np.arange(3), [slot], np.array([True]), 2)
+    keep = commit(rows, np.arange(3), [slot], np.array([True]), 2, no_cap)
     assert slot.committed == 1 and list(keep) == [0, 1, 0]      # row 1 starts with its token 7
+
+
+def test_a_commit_holds_back_the_tokens_an_answer_may_be_cut_back_into():
+    """A commit covers no more than `upto` tokens of its request (`DBSConfig.commit_within`: the
+    budget less the copies' window near it), and drops the copies near the budget that disagree
+    with what it commits, as it drops the finished candidates set aside; once a finished answer is
+    set aside, it commits nothing more, so that the pick among the finished answers stays open."""
+    import numpy as np
+
+    from dbs_fast.config import DBSConfig
+    from dbs_fast.search.beam import Slot
+    from dbs_fast.search.commit import commit
+    from dbs_fast.search.rows import Rows
+
+    def rows_of(tokens, cum):
+        tokens = np.array(tokens)
+        return Rows.new(np.zeros(len(tokens), np.int64), 0, 0, cum=np.array(cum, float),
+                        ended=np.zeros(len(tokens), bool), tokens=tokens, n_tok=np.full(len(tokens), tokens.shape[1]),
+                        col0=np.zeros(len(tokens), np.int64))
+
+    rows = rows_of([[7, 8, 9, 4, 5, 6], [7, 8, 3, 3, 3, 3]], [2.0, 1.0])
+    slot = Slot(None, np.random.default_rng(0), 0.0, 0)
+    slot.keep_landing(rows_of([[7, 8, 9, 4]], [0.0]))     # agrees with the best beam
+    slot.keep_landing(rows_of([[7, 8, 3, 3]], [0.0]))     # does not
+    keep = commit(rows, np.arange(2), [slot], np.array([True]), 1, np.array([3]))
+    assert slot.committed == 3 and list(keep) == [0, 0]          # 5 older than the lag; 3 at most
+    assert [list(p.generated(i)) for p in slot.landings for i in range(len(p.req))] == [[7, 8, 9, 4]]
+    rows = rows_of([[7, 8, 9, 4, 5, 6, 1], [7, 8, 3, 3, 3, 3, 3]], [2.0, 1.0])
+    slot.set_aside(rows_of([[7, 8, 9, 4, 0]], [0.0]))     # a finished answer: the pick is made at the end
+    keep = commit(rows, np.arange(2), [slot], np.array([True]), 1, np.array([6]))
+    assert slot.committed == 3 and list(keep) == [0, 1] and len(slot.pool) == len(slot.landings) == 1
+    cfg = DBSConfig(stop="eos", reserve_per_keyword=20)
+    assert list(cfg.commit_within(np.array([150, 30]))) == [130, 20]    # at most the budget's last third
+    assert list(DBSConfig(stop="sentence").commit_within(np.array([150]))) == [150]
 
 
 def test_a_request_whose_kept_beams_all_ended_before_their_words_goes_on():

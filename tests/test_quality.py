@@ -128,25 +128,29 @@ def test_stop_eos_goes_on_past_sentence_ends_to_the_models_own_end(dbs):
             real_end, all_in = _sentence_ends(dbs, toks, ends)
             went_on |= all_in is not None and any(real_end(n) for n in range(all_in + 1, len(toks)))
     assert went_on                  # stop="sentence" would have ended those beams there
-    streamed = replace(cfg, stream_lag=0.8)         # committed text is not cut back: it lands on a sentence end
-    landed = False
-    for seed in range(12):                          # (real sentence ends are rare in the tiny model's text)
-        ctx, rows = _run(dbs, streamed, seed, sentence_end=ends)
-        for i in np.flatnonzero(rows.ended):
-            toks = rows.tokens[i, :rows.n_tok[i]]
-            if toks[-1] not in dbs.backend.eos_ids:
-                assert ends[toks[-1]] and len(toks) >= cfg.max_new_tokens - streamed.landing_tokens
-                landed = True
-    assert landed and cfg.landing_tokens == 0 and streamed.landing_tokens == cfg.max_new_tokens // 3
+    streamed = replace(cfg, stream_lag=0.8)     # commits none of the budget's last tokens: it is cut back too
+    upto = int(streamed.commit_within(cfg.max_new_tokens))
+    assert upto == cfg.max_new_tokens - min(cfg.reserve_per_keyword, cfg.max_new_tokens // 3)
+    be = dbs.backend
+    boosts = [dbs.table.sparse(k, cfg.lam, cfg.boost_cutoff) for k in KW]
+    for seed in range(4):
+        request = Request(be.encode("It is"), [parse_keyword(k) for k in KW], seed, boosts)
+        fin = BeamSearch(be, dbs.scorer, streamed, [request], sentence_end=ends).run()[0]
+        assert 0 < fin.committed <= upto           # it streamed, and held back the budget's last tokens
+        for i in np.flatnonzero(fin.rows.ended):   # a beam ends at EOS, as unstreamed
+            assert fin.rows.tokens[i, fin.rows.n_tok[i] - 1] in be.eos_ids
     dbs._sentence_end = ends
+    trimmed = 0
     try:
-        for seed in range(4):
-            r = dbs.generate("It is", KW, seed=seed, config=cfg)
+        for seed, c in [(seed, c) for seed in range(4) for c in (cfg, streamed)]:
+            r = dbs.generate("It is", KW, seed=seed, config=c)
             assert r.stopped in ("eos", "sentence", "trimmed", "max")
             if r.stopped in ("sentence", "trimmed"):    # cut back at the budget: to a sentence end
                 assert r.new_tokens <= cfg.max_new_tokens and occurrence.ends_a_sentence_here(r.text)
+                trimmed += c.stream_lag > 0
     finally:
         dbs._sentence_end = None
+    assert trimmed                                  # a stream the budget ended, cut back as unstreamed
 
 
 @GPT2_VOCAB
@@ -201,7 +205,7 @@ def test_a_text_the_budget_ends_is_a_beam_that_can_be_cut_back_to_a_sentence_end
 
 @GPT2_VOCAB
 def test_stop_eos_keeps_copies_at_sentence_ends_near_the_budget_and_searches_the_same(dbs, monkeypatch):
-    """stop="eos", not streamed: a candidate at a sentence end after every keyword within
+    """stop="eos", streamed or not: a candidate at a sentence end after every keyword within
     `fallback_tokens` of the budget leaves a copy with its request and goes on; the search's rows
     are the same as with no copies kept."""
     from dataclasses import replace
@@ -212,7 +216,8 @@ def test_stop_eos_keeps_copies_at_sentence_ends_near_the_budget_and_searches_the
     ends = (np.random.default_rng(1).random(V) < 0.15) | dbs.sentence_end   # many tokens in the table
     cfg = replace(dbs.config, stop="eos", max_new_tokens=60, lam=40.0)
     assert cfg.fallback_tokens == min(cfg.reserve_per_keyword, 20) > 0
-    assert replace(cfg, stream_lag=0.8).fallback_tokens == replace(cfg, stop="sentence").fallback_tokens == 0
+    assert replace(cfg, stream_lag=0.8).fallback_tokens == cfg.fallback_tokens
+    assert replace(cfg, stop="sentence").fallback_tokens == 0
     be, kept = dbs.backend, 0
 
     def run(seed):

@@ -139,7 +139,7 @@ class Slot:
     #                                            request 0, tokens from column 0), each text once
     pooled: set = field(default_factory=set)   # ... their token sequences
     committed: int = 0        # stream_lag: its tokens that every row and candidate starts with (`commit`)
-    landings: list = field(default_factory=list)  # stop="eos", not streamed: copies of its candidates at a
+    landings: list = field(default_factory=list)  # stop="eos": copies of its candidates at a
     #                                               sentence end after every keyword near the budget
     #                                               (`DBSConfig.fallback_tokens`), as `pool` holds them
     landed: set = field(default_factory=set)   # ... their token sequences
@@ -152,15 +152,23 @@ class Slot:
         """Keep copies of the candidates `rows` at a sentence end near the budget that are new."""
         _keep_new(rows, self.landings, self.landed)
 
-    def drop_pooled(self, drop) -> None:
-        """Leave out the set-aside candidates for which `drop(part, i)` holds."""
-        kept = []
-        for part in self.pool:
-            gone = np.array([drop(part, i) for i in range(len(part.req))], bool)
-            self.pooled.difference_update(part.generated(i).tobytes() for i in np.flatnonzero(gone))
-            if not gone.all():
-                kept.append(part.take(np.flatnonzero(~gone)))
-        self.pool = kept
+    def drop_kept(self, drop) -> None:
+        """Leave out the set-aside candidates and the copies near the budget for which
+        `drop(part, i)` holds."""
+        self.pool = _drop(self.pool, self.pooled, drop)
+        self.landings = _drop(self.landings, self.landed, drop)
+
+
+def _drop(pool: list, keys: set, drop) -> list:
+    """`pool` (as `_keep_new` fills it) without the rows for which `drop(part, i)` holds; their
+    token sequences leave `keys`."""
+    kept = []
+    for part in pool:
+        gone = np.array([drop(part, i) for i in range(len(part.req))], bool)
+        keys.difference_update(part.generated(i).tobytes() for i in np.flatnonzero(gone))
+        if not gone.all():
+            kept.append(part.take(np.flatnonzero(~gone)))
+    return kept
 
 
 def _keep_new(rows: Rows, pool: list, keys: set) -> None:
@@ -367,7 +375,7 @@ class BeamSearch:
         full = set_aside(self.slots, rows, done, cfg.finished)   # set aside, the other beams go on; full: they end
         rows.ended |= full[rows.req]
         keep = quality.keep_going(rows, quality.select_best(rows.req, rows.cum, cfg.beams), ~(last | full), left)
-        keep = commit(rows, keep, self.slots, ~(last | full), cfg.lag_tokens)
+        keep = commit(rows, keep, self.slots, ~(last | full), cfg.lag_tokens, cfg.commit_within(self.tables.budget))
         self.chunks += 1
         plain = np.bincount(rows.req, minlength=len(self.slots)) * (k - last)
         for s, n in zip(self.slots, plain):
@@ -560,10 +568,8 @@ class BeamSearch:
         seen = seen | new
         guidance.advance_forcing(self.tables, rows, d.force, seen, col + 1, self.word_piece)
         budget = self._budget(rows)
-        landing = self.cfg.landing_within(budget)     # a streamed eos text near its budget ends as stop="sentence"'s
-        if self.cfg.stop == "sentence" or landing.any():   # all keywords in (before or in this chunk) + sentence end
-            end = self._sentence_ends(rows, d, live, seen, None if self.cfg.stop == "sentence" else landing, budget)
-            rows.ended[end] = True
+        if self.cfg.stop == "sentence":               # all keywords in (before or in this chunk) + sentence end
+            rows.ended[self._sentence_ends(rows, d, live, seen, None, budget)] = True
         fallback = self.cfg.fallback_within(budget)     # near the budget: copies of the rows at a sentence end
         if fallback.any():
             for i in self._sentence_ends(rows, d, live, seen, fallback, budget):
