@@ -40,7 +40,8 @@ def commit(rows: Rows, keep: np.ndarray, slots: list, stay: np.ndarray, lag: int
     if not lag:
         return keep
     for q in np.flatnonzero(stay):
-        if slots[q].pool:       # a finished answer set aside: the pick among them is made at the end
+        slot = slots[q]
+        if slot.pool:           # a finished answer set aside: the pick among them is made at the end
             continue
         at = np.flatnonzero(rows.req[keep] == q)
         live = at[np.isfinite(rows.cum[keep[at]])]
@@ -51,7 +52,6 @@ def commit(rows: Rows, keep: np.ndarray, slots: list, stay: np.ndarray, lag: int
         best = keep[live[np.argmax(rows.cum[keep[live]])]]
         g = rows.generated(best)
         n = min(len(g) - lag, int(upto[q]))
-        slot = slots[q]
         if n <= slot.committed:
             continue
         prefix = g[:n]
